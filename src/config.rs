@@ -1,0 +1,437 @@
+//! The builder, its documented defaults, and input limits.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::clock::{Clock, SystemClock};
+use crate::engine::Postroom;
+use crate::error::{Error, Result};
+use crate::handler::Handler;
+use crate::message::{Headers, Message, Outgoing};
+
+/// Longest message id, in bytes.
+pub const MAX_ID_BYTES: usize = 512;
+/// Longest consumer, source, topic, key or ordering-key name, in bytes.
+pub const MAX_NAME_BYTES: usize = 128;
+/// Most headers on one message.
+pub const MAX_HEADERS: usize = 64;
+/// Longest header name, in bytes.
+pub const MAX_HEADER_NAME_BYTES: usize = 128;
+/// Largest total size of one message's headers (names plus values), in bytes.
+pub const MAX_HEADERS_BYTES: usize = 16 * 1024;
+/// Largest `max_payload` the builder accepts.
+pub const MAX_PAYLOAD_LIMIT: usize = 256 * 1024 * 1024;
+
+/// How hard a commit tries to reach stable storage before `deliver` returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Durability {
+    /// `synchronous=FULL`: every commit is fsynced before the caller hears
+    /// of it. Survives power loss. The default.
+    #[default]
+    Full,
+    /// `synchronous=NORMAL`: commits survive a process crash but the last
+    /// ones may be lost on power loss (they are fsynced at checkpoints).
+    /// Several times faster for one caller at a time.
+    Normal,
+}
+
+impl Durability {
+    pub(crate) fn pragma(self) -> &'static str {
+        match self {
+            Durability::Full => "FULL",
+            Durability::Normal => "NORMAL",
+        }
+    }
+}
+
+/// Exponential backoff with jitter: attempt `n` waits between half and all
+/// of `min(initial * 2^(n-1), max)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RetryPolicy {
+    pub initial: Duration,
+    pub max: Duration,
+}
+
+impl RetryPolicy {
+    /// The delay after the `attempt`-th failure (1-based). `jitter` is any
+    /// well-mixed number; the engine derives it from the message key so that
+    /// retries of different messages spread out but a test can predict them.
+    pub fn delay(&self, attempt: u32, jitter: u64) -> Duration {
+        let shift = attempt.saturating_sub(1).min(32);
+        let full = self
+            .initial
+            .checked_mul(1u32 << shift.min(31))
+            .unwrap_or(self.max)
+            .min(self.max);
+        let full_ms = u64::try_from(full.as_millis()).unwrap_or(u64::MAX);
+        let half = full_ms / 2;
+        Duration::from_millis(half + jitter % (full_ms - half + 1))
+    }
+}
+
+/// Settings the engine runs with. Built by [`Builder`].
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    pub durability: Durability,
+    pub busy_timeout: Duration,
+    pub max_batch: usize,
+    pub max_attempts: u32,
+    pub retry: RetryPolicy,
+    pub lease: Duration,
+    pub max_payload: usize,
+    pub keep_payloads: bool,
+    pub quick_check_on_open: bool,
+    pub drop_deadline: Duration,
+    pub read_pool_size: u32,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            durability: Durability::Full,
+            busy_timeout: Duration::from_secs(5),
+            max_batch: 256,
+            max_attempts: 5,
+            retry: RetryPolicy {
+                initial: Duration::from_secs(1),
+                max: Duration::from_secs(300),
+            },
+            lease: Duration::from_secs(30),
+            max_payload: 1024 * 1024,
+            keep_payloads: false,
+            quick_check_on_open: true,
+            drop_deadline: Duration::from_secs(10),
+            read_pool_size: 4,
+        }
+    }
+}
+
+impl Config {
+    fn validate(&self) -> Result<()> {
+        if self.max_batch == 0 {
+            return Err(Error::invalid("max_batch", "must be at least 1"));
+        }
+        if self.max_attempts == 0 {
+            return Err(Error::invalid("max_attempts", "must be at least 1"));
+        }
+        if self.retry.initial > self.retry.max {
+            return Err(Error::invalid(
+                "backoff",
+                "the initial delay must not exceed the maximum",
+            ));
+        }
+        if self.max_payload > MAX_PAYLOAD_LIMIT {
+            return Err(Error::invalid(
+                "max_payload",
+                format!("must be at most {MAX_PAYLOAD_LIMIT} bytes"),
+            ));
+        }
+        if self.read_pool_size == 0 {
+            return Err(Error::invalid("read_pool_size", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    /// Checks an incoming message against the limits.
+    pub(crate) fn check_message(&self, msg: &Message) -> Result<()> {
+        check_name("source", &msg.source)?;
+        check_id("message id", &msg.id)?;
+        self.check_payload("payload", &msg.payload)?;
+        check_headers(&msg.headers)?;
+        if let Some(key) = &msg.ordering_key {
+            check_name("ordering key", key)?;
+        }
+        Ok(())
+    }
+
+    /// Checks an outgoing message against the limits.
+    pub(crate) fn check_outgoing(&self, out: &Outgoing) -> Result<()> {
+        check_name("topic", &out.topic)?;
+        if let Some(key) = &out.key {
+            check_name("outgoing key", key)?;
+        }
+        if let Some(id) = &out.id {
+            check_id("outgoing message id", id)?;
+        }
+        self.check_payload("outgoing payload", &out.payload)?;
+        check_headers(&out.headers)
+    }
+
+    fn check_payload(&self, field: &'static str, payload: &[u8]) -> Result<()> {
+        if payload.len() > self.max_payload {
+            return Err(Error::invalid(
+                field,
+                format!(
+                    "{} bytes exceeds max_payload ({} bytes)",
+                    payload.len(),
+                    self.max_payload
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Consumer, source, topic and key names: 1..=128 bytes, no control
+/// characters (they end up in logs and the CLI's output).
+pub(crate) fn check_name(field: &'static str, name: &str) -> Result<()> {
+    if name.is_empty() {
+        return Err(Error::invalid(field, "must not be empty"));
+    }
+    if name.len() > MAX_NAME_BYTES {
+        return Err(Error::invalid(
+            field,
+            format!("{} bytes exceeds the limit of {MAX_NAME_BYTES}", name.len()),
+        ));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(Error::invalid(field, "must not contain control characters"));
+    }
+    Ok(())
+}
+
+/// Message ids: 1..=512 bytes, no NUL (any other byte sequence of valid
+/// UTF-8 is fine: ids are bound as parameters, never formatted into SQL).
+fn check_id(field: &'static str, id: &str) -> Result<()> {
+    if id.is_empty() {
+        return Err(Error::invalid(field, "must not be empty"));
+    }
+    if id.len() > MAX_ID_BYTES {
+        return Err(Error::invalid(
+            field,
+            format!("{} bytes exceeds the limit of {MAX_ID_BYTES}", id.len()),
+        ));
+    }
+    if id.contains('\0') {
+        return Err(Error::invalid(field, "must not contain NUL"));
+    }
+    Ok(())
+}
+
+fn check_headers(headers: &Headers) -> Result<()> {
+    if headers.len() > MAX_HEADERS {
+        return Err(Error::invalid(
+            "headers",
+            format!("{} headers exceeds the limit of {MAX_HEADERS}", headers.len()),
+        ));
+    }
+    let mut total = 0;
+    for (name, value) in headers {
+        if name.is_empty() || name.len() > MAX_HEADER_NAME_BYTES {
+            return Err(Error::invalid(
+                "headers",
+                format!("header names must be 1..={MAX_HEADER_NAME_BYTES} bytes"),
+            ));
+        }
+        total += name.len() + value.len();
+    }
+    if total > MAX_HEADERS_BYTES {
+        return Err(Error::invalid(
+            "headers",
+            format!("{total} bytes exceeds the limit of {MAX_HEADERS_BYTES}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Builds a [`Postroom`] engine. Every setting has a default, listed on its
+/// method; `Postroom::builder().consumer(..).open(path)` is a complete setup.
+///
+/// The builder is taken and returned by value, like r2d2's.
+pub struct Builder {
+    pub(crate) config: Config,
+    pub(crate) consumers: Vec<(String, Arc<dyn Handler>)>,
+    pub(crate) clock: Arc<dyn Clock>,
+}
+
+impl Default for Builder {
+    fn default() -> Self {
+        Builder {
+            config: Config::default(),
+            consumers: Vec::new(),
+            clock: Arc::new(SystemClock),
+        }
+    }
+}
+
+impl std::fmt::Debug for Builder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Builder")
+            .field("config", &self.config)
+            .field(
+                "consumers",
+                &self.consumers.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl Builder {
+    /// Registers a consumer: a name (1..=128 bytes) and the handler that
+    /// processes its messages. Consumers keep separate dedupe namespaces:
+    /// the same message may be delivered once to each.
+    pub fn consumer(mut self, name: impl Into<String>, handler: impl Handler) -> Self {
+        self.consumers.push((name.into(), Arc::new(handler)));
+        self
+    }
+
+    /// Commit durability. Default: [`Durability::Full`].
+    pub fn durability(mut self, durability: Durability) -> Self {
+        self.config.durability = durability;
+        self
+    }
+
+    /// How long a write waits for another connection's lock before failing
+    /// with [`Error::Busy`]. Set before any other pragma. Default: 5 s.
+    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
+        self.config.busy_timeout = timeout;
+        self
+    }
+
+    /// Most jobs the writer thread commits in one transaction (group
+    /// commit); also the capacity of its queue. Default: 256.
+    pub fn max_batch(mut self, jobs: usize) -> Self {
+        self.config.max_batch = jobs;
+        self
+    }
+
+    /// Attempts before a failing message is dead-lettered, counting attempts
+    /// that crashed the process. Default: 5.
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.config.max_attempts = attempts;
+        self
+    }
+
+    /// Backoff between attempts: `initial` doubling each attempt up to
+    /// `max`, each delay jittered down by up to half. Default: 1 s to 5 min.
+    pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.config.retry = RetryPolicy { initial, max };
+        self
+    }
+
+    /// How long a claimed message stays leased to one worker. Default: 30 s.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.config.lease = lease;
+        self
+    }
+
+    /// Largest payload accepted, in bytes (at most 256 MiB). Default: 1 MiB.
+    pub fn max_payload(mut self, bytes: usize) -> Self {
+        self.config.max_payload = bytes;
+        self
+    }
+
+    /// Keep payloads of completed inbox rows (for audit or replay) instead of
+    /// clearing them on completion. Failed and dead rows always keep theirs.
+    /// Default: false.
+    pub fn keep_payloads(mut self, keep: bool) -> Self {
+        self.config.keep_payloads = keep;
+        self
+    }
+
+    /// Run `PRAGMA quick_check` when opening, refusing a damaged database
+    /// with [`Error::Corrupt`]. It reads the whole file: about a second per
+    /// few hundred MB. Default: true.
+    pub fn quick_check_on_open(mut self, check: bool) -> Self {
+        self.config.quick_check_on_open = check;
+        self
+    }
+
+    /// How long dropping the engine without calling
+    /// [`Postroom::shutdown`] waits for its threads. Default: 10 s.
+    pub fn drop_deadline(mut self, deadline: Duration) -> Self {
+        self.config.drop_deadline = deadline;
+        self
+    }
+
+    /// Read-only connections kept for `stats()` and other readers.
+    /// Default: 4.
+    pub fn read_pool_size(mut self, connections: u32) -> Self {
+        self.config.read_pool_size = connections;
+        self
+    }
+
+    /// The clock for stored timestamps and backoff. Default: the system
+    /// clock. Tests use [`ManualClock`](crate::ManualClock).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Opens (creating if needed, with mode 0600) the database at `path`,
+    /// applies or checks the schema, recovers what a crashed process left
+    /// behind, and starts the writer thread.
+    pub fn open(self, path: impl AsRef<Path>) -> Result<Postroom> {
+        self.config.validate()?;
+        let mut seen = HashMap::new();
+        for (name, _) in &self.consumers {
+            check_name("consumer", name)?;
+            if seen.insert(name.as_str(), ()).is_some() {
+                return Err(Error::invalid(
+                    "consumer",
+                    format!("{name:?} is registered twice"),
+                ));
+            }
+        }
+        Postroom::open_with(self, path.as_ref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_caps_with_jitter_in_upper_half() {
+        let p = RetryPolicy {
+            initial: Duration::from_millis(1000),
+            max: Duration::from_millis(5000),
+        };
+        for jitter in [0u64, 1, 499, 500, 12345, u64::MAX] {
+            let d1 = p.delay(1, jitter).as_millis();
+            assert!((500..=1000).contains(&d1), "{d1}");
+            let d3 = p.delay(3, jitter).as_millis();
+            assert!((2000..=4000).contains(&d3), "{d3}");
+            let d40 = p.delay(40, jitter).as_millis();
+            assert!((2500..=5000).contains(&d40), "{d40}");
+        }
+        assert_eq!(p.delay(1, 0).as_millis(), 500);
+        assert_eq!(p.delay(1, 500).as_millis(), 1000);
+    }
+
+    #[test]
+    fn names_ids_and_headers_are_checked() {
+        let cfg = Config::default();
+        assert!(cfg.check_message(&Message::new("s", "id", "x")).is_ok());
+        assert!(cfg.check_message(&Message::new("s", "id", "")).is_ok());
+        assert!(cfg.check_message(&Message::new("", "id", "x")).is_err());
+        assert!(cfg.check_message(&Message::new("s", "", "x")).is_err());
+        assert!(cfg.check_message(&Message::new("s", "a\0b", "x")).is_err());
+        assert!(cfg
+            .check_message(&Message::new("s", "i".repeat(MAX_ID_BYTES), "x"))
+            .is_ok());
+        assert!(cfg
+            .check_message(&Message::new("s", "i".repeat(MAX_ID_BYTES + 1), "x"))
+            .is_err());
+        assert!(cfg
+            .check_message(&Message::new("s".repeat(MAX_NAME_BYTES + 1), "i", "x"))
+            .is_err());
+        assert!(cfg
+            .check_message(&Message::new("s\n", "i", "x"))
+            .is_err());
+        assert!(cfg
+            .check_message(&Message::new("s", "i", vec![0; cfg.max_payload + 1]))
+            .is_err());
+        assert!(cfg
+            .check_message(&Message::new("s", "i", "x").with_header("", "v"))
+            .is_err());
+        assert!(cfg
+            .check_message(
+                &Message::new("s", "i", "x").with_header("h", "v".repeat(MAX_HEADERS_BYTES))
+            )
+            .is_err());
+    }
+}

@@ -1,0 +1,315 @@
+//! The inline delivery state machine (DESIGN §4), as a plain function over
+//! a connection that is inside a write transaction. The writer thread calls
+//! it; tests and fuzz targets can call it directly with a manual clock.
+
+use std::panic::{self, AssertUnwindSafe};
+use std::time::Duration;
+
+use rusqlite::{Connection, ErrorCode};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::handler::{Cause, Handler, Tx};
+use crate::inbox::{self, Key, Record, Status};
+use crate::inflight::{Inflight, InflightLog};
+use crate::message::{Failure, Message, Outcome};
+
+/// What one delivery runs against.
+pub(crate) struct Env<'a> {
+    pub conn: &'a Connection,
+    pub config: &'a Config,
+    pub now_ms: i64,
+    pub log: &'a mut dyn InflightLog,
+}
+
+/// Delivers `msg` to `consumer`: dedupes, checks the payload digest, honours
+/// backoff, and runs the handler when the message is due, recording the
+/// result in the inbox. Must be called inside a transaction; on `Err` the
+/// caller rolls back whatever this call wrote.
+pub(crate) fn deliver(
+    env: &mut Env<'_>,
+    consumer: &str,
+    handler: &dyn Handler,
+    msg: &Message,
+    hash: &[u8; 32],
+) -> Result<Outcome> {
+    let conn = env.conn;
+    let now = env.now_ms;
+    let key = Key {
+        consumer,
+        source: &msg.source,
+        message_id: &msg.id,
+    };
+    let row = inbox::lookup(conn, key).map_err(|e| Error::sqlite("look up inbox row", e))?;
+    let prior_attempts = match row {
+        None => 0,
+        Some(row) if row.payload_hash != *hash => {
+            let conflict_id = inbox::quarantine(conn, consumer, msg, &row.payload_hash, hash, now)
+                .map_err(|e| Error::sqlite("quarantine conflicting delivery", e))?;
+            log::warn!(
+                "consumer {consumer:?}: message {}/{} reused with a different payload; \
+                 quarantined as conflict {conflict_id}",
+                msg.source,
+                msg.id
+            );
+            return Ok(Outcome::Conflict { conflict_id });
+        }
+        Some(row) => match row.status {
+            Status::Completed => return Ok(Outcome::Duplicate),
+            Status::Dead => {
+                return Ok(Outcome::Dead {
+                    attempts: row.attempts,
+                    error: row.last_error.unwrap_or_default(),
+                })
+            }
+            Status::Processing => {
+                return Ok(Outcome::InFlight {
+                    retry_after: until(now, row.lease_until.unwrap_or(now)),
+                })
+            }
+            Status::Pending | Status::Failed => {
+                let error = row.last_error.unwrap_or_default();
+                if row.attempts >= env.config.max_attempts {
+                    let error = format!(
+                        "attempts exhausted ({} of {}); last error: {error}",
+                        row.attempts, env.config.max_attempts
+                    );
+                    inbox::mark_dead(conn, key, &error, now)
+                        .map_err(|e| Error::sqlite("dead-letter inbox row", e))?;
+                    return Ok(Outcome::Dead {
+                        attempts: row.attempts,
+                        error,
+                    });
+                }
+                if let Some(next) = row.next_attempt_at.filter(|&next| next > now) {
+                    return Ok(Outcome::Failed {
+                        attempts: row.attempts,
+                        error,
+                        retry_after: until(now, next),
+                    });
+                }
+                row.attempts
+            }
+        },
+    };
+    attempt(env, consumer, handler, msg, hash, prior_attempts)
+}
+
+/// Runs the handler once, in its own savepoint, and records the result.
+fn attempt(
+    env: &mut Env<'_>,
+    consumer: &str,
+    handler: &dyn Handler,
+    msg: &Message,
+    hash: &[u8; 32],
+    prior_attempts: u32,
+) -> Result<Outcome> {
+    let conn = env.conn;
+    let config = env.config;
+    let now = env.now_ms;
+    let attempt = prior_attempts + 1;
+
+    exec(conn, "SAVEPOINT postroom_handler")?;
+    if let Err(e) = env.log.begin(consumer, msg, hash, prior_attempts) {
+        exec(conn, "RELEASE postroom_handler")?;
+        return Err(Error::io("write in-flight marker", e));
+    }
+    let result = {
+        let cause = Cause {
+            consumer,
+            msg,
+            attempt,
+        };
+        let mut tx = Tx::new(conn, config, now, Some(cause));
+        panic::catch_unwind(AssertUnwindSafe(|| handler.handle(&mut tx, msg)))
+    };
+    let marker_cleared = env.log.end();
+    if conn.is_autocommit() {
+        // The handler (or SQLite, after an I/O error) ended the batch's
+        // transaction: nothing of this batch can be trusted to commit.
+        return Err(Error::Aborted {
+            reason: format!(
+                "consumer {consumer:?}: the transaction ended inside the handler \
+                 (handlers must not COMMIT or ROLLBACK)"
+            ),
+        });
+    }
+    let failure = match result {
+        Ok(Ok(())) => None,
+        Ok(Err(failure)) => Some(failure),
+        Err(panic) => Some(Failure::retry(format_args!(
+            "handler panicked: {}",
+            panic_message(panic.as_ref())
+        ))),
+    };
+    if failure.is_some() {
+        exec(conn, "ROLLBACK TO postroom_handler")?;
+    }
+    exec(conn, "RELEASE postroom_handler")?;
+    marker_cleared.map_err(|e| Error::io("clear in-flight marker", e))?;
+
+    let Some(failure) = failure else {
+        record(env, consumer, msg, hash, Status::Completed, attempt, None, None)?;
+        return Ok(Outcome::Processed { attempts: attempt });
+    };
+    let (reason, rejected, after) = match failure {
+        Failure::Sqlite(e) if is_storage_error(&e) => return Err(Error::sqlite("handler", e)),
+        Failure::Sqlite(e) => (format!("sqlite: {e}"), false, None),
+        Failure::Retry { reason, after } => (reason, false, after),
+        Failure::Reject { reason } => (reason, true, None),
+    };
+    if rejected || attempt >= config.max_attempts {
+        record(env, consumer, msg, hash, Status::Dead, attempt, Some(&reason), None)?;
+        log::warn!(
+            "consumer {consumer:?}: message {}/{} dead after {attempt} attempt(s): {reason}",
+            msg.source,
+            msg.id
+        );
+        return Ok(Outcome::Dead {
+            attempts: attempt,
+            error: reason,
+        });
+    }
+    let delay = after.unwrap_or_else(|| config.retry.delay(attempt, jitter(consumer, msg, attempt)));
+    let next = now.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+    record(env, consumer, msg, hash, Status::Failed, attempt, Some(&reason), Some(next))?;
+    Ok(Outcome::Failed {
+        attempts: attempt,
+        error: reason,
+        retry_after: delay,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn record(
+    env: &Env<'_>,
+    consumer: &str,
+    msg: &Message,
+    hash: &[u8; 32],
+    status: Status,
+    attempts: u32,
+    last_error: Option<&str>,
+    next_attempt_at: Option<i64>,
+) -> Result<()> {
+    let rec = Record {
+        status,
+        attempts,
+        last_error,
+        next_attempt_at,
+        keep_payload: status != Status::Completed || env.config.keep_payloads,
+    };
+    inbox::record(env.conn, consumer, msg, hash, rec, env.now_ms)
+        .map_err(|e| Error::sqlite("record inbox row", e))
+}
+
+/// Counts the attempt of a handler that was running when its process died,
+/// unless that attempt committed after all. Returns the outcome recorded.
+/// The row is due at once: the restart was its backoff.
+pub(crate) fn recover_inflight(
+    conn: &Connection,
+    config: &Config,
+    now_ms: i64,
+    inflight: &Inflight,
+) -> Result<Option<Outcome>> {
+    let msg = &inflight.msg;
+    let key = Key {
+        consumer: &inflight.consumer,
+        source: &msg.source,
+        message_id: &msg.id,
+    };
+    let row = inbox::lookup(conn, key).map_err(|e| Error::sqlite("look up inbox row", e))?;
+    let committed = row.is_some_and(|r| {
+        r.payload_hash != inflight.hash
+            || r.attempts > inflight.prior_attempts
+            || matches!(r.status, Status::Completed | Status::Dead)
+    });
+    if committed {
+        return Ok(None);
+    }
+    let attempt = inflight.prior_attempts + 1;
+    let error = format!("process died while the handler was running (attempt {attempt})");
+    let status = if attempt >= config.max_attempts {
+        Status::Dead
+    } else {
+        Status::Failed
+    };
+    let rec = Record {
+        status,
+        attempts: attempt,
+        last_error: Some(&error),
+        next_attempt_at: (status == Status::Failed).then_some(now_ms),
+        keep_payload: true,
+    };
+    inbox::record(conn, &inflight.consumer, msg, &inflight.hash, rec, now_ms)
+        .map_err(|e| Error::sqlite("record crashed attempt", e))?;
+    log::warn!(
+        "consumer {:?}: message {}/{}: {error}; now {status}",
+        inflight.consumer,
+        msg.source,
+        msg.id
+    );
+    Ok(Some(if status == Status::Dead {
+        Outcome::Dead {
+            attempts: attempt,
+            error,
+        }
+    } else {
+        Outcome::Failed {
+            attempts: attempt,
+            error,
+            retry_after: Duration::ZERO,
+        }
+    }))
+}
+
+/// Errors that say the database or disk is in trouble, not the message.
+/// They fail the delivery with an [`Error`] and count no attempt.
+pub(crate) fn is_storage_error(e: &rusqlite::Error) -> bool {
+    matches!(
+        e.sqlite_error_code(),
+        Some(
+            ErrorCode::DiskFull
+                | ErrorCode::DatabaseBusy
+                | ErrorCode::DatabaseLocked
+                | ErrorCode::SystemIoFailure
+                | ErrorCode::DatabaseCorrupt
+                | ErrorCode::NotADatabase
+                | ErrorCode::ReadOnly
+                | ErrorCode::OutOfMemory
+                | ErrorCode::CannotOpen
+                | ErrorCode::FileLockingProtocolFailed
+        )
+    )
+}
+
+pub(crate) fn exec(conn: &Connection, sql: &'static str) -> Result<()> {
+    conn.prepare_cached(sql)
+        .and_then(|mut s| s.execute([]))
+        .map(drop)
+        .map_err(|e| Error::sqlite(sql, e))
+}
+
+fn until(now: i64, then: i64) -> Duration {
+    Duration::from_millis(u64::try_from(then.saturating_sub(now)).unwrap_or(0))
+}
+
+fn jitter(consumer: &str, msg: &Message, attempt: u32) -> u64 {
+    let mut h = blake3::Hasher::new();
+    for part in [consumer, &msg.source, &msg.id] {
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    h.update(&attempt.to_le_bytes());
+    let bytes = h.finalize();
+    u64::from_le_bytes(bytes.as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_owned()
+    }
+}

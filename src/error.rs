@@ -1,0 +1,228 @@
+//! The one error type of the crate.
+
+use std::fmt;
+use std::io;
+use std::path::PathBuf;
+
+use rusqlite::ErrorCode;
+
+/// Everything that can go wrong in postroom.
+///
+/// Each variant says which operation failed. Whenever an `Err` is returned
+/// from a call that would have told you to acknowledge a message, nothing was
+/// acknowledged: keep the message and deliver it again later.
+/// [`Error::is_retryable`] tells whether trying again may succeed without
+/// anybody changing anything.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// An argument was rejected before anything was stored.
+    InvalidInput {
+        /// Which argument, e.g. `"message id"`.
+        field: &'static str,
+        /// Why, naming the limit where there is one.
+        reason: String,
+    },
+    /// `deliver` named a consumer that was not registered on the builder.
+    UnknownConsumer {
+        /// The name that was asked for.
+        consumer: String,
+    },
+    /// The file exists but is not a SQLite database.
+    NotADatabase {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The database was written by a newer postroom whose schema this
+    /// version does not understand. Nothing was changed.
+    SchemaTooNew {
+        /// The version found in the file.
+        found: i64,
+        /// The newest version this library knows.
+        supported: i64,
+    },
+    /// SQLite reports the database as damaged (`quick_check` failed, or
+    /// `SQLITE_CORRUPT` while reading).
+    Corrupt {
+        /// What SQLite said.
+        detail: String,
+    },
+    /// Another engine (in this or another process) has this database open.
+    AlreadyOpen {
+        /// The database file.
+        path: PathBuf,
+    },
+    /// The disk (or the configured `max_page_count`) is full. Nothing was
+    /// stored; retry once space has been freed.
+    StorageFull {
+        /// The operation that needed space.
+        op: &'static str,
+    },
+    /// Another connection held the write lock past the busy timeout.
+    Busy {
+        /// The operation that waited.
+        op: &'static str,
+    },
+    /// Any other SQLite error.
+    Sqlite {
+        /// The operation that failed.
+        op: &'static str,
+        /// The underlying error.
+        source: rusqlite::Error,
+    },
+    /// An I/O error outside SQLite (creating the file, the engine's lock file).
+    Io {
+        /// The operation that failed.
+        op: &'static str,
+        /// The underlying error.
+        source: io::Error,
+    },
+    /// A handler or transaction closure failed in a way that is not about the
+    /// message: it ended the engine's transaction itself (`COMMIT`,
+    /// `ROLLBACK`), or a [`Postroom::transaction`](crate::Postroom::transaction)
+    /// closure returned a failure.
+    Aborted {
+        /// What happened.
+        reason: String,
+    },
+    /// The engine has been shut down, or its writer thread stopped.
+    Closed,
+}
+
+impl Error {
+    /// True when trying the same call again later may succeed without anyone
+    /// fixing anything: the disk filled up, another process held the lock,
+    /// or a transient I/O error occurred.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::StorageFull { .. } | Error::Busy { .. } => true,
+            Error::Sqlite { source, .. } => matches!(
+                source.sqlite_error_code(),
+                Some(ErrorCode::SystemIoFailure | ErrorCode::OutOfMemory)
+            ),
+            Error::Io { source, .. } => matches!(
+                source.kind(),
+                io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ),
+            _ => false,
+        }
+    }
+
+    /// Classifies a SQLite error: full disk, busy and corruption get their
+    /// own variants so callers can match on them.
+    pub(crate) fn sqlite(op: &'static str, source: rusqlite::Error) -> Error {
+        match source.sqlite_error_code() {
+            Some(ErrorCode::DiskFull) => Error::StorageFull { op },
+            Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) => Error::Busy { op },
+            Some(ErrorCode::DatabaseCorrupt) => Error::Corrupt {
+                detail: source.to_string(),
+            },
+            _ => Error::Sqlite { op, source },
+        }
+    }
+
+    pub(crate) fn io(op: &'static str, source: io::Error) -> Error {
+        Error::Io { op, source }
+    }
+
+    pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Error {
+        Error::InvalidInput {
+            field,
+            reason: reason.into(),
+        }
+    }
+
+    /// A copy of this error for each job of a batch whose `COMMIT` failed.
+    /// `rusqlite::Error` is not `Clone`; the SQLite codes and message are kept.
+    pub(crate) fn duplicate(&self) -> Error {
+        match self {
+            Error::InvalidInput { field, reason } => Error::InvalidInput {
+                field,
+                reason: reason.clone(),
+            },
+            Error::UnknownConsumer { consumer } => Error::UnknownConsumer {
+                consumer: consumer.clone(),
+            },
+            Error::NotADatabase { path } => Error::NotADatabase { path: path.clone() },
+            Error::SchemaTooNew { found, supported } => Error::SchemaTooNew {
+                found: *found,
+                supported: *supported,
+            },
+            Error::Corrupt { detail } => Error::Corrupt {
+                detail: detail.clone(),
+            },
+            Error::AlreadyOpen { path } => Error::AlreadyOpen { path: path.clone() },
+            Error::StorageFull { op } => Error::StorageFull { op },
+            Error::Busy { op } => Error::Busy { op },
+            Error::Sqlite { op, source } => Error::Sqlite {
+                op,
+                source: match source {
+                    rusqlite::Error::SqliteFailure(code, msg) => {
+                        rusqlite::Error::SqliteFailure(*code, msg.clone())
+                    }
+                    other => rusqlite::Error::SqliteFailure(
+                        rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_ERROR),
+                        Some(other.to_string()),
+                    ),
+                },
+            },
+            Error::Io { op, source } => Error::Io {
+                op,
+                source: io::Error::new(source.kind(), source.to_string()),
+            },
+            Error::Aborted { reason } => Error::Aborted {
+                reason: reason.clone(),
+            },
+            Error::Closed => Error::Closed,
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::InvalidInput { field, reason } => write!(f, "invalid {field}: {reason}"),
+            Error::UnknownConsumer { consumer } => {
+                write!(f, "unknown consumer {consumer:?}: register it on the builder")
+            }
+            Error::NotADatabase { path } => {
+                write!(f, "{} is not a SQLite database", path.display())
+            }
+            Error::SchemaTooNew { found, supported } => write!(
+                f,
+                "database schema version {found} is newer than this postroom supports \
+                 ({supported}); upgrade postroom"
+            ),
+            Error::Corrupt { detail } => write!(f, "database is corrupt: {detail}"),
+            Error::AlreadyOpen { path } => write!(
+                f,
+                "{} is already open by another postroom engine",
+                path.display()
+            ),
+            Error::StorageFull { op } => {
+                write!(f, "{op}: database or disk is full; nothing was stored")
+            }
+            Error::Busy { op } => write!(
+                f,
+                "{op}: another connection held the database lock past the busy timeout"
+            ),
+            Error::Sqlite { op, source } => write!(f, "{op}: {source}"),
+            Error::Io { op, source } => write!(f, "{op}: {source}"),
+            Error::Aborted { reason } => write!(f, "transaction aborted: {reason}"),
+            Error::Closed => f.write_str("postroom engine is shut down"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Sqlite { source, .. } => Some(source),
+            Error::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+/// `Result` with postroom's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

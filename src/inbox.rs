@@ -1,0 +1,229 @@
+//! Inbox SQL as plain functions over a connection. No thread, no clock:
+//! callers pass `now`, so tests and fuzz targets can drive them directly.
+
+use std::fmt;
+use std::str::FromStr;
+
+use rusqlite::types::{FromSql, FromSqlError, FromSqlResult, ToSql, ToSqlOutput, ValueRef};
+use rusqlite::{params, Connection, OptionalExtension};
+
+use crate::message::Message;
+use crate::outbox::headers_json;
+
+/// The state of an inbox row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Status {
+    /// Stored, waiting for a worker (queued mode).
+    Pending,
+    /// Claimed by a worker holding a lease.
+    Processing,
+    /// Processed; its effects are committed.
+    Completed,
+    /// The last attempt failed; retried once `next_attempt_at` has passed.
+    Failed,
+    /// Parked: rejected or out of attempts. Kept with payload and error.
+    Dead,
+}
+
+impl Status {
+    /// Every status, in lifecycle order.
+    pub const ALL: [Status; 5] = [
+        Status::Pending,
+        Status::Processing,
+        Status::Completed,
+        Status::Failed,
+        Status::Dead,
+    ];
+
+    /// The name stored in the database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Pending => "pending",
+            Status::Processing => "processing",
+            Status::Completed => "completed",
+            Status::Failed => "failed",
+            Status::Dead => "dead",
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Status {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Status::ALL
+            .into_iter()
+            .find(|st| st.as_str() == s)
+            .ok_or_else(|| format!("unknown inbox status {s:?}"))
+    }
+}
+
+impl ToSql for Status {
+    fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {
+        Ok(ToSqlOutput::Borrowed(ValueRef::Text(self.as_str().as_bytes())))
+    }
+}
+
+impl FromSql for Status {
+    fn column_result(value: ValueRef<'_>) -> FromSqlResult<Self> {
+        value
+            .as_str()?
+            .parse()
+            .map_err(|e: String| FromSqlError::Other(e.into()))
+    }
+}
+
+/// The identity of an inbox row.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Key<'a> {
+    pub consumer: &'a str,
+    pub source: &'a str,
+    pub message_id: &'a str,
+}
+
+/// What the delivery state machine needs to know about a stored row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Row {
+    pub status: Status,
+    pub payload_hash: [u8; 32],
+    pub attempts: u32,
+    pub last_error: Option<String>,
+    pub next_attempt_at: Option<i64>,
+    pub lease_until: Option<i64>,
+}
+
+pub(crate) fn lookup(conn: &Connection, key: Key<'_>) -> rusqlite::Result<Option<Row>> {
+    conn.prepare_cached(
+        "SELECT status, payload_hash, attempts, last_error, next_attempt_at, lease_until
+         FROM postroom_inbox WHERE consumer = ?1 AND source = ?2 AND message_id = ?3",
+    )?
+    .query_row(params![key.consumer, key.source, key.message_id], |r| {
+        let hash: Vec<u8> = r.get(1)?;
+        Ok(Row {
+            status: r.get(0)?,
+            // The schema's CHECK guarantees 32 bytes; a damaged row that
+            // somehow has another length compares unequal to every digest.
+            payload_hash: hash.try_into().unwrap_or([0; 32]),
+            attempts: r.get(2)?,
+            last_error: r.get(3)?,
+            next_attempt_at: r.get(4)?,
+            lease_until: r.get(5)?,
+        })
+    })
+    .optional()
+}
+
+/// The state an attempt leaves a row in.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Record<'a> {
+    pub status: Status,
+    pub attempts: u32,
+    pub last_error: Option<&'a str>,
+    pub next_attempt_at: Option<i64>,
+    /// Whether to store the payload (failed and dead rows always do).
+    pub keep_payload: bool,
+}
+
+/// Writes the result of an attempt: inserts the row on first sight, or
+/// updates the existing one. Clears any lease. The payload digest and
+/// `received_at` of an existing row are never changed.
+pub(crate) fn record(
+    conn: &Connection,
+    consumer: &str,
+    msg: &Message,
+    hash: &[u8; 32],
+    rec: Record<'_>,
+    now_ms: i64,
+) -> rusqlite::Result<()> {
+    let payload = rec.keep_payload.then_some(msg.payload.as_slice());
+    let processed_at = (rec.status == Status::Completed).then_some(now_ms);
+    conn.prepare_cached(
+        "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload, payload_hash,
+             headers, ordering_key, attempts, last_error, received_at, updated_at,
+             next_attempt_at, processed_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13)
+         ON CONFLICT (consumer, source, message_id) DO UPDATE SET
+             status = excluded.status,
+             payload = excluded.payload,
+             attempts = excluded.attempts,
+             last_error = excluded.last_error,
+             updated_at = excluded.updated_at,
+             next_attempt_at = excluded.next_attempt_at,
+             processed_at = excluded.processed_at,
+             lease_until = NULL,
+             lease_token = NULL",
+    )?
+    .execute(params![
+        consumer,
+        msg.source,
+        msg.id,
+        rec.status,
+        payload,
+        hash.as_slice(),
+        headers_json(&msg.headers),
+        msg.ordering_key,
+        rec.attempts,
+        rec.last_error,
+        now_ms,
+        rec.next_attempt_at,
+        processed_at,
+    ])?;
+    Ok(())
+}
+
+/// Marks a stored row dead without running anything (its attempts were
+/// already used up). Keeps the stored payload.
+pub(crate) fn mark_dead(
+    conn: &Connection,
+    key: Key<'_>,
+    error: &str,
+    now_ms: i64,
+) -> rusqlite::Result<()> {
+    conn.prepare_cached(
+        "UPDATE postroom_inbox SET status = 'dead', last_error = ?4, updated_at = ?5,
+             next_attempt_at = NULL, lease_until = NULL, lease_token = NULL
+         WHERE consumer = ?1 AND source = ?2 AND message_id = ?3",
+    )?
+    .execute(params![key.consumer, key.source, key.message_id, error, now_ms])?;
+    Ok(())
+}
+
+/// Quarantines a delivery whose payload digest differs from the stored
+/// one. Returns the conflict row's id; a repeat of the same conflicting
+/// payload bumps its counter instead of adding a row.
+pub(crate) fn quarantine(
+    conn: &Connection,
+    consumer: &str,
+    msg: &Message,
+    stored_hash: &[u8; 32],
+    hash: &[u8; 32],
+    now_ms: i64,
+) -> rusqlite::Result<i64> {
+    conn.prepare_cached(
+        "INSERT INTO postroom_conflicts (consumer, source, message_id, stored_hash, payload_hash,
+             payload, headers, first_seen_at, last_seen_at, deliveries)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8, 1)
+         ON CONFLICT (consumer, source, message_id, payload_hash) DO UPDATE SET
+             last_seen_at = excluded.last_seen_at,
+             deliveries = deliveries + 1
+         RETURNING id",
+    )?
+    .query_row(
+        params![
+            consumer,
+            msg.source,
+            msg.id,
+            stored_hash.as_slice(),
+            hash.as_slice(),
+            msg.payload,
+            headers_json(&msg.headers),
+            now_ms,
+        ],
+        |r| r.get(0),
+    )
+}

@@ -1,0 +1,275 @@
+//! The engine file beside the database (`<db>-postroom`): it holds the
+//! engine's exclusive lock and the in-flight marker.
+//!
+//! The marker is how a handler that kills the process (abort, OOM kill,
+//! segfault, `kill -9`) still gets its attempt counted. Just before a
+//! handler runs, the message is written here with one `pwrite` and no fsync;
+//! right after it returns, the marker is cleared the same way. A write
+//! without fsync survives the death of the process (it sits in the kernel's
+//! page cache), which is all it must survive, and costs no fsync on the hot
+//! path. On the next open, a valid marker whose attempt did not commit means
+//! the process died inside that handler: recovery records a failed attempt,
+//! and after `max_attempts` of them the message is dead-lettered instead of
+//! crash-looping the application.
+//!
+//! Invariant: a marker is valid only if its checksum matches, so a torn or
+//! stale-after-power-loss write is ignored rather than misread. After power
+//! loss a stale marker can at worst count one extra attempt.
+
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::{self, Read};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::message::Message;
+use crate::outbox::headers_json;
+
+const MAGIC: &[u8; 8] = b"PRMINFL1";
+/// A marker larger than this is garbage (payloads are capped well below).
+const MAX_RECORD: u64 = 300 * 1024 * 1024;
+
+/// Records which handler is running, so a crash inside it can be counted.
+pub(crate) trait InflightLog {
+    /// Called just before the handler runs.
+    fn begin(&mut self, consumer: &str, msg: &Message, hash: &[u8; 32], prior_attempts: u32)
+        -> io::Result<()>;
+    /// Called as soon as the handler has returned (or panicked).
+    fn end(&mut self) -> io::Result<()>;
+}
+
+/// An [`InflightLog`] that records nothing, for driving the state machine
+/// without a process around it.
+#[derive(Debug, Default)]
+pub(crate) struct NoInflightLog;
+
+impl InflightLog for NoInflightLog {
+    fn begin(&mut self, _: &str, _: &Message, _: &[u8; 32], _: u32) -> io::Result<()> {
+        Ok(())
+    }
+    fn end(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A handler that was running when its process died.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Inflight {
+    pub consumer: String,
+    pub msg: Message,
+    pub hash: [u8; 32],
+    pub prior_attempts: u32,
+}
+
+/// The locked engine file. Dropping it releases the lock.
+#[derive(Debug)]
+pub(crate) struct EngineFile {
+    file: File,
+    buf: Vec<u8>,
+}
+
+impl EngineFile {
+    /// The engine file's path for a database path.
+    pub fn path_for(db: &Path) -> PathBuf {
+        let mut p = db.as_os_str().to_owned();
+        p.push("-postroom");
+        PathBuf::from(p)
+    }
+
+    /// Opens (creating with mode 0600) and locks the engine file, failing
+    /// with [`Error::AlreadyOpen`] when another engine holds it. The lock is
+    /// the kernel's (`flock`): it goes away with the process that held it.
+    pub fn lock(db: &Path) -> Result<EngineFile> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(Self::path_for(db))
+            .map_err(|e| Error::io("open engine file", e))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => {
+                return Err(Error::AlreadyOpen {
+                    path: db.to_path_buf(),
+                })
+            }
+            Err(TryLockError::Error(e)) => return Err(Error::io("lock engine file", e)),
+        }
+        Ok(EngineFile {
+            file,
+            buf: Vec::new(),
+        })
+    }
+
+    /// The marker left by the previous engine, if it is valid.
+    pub fn read(&mut self) -> io::Result<Option<Inflight>> {
+        let len = self.file.metadata()?.len();
+        if len < (MAGIC.len() + 4 + 32) as u64 || len > MAX_RECORD {
+            return Ok(None);
+        }
+        let mut bytes = Vec::with_capacity(len as usize);
+        (&self.file).read_to_end(&mut bytes)?;
+        Ok(decode(&bytes))
+    }
+
+    /// Invalidates the marker.
+    pub fn clear(&mut self) -> io::Result<()> {
+        self.file.write_all_at(&[0u8; 8], 0)
+    }
+}
+
+impl InflightLog for EngineFile {
+    fn begin(
+        &mut self,
+        consumer: &str,
+        msg: &Message,
+        hash: &[u8; 32],
+        prior_attempts: u32,
+    ) -> io::Result<()> {
+        encode(&mut self.buf, consumer, msg, hash, prior_attempts);
+        self.file.write_all_at(&self.buf, 0)
+    }
+
+    fn end(&mut self) -> io::Result<()> {
+        self.clear()
+    }
+}
+
+fn put_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
+    buf.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+    buf.extend_from_slice(bytes);
+}
+
+fn encode(buf: &mut Vec<u8>, consumer: &str, msg: &Message, hash: &[u8; 32], prior: u32) {
+    buf.clear();
+    buf.extend_from_slice(MAGIC);
+    buf.extend_from_slice(&[0; 4]); // body length, filled in below
+    let body_start = buf.len();
+    buf.extend_from_slice(&prior.to_le_bytes());
+    buf.extend_from_slice(hash);
+    put_bytes(buf, consumer.as_bytes());
+    put_bytes(buf, msg.source.as_bytes());
+    put_bytes(buf, msg.id.as_bytes());
+    put_bytes(buf, headers_json(&msg.headers).unwrap_or_default().as_bytes());
+    match &msg.ordering_key {
+        Some(k) => {
+            buf.push(1);
+            put_bytes(buf, k.as_bytes());
+        }
+        None => buf.push(0),
+    }
+    put_bytes(buf, &msg.payload);
+    let body_len = (buf.len() - body_start) as u32;
+    buf[MAGIC.len()..body_start].copy_from_slice(&body_len.to_le_bytes());
+    let sum = blake3::hash(&buf[body_start..]);
+    buf.extend_from_slice(sum.as_bytes());
+}
+
+struct Cursor<'a>(&'a [u8]);
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Some(head)
+    }
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+    fn bytes(&mut self) -> Option<&'a [u8]> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+    fn string(&mut self) -> Option<String> {
+        String::from_utf8(self.bytes()?.to_vec()).ok()
+    }
+}
+
+fn decode(bytes: &[u8]) -> Option<Inflight> {
+    let mut c = Cursor(bytes);
+    if c.take(MAGIC.len())? != MAGIC {
+        return None;
+    }
+    let body = c.bytes()?;
+    if c.take(32)? != blake3::hash(body).as_bytes() {
+        return None;
+    }
+    let mut b = Cursor(body);
+    let prior_attempts = b.u32()?;
+    let hash: [u8; 32] = b.take(32)?.try_into().ok()?;
+    let consumer = b.string()?;
+    let source = b.string()?;
+    let id = b.string()?;
+    let headers_text = b.string()?;
+    let ordering_key = match b.take(1)?[0] {
+        0 => None,
+        _ => Some(b.string()?),
+    };
+    let payload = b.bytes()?.to_vec();
+    let headers = if headers_text.is_empty() {
+        Default::default()
+    } else {
+        serde_json::from_str(&headers_text).ok()?
+    };
+    Some(Inflight {
+        consumer,
+        msg: Message {
+            source,
+            id,
+            payload,
+            headers,
+            ordering_key,
+        },
+        hash,
+        prior_attempts,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn marker_round_trips_and_rejects_damage() {
+        let msg = Message::new("src", "id-1", b"payload".to_vec())
+            .with_header("h", "v")
+            .with_ordering_key("k");
+        let hash = *blake3::hash(msg.payload()).as_bytes();
+        let mut buf = Vec::new();
+        encode(&mut buf, "c", &msg, &hash, 3);
+        let back = decode(&buf).expect("valid marker");
+        assert_eq!(back.consumer, "c");
+        assert_eq!(back.msg, msg);
+        assert_eq!(back.prior_attempts, 3);
+        assert_eq!(back.hash, hash);
+
+        // Trailing bytes from an older, longer marker are ignored.
+        let mut longer = buf.clone();
+        longer.extend_from_slice(&[7; 100]);
+        assert_eq!(decode(&longer), Some(back));
+
+        for i in 0..buf.len() {
+            let mut bad = buf.clone();
+            bad[i] ^= 0x40;
+            assert!(decode(&bad).is_none(), "flipped byte {i} was accepted");
+        }
+        for n in 0..buf.len() {
+            assert!(decode(&buf[..n]).is_none(), "torn write of {n} bytes accepted");
+        }
+    }
+
+    #[test]
+    fn second_lock_is_refused_and_released_on_drop() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("x.db");
+        let first = EngineFile::lock(&db).unwrap();
+        assert!(matches!(EngineFile::lock(&db), Err(Error::AlreadyOpen { .. })));
+        drop(first);
+        EngineFile::lock(&db).unwrap();
+    }
+}

@@ -1,0 +1,306 @@
+//! The values that cross the API: incoming [`Message`]s, outgoing
+//! [`Outgoing`] messages, the [`Outcome`] of a delivery and the [`Failure`]
+//! a handler returns.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// Message headers: names to values, kept in name order.
+pub type Headers = BTreeMap<String, String>;
+
+/// An incoming message, identified by `(source, id)` within a consumer.
+///
+/// `source` names the stream it came from (a topic, a queue, a peer device),
+/// so that two streams may reuse the same ids. The id must be stable across
+/// redeliveries: it is what deduplication keys on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub(crate) source: String,
+    pub(crate) id: String,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: Headers,
+    pub(crate) ordering_key: Option<String>,
+}
+
+impl Message {
+    /// A message with raw payload bytes. A zero-length payload is allowed
+    /// (a tombstone, a ping); see the crate docs for the limits.
+    pub fn new(source: impl Into<String>, id: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
+        Message {
+            source: source.into(),
+            id: id.into(),
+            payload: payload.into(),
+            headers: Headers::new(),
+            ordering_key: None,
+        }
+    }
+
+    /// A message whose payload is `value` encoded as JSON.
+    pub fn from_json<T: Serialize + ?Sized>(
+        source: impl Into<String>,
+        id: impl Into<String>,
+        value: &T,
+    ) -> Result<Self, serde_json::Error> {
+        Ok(Message::new(source, id, serde_json::to_vec(value)?))
+    }
+
+    /// Adds a header (replacing one of the same name).
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// Sets the ordering key: in queued mode, messages with the same key are
+    /// processed one at a time in receive order.
+    pub fn with_ordering_key(mut self, key: impl Into<String>) -> Self {
+        self.ordering_key = Some(key.into());
+        self
+    }
+
+    /// The stream this message came from.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The message id, unique within `source`.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The payload bytes.
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+
+    /// The headers.
+    pub fn headers(&self) -> &Headers {
+        &self.headers
+    }
+
+    /// One header's value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(String::as_str)
+    }
+
+    /// The ordering key, if any.
+    pub fn ordering_key(&self) -> Option<&str> {
+        self.ordering_key.as_deref()
+    }
+
+    /// Decodes the payload as JSON. In a handler, `?` turns a decoding error
+    /// into [`Failure::Reject`]: a payload that does not decode never will.
+    pub fn json<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        serde_json::from_slice(&self.payload)
+    }
+}
+
+/// A message a handler publishes through the outbox
+/// ([`Tx::publish`](crate::Tx::publish)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outgoing {
+    pub(crate) topic: String,
+    pub(crate) key: Option<String>,
+    pub(crate) id: Option<String>,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: Headers,
+}
+
+impl Outgoing {
+    /// An outgoing message with raw payload bytes.
+    pub fn new(topic: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
+        Outgoing {
+            topic: topic.into(),
+            key: None,
+            id: None,
+            payload: payload.into(),
+            headers: Headers::new(),
+        }
+    }
+
+    /// An outgoing message whose payload is `value` encoded as JSON.
+    pub fn json<T: Serialize + ?Sized>(
+        topic: impl Into<String>,
+        value: &T,
+    ) -> Result<Self, serde_json::Error> {
+        Ok(Outgoing::new(topic, serde_json::to_vec(value)?))
+    }
+
+    /// Sets the key: rows with the same key are handed to the sink in commit
+    /// order.
+    pub fn with_key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// Sets the message id. By default it is derived from the incoming
+    /// message that caused it (so a re-run after a rolled-back attempt
+    /// publishes the same id), or random outside a handler.
+    pub fn with_id(mut self, id: impl Into<String>) -> Self {
+        self.id = Some(id.into());
+        self
+    }
+
+    /// Adds a header (replacing one of the same name).
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+}
+
+/// What became of a delivery. Acknowledge the message to the broker when
+/// [`Outcome::should_ack`] says so, and not before `deliver` has returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The handler ran and its effects were committed. Acknowledge.
+    Processed {
+        /// Attempts it took, this one included.
+        attempts: u32,
+    },
+    /// The message had been processed before; the handler did not run.
+    /// Acknowledge.
+    Duplicate,
+    /// A message with this id but a different payload was processed before.
+    /// The stored message is untouched and this delivery was quarantined in
+    /// `postroom_conflicts`; nothing is lost by acknowledging, but the
+    /// producer reused an id, which deserves an alert.
+    Conflict {
+        /// Row id in `postroom_conflicts`.
+        conflict_id: i64,
+    },
+    /// The message is parked as a dead letter, with its payload and last
+    /// error: rejected by the handler, or out of attempts. Acknowledge;
+    /// redrive it once the cause is fixed.
+    Dead {
+        /// Attempts made.
+        attempts: u32,
+        /// The last error.
+        error: String,
+    },
+    /// The handler failed and the message will be retried. Do not
+    /// acknowledge; redeliver after `retry_after`. A redelivery before then
+    /// gets this answer again without running the handler.
+    Failed {
+        /// Attempts made so far.
+        attempts: u32,
+        /// The last error.
+        error: String,
+        /// How long until the next attempt is due.
+        retry_after: Duration,
+    },
+    /// Another worker holds this message right now. Do not acknowledge.
+    InFlight {
+        /// How long until its lease runs out.
+        retry_after: Duration,
+    },
+}
+
+impl Outcome {
+    /// True when the broker may be told the message is done with.
+    pub fn should_ack(&self) -> bool {
+        matches!(
+            self,
+            Outcome::Processed { .. }
+                | Outcome::Duplicate
+                | Outcome::Conflict { .. }
+                | Outcome::Dead { .. }
+        )
+    }
+
+    /// When a message that must not be acknowledged should come back.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Outcome::Failed { retry_after, .. } | Outcome::InFlight { retry_after } => {
+                Some(*retry_after)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Why a handler did not complete a message.
+///
+/// `?` converts the common errors: a [`serde_json::Error`] (the payload does
+/// not decode) becomes [`Failure::Reject`]; a [`rusqlite::Error`] becomes
+/// [`Failure::Sqlite`], which is retried — except storage errors (disk full,
+/// busy, I/O, corruption), which are not the message's fault: the delivery
+/// then fails with an [`Error`](crate::Error), no attempt is counted and
+/// nothing is acknowledged.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Failure {
+    /// Transient: try again later. `after` overrides the backoff policy.
+    Retry {
+        /// Stored as the row's `last_error`.
+        reason: String,
+        /// When to try again; `None` uses exponential backoff.
+        after: Option<Duration>,
+    },
+    /// Permanent (poison message, failed validation): dead-letter at once.
+    Reject {
+        /// Stored as the row's `last_error`.
+        reason: String,
+    },
+    /// A SQLite error from the handler's own statements.
+    Sqlite(rusqlite::Error),
+}
+
+impl Failure {
+    /// A retryable failure with the default backoff.
+    pub fn retry(reason: impl fmt::Display) -> Self {
+        Failure::Retry {
+            reason: reason.to_string(),
+            after: None,
+        }
+    }
+
+    /// A retryable failure, next attempt after `after`.
+    pub fn retry_after(reason: impl fmt::Display, after: Duration) -> Self {
+        Failure::Retry {
+            reason: reason.to_string(),
+            after: Some(after),
+        }
+    }
+
+    /// A permanent failure: the message goes to the dead letters.
+    pub fn reject(reason: impl fmt::Display) -> Self {
+        Failure::Reject {
+            reason: reason.to_string(),
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Retry { reason, .. } => f.write_str(reason),
+            Failure::Reject { reason } => write!(f, "rejected: {reason}"),
+            Failure::Sqlite(e) => write!(f, "sqlite: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for Failure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Failure::Sqlite(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<rusqlite::Error> for Failure {
+    fn from(e: rusqlite::Error) -> Self {
+        Failure::Sqlite(e)
+    }
+}
+
+impl From<serde_json::Error> for Failure {
+    fn from(e: serde_json::Error) -> Self {
+        Failure::reject(format_args!("invalid JSON: {e}"))
+    }
+}

@@ -1,0 +1,147 @@
+//! Opening the database: pragmas, integrity check, schema and migrations.
+
+use std::fs::OpenOptions;
+use std::io;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+
+/// The newest schema version this library knows.
+pub const SCHEMA_VERSION: i64 = 1;
+
+/// The schema, applied in one transaction to a database without one.
+pub const SCHEMA_SQL: &str = include_str!("../schema.sql");
+
+/// Creates the database file with mode 0600 if it does not exist. SQLite
+/// gives its `-wal` and `-shm` files the database file's mode.
+pub(crate) fn create_private(path: &Path) -> Result<()> {
+    match OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+    {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(Error::io("create database file", e)),
+    }
+}
+
+/// Opens the write connection: busy timeout first (every later statement
+/// may wait on a lock), then WAL, synchronous per durability, foreign keys.
+pub(crate) fn open_writer(path: &Path, config: &Config) -> Result<Connection> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(path, flags)
+        .map_err(|e| open_error(path, "open database", e))?;
+    conn.busy_timeout(config.busy_timeout)
+        .map_err(|e| open_error(path, "set busy_timeout", e))?;
+    let mode: String = conn
+        .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
+        .map_err(|e| open_error(path, "set journal_mode", e))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(Error::invalid(
+            "database",
+            format!("journal_mode is {mode:?}; postroom needs WAL (is the file on a network share?)"),
+        ));
+    }
+    conn.pragma_update(None, "synchronous", config.durability.pragma())
+        .map_err(|e| open_error(path, "set synchronous", e))?;
+    conn.pragma_update(None, "foreign_keys", true)
+        .map_err(|e| open_error(path, "set foreign_keys", e))?;
+    conn.set_prepared_statement_cache_capacity(64);
+    Ok(conn)
+}
+
+/// Maps "not a database" to its own variant; everything else as usual.
+pub(crate) fn open_error(path: &Path, op: &'static str, e: rusqlite::Error) -> Error {
+    if e.sqlite_error_code() == Some(ErrorCode::NotADatabase) {
+        Error::NotADatabase {
+            path: path.to_path_buf(),
+        }
+    } else {
+        Error::sqlite(op, e)
+    }
+}
+
+/// `PRAGMA quick_check`: refuses a damaged database before anything is
+/// written to it.
+pub(crate) fn quick_check(conn: &Connection) -> Result<()> {
+    let mut stmt = conn
+        .prepare("PRAGMA quick_check(10)")
+        .map_err(|e| Error::sqlite("quick_check", e))?;
+    let lines = stmt
+        .query_map([], |r| r.get::<_, String>(0))
+        .and_then(|rows| rows.collect::<rusqlite::Result<Vec<_>>>())
+        .map_err(|e| Error::sqlite("quick_check", e))?;
+    if lines.len() == 1 && lines[0] == "ok" {
+        Ok(())
+    } else {
+        Err(Error::Corrupt {
+            detail: lines.join("; "),
+        })
+    }
+}
+
+/// The schema version stored in the file, if postroom's tables exist.
+pub fn stored_version(conn: &Connection) -> rusqlite::Result<Option<i64>> {
+    let has_meta: bool = conn.query_row(
+        "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'postroom_meta'",
+        [],
+        |r| r.get(0),
+    )?;
+    if !has_meta {
+        return Ok(None);
+    }
+    let text: Option<String> = conn
+        .query_row(
+            "SELECT value FROM postroom_meta WHERE key = 'schema_version'",
+            [],
+            |r| r.get(0),
+        )
+        .map(Some)
+        .or_else(|e| match e {
+            rusqlite::Error::QueryReturnedNoRows => Ok(None),
+            e => Err(e),
+        })?;
+    Ok(Some(text.and_then(|t| t.parse().ok()).unwrap_or(0)))
+}
+
+/// Applies the schema to a new database, or checks (and, in later versions,
+/// migrates) an existing one, in one `BEGIN IMMEDIATE` transaction: a crash
+/// mid-way leaves the file as it was.
+pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(|e| Error::sqlite("begin schema transaction", e))?;
+    match stored_version(&tx).map_err(|e| Error::sqlite("read schema version", e))? {
+        None => {
+            tx.execute_batch(SCHEMA_SQL)
+                .map_err(|e| Error::sqlite("create schema", e))?;
+            tx.execute(
+                "INSERT INTO postroom_meta (key, value) VALUES ('schema_version', ?1)",
+                [SCHEMA_VERSION.to_string()],
+            )
+            .map_err(|e| Error::sqlite("record schema version", e))?;
+        }
+        Some(found) if found > SCHEMA_VERSION => {
+            return Err(Error::SchemaTooNew {
+                found,
+                supported: SCHEMA_VERSION,
+            })
+        }
+        Some(SCHEMA_VERSION) => {}
+        Some(found) => {
+            // Version 1 is the first; a later version adds its steps here,
+            // each taking the file from `found` to `found + 1`.
+            return Err(Error::invalid(
+                "database",
+                format!("unknown postroom schema version {found}"),
+            ));
+        }
+    }
+    tx.commit().map_err(|e| Error::sqlite("commit schema", e))
+}

@@ -1,0 +1,139 @@
+//! Counts of what is in the database, read through a read-only connection.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use rusqlite::Connection;
+
+use crate::error::{Error, Result};
+use crate::inbox::Status;
+
+/// Inbox rows of one consumer, by status.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StatusCounts {
+    /// Stored, waiting for a worker.
+    pub pending: u64,
+    /// Claimed by a worker.
+    pub processing: u64,
+    /// Done.
+    pub completed: u64,
+    /// Waiting for a retry.
+    pub failed: u64,
+    /// Dead letters.
+    pub dead: u64,
+}
+
+impl StatusCounts {
+    /// The count for one status.
+    pub fn get(&self, status: Status) -> u64 {
+        match status {
+            Status::Pending => self.pending,
+            Status::Processing => self.processing,
+            Status::Completed => self.completed,
+            Status::Failed => self.failed,
+            Status::Dead => self.dead,
+        }
+    }
+
+    fn slot(&mut self, status: Status) -> &mut u64 {
+        match status {
+            Status::Pending => &mut self.pending,
+            Status::Processing => &mut self.processing,
+            Status::Completed => &mut self.completed,
+            Status::Failed => &mut self.failed,
+            Status::Dead => &mut self.dead,
+        }
+    }
+
+    /// All rows.
+    pub fn total(&self) -> u64 {
+        Status::ALL.iter().map(|&s| self.get(s)).sum()
+    }
+}
+
+/// Outbox rows by status.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxCounts {
+    /// Not yet handed to the sink (the backlog).
+    pub pending: u64,
+    /// Handed over.
+    pub sent: u64,
+    /// Given up on.
+    pub dead: u64,
+}
+
+/// A snapshot of the database's contents.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Inbox rows per consumer, by status.
+    pub inbox: BTreeMap<String, StatusCounts>,
+    /// Outbox rows by status.
+    pub outbox: OutboxCounts,
+    /// `created_at` of the oldest pending outbox row, in unix ms.
+    pub oldest_pending_outbox_ms: Option<i64>,
+    /// Rows in `postroom_conflicts`.
+    pub conflicts: u64,
+    /// Size of the database file, in bytes.
+    pub db_bytes: u64,
+    /// Size of the `-wal` file, in bytes (0 when absent).
+    pub wal_bytes: u64,
+}
+
+/// Reads the counts. Cost: one pass over the inbox's status column.
+pub(crate) fn read(conn: &Connection, db_path: &Path) -> Result<Stats> {
+    let sql = |e| Error::sqlite("read stats", e);
+    let mut stats = Stats::default();
+    let mut stmt = conn
+        .prepare_cached(
+            "SELECT consumer, status, count(*) FROM postroom_inbox GROUP BY consumer, status",
+        )
+        .map_err(sql)?;
+    let mut rows = stmt.query([]).map_err(sql)?;
+    while let Some(row) = rows.next().map_err(sql)? {
+        let consumer: String = row.get(0).map_err(sql)?;
+        let status: Status = row.get(1).map_err(sql)?;
+        let n = count(row.get(2).map_err(sql)?);
+        *stats.inbox.entry(consumer).or_default().slot(status) += n;
+    }
+    let mut stmt = conn
+        .prepare_cached("SELECT status, count(*) FROM postroom_outbox GROUP BY status")
+        .map_err(sql)?;
+    let mut rows = stmt.query([]).map_err(sql)?;
+    while let Some(row) = rows.next().map_err(sql)? {
+        let status: String = row.get(0).map_err(sql)?;
+        let n = count(row.get(1).map_err(sql)?);
+        match status.as_str() {
+            "pending" => stats.outbox.pending = n,
+            "sent" => stats.outbox.sent = n,
+            "dead" => stats.outbox.dead = n,
+            _ => {}
+        }
+    }
+    stats.oldest_pending_outbox_ms = conn
+        .query_row(
+            "SELECT min(created_at) FROM postroom_outbox WHERE status = 'pending'",
+            [],
+            |r| r.get(0),
+        )
+        .map_err(sql)?;
+    stats.conflicts = count(
+        conn.query_row("SELECT count(*) FROM postroom_conflicts", [], |r| r.get(0))
+            .map_err(sql)?,
+    );
+    stats.db_bytes = file_len(db_path);
+    let mut wal = db_path.as_os_str().to_owned();
+    wal.push("-wal");
+    stats.wal_bytes = file_len(Path::new(&wal));
+    Ok(stats)
+}
+
+fn count(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+fn file_len(path: &Path) -> u64 {
+    std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
+}

@@ -1,0 +1,188 @@
+//! The writer thread: owns the only write connection and commits jobs in
+//! groups.
+//!
+//! It blocks for one job, then takes whatever else is already queued, up to
+//! `max_batch`, and runs them all in one `BEGIN IMMEDIATE … COMMIT`, each in
+//! its own savepoint. Callers hear back only after `COMMIT` returned, so one
+//! fsync covers the whole group. Invariants:
+//! * a job's `Err` rolls back its own savepoint and nothing else;
+//! * if `COMMIT` fails, or the transaction disappears mid-batch (SQLite
+//!   rolls back by itself after some I/O errors), every job of the batch is
+//!   answered with an error: nothing of it was acknowledged.
+
+use crossbeam_channel::{Receiver, Sender};
+use rusqlite::Connection;
+
+use crate::clock::Clock;
+use crate::config::Config;
+use crate::delivery::exec;
+use crate::error::{Error, Result};
+use crate::inflight::EngineFile;
+
+/// What a job can use while it runs.
+pub(crate) struct WriterCtx<'a> {
+    pub conn: &'a Connection,
+    pub config: &'a Config,
+    pub clock: &'a dyn Clock,
+    pub engine_file: &'a mut EngineFile,
+}
+
+/// A unit of work for the writer thread.
+pub(crate) trait Job: Send {
+    /// Runs inside the batch's transaction and its own savepoint. Returns
+    /// false when its writes must be rolled back.
+    fn run(&mut self, ctx: &mut WriterCtx<'_>) -> bool;
+    /// Answers the caller, once the batch has committed (`Ok`) or failed.
+    fn finish(self: Box<Self>, batch: std::result::Result<(), &Error>);
+}
+
+pub(crate) enum Command {
+    Job(Box<dyn Job>),
+    /// Finish the queued jobs before this one, then exit.
+    Stop,
+}
+
+struct FnJob<T, F> {
+    work: Option<F>,
+    result: Option<Result<T>>,
+    reply: Sender<Result<T>>,
+}
+
+impl<T, F> Job for FnJob<T, F>
+where
+    T: Send,
+    F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send,
+{
+    fn run(&mut self, ctx: &mut WriterCtx<'_>) -> bool {
+        let result = match self.work.take() {
+            Some(work) => work(ctx),
+            None => Err(Error::Aborted {
+                reason: "job ran twice".into(),
+            }),
+        };
+        let ok = result.is_ok();
+        self.result = Some(result);
+        ok
+    }
+
+    fn finish(self: Box<Self>, batch: std::result::Result<(), &Error>) {
+        let answer = match (self.result, batch) {
+            (Some(Err(own)), _) => Err(own),
+            (Some(Ok(value)), Ok(())) => Ok(value),
+            (_, Err(batch)) => Err(batch.duplicate()),
+            (None, Ok(())) => Err(Error::Aborted {
+                reason: "job was not run".into(),
+            }),
+        };
+        // The caller may have given up waiting; that is its business.
+        let _ = self.reply.send(answer);
+    }
+}
+
+/// Wraps a closure as a job, with the channel its answer arrives on.
+pub(crate) fn job<T, F>(work: F) -> (Box<dyn Job>, Receiver<Result<T>>)
+where
+    T: Send + 'static,
+    F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
+{
+    let (reply, answer) = crossbeam_channel::bounded(1);
+    let job = FnJob {
+        work: Some(work),
+        result: None,
+        reply,
+    };
+    (Box::new(job), answer)
+}
+
+/// Everything the writer thread owns.
+pub(crate) struct Writer {
+    pub conn: Connection,
+    pub config: Config,
+    pub clock: std::sync::Arc<dyn Clock>,
+    pub engine_file: EngineFile,
+    pub commands: Receiver<Command>,
+}
+
+impl Writer {
+    /// The thread's body: runs batches until told to stop or every sender
+    /// is gone, then checkpoints and closes.
+    pub fn run(mut self) {
+        let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(self.config.max_batch);
+        let mut stopping = false;
+        while !stopping {
+            match self.commands.recv() {
+                Ok(Command::Job(job)) => batch.push(job),
+                Ok(Command::Stop) | Err(_) => break,
+            }
+            while batch.len() < self.config.max_batch {
+                match self.commands.try_recv() {
+                    Ok(Command::Job(job)) => batch.push(job),
+                    Ok(Command::Stop) => {
+                        stopping = true;
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+            self.run_batch(&mut batch);
+        }
+        self.close();
+    }
+
+    fn run_batch(&mut self, batch: &mut Vec<Box<dyn Job>>) {
+        let outcome = self.execute(batch);
+        if let Err(e) = &outcome {
+            log::error!("postroom writer: batch of {} failed: {e}", batch.len());
+            if !self.conn.is_autocommit() {
+                if let Err(e) = self.conn.execute_batch("ROLLBACK") {
+                    log::error!("postroom writer: ROLLBACK failed: {e}");
+                }
+            }
+        }
+        for job in batch.drain(..) {
+            job.finish(outcome.as_ref().map(|_| ()));
+        }
+    }
+
+    /// Runs the batch in one transaction. `Err` means nothing of it may be
+    /// reported as committed.
+    fn execute(&mut self, batch: &mut [Box<dyn Job>]) -> Result<()> {
+        exec(&self.conn, "BEGIN IMMEDIATE")?;
+        let mut ctx = WriterCtx {
+            conn: &self.conn,
+            config: &self.config,
+            clock: &*self.clock,
+            engine_file: &mut self.engine_file,
+        };
+        for job in batch.iter_mut() {
+            exec(ctx.conn, "SAVEPOINT postroom_job")?;
+            let ok = job.run(&mut ctx);
+            if ctx.conn.is_autocommit() {
+                return Err(Error::Aborted {
+                    reason: "the transaction was rolled back mid-batch".into(),
+                });
+            }
+            if !ok {
+                exec(ctx.conn, "ROLLBACK TO postroom_job")?;
+            }
+            exec(ctx.conn, "RELEASE postroom_job")?;
+        }
+        exec(&self.conn, "COMMIT")
+    }
+
+    fn close(self) {
+        // Best effort: leave a small -wal behind for the next open.
+        if let Err(e) = self.conn.execute_batch("PRAGMA optimize") {
+            log::debug!("postroom writer: optimize at shutdown: {e}");
+        }
+        if let Err(e) = self
+            .conn
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+        {
+            log::debug!("postroom writer: checkpoint at shutdown: {e}");
+        }
+        if let Err((_, e)) = self.conn.close() {
+            log::warn!("postroom writer: closing the database: {e}");
+        }
+    }
+}
