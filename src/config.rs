@@ -215,7 +215,10 @@ fn check_headers(headers: &Headers) -> Result<()> {
     if headers.len() > MAX_HEADERS {
         return Err(Error::invalid(
             "headers",
-            format!("{} headers exceeds the limit of {MAX_HEADERS}", headers.len()),
+            format!(
+                "{} headers exceeds the limit of {MAX_HEADERS}",
+                headers.len()
+            ),
         ));
     }
     let mut total = 0;
@@ -419,9 +422,7 @@ mod tests {
         assert!(cfg
             .check_message(&Message::new("s".repeat(MAX_NAME_BYTES + 1), "i", "x"))
             .is_err());
-        assert!(cfg
-            .check_message(&Message::new("s\n", "i", "x"))
-            .is_err());
+        assert!(cfg.check_message(&Message::new("s\n", "i", "x")).is_err());
         assert!(cfg
             .check_message(&Message::new("s", "i", vec![0; cfg.max_payload + 1]))
             .is_err());

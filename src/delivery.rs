@@ -9,6 +9,7 @@ use rusqlite::{Connection, ErrorCode};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::guard::UserCodeGuard;
 use crate::handler::{Cause, Handler, Tx};
 use crate::inbox::{self, Key, Record, Status};
 use crate::inflight::{Inflight, InflightLog};
@@ -20,6 +21,7 @@ pub(crate) struct Env<'a> {
     pub config: &'a Config,
     pub now_ms: i64,
     pub log: &'a mut dyn InflightLog,
+    pub guard: &'a UserCodeGuard,
 }
 
 /// Delivers `msg` to `consumer`: dedupes, checks the payload digest, honours
@@ -121,7 +123,10 @@ fn attempt(
             attempt,
         };
         let mut tx = Tx::new(conn, config, now, Some(cause));
-        panic::catch_unwind(AssertUnwindSafe(|| handler.handle(&mut tx, msg)))
+        let guard = env.guard;
+        panic::catch_unwind(AssertUnwindSafe(|| {
+            guard.run(|| handler.handle(&mut tx, msg))
+        }))
     };
     let marker_cleared = env.log.end();
     if conn.is_autocommit() {
@@ -149,7 +154,16 @@ fn attempt(
     marker_cleared.map_err(|e| Error::io("clear in-flight marker", e))?;
 
     let Some(failure) = failure else {
-        record(env, consumer, msg, hash, Status::Completed, attempt, None, None)?;
+        record(
+            env,
+            consumer,
+            msg,
+            hash,
+            Status::Completed,
+            attempt,
+            None,
+            None,
+        )?;
         return Ok(Outcome::Processed { attempts: attempt });
     };
     let (reason, rejected, after) = match failure {
@@ -159,7 +173,16 @@ fn attempt(
         Failure::Reject { reason } => (reason, true, None),
     };
     if rejected || attempt >= config.max_attempts {
-        record(env, consumer, msg, hash, Status::Dead, attempt, Some(&reason), None)?;
+        record(
+            env,
+            consumer,
+            msg,
+            hash,
+            Status::Dead,
+            attempt,
+            Some(&reason),
+            None,
+        )?;
         log::warn!(
             "consumer {consumer:?}: message {}/{} dead after {attempt} attempt(s): {reason}",
             msg.source,
@@ -170,9 +193,19 @@ fn attempt(
             error: reason,
         });
     }
-    let delay = after.unwrap_or_else(|| config.retry.delay(attempt, jitter(consumer, msg, attempt)));
+    let delay =
+        after.unwrap_or_else(|| config.retry.delay(attempt, jitter(consumer, msg, attempt)));
     let next = now.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
-    record(env, consumer, msg, hash, Status::Failed, attempt, Some(&reason), Some(next))?;
+    record(
+        env,
+        consumer,
+        msg,
+        hash,
+        Status::Failed,
+        attempt,
+        Some(&reason),
+        Some(next),
+    )?;
     Ok(Outcome::Failed {
         attempts: attempt,
         error: reason,

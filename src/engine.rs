@@ -17,12 +17,13 @@ use crate::clock::Clock;
 use crate::config::{Builder, Config};
 use crate::delivery::{self, exec, panic_message, Env};
 use crate::error::{Error, Result};
+use crate::guard::UserCodeGuard;
 use crate::handler::{Handler, Tx};
 use crate::inflight::EngineFile;
 use crate::message::{Failure, Message, Outcome};
 use crate::schema;
 use crate::stats::{self, Stats};
-use crate::writer::{self, Command, Writer, WriterCtx};
+use crate::writer::{self, Command, Counters, Writer, WriterCtx};
 
 const WRITER_THREAD: &str = "postroom-writer";
 
@@ -84,6 +85,7 @@ pub struct Postroom {
     writer: Mutex<Option<Running>>,
     writer_thread: ThreadId,
     readers: r2d2::Pool<SqliteConnectionManager>,
+    counters: Arc<Counters>,
 }
 
 impl std::fmt::Debug for Postroom {
@@ -115,14 +117,19 @@ impl Postroom {
         }
         schema::migrate(&mut conn)?;
         recover(&conn, &config, &*clock, &mut engine_file)?;
+        let guard =
+            UserCodeGuard::install(&conn).map_err(|e| Error::sqlite("install authorizer", e))?;
 
         let (commands, receiver) = crossbeam_channel::bounded(config.max_batch);
         let (done_tx, done) = crossbeam_channel::bounded(1);
+        let counters = Arc::new(Counters::default());
         let writer = Writer {
+            counters: Arc::clone(&counters),
             conn,
             config: config.clone(),
             clock: Arc::clone(&clock),
             engine_file,
+            guard,
             commands: receiver,
         };
         let handle = thread::Builder::new()
@@ -170,6 +177,7 @@ impl Postroom {
             })),
             writer_thread,
             readers,
+            counters,
         })
     }
 
@@ -201,6 +209,7 @@ impl Postroom {
                 config: w.config,
                 now_ms: w.clock.now_ms(),
                 log: &mut *w.engine_file,
+                guard: w.guard,
             };
             delivery::deliver(&mut env, &consumer.name, &*consumer.handler, &msg, &hash)
         })
@@ -220,7 +229,8 @@ impl Postroom {
     {
         self.submit(move |w| {
             let mut tx = Tx::new(w.conn, w.config, w.clock.now_ms(), None);
-            let result = panic::catch_unwind(AssertUnwindSafe(|| f(&mut tx)));
+            let guard = w.guard;
+            let result = panic::catch_unwind(AssertUnwindSafe(|| guard.run(|| f(&mut tx))));
             if w.conn.is_autocommit() {
                 return Err(Error::Aborted {
                     reason: "the closure ended the engine's transaction".into(),
@@ -249,7 +259,10 @@ impl Postroom {
             op: "get read connection",
             source: std::io::Error::other(e.to_string()),
         })?;
-        stats::read(&conn, &self.path)
+        let mut stats = stats::read(&conn, &self.path)?;
+        stats.batches_committed = self.counters.batches.load(Ordering::Relaxed);
+        stats.jobs_committed = self.counters.jobs.load(Ordering::Relaxed);
+        Ok(stats)
     }
 
     /// Stops the engine: no new work is accepted, queued jobs are finished,

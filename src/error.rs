@@ -183,7 +183,10 @@ impl fmt::Display for Error {
         match self {
             Error::InvalidInput { field, reason } => write!(f, "invalid {field}: {reason}"),
             Error::UnknownConsumer { consumer } => {
-                write!(f, "unknown consumer {consumer:?}: register it on the builder")
+                write!(
+                    f,
+                    "unknown consumer {consumer:?}: register it on the builder"
+                )
             }
             Error::NotADatabase { path } => {
                 write!(f, "{} is not a SQLite database", path.display())

@@ -65,7 +65,9 @@ impl FromStr for Status {
 
 impl ToSql for Status {
     fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {
-        Ok(ToSqlOutput::Borrowed(ValueRef::Text(self.as_str().as_bytes())))
+        Ok(ToSqlOutput::Borrowed(ValueRef::Text(
+            self.as_str().as_bytes(),
+        )))
     }
 }
 
@@ -189,7 +191,13 @@ pub(crate) fn mark_dead(
              next_attempt_at = NULL, lease_until = NULL, lease_token = NULL
          WHERE consumer = ?1 AND source = ?2 AND message_id = ?3",
     )?
-    .execute(params![key.consumer, key.source, key.message_id, error, now_ms])?;
+    .execute(params![
+        key.consumer,
+        key.source,
+        key.message_id,
+        error,
+        now_ms
+    ])?;
     Ok(())
 }
 

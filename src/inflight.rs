@@ -32,8 +32,13 @@ const MAX_RECORD: u64 = 300 * 1024 * 1024;
 /// Records which handler is running, so a crash inside it can be counted.
 pub(crate) trait InflightLog {
     /// Called just before the handler runs.
-    fn begin(&mut self, consumer: &str, msg: &Message, hash: &[u8; 32], prior_attempts: u32)
-        -> io::Result<()>;
+    fn begin(
+        &mut self,
+        consumer: &str,
+        msg: &Message,
+        hash: &[u8; 32],
+        prior_attempts: u32,
+    ) -> io::Result<()>;
     /// Called as soon as the handler has returned (or panicked).
     fn end(&mut self) -> io::Result<()>;
 }
@@ -152,7 +157,10 @@ fn encode(buf: &mut Vec<u8>, consumer: &str, msg: &Message, hash: &[u8; 32], pri
     put_bytes(buf, consumer.as_bytes());
     put_bytes(buf, msg.source.as_bytes());
     put_bytes(buf, msg.id.as_bytes());
-    put_bytes(buf, headers_json(&msg.headers).unwrap_or_default().as_bytes());
+    put_bytes(
+        buf,
+        headers_json(&msg.headers).unwrap_or_default().as_bytes(),
+    );
     match &msg.ordering_key {
         Some(k) => {
             buf.push(1);
@@ -259,7 +267,10 @@ mod tests {
             assert!(decode(&bad).is_none(), "flipped byte {i} was accepted");
         }
         for n in 0..buf.len() {
-            assert!(decode(&buf[..n]).is_none(), "torn write of {n} bytes accepted");
+            assert!(
+                decode(&buf[..n]).is_none(),
+                "torn write of {n} bytes accepted"
+            );
         }
     }
 
@@ -268,7 +279,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("x.db");
         let first = EngineFile::lock(&db).unwrap();
-        assert!(matches!(EngineFile::lock(&db), Err(Error::AlreadyOpen { .. })));
+        assert!(matches!(
+            EngineFile::lock(&db),
+            Err(Error::AlreadyOpen { .. })
+        ));
         drop(first);
         EngineFile::lock(&db).unwrap();
     }

@@ -87,6 +87,7 @@ mod config;
 mod delivery;
 mod engine;
 mod error;
+mod guard;
 mod handler;
 mod inbox;
 mod inflight;

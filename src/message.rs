@@ -29,7 +29,11 @@ pub struct Message {
 impl Message {
     /// A message with raw payload bytes. A zero-length payload is allowed
     /// (a tombstone, a ping); see the crate docs for the limits.
-    pub fn new(source: impl Into<String>, id: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
+    pub fn new(
+        source: impl Into<String>,
+        id: impl Into<String>,
+        payload: impl Into<Vec<u8>>,
+    ) -> Self {
         Message {
             source: source.into(),
             id: id.into(),

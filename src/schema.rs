@@ -45,7 +45,9 @@ pub(crate) fn open_writer(path: &Path, config: &Config) -> Result<Connection> {
     if !mode.eq_ignore_ascii_case("wal") {
         return Err(Error::invalid(
             "database",
-            format!("journal_mode is {mode:?}; postroom needs WAL (is the file on a network share?)"),
+            format!(
+                "journal_mode is {mode:?}; postroom needs WAL (is the file on a network share?)"
+            ),
         ));
     }
     conn.pragma_update(None, "synchronous", config.durability.pragma())

@@ -80,6 +80,11 @@ pub struct Stats {
     pub db_bytes: u64,
     /// Size of the `-wal` file, in bytes (0 when absent).
     pub wal_bytes: u64,
+    /// Write transactions this engine has committed since it was opened.
+    pub batches_committed: u64,
+    /// Jobs (deliveries, transactions) those commits carried; divided by
+    /// `batches_committed` it is the average group-commit size.
+    pub jobs_committed: u64,
 }
 
 /// Reads the counts. Cost: one pass over the inbox's status column.

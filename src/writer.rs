@@ -10,6 +10,9 @@
 //!   rolls back by itself after some I/O errors), every job of the batch is
 //!   answered with an error: nothing of it was acknowledged.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
 use crossbeam_channel::{Receiver, Sender};
 use rusqlite::Connection;
 
@@ -17,6 +20,7 @@ use crate::clock::Clock;
 use crate::config::Config;
 use crate::delivery::exec;
 use crate::error::{Error, Result};
+use crate::guard::UserCodeGuard;
 use crate::inflight::EngineFile;
 
 /// What a job can use while it runs.
@@ -25,6 +29,7 @@ pub(crate) struct WriterCtx<'a> {
     pub config: &'a Config,
     pub clock: &'a dyn Clock,
     pub engine_file: &'a mut EngineFile,
+    pub guard: &'a UserCodeGuard,
 }
 
 /// A unit of work for the writer thread.
@@ -94,13 +99,23 @@ where
     (Box::new(job), answer)
 }
 
+/// Counters the writer keeps for [`Stats`](crate::Stats): how many
+/// transactions it committed and how many jobs they carried.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub batches: AtomicU64,
+    pub jobs: AtomicU64,
+}
+
 /// Everything the writer thread owns.
 pub(crate) struct Writer {
     pub conn: Connection,
     pub config: Config,
     pub clock: std::sync::Arc<dyn Clock>,
     pub engine_file: EngineFile,
+    pub guard: UserCodeGuard,
     pub commands: Receiver<Command>,
+    pub counters: Arc<Counters>,
 }
 
 impl Writer {
@@ -131,6 +146,12 @@ impl Writer {
 
     fn run_batch(&mut self, batch: &mut Vec<Box<dyn Job>>) {
         let outcome = self.execute(batch);
+        if outcome.is_ok() {
+            self.counters.batches.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .jobs
+                .fetch_add(batch.len() as u64, Ordering::Relaxed);
+        }
         if let Err(e) = &outcome {
             log::error!("postroom writer: batch of {} failed: {e}", batch.len());
             if !self.conn.is_autocommit() {
@@ -153,6 +174,7 @@ impl Writer {
             config: &self.config,
             clock: &*self.clock,
             engine_file: &mut self.engine_file,
+            guard: &self.guard,
         };
         for job in batch.iter_mut() {
             exec(ctx.conn, "SAVEPOINT postroom_job")?;

@@ -1,0 +1,153 @@
+//! Shared helpers for the integration tests: a domain schema whose writes
+//! are deliberately NOT idempotent (so a double application shows up as a
+//! count of 2), raw connections for inspecting the file, a seeded RNG, and
+//! the child-process plumbing of the crash tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use postroom::{Failure, Message, Outgoing, Tx};
+use rusqlite::{params, Connection, OptionalExtension};
+
+/// Domain table: one row per application of a message. No unique key on
+/// purpose: exactly-once must come from postroom, not from the schema.
+pub const DOMAIN_SQL: &str = "CREATE TABLE IF NOT EXISTS applied (
+    consumer TEXT NOT NULL, message_id TEXT NOT NULL, payload BLOB);";
+
+/// The canonical handler effect: a domain row plus one outbox message.
+pub fn apply(tx: &mut Tx<'_>, msg: &Message) -> Result<(), Failure> {
+    tx.execute(
+        "INSERT INTO applied (consumer, message_id, payload) VALUES (?1, ?2, ?3)",
+        params![tx.consumer().unwrap_or(""), msg.id(), msg.payload()],
+    )?;
+    tx.publish(Outgoing::new("applied", msg.id().as_bytes().to_vec()).with_key(msg.id()))?;
+    Ok(())
+}
+
+pub fn create_domain(room: &postroom::Postroom) {
+    room.transaction(|tx| {
+        tx.execute_batch(DOMAIN_SQL)?;
+        Ok(())
+    })
+    .expect("create domain table");
+}
+
+/// A plain connection for inspecting the database beside a running engine.
+pub fn raw(path: &Path) -> Connection {
+    let conn = Connection::open(path).expect("open raw connection");
+    conn.busy_timeout(std::time::Duration::from_secs(10))
+        .unwrap();
+    conn
+}
+
+pub fn applied_count(conn: &Connection, message_id: &str) -> i64 {
+    conn.query_row(
+        "SELECT count(*) FROM applied WHERE message_id = ?1",
+        [message_id],
+        |r| r.get(0),
+    )
+    .unwrap()
+}
+
+pub fn count(conn: &Connection, sql: &str) -> i64 {
+    conn.query_row(sql, [], |r| r.get(0)).unwrap()
+}
+
+/// (status, attempts, last_error, payload) of an inbox row.
+pub fn inbox_row(
+    conn: &Connection,
+    consumer: &str,
+    source: &str,
+    id: &str,
+) -> Option<(String, i64, Option<String>, Option<Vec<u8>>)> {
+    conn.query_row(
+        "SELECT status, attempts, last_error, payload FROM postroom_inbox
+         WHERE consumer = ?1 AND source = ?2 AND message_id = ?3",
+        [consumer, source, id],
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+    )
+    .optional()
+    .unwrap()
+}
+
+pub fn integrity_ok(conn: &Connection) {
+    let result: String = conn
+        .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(result, "ok", "integrity_check");
+}
+
+/// SplitMix64: small, seedable, good enough to pick ids and delays.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x5DEE_CE66_D1CE_4E5B)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+/// Seed for randomized tests: `POSTROOM_SEED` to replay, else from the time.
+pub fn seed() -> u64 {
+    std::env::var("POSTROOM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        })
+}
+
+/// Spawns this test binary again as a child that runs `role` (see each
+/// test file's `child_main`), with `env` set. Stdout is piped: children
+/// report acknowledgements as `ACK <id>` lines.
+pub fn spawn_child(role: &str, db: &Path, env: &[(&str, String)]) -> Child {
+    let exe = std::env::current_exe().expect("current test binary");
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        "--exact",
+        "child_main",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("POSTROOM_CHILD", role)
+    .env("POSTROOM_DB", db)
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("spawn child process")
+}
+
+/// The role and database a child was started with, if this process is one.
+pub fn child_role() -> Option<(String, PathBuf)> {
+    let role = std::env::var("POSTROOM_CHILD").ok()?;
+    let db = std::env::var_os("POSTROOM_DB")?;
+    Some((role, PathBuf::from(db)))
+}
+
+/// Writes a protocol line to the real stdout (not libtest's capture) and
+/// flushes, so a parent reading the pipe sees it before any later kill.
+pub fn report(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(line.as_bytes()).unwrap();
+    out.write_all(b"\n").unwrap();
+    out.flush().unwrap();
+}

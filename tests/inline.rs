@@ -1,0 +1,747 @@
+//! Inline delivery: the state machine of DESIGN §4 on real SQLite files.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Barrier};
+use std::thread;
+use std::time::Duration;
+
+use common::*;
+use postroom::{handler_fn, Failure, ManualClock, Message, Outcome, Outgoing, Postroom};
+
+const T0: i64 = 1_700_000_000_000;
+
+fn open(dir: &tempfile::TempDir, builder: postroom::Builder) -> Postroom {
+    let room = builder.open(dir.path().join("app.db")).expect("open");
+    create_domain(&room);
+    room
+}
+
+/// Seed test 2: the same message from ten threads at once. The handler's
+/// effect happens exactly once; the others are told Duplicate; no error.
+#[test]
+fn ten_threads_delivering_the_same_message_apply_it_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = Arc::clone(&calls);
+    let room = open(
+        &dir,
+        Postroom::builder().consumer(
+            "orders",
+            handler_fn(move |tx, msg| {
+                c.fetch_add(1, Ordering::SeqCst);
+                // Widen the window in which a racing duplicate could slip by.
+                thread::sleep(Duration::from_millis(20));
+                apply(tx, msg)
+            }),
+        ),
+    );
+    for round in 0..5 {
+        let id = format!("evt-{round}");
+        let barrier = Barrier::new(10);
+        let outcomes: Vec<_> = thread::scope(|s| {
+            let handles: Vec<_> = (0..10)
+                .map(|_| {
+                    s.spawn(|| {
+                        barrier.wait();
+                        room.deliver("orders", Message::new("broker", id.clone(), "pay"))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let outcomes: Vec<Outcome> = outcomes
+            .into_iter()
+            .map(|r| r.expect("no error surfaces from a duplicate race"))
+            .collect();
+        let processed = outcomes
+            .iter()
+            .filter(|o| matches!(o, Outcome::Processed { .. }))
+            .count();
+        assert_eq!(processed, 1, "{outcomes:?}");
+        assert!(
+            outcomes
+                .iter()
+                .all(|o| matches!(o, Outcome::Processed { .. } | Outcome::Duplicate)),
+            "{outcomes:?}"
+        );
+        let conn = raw(room.path());
+        assert_eq!(applied_count(&conn, &id), 1);
+        assert_eq!(
+            count(
+                &conn,
+                &format!("SELECT count(*) FROM postroom_outbox WHERE cause_message_id = '{id}'")
+            ),
+            1
+        );
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 5);
+}
+
+/// Seed test 3: a failing handler leaves the row `failed` with the error
+/// stored; its writes are rolled back; attempts increment on the next
+/// delivery; an early redelivery is answered without running the handler.
+#[test]
+fn handler_failure_is_recorded_and_retried_with_backoff() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let failing = Arc::new(AtomicBool::new(true));
+    let calls = Arc::new(AtomicU32::new(0));
+    let (f, c) = (Arc::clone(&failing), Arc::clone(&calls));
+    let room = open(
+        &dir,
+        Postroom::builder().clock(clock.clone()).consumer(
+            "orders",
+            handler_fn(move |tx, msg| {
+                c.fetch_add(1, Ordering::SeqCst);
+                apply(tx, msg)?; // written, then rolled back on failure
+                if f.load(Ordering::SeqCst) {
+                    return Err(Failure::retry("payment gateway timed out"));
+                }
+                Ok(())
+            }),
+        ),
+    );
+    let msg = Message::new("broker", "evt-1", "pay");
+    let conn = raw(room.path());
+
+    let first = room.deliver("orders", msg.clone()).unwrap();
+    let Outcome::Failed {
+        attempts,
+        error,
+        retry_after,
+    } = &first
+    else {
+        panic!("expected Failed, got {first:?}")
+    };
+    assert_eq!(
+        (*attempts, error.as_str()),
+        (1, "payment gateway timed out")
+    );
+    assert!(*retry_after >= Duration::from_millis(500) && *retry_after <= Duration::from_secs(1));
+    assert!(!first.should_ack());
+    let (status, attempts, last_error, payload) =
+        inbox_row(&conn, "orders", "broker", "evt-1").unwrap();
+    assert_eq!(status, "failed");
+    assert_eq!(attempts, 1);
+    assert_eq!(last_error.as_deref(), Some("payment gateway timed out"));
+    assert_eq!(
+        payload.as_deref(),
+        Some(&b"pay"[..]),
+        "failed rows keep their payload"
+    );
+    assert_eq!(
+        applied_count(&conn, "evt-1"),
+        0,
+        "failed attempt's writes rolled back"
+    );
+    assert_eq!(count(&conn, "SELECT count(*) FROM postroom_outbox"), 0);
+
+    // The broker redelivers early: backoff is honoured, the handler not run.
+    clock.advance(Duration::from_millis(100));
+    let early = room.deliver("orders", msg.clone()).unwrap();
+    assert!(
+        matches!(early, Outcome::Failed { attempts: 1, .. }),
+        "{early:?}"
+    );
+    assert!(early.retry_after().unwrap() < *retry_after);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+    // Once due, it runs again and attempts increment.
+    clock.advance(Duration::from_secs(1));
+    let second = room.deliver("orders", msg.clone()).unwrap();
+    assert!(
+        matches!(second, Outcome::Failed { attempts: 2, .. }),
+        "{second:?}"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(inbox_row(&conn, "orders", "broker", "evt-1").unwrap().1, 2);
+
+    failing.store(false, Ordering::SeqCst);
+    clock.advance(Duration::from_secs(2));
+    assert_eq!(
+        room.deliver("orders", msg.clone()).unwrap(),
+        Outcome::Processed { attempts: 3 }
+    );
+    assert_eq!(room.deliver("orders", msg).unwrap(), Outcome::Duplicate);
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    assert_eq!(applied_count(&conn, "evt-1"), 1);
+    let (status, attempts, last_error, payload) =
+        inbox_row(&conn, "orders", "broker", "evt-1").unwrap();
+    assert_eq!(
+        (status.as_str(), attempts, last_error, payload),
+        ("completed", 3, None, None)
+    );
+}
+
+/// Seed test 5: a row whose attempts are above the cap is dead-lettered on
+/// its next delivery, without running the handler, and stays dead.
+#[test]
+fn attempts_above_the_cap_go_dead_without_running_the_handler() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = Arc::clone(&calls);
+    let room = open(
+        &dir,
+        Postroom::builder()
+            .clock(clock.clone())
+            .max_attempts(3)
+            .consumer(
+                "orders",
+                handler_fn(move |_, _| {
+                    c.fetch_add(1, Ordering::SeqCst);
+                    Err(Failure::retry("still broken"))
+                }),
+            ),
+    );
+    let conn = raw(room.path());
+    let msg = Message::new("broker", "evt-1", "pay");
+    assert!(matches!(
+        room.deliver("orders", msg.clone()).unwrap(),
+        Outcome::Failed { attempts: 1, .. }
+    ));
+    conn.execute("UPDATE postroom_inbox SET attempts = 10", [])
+        .unwrap();
+    clock.advance(Duration::from_secs(3600));
+    let outcome = room.deliver("orders", msg.clone()).unwrap();
+    let Outcome::Dead {
+        attempts: 10,
+        error,
+    } = &outcome
+    else {
+        panic!("{outcome:?}")
+    };
+    assert!(
+        error.contains("attempts exhausted") && error.contains("still broken"),
+        "{error}"
+    );
+    assert!(outcome.should_ack());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let (status, _, _, payload) = inbox_row(&conn, "orders", "broker", "evt-1").unwrap();
+    assert_eq!(status, "dead");
+    assert_eq!(
+        payload.as_deref(),
+        Some(&b"pay"[..]),
+        "dead letters keep their payload"
+    );
+
+    // And the ordinary way there: the third failing attempt is the last.
+    let msg2 = Message::new("broker", "evt-2", "pay");
+    for n in 1..=2 {
+        assert!(
+            matches!(room.deliver("orders", msg2.clone()).unwrap(), Outcome::Failed { attempts, .. } if attempts == n)
+        );
+        clock.advance(Duration::from_secs(3600));
+    }
+    assert!(matches!(
+        room.deliver("orders", msg2.clone()).unwrap(),
+        Outcome::Dead { attempts: 3, .. }
+    ));
+    clock.advance(Duration::from_secs(3600));
+    assert!(matches!(
+        room.deliver("orders", msg2).unwrap(),
+        Outcome::Dead { attempts: 3, .. }
+    ));
+    assert_eq!(calls.load(Ordering::SeqCst), 4, "no retries after dead");
+}
+
+#[test]
+fn rejected_and_undecodable_messages_are_dead_at_once_with_payload() {
+    let dir = tempfile::tempdir().unwrap();
+    #[derive(serde::Deserialize)]
+    struct Paid {
+        #[allow(dead_code)]
+        order_id: i64,
+    }
+    let room = open(
+        &dir,
+        Postroom::builder()
+            .consumer(
+                "json",
+                handler_fn(|tx, msg| {
+                    let _: Paid = msg.json()?;
+                    apply(tx, msg)
+                }),
+            )
+            .consumer(
+                "strict",
+                handler_fn(|tx, msg| {
+                    apply(tx, msg)?;
+                    Err(Failure::reject("amount must be positive"))
+                }),
+            ),
+    );
+    let conn = raw(room.path());
+    let outcome = room
+        .deliver("json", Message::new("b", "m1", "{not json"))
+        .unwrap();
+    let Outcome::Dead { attempts: 1, error } = &outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(error.starts_with("invalid JSON"), "{error}");
+    let outcome = room
+        .deliver("strict", Message::new("b", "m2", "-5"))
+        .unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Dead {
+            attempts: 1,
+            error: "amount must be positive".into()
+        }
+    );
+    assert_eq!(count(&conn, "SELECT count(*) FROM applied"), 0);
+    assert_eq!(
+        inbox_row(&conn, "strict", "b", "m2").unwrap().3.as_deref(),
+        Some(&b"-5"[..])
+    );
+    // Valid JSON for the first consumer still flows.
+    assert!(room
+        .deliver("json", Message::new("b", "m3", r#"{"order_id": 1}"#))
+        .unwrap()
+        .should_ack());
+}
+
+#[test]
+fn a_panicking_handler_is_a_counted_retryable_failure_and_the_engine_carries_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let room = open(
+        &dir,
+        Postroom::builder().clock(clock.clone()).consumer(
+            "c",
+            handler_fn(|tx, msg| {
+                apply(tx, msg)?;
+                if msg.payload() == b"boom" {
+                    panic!("index out of range in handler");
+                }
+                Ok(())
+            }),
+        ),
+    );
+    let outcome = room.deliver("c", Message::new("b", "p", "boom")).unwrap();
+    let Outcome::Failed {
+        attempts: 1, error, ..
+    } = &outcome
+    else {
+        panic!("{outcome:?}")
+    };
+    assert!(
+        error.contains("panicked") && error.contains("index out of range"),
+        "{error}"
+    );
+    let conn = raw(room.path());
+    assert_eq!(
+        applied_count(&conn, "p"),
+        0,
+        "the panicking attempt's writes are rolled back"
+    );
+    assert_eq!(
+        room.deliver("c", Message::new("b", "q", "fine")).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    assert_eq!(applied_count(&conn, "q"), 1);
+}
+
+/// Same id, different payload: the stored message is untouched, the new
+/// delivery quarantined whole, the caller told and allowed to ack.
+#[test]
+fn same_id_with_a_different_payload_is_quarantined() {
+    let dir = tempfile::tempdir().unwrap();
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = Arc::clone(&calls);
+    let room = open(
+        &dir,
+        Postroom::builder().keep_payloads(true).consumer(
+            "c",
+            handler_fn(move |tx, msg| {
+                c.fetch_add(1, Ordering::SeqCst);
+                apply(tx, msg)
+            }),
+        ),
+    );
+    let conn = raw(room.path());
+    assert!(room
+        .deliver("c", Message::new("b", "id", "amount=10"))
+        .unwrap()
+        .should_ack());
+    let before: (Vec<u8>, Vec<u8>) = conn
+        .query_row(
+            "SELECT payload, payload_hash FROM postroom_inbox",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+
+    let bad = Message::new("b", "id", "amount=99").with_header("producer", "buggy");
+    let outcome = room.deliver("c", bad.clone()).unwrap();
+    let Outcome::Conflict { conflict_id } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(outcome.should_ack());
+    let again = room.deliver("c", bad).unwrap();
+    assert_eq!(
+        again,
+        Outcome::Conflict { conflict_id },
+        "a repeat bumps the same row"
+    );
+    assert_eq!(
+        room.deliver("c", Message::new("b", "id", "amount=10"))
+            .unwrap(),
+        Outcome::Duplicate
+    );
+
+    let after: (Vec<u8>, Vec<u8>) = conn
+        .query_row(
+            "SELECT payload, payload_hash FROM postroom_inbox",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(before, after, "stored message untouched");
+    let (payload, headers, deliveries, stored_hash, hash): (Vec<u8>, String, i64, Vec<u8>, Vec<u8>) = conn
+        .query_row(
+            "SELECT payload, headers, deliveries, stored_hash, payload_hash FROM postroom_conflicts WHERE id = ?1",
+            [conflict_id],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+        )
+        .unwrap();
+    assert_eq!(payload, b"amount=99");
+    assert!(headers.contains("buggy"));
+    assert_eq!(deliveries, 2);
+    assert_eq!(stored_hash, before.1);
+    assert_eq!(hash, blake3::hash(b"amount=99").as_bytes());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(applied_count(&conn, "id"), 1);
+    assert_eq!(room.stats().unwrap().conflicts, 1);
+}
+
+/// Outbox rows are written in the handler's transaction, with ids that are
+/// stable across attempts (a rolled-back attempt and the committing one
+/// publish the same ids) and link back to the inbox message.
+#[test]
+fn published_messages_have_stable_ids_and_causation() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let ids = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let seen = Arc::clone(&ids);
+    let room = open(
+        &dir,
+        Postroom::builder().clock(clock.clone()).consumer(
+            "c",
+            handler_fn(move |tx, msg| {
+                let a = tx.publish(Outgoing::new("shipping.requested", "a").with_key("order-7"))?;
+                let b = tx.publish(Outgoing::new("email.send", "b").with_header("x", "1"))?;
+                seen.lock().unwrap().extend([a, b]);
+                if tx.attempt() == 1 {
+                    return Err(Failure::retry_after("flaky", Duration::ZERO));
+                }
+                assert_eq!(tx.idempotency_key().unwrap(), format!("c/b/{}", msg.id()));
+                Ok(())
+            }),
+        ),
+    );
+    let msg = Message::new("b", "evt-9", "x").with_header("correlation-id", "saga-1");
+    assert!(matches!(
+        room.deliver("c", msg.clone()).unwrap(),
+        Outcome::Failed { .. }
+    ));
+    assert_eq!(
+        room.deliver("c", msg).unwrap(),
+        Outcome::Processed { attempts: 2 }
+    );
+    let ids = ids.lock().unwrap().clone();
+    assert_eq!(ids.len(), 4);
+    assert_eq!(ids[0..2], ids[2..4], "ids are the same on every attempt");
+    assert_ne!(ids[0], ids[1]);
+
+    let conn = raw(room.path());
+    let mut stmt = conn
+        .prepare(
+            "SELECT message_id, topic, key, status, headers, cause_consumer, cause_source, cause_message_id
+             FROM postroom_outbox ORDER BY seq",
+        )
+        .unwrap();
+    let rows: Vec<(
+        String,
+        String,
+        Option<String>,
+        String,
+        String,
+        String,
+        String,
+        String,
+    )> = stmt
+        .query_map([], |r| {
+            Ok((
+                r.get(0)?,
+                r.get(1)?,
+                r.get(2)?,
+                r.get(3)?,
+                r.get(4)?,
+                r.get(5)?,
+                r.get(6)?,
+                r.get(7)?,
+            ))
+        })
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(rows.len(), 2, "only the committing attempt leaves rows");
+    assert_eq!(rows[0].0, ids[0]);
+    assert_eq!(rows[0].1, "shipping.requested");
+    assert_eq!(rows[0].2.as_deref(), Some("order-7"));
+    assert_eq!(rows[1].0, ids[1]);
+    for row in &rows {
+        assert_eq!(row.3, "pending");
+        assert_eq!(
+            (row.5.as_str(), row.6.as_str(), row.7.as_str()),
+            ("c", "b", "evt-9")
+        );
+        let headers: serde_json::Value = serde_json::from_str(&row.4).unwrap();
+        assert_eq!(headers["causation-id"], "evt-9");
+        assert_eq!(headers["correlation-id"], "saga-1");
+    }
+    assert_eq!(room.stats().unwrap().outbox.pending, 2);
+}
+
+/// Concurrent callers share commits: with eight threads delivering, the
+/// writer commits several jobs per transaction, and every message is
+/// applied exactly once.
+#[test]
+fn concurrent_deliveries_are_group_committed() {
+    let dir = tempfile::tempdir().unwrap();
+    let room = open(
+        &dir,
+        Postroom::builder().consumer(
+            "c",
+            handler_fn(|tx, msg| {
+                thread::sleep(Duration::from_micros(200));
+                apply(tx, msg)
+            }),
+        ),
+    );
+    thread::scope(|s| {
+        for t in 0..8 {
+            let room = &room;
+            s.spawn(move || {
+                for i in 0..100 {
+                    let out = room
+                        .deliver("c", Message::new("b", format!("{t}-{i}"), "x"))
+                        .unwrap();
+                    assert_eq!(out, Outcome::Processed { attempts: 1 });
+                }
+            });
+        }
+    });
+    let stats = room.stats().unwrap();
+    assert_eq!(stats.inbox["c"].completed, 800);
+    assert_eq!(stats.outbox.pending, 800);
+    let conn = raw(room.path());
+    assert_eq!(count(&conn, "SELECT count(*) FROM applied"), 800);
+    assert_eq!(
+        count(&conn, "SELECT count(DISTINCT message_id) FROM applied"),
+        800
+    );
+    // 800 deliveries + 1 schema transaction.
+    assert_eq!(stats.jobs_committed, 801);
+    assert!(
+        stats.batches_committed < 700,
+        "expected group commit to share transactions: {} batches for {} jobs",
+        stats.batches_committed,
+        stats.jobs_committed
+    );
+}
+
+#[test]
+fn consumers_have_separate_dedupe_namespaces_and_sources_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let room = open(
+        &dir,
+        Postroom::builder()
+            .consumer("a", handler_fn(apply))
+            .consumer("b", handler_fn(apply)),
+    );
+    let m = Message::new("s1", "same-id", "x");
+    assert!(matches!(
+        room.deliver("a", m.clone()).unwrap(),
+        Outcome::Processed { .. }
+    ));
+    assert!(matches!(
+        room.deliver("b", m.clone()).unwrap(),
+        Outcome::Processed { .. }
+    ));
+    assert!(matches!(
+        room.deliver("a", Message::new("s2", "same-id", "y"))
+            .unwrap(),
+        Outcome::Processed { .. }
+    ));
+    assert_eq!(room.deliver("a", m).unwrap(), Outcome::Duplicate);
+    let stats = room.stats().unwrap();
+    assert_eq!(stats.inbox["a"].completed, 2);
+    assert_eq!(stats.inbox["b"].completed, 1);
+}
+
+#[test]
+fn a_handler_cannot_end_the_engines_transaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let room = open(
+        &dir,
+        Postroom::builder().consumer(
+            "c",
+            handler_fn(|tx, msg| {
+                apply(tx, msg)?;
+                let sql = std::str::from_utf8(msg.payload()).unwrap();
+                if !sql.is_empty() {
+                    tx.execute_batch(sql)?;
+                }
+                Ok(())
+            }),
+        ),
+    );
+    let conn = raw(room.path());
+    for (i, sql) in [
+        "COMMIT",
+        "ROLLBACK",
+        "BEGIN",
+        "RELEASE postroom_job",
+        "ROLLBACK TO postroom_handler",
+        "SAVEPOINT postroom_handler",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("m{i}");
+        let outcome = room
+            .deliver("c", Message::new("b", id.clone(), sql))
+            .unwrap();
+        let Outcome::Failed { error, .. } = &outcome else {
+            panic!("{sql}: {outcome:?}")
+        };
+        assert!(error.contains("not authorized"), "{sql}: {error}");
+        assert_eq!(
+            applied_count(&conn, &id),
+            0,
+            "{sql}: nothing of the attempt committed"
+        );
+    }
+    // A handler's own savepoints are its business.
+    let ok = room
+        .deliver(
+            "c",
+            Message::new("b", "own", "SAVEPOINT mine; RELEASE mine;"),
+        )
+        .unwrap();
+    assert_eq!(ok, Outcome::Processed { attempts: 1 });
+    assert_eq!(applied_count(&conn, "own"), 1);
+    // So are transaction closures.
+    let err = room
+        .transaction(|tx| {
+            tx.execute_batch("COMMIT")?;
+            Ok(())
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("not authorized"), "{err}");
+}
+
+#[test]
+fn calling_the_engine_from_its_own_handler_is_an_error_not_a_deadlock() {
+    let dir = tempfile::tempdir().unwrap();
+    let slot: Arc<std::sync::OnceLock<std::sync::Weak<Postroom>>> = Default::default();
+    let s = Arc::clone(&slot);
+    let room = Arc::new(
+        Postroom::builder()
+            .consumer(
+                "c",
+                handler_fn(move |_, _| {
+                    let room = s.get().and_then(|w| w.upgrade()).expect("engine");
+                    match room.deliver("c", Message::new("b", "inner", "x")) {
+                        Err(postroom::Error::InvalidInput {
+                            field: "caller", ..
+                        }) => Ok(()),
+                        other => Err(Failure::reject(format!("unexpected: {other:?}"))),
+                    }
+                }),
+            )
+            .open(dir.path().join("app.db"))
+            .unwrap(),
+    );
+    slot.set(Arc::downgrade(&room)).unwrap();
+    assert_eq!(
+        room.deliver("c", Message::new("b", "outer", "x")).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+}
+
+#[test]
+fn shutdown_joins_the_writer_and_releases_the_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let room = Postroom::builder()
+        .consumer("c", handler_fn(|_, _| Ok(())))
+        .open(&path)
+        .unwrap();
+    assert!(matches!(
+        Postroom::builder().open(&path),
+        Err(postroom::Error::AlreadyOpen { .. })
+    ));
+    room.deliver("c", Message::new("b", "1", "x")).unwrap();
+    let report = room.shutdown(Duration::from_secs(5)).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(report.joined, vec!["postroom-writer".to_string()]);
+    assert!(matches!(
+        room.deliver("c", Message::new("b", "2", "x")),
+        Err(postroom::Error::Closed)
+    ));
+    assert!(matches!(room.stats(), Err(postroom::Error::Closed)));
+    assert!(matches!(
+        room.shutdown(Duration::from_secs(1)),
+        Err(postroom::Error::Closed)
+    ));
+    // The lock went with the writer: the file opens again, state intact.
+    let again = Postroom::builder()
+        .consumer("c", handler_fn(|_, _| Ok(())))
+        .open(&path)
+        .unwrap();
+    assert_eq!(
+        again.deliver("c", Message::new("b", "1", "x")).unwrap(),
+        Outcome::Duplicate
+    );
+    drop(again);
+    // Drop shut it down too.
+    Postroom::builder().open(&path).unwrap();
+}
+
+#[test]
+fn durability_sets_the_writer_connections_synchronous_pragma() {
+    for (durability, expected) in [(None, 2i64), (Some(postroom::Durability::Normal), 1)] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut builder = Postroom::builder().consumer("c", handler_fn(apply));
+        if let Some(d) = durability {
+            builder = builder.durability(d);
+        }
+        let room = open(&dir, builder);
+        let (sync, journal, fk): (i64, String, i64) = room
+            .transaction(|tx| {
+                Ok((
+                    tx.query_row("PRAGMA synchronous", [], |r| r.get(0))?,
+                    tx.query_row("PRAGMA journal_mode", [], |r| r.get(0))?,
+                    tx.query_row("PRAGMA foreign_keys", [], |r| r.get(0))?,
+                ))
+            })
+            .unwrap();
+        assert_eq!(
+            (sync, journal.as_str(), fk),
+            (expected, "wal", 1),
+            "{durability:?}"
+        );
+        for i in 0..20 {
+            assert!(room
+                .deliver("c", Message::new("b", i.to_string(), "x"))
+                .unwrap()
+                .should_ack());
+        }
+        assert_eq!(room.stats().unwrap().inbox["c"].completed, 20);
+    }
+}
