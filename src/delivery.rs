@@ -130,8 +130,14 @@ fn attempt(
     };
     let marker_cleared = env.log.end();
     if conn.is_autocommit() {
-        // The handler (or SQLite, after an I/O error) ended the batch's
-        // transaction: nothing of this batch can be trusted to commit.
+        // SQLite rolled the whole transaction back (it may, after a full
+        // disk or an I/O error), or the handler got past the guard: nothing
+        // of this batch can be trusted to commit.
+        if let Ok(Err(Failure::Sqlite(e))) = result {
+            if is_storage_error(&e) {
+                return Err(Error::sqlite("handler", e));
+            }
+        }
         return Err(Error::Aborted {
             reason: format!(
                 "consumer {consumer:?}: the transaction ended inside the handler \

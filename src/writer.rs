@@ -34,9 +34,9 @@ pub(crate) struct WriterCtx<'a> {
 
 /// A unit of work for the writer thread.
 pub(crate) trait Job: Send {
-    /// Runs inside the batch's transaction and its own savepoint. Returns
-    /// false when its writes must be rolled back.
-    fn run(&mut self, ctx: &mut WriterCtx<'_>) -> bool;
+    /// Runs inside the batch's transaction and its own savepoint. An `Err`
+    /// (a copy of the job's own error) means its writes must be rolled back.
+    fn run(&mut self, ctx: &mut WriterCtx<'_>) -> Result<()>;
     /// Answers the caller, once the batch has committed (`Ok`) or failed.
     fn finish(self: Box<Self>, batch: std::result::Result<(), &Error>);
 }
@@ -58,16 +58,19 @@ where
     T: Send,
     F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send,
 {
-    fn run(&mut self, ctx: &mut WriterCtx<'_>) -> bool {
+    fn run(&mut self, ctx: &mut WriterCtx<'_>) -> Result<()> {
         let result = match self.work.take() {
             Some(work) => work(ctx),
             None => Err(Error::Aborted {
                 reason: "job ran twice".into(),
             }),
         };
-        let ok = result.is_ok();
+        let copy = match &result {
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.duplicate()),
+        };
         self.result = Some(result);
-        ok
+        copy
     }
 
     fn finish(self: Box<Self>, batch: std::result::Result<(), &Error>) {
@@ -178,13 +181,16 @@ impl Writer {
         };
         for job in batch.iter_mut() {
             exec(ctx.conn, "SAVEPOINT postroom_job")?;
-            let ok = job.run(&mut ctx);
+            let result = job.run(&mut ctx);
             if ctx.conn.is_autocommit() {
-                return Err(Error::Aborted {
+                // SQLite rolled back the whole transaction (after a full
+                // disk or an I/O error): the whole batch failed, for the
+                // reason this job met.
+                return Err(result.err().unwrap_or(Error::Aborted {
                     reason: "the transaction was rolled back mid-batch".into(),
-                });
+                }));
             }
-            if !ok {
+            if result.is_err() {
                 exec(ctx.conn, "ROLLBACK TO postroom_job")?;
             }
             exec(ctx.conn, "RELEASE postroom_job")?;

@@ -21,7 +21,7 @@ pub fn apply(tx: &mut Tx<'_>, msg: &Message) -> Result<(), Failure> {
         "INSERT INTO applied (consumer, message_id, payload) VALUES (?1, ?2, ?3)",
         params![tx.consumer().unwrap_or(""), msg.id(), msg.payload()],
     )?;
-    tx.publish(Outgoing::new("applied", msg.id().as_bytes().to_vec()).with_key(msg.id()))?;
+    tx.publish(Outgoing::new("applied", msg.id().as_bytes().to_vec()).with_key(msg.source()))?;
     Ok(())
 }
 

@@ -1,0 +1,376 @@
+//! DESIGN §7: bad input and storage faults get a clear, typed error and
+//! change nothing; delivery works again once the cause is gone.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use postroom::{handler_fn, Error, Message, Outcome, Postroom, MAX_ID_BYTES, MAX_NAME_BYTES};
+
+fn counting_room(path: &std::path::Path) -> (Postroom, Arc<AtomicU32>) {
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = Arc::clone(&calls);
+    let room = Postroom::builder()
+        .consumer(
+            "c",
+            handler_fn(move |tx, msg| {
+                c.fetch_add(1, Ordering::SeqCst);
+                apply(tx, msg)
+            }),
+        )
+        .open(path)
+        .unwrap();
+    create_domain(&room);
+    (room, calls)
+}
+
+/// Everything postroom stores, as one comparable value.
+fn snapshot(conn: &rusqlite::Connection) -> (i64, i64, i64, i64) {
+    (
+        count(conn, "SELECT count(*) FROM postroom_inbox"),
+        count(conn, "SELECT count(*) FROM postroom_outbox"),
+        count(conn, "SELECT count(*) FROM postroom_conflicts"),
+        count(conn, "SELECT count(*) FROM applied"),
+    )
+}
+
+#[test]
+fn invalid_messages_are_refused_before_anything_is_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let (room, calls) = counting_room(&dir.path().join("app.db"));
+    let conn = raw(room.path());
+    room.deliver("c", Message::new("b", "good", "x")).unwrap();
+    let before = snapshot(&conn);
+
+    let cases: Vec<(Message, &str)> = vec![
+        (Message::new("b", "", "x"), "message id"),
+        (
+            Message::new("b", "i".repeat(MAX_ID_BYTES + 1), "x"),
+            "message id",
+        ),
+        (Message::new("b", "nul\0id", "x"), "message id"),
+        (Message::new("", "id", "x"), "source"),
+        (
+            Message::new("s".repeat(MAX_NAME_BYTES + 1), "id", "x"),
+            "source",
+        ),
+        (Message::new("line\nbreak", "id", "x"), "source"),
+        (
+            Message::new("b", "id", vec![0u8; 1024 * 1024 + 1]),
+            "payload",
+        ),
+        (Message::new("b", "id", "x").with_header("", "v"), "headers"),
+        (
+            Message::new("b", "id", "x").with_header("h", "v".repeat(17 * 1024)),
+            "headers",
+        ),
+        (
+            Message::new("b", "id", "x").with_ordering_key(""),
+            "ordering key",
+        ),
+    ];
+    for (msg, expected_field) in cases {
+        match room.deliver("c", msg) {
+            Err(Error::InvalidInput { field, reason }) => {
+                assert_eq!(field, expected_field, "{reason}");
+                assert!(!reason.is_empty());
+            }
+            other => panic!("expected InvalidInput({expected_field}), got {other:?}"),
+        }
+    }
+    match room.deliver("nobody", Message::new("b", "id", "x")) {
+        Err(Error::UnknownConsumer { consumer }) => assert_eq!(consumer, "nobody"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(snapshot(&conn), before, "nothing stored");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    // Limits are inclusive: the largest valid message goes through.
+    let biggest = Message::new(
+        "s".repeat(MAX_NAME_BYTES),
+        "i".repeat(MAX_ID_BYTES),
+        vec![7u8; 1024 * 1024],
+    );
+    assert_eq!(
+        room.deliver("c", biggest).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+}
+
+#[test]
+fn invalid_configuration_and_consumer_names_are_refused_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let noop = || handler_fn(|_, _| Ok(()));
+    let cases: Vec<(postroom::Builder, &str)> = vec![
+        (Postroom::builder().max_attempts(0), "max_attempts"),
+        (Postroom::builder().max_batch(0), "max_batch"),
+        (
+            Postroom::builder().backoff(Duration::from_secs(10), Duration::from_secs(1)),
+            "backoff",
+        ),
+        (Postroom::builder().max_payload(usize::MAX), "max_payload"),
+        (Postroom::builder().consumer("", noop()), "consumer"),
+        (
+            Postroom::builder().consumer("x".repeat(129), noop()),
+            "consumer",
+        ),
+        (
+            Postroom::builder()
+                .consumer("a", noop())
+                .consumer("a", noop()),
+            "consumer",
+        ),
+    ];
+    for (builder, expected) in cases {
+        match builder.open(&path) {
+            Err(Error::InvalidInput { field, .. }) => assert_eq!(field, expected),
+            other => panic!("expected InvalidInput({expected}), got {other:?}"),
+        }
+    }
+    assert!(!path.exists(), "a refused configuration creates no file");
+}
+
+#[test]
+fn a_file_that_is_not_sqlite_is_refused_and_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("notes.txt");
+    let content = b"These are my notes, not a database. ".repeat(200);
+    std::fs::write(&path, &content).unwrap();
+    match Postroom::builder().open(&path) {
+        Err(e @ Error::NotADatabase { .. }) => {
+            assert!(e.to_string().contains("not a SQLite database"))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(std::fs::read(&path).unwrap(), content);
+}
+
+#[test]
+fn a_newer_schema_is_refused_without_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    drop(Postroom::builder().open(&path).unwrap());
+    raw(&path)
+        .execute(
+            "UPDATE postroom_meta SET value = '99' WHERE key = 'schema_version'",
+            [],
+        )
+        .unwrap();
+    match Postroom::builder().open(&path) {
+        Err(Error::SchemaTooNew {
+            found: 99,
+            supported,
+        }) => assert_eq!(supported, postroom::SCHEMA_VERSION),
+        other => panic!("{other:?}"),
+    }
+    let v: String = raw(&path)
+        .query_row(
+            "SELECT value FROM postroom_meta WHERE key = 'schema_version'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(v, "99");
+}
+
+#[test]
+fn the_applications_user_version_is_left_to_the_application() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    {
+        let conn = raw(&path);
+        conn.execute_batch("PRAGMA user_version = 42; CREATE TABLE mine (x);")
+            .unwrap();
+    }
+    drop(Postroom::builder().open(&path).unwrap());
+    let v: i64 = raw(&path)
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(v, 42);
+}
+
+#[test]
+fn a_damaged_database_is_refused_with_corrupt() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    {
+        let (room, _) = counting_room(&path);
+        for i in 0..300 {
+            room.deliver("c", Message::new("b", format!("m{i}"), vec![b'x'; 500]))
+                .unwrap();
+        }
+        room.shutdown(Duration::from_secs(5)).unwrap();
+    }
+    // Scribble over the middle of the file: b-tree pages, not the header.
+    let mut bytes = std::fs::read(&path).unwrap();
+    assert!(bytes.len() > 16 * 4096, "{}", bytes.len());
+    for b in &mut bytes[8 * 4096..12 * 4096] {
+        *b = 0xA5;
+    }
+    std::fs::write(&path, &bytes).unwrap();
+    match Postroom::builder().open(&path) {
+        Err(e @ Error::Corrupt { .. }) => assert!(e.to_string().contains("corrupt")),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Disk full (a page quota via `PRAGMA max_page_count`): a clear error, no
+/// acknowledgement, nothing stored, no attempt counted; once space is
+/// freed the same message is processed normally.
+#[test]
+fn disk_full_is_a_clear_error_that_changes_nothing_and_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (room, _) = counting_room(&dir.path().join("app.db"));
+    let conn = raw(room.path());
+    room.deliver("c", Message::new("b", "before", "x")).unwrap();
+    let before = snapshot(&conn);
+    let pages: i64 = room
+        .transaction(|tx| {
+            let pages: i64 = tx.query_row("PRAGMA page_count", [], |r| r.get(0))?;
+            // Room for a few dozen small messages, not for a 200 kB one.
+            tx.query_row(
+                &format!("PRAGMA max_page_count = {}", pages + 30),
+                [],
+                |r| r.get::<_, i64>(0),
+            )?;
+            Ok(pages)
+        })
+        .unwrap();
+    assert!(pages > 0);
+
+    let big = Message::new("b", "big", vec![b'p'; 200_000]);
+    for _ in 0..3 {
+        match room.deliver("c", big.clone()) {
+            Err(e @ Error::StorageFull { .. }) => {
+                assert!(e.is_retryable());
+                assert!(e.to_string().contains("full"), "{e}");
+            }
+            other => panic!("expected StorageFull, got {other:?}"),
+        }
+    }
+    assert_eq!(snapshot(&conn), before, "nothing stored");
+    assert!(inbox_row(&conn, "c", "b", "big").is_none());
+
+    // Concurrent deliveries while the quota bites: a batch that SQLite
+    // rolls back fails every job in it. Whatever was acknowledged is applied
+    // exactly once; whatever failed left no trace.
+    let results: Vec<(String, postroom::Result<Outcome>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|t| {
+                let room = &room;
+                s.spawn(move || {
+                    (0..50)
+                        .map(|i| {
+                            let id = format!("t{t}-{i}");
+                            let r =
+                                room.deliver("c", Message::new("b", id.clone(), vec![b'q'; 3000]));
+                            (id, r)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
+    });
+    let (mut full, mut acked) = (0, 0);
+    for (id, result) in &results {
+        match result {
+            Ok(outcome) => {
+                acked += 1;
+                assert!(outcome.should_ack(), "{id}: {outcome:?}");
+                assert_eq!(
+                    applied_count(&conn, id),
+                    1,
+                    "{id} acknowledged but not applied once"
+                );
+            }
+            Err(Error::StorageFull { .. }) => {
+                full += 1;
+                assert_eq!(applied_count(&conn, id), 0, "{id} failed but was applied");
+                assert!(
+                    inbox_row(&conn, "c", "b", id).is_none(),
+                    "{id} failed but stored"
+                );
+            }
+            Err(e) => panic!("{id}: unexpected error {e}"),
+        }
+    }
+    assert!(
+        full > 0 && acked > 0,
+        "full {full}, acked {acked}: the test proves nothing"
+    );
+
+    room.transaction(|tx| {
+        tx.query_row("PRAGMA max_page_count = 1073741823", [], |r| {
+            r.get::<_, i64>(0)
+        })?;
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(
+        room.deliver("c", big.clone()).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    assert_eq!(room.deliver("c", big).unwrap(), Outcome::Duplicate);
+    assert_eq!(applied_count(&conn, "big"), 1);
+    integrity_ok(&conn);
+}
+
+/// Another process holding the write lock past the busy timeout: a clear,
+/// retryable error; works once the lock is released.
+#[test]
+fn a_lock_held_elsewhere_past_the_timeout_is_a_retryable_busy_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let room = Postroom::builder()
+        .busy_timeout(Duration::from_millis(200))
+        .consumer("c", handler_fn(apply))
+        .open(&path)
+        .unwrap();
+    create_domain(&room);
+    let other = raw(&path);
+    other.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let started = std::time::Instant::now();
+    match room.deliver("c", Message::new("b", "m", "x")) {
+        Err(e @ Error::Busy { .. }) => assert!(e.is_retryable()),
+        other => panic!("expected Busy, got {other:?}"),
+    }
+    assert!(started.elapsed() >= Duration::from_millis(150));
+    other.execute_batch("ROLLBACK").unwrap();
+    assert_eq!(
+        room.deliver("c", Message::new("b", "m", "x")).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+}
+
+#[test]
+fn files_are_created_private() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let (room, _) = counting_room(&path);
+    room.deliver("c", Message::new("b", "m", "x")).unwrap();
+    for suffix in ["", "-wal", "-shm", "-postroom"] {
+        let mut p = path.as_os_str().to_owned();
+        p.push(suffix);
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{suffix}: {mode:o}");
+    }
+}
+
+#[test]
+fn a_second_engine_on_the_same_file_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let _first = Postroom::builder().open(&path).unwrap();
+    match Postroom::builder().open(&path) {
+        Err(Error::AlreadyOpen { path: p }) => assert_eq!(p, path),
+        other => panic!("{other:?}"),
+    }
+}
