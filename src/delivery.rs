@@ -352,3 +352,164 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         "non-string panic payload".to_owned()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The state machine driven directly: no threads, a manual clock.
+    use super::*;
+    use crate::handler::handler_fn;
+    use crate::inflight::NoInflightLog;
+
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        conn: Connection,
+        config: Config,
+        guard: UserCodeGuard,
+    }
+
+    fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let config = Config {
+            max_attempts: 3,
+            ..Config::default()
+        };
+        let path = dir.path().join("t.db");
+        crate::schema::create_private(&path).unwrap();
+        let mut conn = crate::schema::open_writer(&path, &config).unwrap();
+        crate::schema::migrate(&mut conn).unwrap();
+        conn.execute_batch("CREATE TABLE effects (id TEXT)")
+            .unwrap();
+        let guard = UserCodeGuard::install(&conn).unwrap();
+        Fixture {
+            _dir: dir,
+            conn,
+            config,
+            guard,
+        }
+    }
+
+    impl Fixture {
+        fn deliver(&self, now_ms: i64, handler: &dyn Handler, msg: &Message) -> Outcome {
+            let hash = *blake3::hash(&msg.payload).as_bytes();
+            let mut log = NoInflightLog;
+            let mut env = Env {
+                conn: &self.conn,
+                config: &self.config,
+                now_ms,
+                log: &mut log,
+                guard: &self.guard,
+            };
+            exec(&self.conn, "BEGIN IMMEDIATE").unwrap();
+            let outcome = deliver(&mut env, "c", handler, msg, &hash).unwrap();
+            exec(&self.conn, "COMMIT").unwrap();
+            outcome
+        }
+
+        fn effects(&self) -> i64 {
+            self.conn
+                .query_row("SELECT count(*) FROM effects", [], |r| r.get(0))
+                .unwrap()
+        }
+    }
+
+    fn failing_until(ok_from_attempt: u32) -> impl Handler {
+        handler_fn(move |tx, msg| {
+            tx.execute("INSERT INTO effects VALUES (?1)", [msg.id()])?;
+            if tx.attempt() < ok_from_attempt {
+                return Err(Failure::retry("not yet"));
+            }
+            Ok(())
+        })
+    }
+
+    #[test]
+    fn retries_follow_backoff_on_the_injected_clock() {
+        let f = fixture();
+        let h = failing_until(3);
+        let msg = Message::new("s", "m", "p");
+        let Outcome::Failed { retry_after, .. } = f.deliver(0, &h, &msg) else {
+            panic!()
+        };
+        let wait = i64::try_from(retry_after.as_millis()).unwrap();
+        assert!((500..=1000).contains(&wait));
+        // One millisecond early: not run.
+        assert!(matches!(
+            f.deliver(wait - 1, &h, &msg),
+            Outcome::Failed { attempts: 1, retry_after, .. } if retry_after == Duration::from_millis(1)
+        ));
+        // Due: runs, fails again, backoff roughly doubles.
+        let Outcome::Failed {
+            attempts: 2,
+            retry_after,
+            ..
+        } = f.deliver(wait, &h, &msg)
+        else {
+            panic!()
+        };
+        assert!((1000..=2000).contains(&retry_after.as_millis()));
+        let later = wait + 2000;
+        assert_eq!(
+            f.deliver(later, &h, &msg),
+            Outcome::Processed { attempts: 3 }
+        );
+        assert_eq!(f.deliver(later, &h, &msg), Outcome::Duplicate);
+        assert_eq!(f.effects(), 1);
+    }
+
+    #[test]
+    fn recovery_counts_only_attempts_that_did_not_commit() {
+        let f = fixture();
+        let msg = Message::new("s", "m", "p");
+        let hash = *blake3::hash(&msg.payload).as_bytes();
+        let inflight = |prior_attempts| Inflight {
+            consumer: "c".into(),
+            msg: msg.clone(),
+            hash,
+            prior_attempts,
+        };
+        // Died on the first attempt: a failed row appears, due at once.
+        let rec = recover_inflight(&f.conn, &f.config, 10, &inflight(0)).unwrap();
+        assert!(matches!(rec, Some(Outcome::Failed { attempts: 1, .. })));
+        // Running the same recovery again (a crash during recovery) is a no-op.
+        assert_eq!(
+            recover_inflight(&f.conn, &f.config, 10, &inflight(0)).unwrap(),
+            None
+        );
+        // The second attempt committed: the marker is stale, nothing counted.
+        let ok = failing_until(1);
+        assert_eq!(f.deliver(10, &ok, &msg), Outcome::Processed { attempts: 2 });
+        assert_eq!(
+            recover_inflight(&f.conn, &f.config, 20, &inflight(1)).unwrap(),
+            None
+        );
+
+        // Up to max_attempts (3) deaths, then dead with the payload.
+        let other = Message::new("s", "x", "q");
+        let hash = *blake3::hash(&other.payload).as_bytes();
+        for prior in 0..3 {
+            let rec = Inflight {
+                consumer: "c".into(),
+                msg: other.clone(),
+                hash,
+                prior_attempts: prior,
+            };
+            let outcome = recover_inflight(&f.conn, &f.config, 30, &rec)
+                .unwrap()
+                .unwrap();
+            assert_eq!(
+                matches!(outcome, Outcome::Dead { .. }),
+                prior == 2,
+                "{outcome:?}"
+            );
+        }
+        let payload: Vec<u8> = f
+            .conn
+            .query_row(
+                "SELECT payload FROM postroom_inbox WHERE message_id = 'x'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(payload, b"q");
+    }
+}

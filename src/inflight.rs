@@ -45,9 +45,11 @@ pub(crate) trait InflightLog {
 
 /// An [`InflightLog`] that records nothing, for driving the state machine
 /// without a process around it.
+#[cfg(test)]
 #[derive(Debug, Default)]
 pub(crate) struct NoInflightLog;
 
+#[cfg(test)]
 impl InflightLog for NoInflightLog {
     fn begin(&mut self, _: &str, _: &Message, _: &[u8; 32], _: u32) -> io::Result<()> {
         Ok(())

@@ -239,7 +239,7 @@ fn stream_room(db: &Path) -> Postroom {
                 // Every 7th message fails its first attempt: failed rows are
                 // part of what crashes must not disturb.
                 let n: u64 = msg.id()[1..].parse().unwrap();
-                if n % 7 == 0 && tx.attempt() == 1 {
+                if n.is_multiple_of(7) && tx.attempt() == 1 {
                     return Err(Failure::retry_after("flaky", Duration::ZERO));
                 }
                 Ok(())

@@ -463,7 +463,7 @@ fn published_messages_have_stable_ids_and_causation() {
              FROM postroom_outbox ORDER BY seq",
         )
         .unwrap();
-    let rows: Vec<(
+    type OutboxRow = (
         String,
         String,
         Option<String>,
@@ -472,7 +472,8 @@ fn published_messages_have_stable_ids_and_causation() {
         String,
         String,
         String,
-    )> = stmt
+    );
+    let rows: Vec<OutboxRow> = stmt
         .query_map([], |r| {
             Ok((
                 r.get(0)?,

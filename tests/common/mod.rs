@@ -55,12 +55,9 @@ pub fn count(conn: &Connection, sql: &str) -> i64 {
 }
 
 /// (status, attempts, last_error, payload) of an inbox row.
-pub fn inbox_row(
-    conn: &Connection,
-    consumer: &str,
-    source: &str,
-    id: &str,
-) -> Option<(String, i64, Option<String>, Option<Vec<u8>>)> {
+pub type InboxRow = (String, i64, Option<String>, Option<Vec<u8>>);
+
+pub fn inbox_row(conn: &Connection, consumer: &str, source: &str, id: &str) -> Option<InboxRow> {
     conn.query_row(
         "SELECT status, attempts, last_error, payload FROM postroom_inbox
          WHERE consumer = ?1 AND source = ?2 AND message_id = ?3",
