@@ -273,6 +273,15 @@ impl Postroom {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Err(Error::Closed);
         }
+        if thread::current().id() == self.writer_thread {
+            // A handler cannot wait for the thread it runs on. The writer
+            // stops once the jobs queued so far are done.
+            let _ = self.commands.try_send(Command::Stop);
+            return Err(Error::invalid(
+                "caller",
+                "shutdown called from inside a handler; the engine stops after this batch",
+            ));
+        }
         let start = Instant::now();
         // Queued jobs ahead of Stop are still run; later sends fail.
         let _ = self.commands.send_timeout(Command::Stop, deadline);

@@ -109,12 +109,19 @@ impl<'c> Tx<'c> {
         self.cause.map(|c| c.consumer)
     }
 
-    /// A key naming this message uniquely and stably across attempts:
-    /// `consumer/source/id`. Pass it to external services as their
-    /// idempotency key. `None` outside a message handler.
+    /// A key naming this message uniquely and stably across attempts: 32
+    /// hex digits derived from `(consumer, source, id)`, short enough for
+    /// any external service's idempotency-key field. Pass it along with
+    /// external calls so a retried attempt is recognised there too. `None`
+    /// outside a message handler.
     pub fn idempotency_key(&self) -> Option<String> {
-        self.cause
-            .map(|c| format!("{}/{}/{}", c.consumer, c.msg.source, c.msg.id))
+        self.cause.map(|c| {
+            crate::outbox::digest_hex(
+                b"postroom-idempotency\0",
+                &[c.consumer, &c.msg.source, &c.msg.id],
+                &[],
+            )
+        })
     }
 
     /// The time the engine uses for this transaction, in unix milliseconds.

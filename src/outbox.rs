@@ -71,13 +71,23 @@ pub(crate) fn headers_json(headers: &Headers) -> Option<String> {
 }
 
 fn derived_id(c: Cause<'_>, index: u32) -> String {
+    digest_hex(
+        b"postroom-outbox\0",
+        &[c.consumer, &c.msg.source, &c.msg.id],
+        &index.to_le_bytes(),
+    )
+}
+
+/// 128 bits of `blake3(domain, parts…, extra)` as 32 hex digits. Parts are
+/// length-prefixed, so `("a/b", "c")` and `("a", "b/c")` differ.
+pub(crate) fn digest_hex(domain: &[u8], parts: &[&str], extra: &[u8]) -> String {
     let mut h = blake3::Hasher::new();
-    h.update(b"postroom-outbox\0");
-    for part in [c.consumer, &c.msg.source, &c.msg.id] {
+    h.update(domain);
+    for part in parts {
         h.update(&(part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
-    h.update(&index.to_le_bytes());
+    h.update(extra);
     hex32(h.finalize().as_bytes())
 }
 

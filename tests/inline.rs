@@ -422,6 +422,7 @@ fn same_id_with_a_different_payload_is_quarantined() {
 /// publish the same ids) and link back to the inbox message.
 #[test]
 fn published_messages_have_stable_ids_and_causation() {
+    static KEYS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(T0);
     let ids = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
@@ -434,10 +435,10 @@ fn published_messages_have_stable_ids_and_causation() {
                 let a = tx.publish(Outgoing::new("shipping.requested", "a").with_key("order-7"))?;
                 let b = tx.publish(Outgoing::new("email.send", "b").with_header("x", "1"))?;
                 seen.lock().unwrap().extend([a, b]);
-                if tx.attempt() == 1 {
+                KEYS.lock().unwrap().push(tx.idempotency_key().unwrap());
+                if tx.attempt() == 1 && msg.id() == "evt-9" {
                     return Err(Failure::retry_after("flaky", Duration::ZERO));
                 }
-                assert_eq!(tx.idempotency_key().unwrap(), format!("c/b/{}", msg.id()));
                 Ok(())
             }),
         ),
@@ -451,7 +452,20 @@ fn published_messages_have_stable_ids_and_causation() {
         room.deliver("c", msg).unwrap(),
         Outcome::Processed { attempts: 2 }
     );
-    let ids = ids.lock().unwrap().clone();
+    assert!(room
+        .deliver("c", Message::new("b", "evt-10", "x"))
+        .unwrap()
+        .should_ack());
+    let keys = KEYS.lock().unwrap().clone();
+    assert_eq!(keys.len(), 3);
+    assert_eq!(keys[0].len(), 32);
+    assert_eq!(
+        keys[0], keys[1],
+        "the idempotency key is stable across attempts"
+    );
+    assert_ne!(keys[1], keys[2], "and distinct per message");
+    let mut ids = ids.lock().unwrap().clone();
+    ids.truncate(4);
     assert_eq!(ids.len(), 4);
     assert_eq!(ids[0..2], ids[2..4], "ids are the same on every attempt");
     assert_ne!(ids[0], ids[1]);
@@ -460,7 +474,7 @@ fn published_messages_have_stable_ids_and_causation() {
     let mut stmt = conn
         .prepare(
             "SELECT message_id, topic, key, status, headers, cause_consumer, cause_source, cause_message_id
-             FROM postroom_outbox ORDER BY seq",
+             FROM postroom_outbox WHERE cause_message_id = 'evt-9' ORDER BY seq",
         )
         .unwrap();
     type OutboxRow = (
@@ -504,7 +518,7 @@ fn published_messages_have_stable_ids_and_causation() {
         assert_eq!(headers["causation-id"], "evt-9");
         assert_eq!(headers["correlation-id"], "saga-1");
     }
-    assert_eq!(room.stats().unwrap().outbox.pending, 2);
+    assert_eq!(room.stats().unwrap().outbox.pending, 4);
 }
 
 /// Concurrent callers share commits: with eight threads delivering, the
@@ -648,6 +662,15 @@ fn a_handler_cannot_end_the_engines_transaction() {
 
 #[test]
 fn calling_the_engine_from_its_own_handler_is_an_error_not_a_deadlock() {
+    fn refused_as_caller(e: Option<&postroom::Error>) -> bool {
+        matches!(
+            e,
+            Some(postroom::Error::InvalidInput {
+                field: "caller",
+                ..
+            })
+        )
+    }
     let dir = tempfile::tempdir().unwrap();
     let slot: Arc<std::sync::OnceLock<std::sync::Weak<Postroom>>> = Default::default();
     let s = Arc::clone(&slot);
@@ -655,14 +678,19 @@ fn calling_the_engine_from_its_own_handler_is_an_error_not_a_deadlock() {
         Postroom::builder()
             .consumer(
                 "c",
-                handler_fn(move |_, _| {
+                handler_fn(move |_, msg| {
                     let room = s.get().and_then(|w| w.upgrade()).expect("engine");
-                    match room.deliver("c", Message::new("b", "inner", "x")) {
-                        Err(postroom::Error::InvalidInput {
-                            field: "caller", ..
-                        }) => Ok(()),
-                        other => Err(Failure::reject(format!("unexpected: {other:?}"))),
+                    let inner = room.deliver("c", Message::new("b", "inner", "x"));
+                    if !refused_as_caller(inner.as_ref().err()) {
+                        return Err(Failure::reject(format!("deliver: {inner:?}")));
                     }
+                    if msg.id() == "stop" {
+                        let stop = room.shutdown(Duration::from_secs(1));
+                        if !refused_as_caller(stop.as_ref().err()) {
+                            return Err(Failure::reject(format!("shutdown: {stop:?}")));
+                        }
+                    }
+                    Ok(())
                 }),
             )
             .open(dir.path().join("app.db"))
@@ -672,6 +700,25 @@ fn calling_the_engine_from_its_own_handler_is_an_error_not_a_deadlock() {
     assert_eq!(
         room.deliver("c", Message::new("b", "outer", "x")).unwrap(),
         Outcome::Processed { attempts: 1 }
+    );
+    // Shutting down from inside a handler cannot wait for itself either: it
+    // is refused, the engine stops after that batch, and the delivery that
+    // asked still commits.
+    assert_eq!(
+        room.deliver("c", Message::new("b", "stop", "x")).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    assert!(matches!(
+        room.deliver("c", Message::new("b", "after", "x")),
+        Err(postroom::Error::Closed)
+    ));
+    let conn = raw(room.path());
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM postroom_inbox WHERE status = 'completed'"
+        ),
+        2
     );
 }
 
