@@ -109,7 +109,7 @@ fn attempt(
     let conn = env.conn;
     let config = env.config;
     let now = env.now_ms;
-    let attempt = prior_attempts + 1;
+    let attempt = prior_attempts.saturating_add(1);
 
     exec(conn, "SAVEPOINT postroom_handler")?;
     if let Err(e) = env.log.begin(consumer, msg, hash, prior_attempts) {
@@ -130,20 +130,10 @@ fn attempt(
     };
     let marker_cleared = env.log.end();
     if conn.is_autocommit() {
-        // SQLite rolled the whole transaction back (it may, after a full
-        // disk or an I/O error), or the handler got past the guard: nothing
-        // of this batch can be trusted to commit.
-        if let Ok(Err(Failure::Sqlite(e))) = result {
-            if is_storage_error(&e) {
-                return Err(Error::sqlite("handler", e));
-            }
-        }
-        return Err(Error::Aborted {
-            reason: format!(
-                "consumer {consumer:?}: the transaction ended inside the handler \
-                 (handlers must not COMMIT or ROLLBACK)"
-            ),
-        });
+        // The guard keeps user code from ending the transaction, so SQLite
+        // rolled it back by itself (a full disk, an I/O error). Nothing of
+        // this batch was stored; not the message's fault.
+        return Err(rolled_back("handler", result.ok().and_then(Result::err)));
     }
     let failure = match result {
         Ok(Ok(())) => None,
@@ -265,7 +255,7 @@ pub(crate) fn recover_inflight(
     if committed {
         return Ok(None);
     }
-    let attempt = inflight.prior_attempts + 1;
+    let attempt = inflight.prior_attempts.saturating_add(1);
     let error = format!("process died while the handler was running (attempt {attempt})");
     let status = if attempt >= config.max_attempts {
         Status::Dead
@@ -301,7 +291,18 @@ pub(crate) fn recover_inflight(
     }))
 }
 
+/// The error for a transaction SQLite rolled back while user code ran: the
+/// storage error user code got, if it passed it on, else `RolledBack`.
+pub(crate) fn rolled_back(op: &'static str, failure: Option<Failure>) -> Error {
+    match failure {
+        Some(Failure::Sqlite(e)) if is_storage_error(&e) => Error::sqlite(op, e),
+        _ => Error::RolledBack { op },
+    }
+}
+
 /// Errors that say the database or disk is in trouble, not the message.
+/// `SQLITE_LOCKED` is not among them: on the engine's unshared connection
+/// only the handler's own statements can cause it (a handler bug).
 /// They fail the delivery with an [`Error`] and count no attempt.
 pub(crate) fn is_storage_error(e: &rusqlite::Error) -> bool {
     matches!(
@@ -309,13 +310,10 @@ pub(crate) fn is_storage_error(e: &rusqlite::Error) -> bool {
         Some(
             ErrorCode::DiskFull
                 | ErrorCode::DatabaseBusy
-                | ErrorCode::DatabaseLocked
                 | ErrorCode::SystemIoFailure
                 | ErrorCode::DatabaseCorrupt
-                | ErrorCode::NotADatabase
                 | ErrorCode::ReadOnly
                 | ErrorCode::OutOfMemory
-                | ErrorCode::CannotOpen
                 | ErrorCode::FileLockingProtocolFailed
         )
     )

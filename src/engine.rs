@@ -84,6 +84,8 @@ pub struct Postroom {
     closed: AtomicBool,
     writer: Mutex<Option<Running>>,
     writer_thread: ThreadId,
+    /// Disconnects when the writer thread ends (its sender is dropped).
+    writer_alive: crossbeam_channel::Receiver<()>,
     readers: r2d2::Pool<SqliteConnectionManager>,
     counters: Arc<Counters>,
 }
@@ -122,6 +124,7 @@ impl Postroom {
 
         let (commands, receiver) = crossbeam_channel::bounded(config.max_batch);
         let (done_tx, done) = crossbeam_channel::bounded(1);
+        let (alive_tx, writer_alive) = crossbeam_channel::bounded::<()>(0);
         let counters = Arc::new(Counters::default());
         let writer = Writer {
             counters: Arc::clone(&counters),
@@ -135,6 +138,7 @@ impl Postroom {
         let handle = thread::Builder::new()
             .name(WRITER_THREAD.into())
             .spawn(move || {
+                let _alive = alive_tx;
                 let _done = DoneGuard(WRITER_THREAD, done_tx);
                 writer.run();
             })
@@ -176,6 +180,7 @@ impl Postroom {
                 done,
             })),
             writer_thread,
+            writer_alive,
             readers,
             counters,
         })
@@ -232,9 +237,11 @@ impl Postroom {
             let guard = w.guard;
             let result = panic::catch_unwind(AssertUnwindSafe(|| guard.run(|| f(&mut tx))));
             if w.conn.is_autocommit() {
-                return Err(Error::Aborted {
-                    reason: "the closure ended the engine's transaction".into(),
-                });
+                // SQLite rolled back by itself (see `guard`).
+                return Err(delivery::rolled_back(
+                    "transaction",
+                    result.ok().and_then(Result::err),
+                ));
             }
             match result {
                 Ok(Ok(value)) => Ok(value),
@@ -329,7 +336,13 @@ impl Postroom {
         self.commands
             .send(Command::Job(job))
             .map_err(|_| Error::Closed)?;
-        answer.recv().map_err(|_| Error::Closed)?
+        // A job that lands behind `Stop` is never run, and a bounded
+        // channel keeps it (and its reply sender) after the writer is gone;
+        // so wait on the writer's life as well as on the answer.
+        crossbeam_channel::select! {
+            recv(answer) -> reply => reply.map_err(|_| Error::Closed)?,
+            recv(self.writer_alive) -> _ => answer.try_recv().map_err(|_| Error::Closed)?,
+        }
     }
 }
 

@@ -70,6 +70,13 @@ pub enum Error {
         /// The underlying error.
         source: rusqlite::Error,
     },
+    /// SQLite rolled the whole transaction back by itself (after a full
+    /// disk, an I/O error or running out of memory, when user code carried
+    /// on regardless). Nothing of it was stored; retry.
+    RolledBack {
+        /// The operation whose transaction vanished.
+        op: &'static str,
+    },
     /// An I/O error outside SQLite (creating the file, the engine's lock file).
     Io {
         /// The operation that failed.
@@ -77,10 +84,8 @@ pub enum Error {
         /// The underlying error.
         source: io::Error,
     },
-    /// A handler or transaction closure failed in a way that is not about the
-    /// message: it ended the engine's transaction itself (`COMMIT`,
-    /// `ROLLBACK`), or a [`Postroom::transaction`](crate::Postroom::transaction)
-    /// closure returned a failure.
+    /// A [`Postroom::transaction`](crate::Postroom::transaction) closure
+    /// returned a failure or panicked; its writes were rolled back.
     Aborted {
         /// What happened.
         reason: String,
@@ -95,7 +100,7 @@ impl Error {
     /// or a transient I/O error occurred.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::StorageFull { .. } | Error::Busy { .. } => true,
+            Error::StorageFull { .. } | Error::Busy { .. } | Error::RolledBack { .. } => true,
             Error::Sqlite { source, .. } => matches!(
                 source.sqlite_error_code(),
                 Some(ErrorCode::SystemIoFailure | ErrorCode::OutOfMemory)
@@ -122,7 +127,10 @@ impl Error {
     }
 
     pub(crate) fn io(op: &'static str, source: io::Error) -> Error {
-        Error::Io { op, source }
+        match source.kind() {
+            io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => Error::StorageFull { op },
+            _ => Error::Io { op, source },
+        }
     }
 
     pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Error {
@@ -154,6 +162,7 @@ impl Error {
             Error::AlreadyOpen { path } => Error::AlreadyOpen { path: path.clone() },
             Error::StorageFull { op } => Error::StorageFull { op },
             Error::Busy { op } => Error::Busy { op },
+            Error::RolledBack { op } => Error::RolledBack { op },
             Error::Sqlite { op, source } => Error::Sqlite {
                 op,
                 source: match source {
@@ -210,6 +219,11 @@ impl fmt::Display for Error {
                 "{op}: another connection held the database lock past the busy timeout"
             ),
             Error::Sqlite { op, source } => write!(f, "{op}: {source}"),
+            Error::RolledBack { op } => write!(
+                f,
+                "{op}: SQLite rolled the transaction back (disk full, I/O error or out of \
+                 memory); nothing was stored"
+            ),
             Error::Io { op, source } => write!(f, "{op}: {source}"),
             Error::Aborted { reason } => write!(f, "transaction aborted: {reason}"),
             Error::Closed => f.write_str("postroom engine is shut down"),

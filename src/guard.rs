@@ -1,12 +1,20 @@
-//! Keeps user code (handlers, transaction closures) from ending the
-//! engine's transaction.
+//! Keeps user code (handlers, transaction closures) from committing
+//! anything by itself.
 //!
-//! A handler that ran `COMMIT` would commit its half-done work together
-//! with every earlier job of the batch, outside the state machine. SQLite's
-//! authorizer runs while a statement is prepared; while user code runs, it
-//! denies `BEGIN`/`COMMIT`/`ROLLBACK` and the engine's own savepoints, so
-//! such a statement fails to prepare (`SQLITE_AUTH`) and nothing happens.
-//! The engine's own statements are prepared outside user code and cached.
+//! Invariant: while user code runs, no commit can happen on the write
+//! connection. Two hooks enforce it:
+//! * the authorizer (run when a statement is prepared) denies `BEGIN`,
+//!   `COMMIT`, `ROLLBACK` and the engine's savepoints, so the common mistake
+//!   gets a clear `not authorized` error and changes nothing;
+//! * the commit hook vetoes every commit, which turns it into a rollback.
+//!   This catches what the authorizer cannot: the engine's own cached
+//!   `COMMIT` fetched through `prepare_cached`, and, after SQLite rolled the
+//!   whole transaction back by itself (a full disk, an I/O error), the
+//!   auto-committing statements user code would run next. Without it such a
+//!   statement would commit half a handler's work on its own.
+//!
+//! Either way the engine then finds its transaction gone and fails the
+//! batch: nothing of it was stored or acknowledged.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -22,7 +30,7 @@ const ENGINE_SAVEPOINT_PREFIX: &str = "postroom_";
 pub(crate) struct UserCodeGuard(Arc<AtomicBool>);
 
 impl UserCodeGuard {
-    /// Installs the authorizer on `conn`.
+    /// Installs the authorizer and the commit hook on `conn`.
     pub fn install(conn: &Connection) -> rusqlite::Result<UserCodeGuard> {
         let guard = UserCodeGuard::default();
         let in_user_code = Arc::clone(&guard.0);
@@ -42,10 +50,12 @@ impl UserCodeGuard {
                 _ => Authorization::Allow,
             }
         }))?;
+        let in_user_code = Arc::clone(&guard.0);
+        conn.commit_hook(Some(move || in_user_code.load(Ordering::Relaxed)))?;
         Ok(guard)
     }
 
-    /// Runs `f` with transaction control denied.
+    /// Runs `f` with transaction control denied and commits vetoed.
     pub fn run<T>(&self, f: impl FnOnce() -> T) -> T {
         struct Reset<'a>(&'a AtomicBool);
         impl Drop for Reset<'_> {

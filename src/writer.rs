@@ -144,6 +144,9 @@ impl Writer {
             }
             self.run_batch(&mut batch);
         }
+        // Jobs that arrived behind Stop are dropped unrun: their callers
+        // hear `Closed` (the reply channel disconnects).
+        while self.commands.try_recv().is_ok() {}
         self.close();
     }
 

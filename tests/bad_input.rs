@@ -374,3 +374,144 @@ fn a_second_engine_on_the_same_file_is_refused() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Sets a page quota with room for a few dozen small rows but not for a
+/// 200 kB one.
+fn tighten_quota(room: &Postroom) {
+    room.transaction(|tx| {
+        let pages: i64 = tx.query_row("PRAGMA page_count", [], |r| r.get(0))?;
+        tx.query_row(
+            &format!("PRAGMA max_page_count = {}", pages + 30),
+            [],
+            |r| r.get::<_, i64>(0),
+        )?;
+        Ok(())
+    })
+    .unwrap();
+}
+
+fn lift_quota(room: &Postroom) {
+    room.transaction(|tx| {
+        tx.query_row("PRAGMA max_page_count = 1073741823", [], |r| {
+            r.get::<_, i64>(0)
+        })?;
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// A full disk can make SQLite roll back the whole transaction. A handler
+/// that swallows the error and carries on (an audit row, a "best effort"
+/// publish) must not get those later writes committed on their own.
+#[test]
+fn writes_after_sqlite_rolled_back_by_itself_are_not_committed() {
+    let dir = tempfile::tempdir().unwrap();
+    let room = Postroom::builder()
+        .max_attempts(3)
+        .consumer(
+            "c",
+            handler_fn(|tx, msg| {
+                let r = tx.execute(
+                    "INSERT INTO applied (consumer, message_id, payload) VALUES ('c', ?1, ?2)",
+                    rusqlite::params![msg.id(), msg.payload()],
+                );
+                if let Err(e) = &r {
+                    let _ = tx.execute(
+                        "INSERT INTO audit VALUES (?1, ?2)",
+                        [msg.id(), &e.to_string()],
+                    );
+                }
+                tx.publish(postroom::Outgoing::new(
+                    "status",
+                    if r.is_ok() { "ok" } else { "err" },
+                ))?;
+                Ok(())
+            }),
+        )
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    create_domain(&room);
+    room.transaction(|tx| {
+        tx.execute_batch("CREATE TABLE audit (id TEXT, err TEXT)")?;
+        Ok(())
+    })
+    .unwrap();
+    tighten_quota(&room);
+    let big = Message::new("b", "big", vec![b'p'; 200_000]);
+    for _ in 0..3 {
+        let err = room.deliver("c", big.clone()).unwrap_err();
+        assert!(err.is_retryable(), "{err}");
+        assert!(
+            matches!(err, Error::StorageFull { .. } | Error::RolledBack { .. }),
+            "{err}"
+        );
+    }
+    let conn = raw(room.path());
+    assert_eq!(
+        count(&conn, "SELECT count(*) FROM audit"),
+        0,
+        "audit rows committed alone"
+    );
+    assert_eq!(
+        count(&conn, "SELECT count(*) FROM postroom_outbox"),
+        0,
+        "phantom publish"
+    );
+    assert_eq!(count(&conn, "SELECT count(*) FROM postroom_inbox"), 0);
+
+    lift_quota(&room);
+    assert_eq!(
+        room.deliver("c", big).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    assert_eq!(applied_count(&conn, "big"), 1);
+    assert_eq!(count(&conn, "SELECT count(*) FROM postroom_outbox"), 1);
+}
+
+/// Storage errors in a `transaction` closure, or in a handler that panics
+/// on them, are reported as retryable storage errors, not as bugs.
+#[test]
+fn storage_errors_stay_retryable_however_user_code_reacts() {
+    let dir = tempfile::tempdir().unwrap();
+    let room = Postroom::builder()
+        .consumer(
+            "c",
+            handler_fn(|tx, msg| {
+                tx.execute(
+                    "INSERT INTO applied (consumer, message_id, payload) VALUES ('c', ?1, ?2)",
+                    rusqlite::params![msg.id(), msg.payload()],
+                )
+                .expect("handler unwraps a full disk");
+                Ok(())
+            }),
+        )
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    create_domain(&room);
+    tighten_quota(&room);
+    let err = room
+        .transaction(|tx| {
+            tx.execute(
+                "INSERT INTO applied (consumer, message_id, payload) VALUES ('t', 'x', ?1)",
+                [vec![0u8; 200_000]],
+            )?;
+            Ok(())
+        })
+        .unwrap_err();
+    assert!(err.is_retryable(), "transaction: {err}");
+    let err = room
+        .deliver("c", Message::new("b", "big", vec![1u8; 200_000]))
+        .unwrap_err();
+    assert!(err.is_retryable(), "deliver: {err}");
+    let conn = raw(room.path());
+    assert_eq!(
+        count(&conn, "SELECT count(*) FROM postroom_inbox"),
+        0,
+        "no attempt counted"
+    );
+    lift_quota(&room);
+    assert!(room
+        .deliver("c", Message::new("b", "big", vec![1u8; 200_000]))
+        .unwrap()
+        .should_ack());
+}

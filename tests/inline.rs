@@ -793,3 +793,118 @@ fn durability_sets_the_writer_connections_synchronous_pragma() {
         assert_eq!(room.stats().unwrap().inbox["c"].completed, 20);
     }
 }
+
+/// The engine's own `COMMIT` sits in the statement cache; a handler that
+/// fetched it with `prepare_cached` must still not commit anything.
+#[test]
+fn a_cached_commit_from_a_handler_commits_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let room = open(
+        &dir,
+        Postroom::builder().consumer(
+            "c",
+            handler_fn(|tx, msg| {
+                apply(tx, msg)?;
+                if msg.id() == "evil" {
+                    let _ = tx.prepare_cached("COMMIT").and_then(|mut s| s.execute([]));
+                }
+                Ok(())
+            }),
+        ),
+    );
+    room.deliver("c", Message::new("b", "warm", "x")).unwrap(); // COMMIT is cached now
+    for _ in 0..2 {
+        let err = room
+            .deliver("c", Message::new("b", "evil", "x"))
+            .unwrap_err();
+        assert!(matches!(err, postroom::Error::RolledBack { .. }), "{err}");
+    }
+    let conn = raw(room.path());
+    assert_eq!(applied_count(&conn, "evil"), 0);
+    assert_eq!(applied_count(&conn, "warm"), 1);
+    assert!(room
+        .deliver("c", Message::new("b", "next", "x"))
+        .unwrap()
+        .should_ack());
+}
+
+/// Callers racing a shutdown get an answer (`Closed` or their outcome);
+/// none is left waiting for a job that landed behind the stop.
+#[test]
+fn shutdown_while_callers_deliver_leaves_nobody_waiting() {
+    for round in 0..30 {
+        let dir = tempfile::tempdir().unwrap();
+        let room = Arc::new(
+            Postroom::builder()
+                .max_batch(1)
+                .consumer(
+                    "c",
+                    handler_fn(|_, _| {
+                        thread::sleep(Duration::from_micros(200));
+                        Ok(())
+                    }),
+                )
+                .open(dir.path().join("app.db"))
+                .unwrap(),
+        );
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        for t in 0..8 {
+            let room = Arc::clone(&room);
+            let done_tx = done_tx.clone();
+            thread::spawn(move || {
+                for i in 0.. {
+                    match room.deliver("c", Message::new("b", format!("{t}-{i}"), "x")) {
+                        Ok(_) => {}
+                        Err(postroom::Error::Closed) => break,
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                done_tx.send(()).unwrap();
+            });
+        }
+        thread::sleep(Duration::from_millis(10));
+        assert!(room.shutdown(Duration::from_secs(5)).unwrap().is_clean());
+        for t in 0..8 {
+            assert!(
+                done_rx.recv_timeout(Duration::from_secs(5)).is_ok(),
+                "round {round}: caller {t} still blocked after shutdown returned"
+            );
+        }
+    }
+}
+
+/// `SQLITE_LOCKED` on the engine's own connection can only be the handler's
+/// doing; it is counted like any handler failure, so it ends dead.
+#[test]
+fn a_handler_that_locks_itself_is_counted_not_retried_forever() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let room = open(
+        &dir,
+        Postroom::builder()
+            .clock(clock.clone())
+            .max_attempts(2)
+            .consumer(
+                "c",
+                handler_fn(|tx, _| {
+                    tx.execute_batch(
+                        "CREATE TEMP TABLE IF NOT EXISTS t(x); INSERT INTO t VALUES (1),(2);",
+                    )?;
+                    let mut s = tx.prepare("SELECT x FROM t")?;
+                    let mut rows = s.query([])?;
+                    let _ = rows.next()?;
+                    tx.execute_batch("DROP TABLE t")?;
+                    Ok(())
+                }),
+            ),
+    );
+    assert!(matches!(
+        room.deliver("c", Message::new("b", "m", "x")).unwrap(),
+        Outcome::Failed { attempts: 1, .. }
+    ));
+    clock.advance(Duration::from_secs(10));
+    assert!(matches!(
+        room.deliver("c", Message::new("b", "m", "x")).unwrap(),
+        Outcome::Dead { attempts: 2, .. }
+    ));
+}
