@@ -44,10 +44,18 @@ CREATE TABLE postroom_inbox (
     UNIQUE (consumer, source, message_id)
 );
 
--- What is due: pending rows, and failed rows whose backoff has elapsed.
+-- What may be claimed, in receive order: pending rows, and failed rows
+-- (whose next_attempt_at is checked while scanning; rows waiting out a
+-- backoff are few compared with the backlog).
 CREATE INDEX postroom_inbox_due
-    ON postroom_inbox (consumer, next_attempt_at)
+    ON postroom_inbox (consumer, id)
     WHERE status IN ('pending', 'failed');
+
+-- Unfinished rows per ordering key: a row may be claimed only when no
+-- earlier row of its key is still pending, processing or failed.
+CREATE INDEX postroom_inbox_ordering
+    ON postroom_inbox (consumer, ordering_key, id)
+    WHERE ordering_key IS NOT NULL AND status IN ('pending', 'processing', 'failed');
 
 -- What is leased: the reaper looks here for expired leases.
 CREATE INDEX postroom_inbox_leased

@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use crate::clock::{Clock, SystemClock};
 use crate::engine::Postroom;
+
 use crate::error::{Error, Result};
-use crate::handler::Handler;
+use crate::handler::{EffectHandler, ErasedEffect, Handler};
 use crate::message::{Headers, Message, Outgoing};
 
 /// Longest message id, in bytes.
@@ -86,6 +87,12 @@ pub(crate) struct Config {
     pub quick_check_on_open: bool,
     pub drop_deadline: Duration,
     pub read_pool_size: u32,
+    pub workers: usize,
+    pub poll_interval: Duration,
+    pub reaper_interval: Duration,
+    pub retention: Duration,
+    pub dead_retention: Option<Duration>,
+    pub checkpoint_wal_bytes: u64,
 }
 
 impl Default for Config {
@@ -105,6 +112,12 @@ impl Default for Config {
             quick_check_on_open: true,
             drop_deadline: Duration::from_secs(10),
             read_pool_size: 4,
+            workers: 2,
+            poll_interval: Duration::from_millis(250),
+            reaper_interval: Duration::from_secs(5),
+            retention: Duration::from_secs(7 * 24 * 3600),
+            dead_retention: None,
+            checkpoint_wal_bytes: 4 * 1024 * 1024,
         }
     }
 }
@@ -128,6 +141,15 @@ impl Config {
                 "max_payload",
                 format!("must be at most {MAX_PAYLOAD_LIMIT} bytes"),
             ));
+        }
+        if self.poll_interval.is_zero() || self.reaper_interval.is_zero() {
+            return Err(Error::invalid(
+                "interval",
+                "poll and reaper intervals must be greater than zero",
+            ));
+        }
+        if self.lease.is_zero() {
+            return Err(Error::invalid("lease", "must be greater than zero"));
         }
         if self.read_pool_size == 0 {
             return Err(Error::invalid("read_pool_size", "must be at least 1"));
@@ -246,8 +268,17 @@ fn check_headers(headers: &Headers) -> Result<()> {
 /// The builder is taken and returned by value, like r2d2's.
 pub struct Builder {
     pub(crate) config: Config,
-    pub(crate) consumers: Vec<(String, Arc<dyn Handler>)>,
+    pub(crate) consumers: Vec<(String, ConsumerKind)>,
     pub(crate) clock: Arc<dyn Clock>,
+}
+
+/// The two kinds of handler a consumer can have.
+#[derive(Clone)]
+pub(crate) enum ConsumerKind {
+    /// Everything in the transaction: inline or queued.
+    Transactional(Arc<dyn Handler>),
+    /// An external step, then a transactional one: queued only.
+    Effectful(Arc<dyn ErasedEffect>),
 }
 
 impl Default for Builder {
@@ -277,7 +308,65 @@ impl Builder {
     /// processes its messages. Consumers keep separate dedupe namespaces:
     /// the same message may be delivered once to each.
     pub fn consumer(mut self, name: impl Into<String>, handler: impl Handler) -> Self {
-        self.consumers.push((name.into(), Arc::new(handler)));
+        self.consumers
+            .push((name.into(), ConsumerKind::Transactional(Arc::new(handler))));
+        self
+    }
+
+    /// Registers a consumer whose handler has a step outside the
+    /// transaction (see [`EffectHandler`]). Such a consumer takes messages
+    /// through [`Postroom::receive`] only; `deliver` refuses it.
+    pub fn effectful_consumer(
+        mut self,
+        name: impl Into<String>,
+        handler: impl EffectHandler,
+    ) -> Self {
+        self.consumers
+            .push((name.into(), ConsumerKind::Effectful(Arc::new(handler))));
+        self
+    }
+
+    /// Worker threads processing received (queued) messages; 0 runs none,
+    /// so received messages wait. Default: 2.
+    pub fn workers(mut self, workers: usize) -> Self {
+        self.config.workers = workers;
+        self
+    }
+
+    /// How often idle workers look for due messages (backoffs expiring,
+    /// rows written by another process); a `receive` wakes them at once.
+    /// Default: 250 ms.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.config.poll_interval = interval;
+        self
+    }
+
+    /// How often the reaper recovers expired leases, applies retention and
+    /// checkpoints the WAL. Default: 5 s.
+    pub fn reaper_interval(mut self, interval: Duration) -> Self {
+        self.config.reaper_interval = interval;
+        self
+    }
+
+    /// How long completed inbox rows are kept: the dedupe horizon. A
+    /// message redelivered after its row was deleted is processed again.
+    /// Default: 7 days.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.config.retention = retention;
+        self
+    }
+
+    /// Delete dead letters this long after they died. Default: `None`,
+    /// dead letters are kept until redriven or discarded.
+    pub fn dead_retention(mut self, retention: Option<Duration>) -> Self {
+        self.config.dead_retention = retention;
+        self
+    }
+
+    /// The reaper truncates the `-wal` file (a `TRUNCATE` checkpoint, when
+    /// the writer is idle) once it is larger than this. Default: 4 MiB.
+    pub fn checkpoint_wal_bytes(mut self, bytes: u64) -> Self {
+        self.config.checkpoint_wal_bytes = bytes;
         self
     }
 
@@ -315,7 +404,9 @@ impl Builder {
         self
     }
 
-    /// How long a claimed message stays leased to one worker. Default: 30 s.
+    /// How long a claimed message stays leased to one worker; past it the
+    /// reaper counts the attempt as failed and the message is retried
+    /// (measured on a monotonic clock within the process). Default: 30 s.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.config.lease = lease;
         self

@@ -97,7 +97,7 @@ pub(crate) fn deliver(
     attempt(env, consumer, handler, msg, hash, prior_attempts)
 }
 
-/// Runs the handler once, in its own savepoint, and records the result.
+/// Runs the handler once (inline delivery), and records the result.
 fn attempt(
     env: &mut Env<'_>,
     consumer: &str,
@@ -106,29 +106,55 @@ fn attempt(
     hash: &[u8; 32],
     prior_attempts: u32,
 ) -> Result<Outcome> {
-    let conn = env.conn;
-    let config = env.config;
-    let now = env.now_ms;
     let attempt = prior_attempts.saturating_add(1);
+    let attempt_ref = Attempt {
+        consumer,
+        msg,
+        hash,
+        attempt,
+    };
+    // The in-flight marker counts this attempt if the process dies in it.
+    env.log
+        .begin(consumer, msg, hash, prior_attempts)
+        .map_err(|e| Error::io("write in-flight marker", e))?;
+    let result = run_user_step(env, attempt_ref, |tx| handler.handle(tx, msg));
+    let cleared = env.log.end();
+    let result = result?;
+    cleared.map_err(|e| Error::io("clear in-flight marker", e))?;
+    finish(env, attempt_ref, result)
+}
 
+/// One attempt at one message, as the state machine records it.
+#[derive(Clone, Copy)]
+pub(crate) struct Attempt<'a> {
+    pub consumer: &'a str,
+    pub msg: &'a Message,
+    pub hash: &'a [u8; 32],
+    /// This attempt's number, from 1.
+    pub attempt: u32,
+}
+
+/// Runs user code for `at` in its own savepoint, guarded and with panics
+/// caught. `Ok(None)`: it succeeded and its writes stand. `Ok(Some(f))`: it
+/// failed and its writes were rolled back. `Err`: SQLite rolled the whole
+/// transaction back (not the message's fault).
+pub(crate) fn run_user_step(
+    env: &mut Env<'_>,
+    at: Attempt<'_>,
+    body: impl FnOnce(&mut Tx<'_>) -> Result<(), Failure>,
+) -> Result<Option<Failure>> {
+    let conn = env.conn;
     exec(conn, "SAVEPOINT postroom_handler")?;
-    if let Err(e) = env.log.begin(consumer, msg, hash, prior_attempts) {
-        exec(conn, "RELEASE postroom_handler")?;
-        return Err(Error::io("write in-flight marker", e));
-    }
     let result = {
         let cause = Cause {
-            consumer,
-            msg,
-            attempt,
+            consumer: at.consumer,
+            msg: at.msg,
+            attempt: at.attempt,
         };
-        let mut tx = Tx::new(conn, config, now, Some(cause));
+        let mut tx = Tx::new(conn, env.config, env.now_ms, Some(cause));
         let guard = env.guard;
-        panic::catch_unwind(AssertUnwindSafe(|| {
-            guard.run(|| handler.handle(&mut tx, msg))
-        }))
+        panic::catch_unwind(AssertUnwindSafe(|| guard.run(|| body(&mut tx))))
     };
-    let marker_cleared = env.log.end();
     if conn.is_autocommit() {
         // The guard keeps user code from ending the transaction, so SQLite
         // rolled it back by itself (a full disk, an I/O error). Nothing of
@@ -147,8 +173,25 @@ fn attempt(
         exec(conn, "ROLLBACK TO postroom_handler")?;
     }
     exec(conn, "RELEASE postroom_handler")?;
-    marker_cleared.map_err(|e| Error::io("clear in-flight marker", e))?;
+    Ok(failure)
+}
 
+/// Records the result of an attempt: completed, or failed with backoff, or
+/// dead. A storage error from user code fails the job instead (no attempt
+/// is counted; the caller rolls back).
+pub(crate) fn finish(
+    env: &mut Env<'_>,
+    at: Attempt<'_>,
+    failure: Option<Failure>,
+) -> Result<Outcome> {
+    let Attempt {
+        consumer,
+        msg,
+        hash,
+        attempt,
+    } = at;
+    let config = env.config;
+    let now = env.now_ms;
     let Some(failure) = failure else {
         record(
             env,

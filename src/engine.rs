@@ -1,10 +1,10 @@
-//! The engine: opens the database, owns the writer thread and the read
-//! pool, and is what callers talk to.
+//! The engine: opens the database, owns the threads (writer, dispatcher,
+//! workers, reaper) and the read pool, and is what callers talk to.
 
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -14,33 +14,31 @@ use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::OpenFlags;
 
 use crate::clock::Clock;
-use crate::config::{Builder, Config};
+use crate::config::{Builder, Config, ConsumerKind};
 use crate::delivery::{self, exec, panic_message, Env};
 use crate::error::{Error, Result};
 use crate::guard::UserCodeGuard;
-use crate::handler::{Handler, Tx};
+use crate::handler::Tx;
 use crate::inflight::EngineFile;
-use crate::message::{Failure, Message, Outcome};
+use crate::message::{Failure, Message, Outcome, Receipt};
+use crate::queue::{self, DeadLetter};
+use crate::reaper::{self, CleanupReport};
 use crate::schema;
 use crate::stats::{self, Stats};
-use crate::writer::{self, Command, Counters, Writer, WriterCtx};
+use crate::workers::{self, Consumer, Leases, Shared};
+use crate::writer::{Counters, Writer, WriterCtx, WriterHandle};
 
 const WRITER_THREAD: &str = "postroom-writer";
-
-struct Consumer {
-    name: String,
-    handler: Arc<dyn Handler>,
-}
 
 /// A running thread, and the channel that says it has finished (sent from
 /// a guard, so it also arrives when the thread panics).
 struct Running {
-    name: &'static str,
+    name: String,
     handle: JoinHandle<()>,
     done: crossbeam_channel::Receiver<()>,
 }
 
-struct DoneGuard(&'static str, Sender<()>);
+struct DoneGuard(String, Sender<()>);
 
 impl Drop for DoneGuard {
     fn drop(&mut self) {
@@ -49,6 +47,48 @@ impl Drop for DoneGuard {
         }
         let _ = self.1.send(());
     }
+}
+
+fn spawn(name: String, body: impl FnOnce() + Send + 'static) -> Result<Running> {
+    let (done_tx, done) = crossbeam_channel::bounded(1);
+    let guard_name = name.clone();
+    let handle = thread::Builder::new()
+        .name(name.clone())
+        .spawn(move || {
+            let _done = DoneGuard(guard_name, done_tx);
+            body();
+        })
+        .map_err(|e| Error::io("spawn thread", e))?;
+    Ok(Running { name, handle, done })
+}
+
+impl Running {
+    /// Joins the thread if it finishes before `deadline`.
+    fn join(self, deadline: Instant, report: &mut ShutdownReport) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match self.done.recv_timeout(left) {
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => match self.handle.join() {
+                Ok(()) => report.joined.push(self.name),
+                Err(panic) => report
+                    .panicked
+                    .push((self.name, panic_message(panic.as_ref()))),
+            },
+            Err(RecvTimeoutError::Timeout) => {
+                log::warn!("postroom: {} missed the shutdown deadline", self.name);
+                report.missed_deadline.push(self.name);
+            }
+        }
+    }
+}
+
+/// The engine's threads, in the order shutdown stops them.
+#[derive(Default)]
+struct Threads {
+    dispatcher: Option<Running>,
+    workers: Vec<Running>,
+    reaper: Option<Running>,
+    reaper_stop: Option<Sender<()>>,
+    writer: Option<Running>,
 }
 
 /// What [`Postroom::shutdown`] found.
@@ -77,15 +117,10 @@ impl ShutdownReport {
 /// Dropping it shuts it down (waiting up to the builder's `drop_deadline`);
 /// call [`Postroom::shutdown`] to choose the deadline and see the report.
 pub struct Postroom {
-    path: PathBuf,
-    config: Config,
-    consumers: HashMap<String, Arc<Consumer>>,
-    commands: Sender<Command>,
+    shared: Arc<Shared>,
     closed: AtomicBool,
-    writer: Mutex<Option<Running>>,
+    threads: Mutex<Threads>,
     writer_thread: ThreadId,
-    /// Disconnects when the writer thread ends (its sender is dropped).
-    writer_alive: crossbeam_channel::Receiver<()>,
     readers: r2d2::Pool<SqliteConnectionManager>,
     counters: Arc<Counters>,
 }
@@ -93,7 +128,7 @@ pub struct Postroom {
 impl std::fmt::Debug for Postroom {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Postroom")
-            .field("path", &self.path)
+            .field("path", &self.shared.path)
             .field("closed", &self.closed.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
@@ -123,27 +158,22 @@ impl Postroom {
             UserCodeGuard::install(&conn).map_err(|e| Error::sqlite("install authorizer", e))?;
 
         let (commands, receiver) = crossbeam_channel::bounded(config.max_batch);
-        let (done_tx, done) = crossbeam_channel::bounded(1);
         let (alive_tx, writer_alive) = crossbeam_channel::bounded::<()>(0);
         let counters = Arc::new(Counters::default());
         let writer = Writer {
-            counters: Arc::clone(&counters),
             conn,
             config: config.clone(),
             clock: Arc::clone(&clock),
             engine_file,
             guard,
             commands: receiver,
+            counters: Arc::clone(&counters),
         };
-        let handle = thread::Builder::new()
-            .name(WRITER_THREAD.into())
-            .spawn(move || {
-                let _alive = alive_tx;
-                let _done = DoneGuard(WRITER_THREAD, done_tx);
-                writer.run();
-            })
-            .map_err(|e| Error::io("spawn writer thread", e))?;
-        let writer_thread = handle.thread().id();
+        let writer_running = spawn(WRITER_THREAD.into(), move || {
+            let _alive = alive_tx;
+            writer.run();
+        })?;
+        let writer_thread = writer_running.handle.thread().id();
 
         let busy_timeout = config.busy_timeout;
         let manager = SqliteConnectionManager::file(path)
@@ -158,37 +188,88 @@ impl Postroom {
             .connection_timeout(config.busy_timeout.max(Duration::from_secs(1)))
             .build_unchecked(manager);
 
-        let consumers = consumers
+        let consumers: HashMap<String, Arc<Consumer>> = consumers
             .into_iter()
-            .map(|(name, handler)| {
-                let consumer = Arc::new(Consumer {
-                    name: name.clone(),
-                    handler,
-                });
-                (name, consumer)
-            })
+            .map(|(name, kind)| (name.clone(), Arc::new(Consumer { name, kind })))
             .collect();
-        Ok(Postroom {
+        let (wake_tx, wake_rx) = crossbeam_channel::bounded(1);
+        let shared = Arc::new(Shared {
             path: path.to_path_buf(),
+            writer: WriterHandle::new(commands, writer_alive),
             config,
+            clock,
             consumers,
-            commands,
+            leases: Arc::new(Leases::default()),
+            stopping: AtomicBool::new(false),
+            wake_tx,
+            wake_rx,
+            in_flight: AtomicUsize::new(0),
+            next_token: AtomicI64::new(1),
+        });
+        // From here on, a failure drops `room`, which shuts down whatever
+        // threads were started.
+        let room = Postroom {
+            shared: Arc::clone(&shared),
             closed: AtomicBool::new(false),
-            writer: Mutex::new(Some(Running {
-                name: WRITER_THREAD,
-                handle,
-                done,
-            })),
+            threads: Mutex::new(Threads {
+                writer: Some(writer_running),
+                ..Threads::default()
+            }),
             writer_thread,
-            writer_alive,
             readers,
             counters,
-        })
+        };
+        room.start_background(&shared)?;
+        Ok(room)
+    }
+
+    fn start_background(&self, shared: &Arc<Shared>) -> Result<()> {
+        let mut threads = self.lock_threads();
+        let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
+        threads.reaper_stop = Some(stop_tx);
+        let s = Arc::clone(shared);
+        threads.reaper = Some(spawn("postroom-reaper".into(), move || {
+            reaper::reap(s, stop_rx)
+        })?);
+        let workers = shared.config.workers;
+        if workers == 0 || shared.consumers.is_empty() {
+            return Ok(());
+        }
+        let (work_tx, work_rx) = crossbeam_channel::bounded(workers);
+        for n in 0..workers {
+            let (s, rx) = (Arc::clone(shared), work_rx.clone());
+            threads
+                .workers
+                .push(spawn(format!("postroom-worker-{n}"), move || {
+                    workers::work(s, rx)
+                })?);
+        }
+        let s = Arc::clone(shared);
+        threads.dispatcher = Some(spawn("postroom-dispatcher".into(), move || {
+            workers::dispatch(s, work_tx)
+        })?);
+        Ok(())
+    }
+
+    fn lock_threads(&self) -> std::sync::MutexGuard<'_, Threads> {
+        self.threads
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// The database file.
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.shared.path
+    }
+
+    fn consumer(&self, name: &str) -> Result<Arc<Consumer>> {
+        self.shared
+            .consumers
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::UnknownConsumer {
+                consumer: name.to_owned(),
+            })
     }
 
     /// Delivers `msg` to `consumer` inline: records it in the inbox, runs
@@ -199,14 +280,17 @@ impl Postroom {
     /// On `Err` nothing was stored and nothing may be acknowledged; the
     /// error says what went wrong ([`Error::is_retryable`]).
     pub fn deliver(&self, consumer: &str, msg: Message) -> Result<Outcome> {
-        let consumer = self
-            .consumers
-            .get(consumer)
-            .ok_or_else(|| Error::UnknownConsumer {
-                consumer: consumer.to_owned(),
-            })?
-            .clone();
-        self.config.check_message(&msg)?;
+        let consumer = self.consumer(consumer)?;
+        let ConsumerKind::Transactional(handler) = consumer.kind.clone() else {
+            return Err(Error::invalid(
+                "consumer",
+                format!(
+                    "{:?} has an effectful handler; send it messages with receive()",
+                    consumer.name
+                ),
+            ));
+        };
+        self.shared.config.check_message(&msg)?;
         let hash = *blake3::hash(&msg.payload).as_bytes();
         self.submit(move |w| {
             let mut env = Env {
@@ -216,8 +300,58 @@ impl Postroom {
                 log: &mut *w.engine_file,
                 guard: w.guard,
             };
-            delivery::deliver(&mut env, &consumer.name, &*consumer.handler, &msg, &hash)
+            delivery::deliver(&mut env, &consumer.name, &*handler, &msg, &hash)
         })
+    }
+
+    /// Stores `msg` for `consumer`'s workers to process later (queued
+    /// mode), and returns once it is durable: acknowledge it to the broker
+    /// right away. A message seen before is not stored again
+    /// ([`Receipt::Duplicate`]); one whose id was seen with another payload
+    /// is quarantined ([`Receipt::Conflict`]).
+    pub fn receive(&self, consumer: &str, msg: Message) -> Result<Receipt> {
+        let mut receipts = self.receive_batch(consumer, vec![msg])?;
+        Ok(receipts.pop().unwrap_or(Receipt::Duplicate))
+    }
+
+    /// Stores a batch of messages in one transaction (one fsync), as
+    /// [`receive`](Postroom::receive) does each; receipts come in the same
+    /// order. If any message is invalid, none is stored. A message repeated
+    /// within the batch is stored once, the repeats being duplicates.
+    pub fn receive_batch(
+        &self,
+        consumer: &str,
+        msgs: impl IntoIterator<Item = Message>,
+    ) -> Result<Vec<Receipt>> {
+        let consumer = self.consumer(consumer)?;
+        let msgs: Vec<Message> = msgs.into_iter().collect();
+        for (i, msg) in msgs.iter().enumerate() {
+            self.shared.config.check_message(msg).map_err(|e| match e {
+                Error::InvalidInput { field, reason } => Error::InvalidInput {
+                    field,
+                    reason: format!("message {i} of the batch: {reason}"),
+                },
+                other => other,
+            })?;
+        }
+        let hashes: Vec<[u8; 32]> = msgs
+            .iter()
+            .map(|m| *blake3::hash(&m.payload).as_bytes())
+            .collect();
+        let receipts = self.submit(move |w| {
+            let now = w.clock.now_ms();
+            msgs.iter()
+                .zip(&hashes)
+                .map(|(msg, hash)| {
+                    queue::receive(w.conn, &consumer.name, msg, hash, now)
+                        .map_err(|e| Error::sqlite("store received message", e))
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
+        if receipts.contains(&Receipt::Accepted) {
+            self.shared.wake();
+        }
+        Ok(receipts)
     }
 
     /// Runs `f` in a write transaction of its own (sharing a group commit
@@ -259,70 +393,105 @@ impl Postroom {
     /// Counts per status per consumer, outbox backlog, conflicts and file
     /// sizes, read through the read pool (it does not wait for the writer).
     pub fn stats(&self) -> Result<Stats> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(Error::Closed);
-        }
-        let conn = self.readers.get().map_err(|e| Error::Io {
-            op: "get read connection",
-            source: std::io::Error::other(e.to_string()),
-        })?;
-        let mut stats = stats::read(&conn, &self.path)?;
+        let conn = self.reader()?;
+        let mut stats = stats::read(&conn, &self.shared.path)?;
         stats.batches_committed = self.counters.batches.load(Ordering::Relaxed);
         stats.jobs_committed = self.counters.jobs.load(Ordering::Relaxed);
         Ok(stats)
     }
 
-    /// Stops the engine: no new work is accepted, queued jobs are finished,
-    /// and the writer thread is joined, waiting at most `deadline`. A thread
-    /// still running at the deadline is left detached and named in the
-    /// report. Calling it again returns [`Error::Closed`].
+    /// Dead-lettered inbox messages, oldest first, of one consumer or all,
+    /// at most `limit`.
+    pub fn dead_letters(&self, consumer: Option<&str>, limit: usize) -> Result<Vec<DeadLetter>> {
+        let conn = self.reader()?;
+        queue::dead_letters(&conn, consumer, limit)
+            .map_err(|e| Error::sqlite("list dead letters", e))
+    }
+
+    /// Sends a dead letter (by [`DeadLetter::id`]) back to be processed by
+    /// the workers, with its attempts reset. Returns false when there is no
+    /// dead letter with that id.
+    pub fn redrive(&self, id: i64) -> Result<bool> {
+        let redriven = self.submit(move |w| {
+            queue::redrive(w.conn, id, w.clock.now_ms()).map_err(|e| Error::sqlite("redrive", e))
+        })?;
+        if redriven {
+            self.shared.wake();
+        }
+        Ok(redriven)
+    }
+
+    /// Gives up on a dead letter for good: it is marked completed without
+    /// its effects (payload dropped, reason kept), so a redelivery is a
+    /// `Duplicate` rather than a new attempt. Returns false when there is no
+    /// dead letter with that id.
+    pub fn discard(&self, id: i64) -> Result<bool> {
+        self.submit(move |w| {
+            queue::discard(w.conn, id, w.clock.now_ms()).map_err(|e| Error::sqlite("discard", e))
+        })
+    }
+
+    /// Runs a reaper pass now: expired leases, retention, WAL checkpoint.
+    pub fn cleanup(&self) -> Result<CleanupReport> {
+        self.check_caller()?;
+        reaper::run_once(&self.shared)
+    }
+
+    /// Stops the engine: no new work is accepted, the dispatcher stops
+    /// claiming, workers finish the message in hand (claims not yet started
+    /// are handed back), queued writes are committed, and every thread is
+    /// joined, waiting at most `deadline` in all. A thread still running at
+    /// the deadline is left detached and named in the report; rows it left
+    /// `processing` are recovered at the next open. Calling it again returns
+    /// [`Error::Closed`].
     pub fn shutdown(&self, deadline: Duration) -> Result<ShutdownReport> {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Err(Error::Closed);
         }
+        self.shared.stopping.store(true, Ordering::Release);
+        self.shared.wake();
         if thread::current().id() == self.writer_thread {
             // A handler cannot wait for the thread it runs on. The writer
             // stops once the jobs queued so far are done.
-            let _ = self.commands.try_send(Command::Stop);
+            self.shared.writer.try_stop();
             return Err(Error::invalid(
                 "caller",
                 "shutdown called from inside a handler; the engine stops after this batch",
             ));
         }
-        let start = Instant::now();
-        // Queued jobs ahead of Stop are still run; later sends fail.
-        let _ = self.commands.send_timeout(Command::Stop, deadline);
+        let deadline = Instant::now() + deadline;
+        let mut threads = std::mem::take(&mut *self.lock_threads());
         let mut report = ShutdownReport::default();
-        let running = self
+        drop(threads.reaper_stop.take());
+        if let Some(t) = threads.dispatcher.take() {
+            t.join(deadline, &mut report);
+        }
+        for t in threads.workers.drain(..) {
+            t.join(deadline, &mut report);
+        }
+        if let Some(t) = threads.reaper.take() {
+            t.join(deadline, &mut report);
+        }
+        self.shared
             .writer
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .take();
-        if let Some(running) = running {
-            let left = deadline.saturating_sub(start.elapsed());
-            match running.done.recv_timeout(left) {
-                Ok(()) | Err(RecvTimeoutError::Disconnected) => match running.handle.join() {
-                    Ok(()) => report.joined.push(running.name.into()),
-                    Err(panic) => report
-                        .panicked
-                        .push((running.name.into(), panic_message(panic.as_ref()))),
-                },
-                Err(RecvTimeoutError::Timeout) => {
-                    log::warn!("postroom: {} missed the shutdown deadline", running.name);
-                    report.missed_deadline.push(running.name.into());
-                }
-            }
+            .stop(deadline.saturating_duration_since(Instant::now()));
+        if let Some(t) = threads.writer.take() {
+            t.join(deadline, &mut report);
         }
         Ok(report)
     }
 
-    /// Sends `work` to the writer thread and waits for its answer, which
-    /// comes after the batch it ran in has committed.
-    fn submit<T, F>(&self, work: F) -> Result<T>
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
-    {
+    fn reader(&self) -> Result<r2d2::PooledConnection<SqliteConnectionManager>> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        self.readers.get().map_err(|e| Error::Io {
+            op: "get read connection",
+            source: std::io::Error::other(e.to_string()),
+        })
+    }
+
+    fn check_caller(&self) -> Result<()> {
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
@@ -332,23 +501,24 @@ impl Postroom {
                 "called from inside a handler; that would wait on itself forever",
             ));
         }
-        let (job, answer) = writer::job(work);
-        self.commands
-            .send(Command::Job(job))
-            .map_err(|_| Error::Closed)?;
-        // A job that lands behind `Stop` is never run, and a bounded
-        // channel keeps it (and its reply sender) after the writer is gone;
-        // so wait on the writer's life as well as on the answer.
-        crossbeam_channel::select! {
-            recv(answer) -> reply => reply.map_err(|_| Error::Closed)?,
-            recv(self.writer_alive) -> _ => answer.try_recv().map_err(|_| Error::Closed)?,
-        }
+        Ok(())
+    }
+
+    /// Sends `work` to the writer thread and waits for its answer, which
+    /// comes after the batch it ran in has committed.
+    fn submit<T, F>(&self, work: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
+    {
+        self.check_caller()?;
+        self.shared.writer.submit(work)
     }
 }
 
 impl Drop for Postroom {
     fn drop(&mut self) {
-        if let Ok(report) = self.shutdown(self.config.drop_deadline) {
+        if let Ok(report) = self.shutdown(self.shared.config.drop_deadline) {
             if !report.is_clean() {
                 log::error!("postroom: shutdown on drop: {report:?}");
             }
@@ -356,28 +526,55 @@ impl Drop for Postroom {
     }
 }
 
-/// Counts the attempt of a handler the previous process died in (see
-/// [`crate::inflight`]), durably, then clears the marker.
+/// Recovers what a process that died left behind, in one transaction: the
+/// attempt of a handler it died in (see [`crate::inflight`]), and rows it
+/// left `processing` (nothing else can hold them: this engine holds the
+/// lock), which become due again with their attempt counted. Then clears
+/// the marker.
 fn recover(
     conn: &rusqlite::Connection,
     config: &Config,
     clock: &dyn Clock,
     engine_file: &mut EngineFile,
 ) -> Result<()> {
-    let Some(inflight) = engine_file
+    let inflight = engine_file
         .read()
-        .map_err(|e| Error::io("read in-flight marker", e))?
-    else {
-        return Ok(());
-    };
+        .map_err(|e| Error::io("read in-flight marker", e))?;
+    let now = clock.now_ms();
     exec(conn, "BEGIN IMMEDIATE")?;
-    let recovered = delivery::recover_inflight(conn, config, clock.now_ms(), &inflight)
-        .and_then(|r| exec(conn, "COMMIT").map(|()| r));
+    let recovered = (|| {
+        if let Some(inflight) = &inflight {
+            delivery::recover_inflight(conn, config, now, inflight)?;
+        }
+        let abandoned = queue::leased(conn).map_err(|e| Error::sqlite("read leases", e))?;
+        for row in &abandoned {
+            queue::expire(
+                conn,
+                row.row_id,
+                row.token,
+                "process died while the handler was running (lease abandoned)",
+                config.max_attempts,
+                now,
+            )
+            .map_err(|e| Error::sqlite("recover abandoned lease", e))?;
+        }
+        if !abandoned.is_empty() {
+            log::warn!(
+                "postroom: {} message(s) were being processed when the previous process \
+                 died; they will be retried",
+                abandoned.len()
+            );
+        }
+        exec(conn, "COMMIT")
+    })();
     if recovered.is_err() && !conn.is_autocommit() {
         let _ = conn.execute_batch("ROLLBACK");
     }
     recovered?;
-    engine_file
-        .clear()
-        .map_err(|e| Error::io("clear in-flight marker", e))
+    if inflight.is_some() {
+        engine_file
+            .clear()
+            .map_err(|e| Error::io("clear in-flight marker", e))?;
+    }
+    Ok(())
 }

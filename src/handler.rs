@@ -51,6 +51,94 @@ where
     }
 }
 
+/// A handler with a step that must run outside any transaction — an HTTP
+/// call to a payment API, a file written elsewhere — for queued consumers
+/// ([`Postroom::receive`](crate::Postroom::receive)).
+///
+/// For each attempt, after the claim on the message has committed (the
+/// attempt is counted, the row is `processing` under a lease), a worker
+/// thread calls [`effect`](EffectHandler::effect) with no transaction
+/// open, then the writer runs [`apply`](EffectHandler::apply) in the
+/// transaction that writes your domain rows and completes the message. If
+/// the lease was lost meanwhile (it expired and the message was claimed
+/// again), `apply` is not run: the other attempt owns the message.
+///
+/// The effect may run more than once for one message (a crash after the
+/// call, an expired lease): pass [`EffectContext::idempotency_key`] to the
+/// external service so it recognises the repeat. Use a plain [`Handler`]
+/// when everything the message does is in this database.
+pub trait EffectHandler: Send + Sync + 'static {
+    /// What the external step hands to the transactional step.
+    type Output: Send + 'static;
+
+    /// The external step. An `Err` counts as a failed attempt, as in a
+    /// [`Handler`].
+    fn effect(&self, ctx: &EffectContext<'_>, msg: &Message) -> Result<Self::Output, Failure>;
+
+    /// The transactional step: domain writes and publishes, committed
+    /// together with the message's completion.
+    fn apply(&self, tx: &mut Tx<'_>, msg: &Message, output: Self::Output) -> Result<(), Failure>;
+}
+
+/// What an [`EffectHandler`]'s external step knows about its attempt.
+#[derive(Debug)]
+pub struct EffectContext<'a> {
+    pub(crate) consumer: &'a str,
+    pub(crate) attempt: u32,
+    pub(crate) idempotency_key: String,
+}
+
+impl EffectContext<'_> {
+    /// The consumer the message was received for.
+    pub fn consumer(&self) -> &str {
+        self.consumer
+    }
+
+    /// Which attempt this is, from 1.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// The message's idempotency key (as [`Tx::idempotency_key`]): the same
+    /// on every attempt. Send it with the external call.
+    pub fn idempotency_key(&self) -> &str {
+        &self.idempotency_key
+    }
+}
+
+pub(crate) type AnyOutput = Box<dyn std::any::Any + Send>;
+
+/// An [`EffectHandler`] with its output type erased, so consumers of
+/// different output types fit in one map.
+pub(crate) trait ErasedEffect: Send + Sync {
+    fn effect(&self, ctx: &EffectContext<'_>, msg: &Message) -> Result<AnyOutput, Failure>;
+    fn apply(&self, tx: &mut Tx<'_>, msg: &Message, output: AnyOutput) -> Result<(), Failure>;
+}
+
+impl<H: EffectHandler> ErasedEffect for H {
+    fn effect(&self, ctx: &EffectContext<'_>, msg: &Message) -> Result<AnyOutput, Failure> {
+        EffectHandler::effect(self, ctx, msg).map(|out| Box::new(out) as AnyOutput)
+    }
+    fn apply(&self, tx: &mut Tx<'_>, msg: &Message, output: AnyOutput) -> Result<(), Failure> {
+        match output.downcast::<H::Output>() {
+            Ok(out) => EffectHandler::apply(self, tx, msg, *out),
+            Err(_) => Err(Failure::retry(
+                "internal error: effect output of the wrong type",
+            )),
+        }
+    }
+}
+
+/// The idempotency key of a message: 32 hex digits of a length-prefixed
+/// blake3 of `(consumer, source, id)`.
+pub(crate) fn idempotency_key(consumer: &str, msg: &Message) -> String {
+    crate::outbox::digest_hex(
+        b"postroom-idempotency\0",
+        &[consumer, &msg.source, &msg.id],
+        &[],
+    )
+}
+
 /// The inbox message that caused a transaction.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Cause<'a> {
@@ -115,13 +203,7 @@ impl<'c> Tx<'c> {
     /// external calls so a retried attempt is recognised there too. `None`
     /// outside a message handler.
     pub fn idempotency_key(&self) -> Option<String> {
-        self.cause.map(|c| {
-            crate::outbox::digest_hex(
-                b"postroom-idempotency\0",
-                &[c.consumer, &c.msg.source, &c.msg.id],
-                &[],
-            )
-        })
+        self.cause.map(|c| idempotency_key(c.consumer, c.msg))
     }
 
     /// The time the engine uses for this transaction, in unix milliseconds.

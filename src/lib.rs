@@ -93,8 +93,11 @@ mod inbox;
 mod inflight;
 mod message;
 mod outbox;
+mod queue;
+mod reaper;
 mod schema;
 mod stats;
+mod workers;
 mod writer;
 
 pub use clock::{Clock, ManualClock, SystemClock};
@@ -104,9 +107,11 @@ pub use config::{
 };
 pub use engine::{Postroom, ShutdownReport};
 pub use error::{Error, Result};
-pub use handler::{handler_fn, Handler, HandlerFn, Tx};
+pub use handler::{handler_fn, EffectContext, EffectHandler, Handler, HandlerFn, Tx};
 pub use inbox::Status;
-pub use message::{Failure, Headers, Message, Outcome, Outgoing};
+pub use message::{Failure, Headers, Message, Outcome, Outgoing, Receipt};
 pub use outbox::{CAUSATION_HEADER, CORRELATION_HEADER};
+pub use queue::DeadLetter;
+pub use reaper::CleanupReport;
 pub use schema::{SCHEMA_SQL, SCHEMA_VERSION};
 pub use stats::{OutboxCounts, Stats, StatusCounts};

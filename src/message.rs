@@ -226,6 +226,32 @@ impl Outcome {
     }
 }
 
+/// What became of a message handed to
+/// [`Postroom::receive`](crate::Postroom::receive): every receipt means the
+/// message is safely stored (or was before), so the broker may be told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Receipt {
+    /// Stored as `pending`; a worker will process it.
+    Accepted,
+    /// Seen before with the same payload; not stored again.
+    Duplicate,
+    /// Seen before with a different payload; this one was quarantined in
+    /// `postroom_conflicts` and the stored one left alone.
+    Conflict {
+        /// Row id in `postroom_conflicts`.
+        conflict_id: i64,
+    },
+}
+
+impl Receipt {
+    /// Always true: a receipt is only given once the message is durable.
+    /// (Present so receive and deliver read alike at the call site.)
+    pub fn should_ack(&self) -> bool {
+        true
+    }
+}
+
 /// Why a handler did not complete a message.
 ///
 /// `?` converts the common errors: a [`serde_json::Error`] (the payload does

@@ -43,8 +43,63 @@ pub(crate) trait Job: Send {
 
 pub(crate) enum Command {
     Job(Box<dyn Job>),
+    /// Work that must run outside a transaction (a WAL checkpoint), between
+    /// batches.
+    Maintenance(Box<dyn FnOnce(&Connection) + Send>),
     /// Finish the queued jobs before this one, then exit.
     Stop,
+}
+
+/// What other threads hold to send work to the writer.
+#[derive(Clone)]
+pub(crate) struct WriterHandle {
+    commands: Sender<Command>,
+    /// Disconnects when the writer thread ends (its sender is dropped).
+    alive: Receiver<()>,
+}
+
+impl WriterHandle {
+    pub fn new(commands: Sender<Command>, alive: Receiver<()>) -> Self {
+        WriterHandle { commands, alive }
+    }
+
+    /// Runs `work` in the writer's next batch and waits for its answer,
+    /// which comes after that batch has committed.
+    pub fn submit<T, F>(&self, work: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
+    {
+        let (job, answer) = job(work);
+        self.commands
+            .send(Command::Job(job))
+            .map_err(|_| Error::Closed)?;
+        // A job that lands behind `Stop` is never run, and a bounded
+        // channel keeps it (and its reply sender) after the writer is gone;
+        // so wait on the writer's life as well as on the answer.
+        crossbeam_channel::select! {
+            recv(answer) -> reply => reply.map_err(|_| Error::Closed)?,
+            recv(self.alive) -> _ => answer.try_recv().map_err(|_| Error::Closed)?,
+        }
+    }
+
+    /// Queues work to run between batches, outside any transaction.
+    pub fn maintain(&self, work: impl FnOnce(&Connection) + Send + 'static) -> Result<()> {
+        self.commands
+            .send(Command::Maintenance(Box::new(work)))
+            .map_err(|_| Error::Closed)
+    }
+
+    /// Asks the writer to stop once the commands queued before this one are
+    /// done, waiting at most `deadline` for room in the queue.
+    pub fn stop(&self, deadline: std::time::Duration) {
+        let _ = self.commands.send_timeout(Command::Stop, deadline);
+    }
+
+    /// Like `stop`, without waiting (for the writer thread itself).
+    pub fn try_stop(&self) {
+        let _ = self.commands.try_send(Command::Stop);
+    }
 }
 
 struct FnJob<T, F> {
@@ -126,23 +181,28 @@ impl Writer {
     /// is gone, then checkpoints and closes.
     pub fn run(mut self) {
         let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(self.config.max_batch);
-        let mut stopping = false;
-        while !stopping {
-            match self.commands.recv() {
-                Ok(Command::Job(job)) => batch.push(job),
-                Ok(Command::Stop) | Err(_) => break,
-            }
-            while batch.len() < self.config.max_batch {
-                match self.commands.try_recv() {
-                    Ok(Command::Job(job)) => batch.push(job),
-                    Ok(Command::Stop) => {
-                        stopping = true;
-                        break;
+        'run: while let Ok(first) = self.commands.recv() {
+            let mut next = Some(first);
+            while let Some(command) = next.take() {
+                match command {
+                    Command::Stop => break 'run,
+                    Command::Maintenance(work) => work(&self.conn),
+                    Command::Job(job) => {
+                        batch.push(job);
+                        while batch.len() < self.config.max_batch {
+                            match self.commands.try_recv() {
+                                Ok(Command::Job(job)) => batch.push(job),
+                                Ok(other) => {
+                                    next = Some(other);
+                                    break;
+                                }
+                                Err(_) => break,
+                            }
+                        }
+                        self.run_batch(&mut batch);
                     }
-                    Err(_) => break,
                 }
             }
-            self.run_batch(&mut batch);
         }
         // Jobs that arrived behind Stop are dropped unrun: their callers
         // hear `Closed` (the reply channel disconnects).

@@ -529,7 +529,7 @@ fn concurrent_deliveries_are_group_committed() {
     let dir = tempfile::tempdir().unwrap();
     let room = open(
         &dir,
-        Postroom::builder().consumer(
+        Postroom::builder().workers(0).consumer(
             "c",
             handler_fn(|tx, msg| {
                 thread::sleep(Duration::from_micros(200));
@@ -559,7 +559,7 @@ fn concurrent_deliveries_are_group_committed() {
         count(&conn, "SELECT count(DISTINCT message_id) FROM applied"),
         800
     );
-    // 800 deliveries + 1 schema transaction.
+    // 800 deliveries + 1 schema transaction (no workers: no claim jobs).
     assert_eq!(stats.jobs_committed, 801);
     assert!(
         stats.batches_committed < 700,
@@ -737,7 +737,16 @@ fn shutdown_joins_the_writer_and_releases_the_database() {
     room.deliver("c", Message::new("b", "1", "x")).unwrap();
     let report = room.shutdown(Duration::from_secs(5)).unwrap();
     assert!(report.is_clean(), "{report:?}");
-    assert_eq!(report.joined, vec!["postroom-writer".to_string()]);
+    assert_eq!(
+        report.joined,
+        [
+            "postroom-dispatcher",
+            "postroom-worker-0",
+            "postroom-worker-1",
+            "postroom-reaper",
+            "postroom-writer"
+        ]
+    );
     assert!(matches!(
         room.deliver("c", Message::new("b", "2", "x")),
         Err(postroom::Error::Closed)

@@ -1,0 +1,313 @@
+//! Queued-mode SQL as plain functions over a connection: storing received
+//! messages, claiming due rows with a lease, fencing by lease token,
+//! reaping expired leases, retention, and dead-letter operations.
+//!
+//! Lease invariants:
+//! * a row is `processing` only with a `lease_token` and `lease_until`;
+//! * claiming counts the attempt (`attempts + 1`) in the same statement, so
+//!   an attempt that dies with its process is counted when it is reaped;
+//! * only the holder of the current `lease_token` may complete a row, so a
+//!   worker whose lease was reaped and re-claimed cannot complete it twice.
+
+use rusqlite::{params, Connection, OptionalExtension};
+
+use crate::inbox;
+use crate::message::{Headers, Message, Receipt};
+use crate::outbox::headers_json;
+
+/// Stores a received message as `pending` unless its key is known: then it
+/// is a duplicate (same payload digest) or a conflict (quarantined).
+pub(crate) fn receive(
+    conn: &Connection,
+    consumer: &str,
+    msg: &Message,
+    hash: &[u8; 32],
+    now_ms: i64,
+) -> rusqlite::Result<Receipt> {
+    let inserted = conn
+        .prepare_cached(
+            "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
+                 payload_hash, headers, ordering_key, attempts, received_at, updated_at,
+                 next_attempt_at)
+             VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6, ?7, 0, ?8, ?8, ?8)
+             ON CONFLICT (consumer, source, message_id) DO NOTHING",
+        )?
+        .execute(params![
+            consumer,
+            msg.source,
+            msg.id,
+            msg.payload,
+            hash.as_slice(),
+            headers_json(&msg.headers),
+            msg.ordering_key,
+            now_ms,
+        ])?;
+    if inserted == 1 {
+        return Ok(Receipt::Accepted);
+    }
+    let stored: Vec<u8> = conn
+        .prepare_cached(
+            "SELECT payload_hash FROM postroom_inbox
+             WHERE consumer = ?1 AND source = ?2 AND message_id = ?3",
+        )?
+        .query_row(params![consumer, msg.source, msg.id], |r| r.get(0))?;
+    if stored.as_slice() == hash.as_slice() {
+        return Ok(Receipt::Duplicate);
+    }
+    let stored: [u8; 32] = stored.try_into().unwrap_or([0; 32]);
+    let conflict_id = inbox::quarantine(conn, consumer, msg, &stored, hash, now_ms)?;
+    Ok(Receipt::Conflict { conflict_id })
+}
+
+/// A row claimed for processing.
+#[derive(Debug, Clone)]
+pub(crate) struct Claimed {
+    pub row_id: i64,
+    pub token: i64,
+    pub consumer: String,
+    pub msg: Message,
+    pub hash: [u8; 32],
+    /// This attempt's number, already counted in the row.
+    pub attempt: u32,
+}
+
+/// Claims up to `limit` due rows of `consumer` in receive order: pending
+/// rows, and failed rows whose backoff has passed, skipping any row whose
+/// ordering key has an earlier unfinished row.
+pub(crate) fn claim(
+    conn: &Connection,
+    consumer: &str,
+    limit: usize,
+    now_ms: i64,
+    lease_until: i64,
+    token: i64,
+) -> rusqlite::Result<Vec<Claimed>> {
+    let mut stmt = conn.prepare_cached(
+        "UPDATE postroom_inbox
+         SET status = 'processing', attempts = attempts + 1, lease_until = ?4,
+             lease_token = ?5, updated_at = ?3
+         WHERE id IN (
+             SELECT i.id FROM postroom_inbox i
+             WHERE i.consumer = ?1 AND i.status IN ('pending', 'failed')
+               AND coalesce(i.next_attempt_at, 0) <= ?3
+               AND (i.ordering_key IS NULL OR NOT EXISTS (
+                   SELECT 1 FROM postroom_inbox o
+                   WHERE o.consumer = i.consumer AND o.ordering_key = i.ordering_key
+                     AND o.id < i.id AND o.status IN ('pending', 'processing', 'failed')))
+             ORDER BY i.id
+             LIMIT ?2)
+         RETURNING id, source, message_id, payload, payload_hash, headers, ordering_key, attempts",
+    )?;
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut rows = stmt.query(params![consumer, limit, now_ms, lease_until, token])?;
+    let mut claimed = Vec::new();
+    while let Some(r) = rows.next()? {
+        let hash: Vec<u8> = r.get(4)?;
+        let headers: Option<String> = r.get(5)?;
+        claimed.push(Claimed {
+            row_id: r.get(0)?,
+            token,
+            consumer: consumer.to_owned(),
+            msg: Message {
+                source: r.get(1)?,
+                id: r.get(2)?,
+                payload: r.get::<_, Option<Vec<u8>>>(3)?.unwrap_or_default(),
+                headers: parse_headers(headers.as_deref()),
+                ordering_key: r.get(6)?,
+            },
+            hash: hash.try_into().unwrap_or([0; 32]),
+            attempt: r.get(7)?,
+        });
+    }
+    claimed.sort_by_key(|c| c.row_id);
+    Ok(claimed)
+}
+
+/// True when `token` still holds the lease on the row.
+pub(crate) fn lease_held(conn: &Connection, row_id: i64, token: i64) -> rusqlite::Result<bool> {
+    conn.prepare_cached(
+        "SELECT 1 FROM postroom_inbox WHERE id = ?1 AND status = 'processing' AND lease_token = ?2",
+    )?
+    .query_row(params![row_id, token], |_| Ok(()))
+    .optional()
+    .map(|r| r.is_some())
+}
+
+/// Gives back a claim whose handler never started (shutdown): the row
+/// returns to what it was, and the attempt is uncounted.
+pub(crate) fn release(conn: &Connection, row_id: i64, token: i64) -> rusqlite::Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE postroom_inbox
+             SET status = CASE WHEN attempts <= 1 AND last_error IS NULL THEN 'pending'
+                               ELSE 'failed' END,
+                 attempts = max(attempts - 1, 0), lease_until = NULL, lease_token = NULL
+             WHERE id = ?1 AND status = 'processing' AND lease_token = ?2",
+        )?
+        .execute(params![row_id, token])?;
+    Ok(n == 1)
+}
+
+/// A row in `processing`, as the reaper sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Leased {
+    pub row_id: i64,
+    pub token: Option<i64>,
+    pub lease_until: Option<i64>,
+}
+
+pub(crate) fn leased(conn: &Connection) -> rusqlite::Result<Vec<Leased>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, lease_token, lease_until FROM postroom_inbox WHERE status = 'processing'",
+    )?;
+    let rows = stmt.query_map([], |r| {
+        Ok(Leased {
+            row_id: r.get(0)?,
+            token: r.get(1)?,
+            lease_until: r.get(2)?,
+        })
+    })?;
+    rows.collect()
+}
+
+/// Ends a lease that will not be completed: the row becomes `failed`, due
+/// at once (its attempt was counted when claimed), or `dead` when that was
+/// its last attempt. Returns whether the row was still held by `token`.
+pub(crate) fn expire(
+    conn: &Connection,
+    row_id: i64,
+    token: Option<i64>,
+    error: &str,
+    max_attempts: u32,
+    now_ms: i64,
+) -> rusqlite::Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE postroom_inbox
+             SET status = CASE WHEN attempts >= ?3 THEN 'dead' ELSE 'failed' END,
+                 last_error = ?4, next_attempt_at = ?5, updated_at = ?5,
+                 lease_until = NULL, lease_token = NULL
+             WHERE id = ?1 AND status = 'processing' AND lease_token IS ?2",
+        )?
+        .execute(params![row_id, token, max_attempts, error, now_ms])?;
+    Ok(n == 1)
+}
+
+/// Deletes up to `limit` completed rows processed before `cutoff_ms`.
+pub(crate) fn delete_completed(
+    conn: &Connection,
+    cutoff_ms: i64,
+    limit: usize,
+) -> rusqlite::Result<usize> {
+    conn.prepare_cached(
+        "DELETE FROM postroom_inbox WHERE id IN (
+             SELECT id FROM postroom_inbox
+             WHERE status = 'completed' AND processed_at < ?1 LIMIT ?2)",
+    )?
+    .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
+}
+
+/// Deletes up to `limit` dead rows last updated before `cutoff_ms`.
+pub(crate) fn delete_dead(
+    conn: &Connection,
+    cutoff_ms: i64,
+    limit: usize,
+) -> rusqlite::Result<usize> {
+    conn.prepare_cached(
+        "DELETE FROM postroom_inbox WHERE id IN (
+             SELECT id FROM postroom_inbox
+             WHERE status = 'dead' AND updated_at < ?1 LIMIT ?2)",
+    )?
+    .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
+}
+
+/// A dead-lettered inbox message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadLetter {
+    /// Row id in `postroom_inbox`: what `redrive` and `discard` take.
+    pub id: i64,
+    /// The consumer it was delivered to.
+    pub consumer: String,
+    /// The message, with its payload, headers and ordering key.
+    pub message: Message,
+    /// Attempts made.
+    pub attempts: u32,
+    /// Why it died.
+    pub last_error: Option<String>,
+    /// When it was first received (unix ms).
+    pub received_at: i64,
+    /// When it died (unix ms).
+    pub updated_at: i64,
+}
+
+/// Dead letters, oldest first, optionally of one consumer.
+pub(crate) fn dead_letters(
+    conn: &Connection,
+    consumer: Option<&str>,
+    limit: usize,
+) -> rusqlite::Result<Vec<DeadLetter>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, consumer, source, message_id, payload, headers, ordering_key, attempts,
+                last_error, received_at, updated_at
+         FROM postroom_inbox
+         WHERE status = 'dead' AND (?1 IS NULL OR consumer = ?1)
+         ORDER BY id LIMIT ?2",
+    )?;
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let rows = stmt.query_map(params![consumer, limit], |r| {
+        let headers: Option<String> = r.get(5)?;
+        Ok(DeadLetter {
+            id: r.get(0)?,
+            consumer: r.get(1)?,
+            message: Message {
+                source: r.get(2)?,
+                id: r.get(3)?,
+                payload: r.get::<_, Option<Vec<u8>>>(4)?.unwrap_or_default(),
+                headers: parse_headers(headers.as_deref()),
+                ordering_key: r.get(6)?,
+            },
+            attempts: r.get(7)?,
+            last_error: r.get(8)?,
+            received_at: r.get(9)?,
+            updated_at: r.get(10)?,
+        })
+    })?;
+    rows.collect()
+}
+
+/// Sends a dead letter back to `pending` with its attempts reset. Returns
+/// false when `row_id` is not a dead letter.
+pub(crate) fn redrive(conn: &Connection, row_id: i64, now_ms: i64) -> rusqlite::Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE postroom_inbox
+             SET status = 'pending', attempts = 0, next_attempt_at = ?2, updated_at = ?2
+             WHERE id = ?1 AND status = 'dead'",
+        )?
+        .execute(params![row_id, now_ms])?;
+    Ok(n == 1)
+}
+
+/// Gives up on a dead letter for good: it becomes `completed` without its
+/// effects (payload dropped, the reason kept in `last_error`), so a
+/// redelivery is answered `Duplicate` instead of running it again, and
+/// retention removes it like any completed row. Returns false when
+/// `row_id` is not a dead letter.
+pub(crate) fn discard(conn: &Connection, row_id: i64, now_ms: i64) -> rusqlite::Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE postroom_inbox
+             SET status = 'completed', payload = NULL, processed_at = ?2, updated_at = ?2,
+                 next_attempt_at = NULL,
+                 last_error = 'discarded by operator; last error: ' || coalesce(last_error, '')
+             WHERE id = ?1 AND status = 'dead'",
+        )?
+        .execute(params![row_id, now_ms])?;
+    Ok(n == 1)
+}
+
+fn parse_headers(text: Option<&str>) -> Headers {
+    text.and_then(|t| serde_json::from_str(t).ok())
+        .unwrap_or_default()
+}

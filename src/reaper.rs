@@ -1,0 +1,139 @@
+//! The reaper: on a timer, recovers expired leases, deletes what retention
+//! allows, and truncates the WAL when it has grown.
+//!
+//! Retention deletes in small batches, each its own writer job, so
+//! deliveries queued meanwhile get their turn between batches: a million-row
+//! cleanup never holds the writer for more than one batch at a time.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+
+use crate::error::{Error, Result};
+use crate::queue;
+use crate::workers::{LeaseState, Shared};
+
+/// Rows deleted per writer job.
+const RETENTION_BATCH: usize = 1000;
+
+/// What one reaper pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CleanupReport {
+    /// `processing` rows whose lease had expired, now `failed` (or `dead`).
+    pub leases_expired: u64,
+    /// Completed inbox rows deleted by retention.
+    pub inbox_deleted: u64,
+    /// Dead letters deleted by `dead_retention`.
+    pub dead_deleted: u64,
+    /// Whether the WAL was checkpointed and truncated.
+    pub wal_truncated: bool,
+}
+
+/// The reaper thread's body: a pass every `reaper_interval` until `stop`
+/// disconnects.
+pub(crate) fn reap(shared: Arc<Shared>, stop: Receiver<()>) {
+    loop {
+        match stop.recv_timeout(shared.config.reaper_interval) {
+            Err(RecvTimeoutError::Timeout) => {}
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+        }
+        match run_once(&shared) {
+            Ok(report) if report != CleanupReport::default() => {
+                log::debug!("postroom reaper: {report:?}")
+            }
+            Ok(_) => {}
+            Err(Error::Closed) => return,
+            Err(e) => log::warn!("postroom reaper: {e}"),
+        }
+    }
+}
+
+/// One pass: expired leases, retention, checkpoint.
+pub(crate) fn run_once(shared: &Shared) -> Result<CleanupReport> {
+    let mut report = CleanupReport {
+        leases_expired: expire_leases(shared)?,
+        ..CleanupReport::default()
+    };
+    if report.leases_expired > 0 {
+        shared.wake();
+    }
+    let retention = shared.config.retention;
+    report.inbox_deleted = delete_in_batches(shared, retention, queue::delete_completed)?;
+    if let Some(dead_retention) = shared.config.dead_retention {
+        report.dead_deleted = delete_in_batches(shared, dead_retention, queue::delete_dead)?;
+    }
+    report.wal_truncated = checkpoint_if_large(shared)?;
+    Ok(report)
+}
+
+fn expire_leases(shared: &Shared) -> Result<u64> {
+    let leases = Arc::clone(&shared.leases);
+    let max_attempts = shared.config.max_attempts;
+    shared.writer.submit(move |w| {
+        let now = w.clock.now_ms();
+        let instant = Instant::now();
+        let mut expired = 0;
+        for row in queue::leased(w.conn).map_err(|e| Error::sqlite("read leases", e))? {
+            let due = match leases.state(row.row_id, row.token, instant) {
+                LeaseState::Live => false,
+                LeaseState::Expired => true,
+                LeaseState::Unknown => row.lease_until.is_none_or(|until| until < now),
+            };
+            if due
+                && queue::expire(
+                    w.conn,
+                    row.row_id,
+                    row.token,
+                    "lease expired",
+                    max_attempts,
+                    now,
+                )
+                .map_err(|e| Error::sqlite("expire lease", e))?
+            {
+                leases.remove(row.row_id, row.token);
+                expired += 1;
+            }
+        }
+        Ok(expired)
+    })
+}
+
+fn delete_in_batches(
+    shared: &Shared,
+    keep_for: Duration,
+    delete: fn(&rusqlite::Connection, i64, usize) -> rusqlite::Result<usize>,
+) -> Result<u64> {
+    let keep_ms = i64::try_from(keep_for.as_millis()).unwrap_or(i64::MAX);
+    let cutoff = shared.clock.now_ms().saturating_sub(keep_ms);
+    let mut total = 0u64;
+    loop {
+        let deleted = shared.writer.submit(move |w| {
+            delete(w.conn, cutoff, RETENTION_BATCH).map_err(|e| Error::sqlite("retention", e))
+        })?;
+        total += deleted as u64;
+        if deleted < RETENTION_BATCH || shared.stopping.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(total);
+        }
+    }
+}
+
+fn checkpoint_if_large(shared: &Shared) -> Result<bool> {
+    let mut wal = shared.path.as_os_str().to_owned();
+    wal.push("-wal");
+    let size = std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
+    if size <= shared.config.checkpoint_wal_bytes {
+        return Ok(false);
+    }
+    let (done_tx, done) = crossbeam_channel::bounded(1);
+    shared.writer.maintain(move |conn| {
+        // TRUNCATE waits (busy_timeout) for readers to move past the WAL;
+        // a checkpoint that cannot finish is retried next pass.
+        let result = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+            r.get::<_, i64>(0)
+        });
+        let _ = done_tx.send(matches!(result, Ok(0)));
+    })?;
+    done.recv().map_err(|_| Error::Closed)
+}

@@ -1,0 +1,279 @@
+//! Queued processing: the dispatcher thread claims due rows with a lease
+//! and hands them to worker threads, which run the handlers.
+//!
+//! Claims go through the writer like any write, so a claim is committed
+//! (attempt counted, lease recorded) before any handler code runs. The
+//! dispatcher claims no more rows than there are idle workers, so nothing
+//! claimed sits waiting while its lease runs out.
+
+use std::collections::HashMap;
+use std::panic::{self, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::clock::Clock;
+use crate::config::{Config, ConsumerKind};
+use crate::delivery::{finish, panic_message, run_user_step, Attempt, Env};
+use crate::error::{Error, Result};
+use crate::handler::{idempotency_key, EffectContext, Tx};
+use crate::inflight::NoInflightLog;
+use crate::message::{Failure, Outcome};
+use crate::queue::{self, Claimed};
+use crate::writer::{WriterCtx, WriterHandle};
+
+/// A registered consumer.
+pub(crate) struct Consumer {
+    pub name: String,
+    pub kind: ConsumerKind,
+}
+
+/// Leases this process holds, with deadlines on the monotonic clock: a
+/// wall-clock jump can neither expire a live lease early nor keep a dead one.
+#[derive(Debug, Default)]
+pub(crate) struct Leases(Mutex<HashMap<i64, (i64, Instant)>>);
+
+/// What the process knows of a row's lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LeaseState {
+    /// Not held by this process (left behind, or inserted by hand): judge
+    /// by the stored `lease_until`.
+    Unknown,
+    Live,
+    Expired,
+}
+
+impl Leases {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<i64, (i64, Instant)>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn insert(&self, row_id: i64, token: i64, deadline: Instant) {
+        self.lock().insert(row_id, (token, deadline));
+    }
+
+    pub fn remove(&self, row_id: i64, token: Option<i64>) {
+        let mut map = self.lock();
+        if map.get(&row_id).map(|&(t, _)| Some(t)) == Some(token) {
+            map.remove(&row_id);
+        }
+    }
+
+    pub fn state(&self, row_id: i64, token: Option<i64>, now: Instant) -> LeaseState {
+        match self.lock().get(&row_id) {
+            Some(&(t, deadline)) if Some(t) == token => {
+                if now >= deadline {
+                    LeaseState::Expired
+                } else {
+                    LeaseState::Live
+                }
+            }
+            _ => LeaseState::Unknown,
+        }
+    }
+}
+
+/// What the dispatcher, the workers and the reaper share.
+pub(crate) struct Shared {
+    pub path: PathBuf,
+    pub writer: WriterHandle,
+    pub config: Config,
+    pub clock: Arc<dyn Clock>,
+    pub consumers: HashMap<String, Arc<Consumer>>,
+    pub leases: Arc<Leases>,
+    pub stopping: AtomicBool,
+    pub wake_tx: Sender<()>,
+    pub wake_rx: Receiver<()>,
+    pub in_flight: AtomicUsize,
+    pub next_token: AtomicI64,
+}
+
+impl Shared {
+    /// Wakes the dispatcher (new rows, a worker became free, shutdown).
+    pub fn wake(&self) {
+        let _ = self.wake_tx.try_send(());
+    }
+}
+
+/// The dispatcher thread's body.
+pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
+    let mut names: Vec<String> = shared.consumers.keys().cloned().collect();
+    names.sort();
+    let lease = shared.config.lease;
+    let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
+    while !shared.stopping.load(Ordering::Acquire) {
+        let free = shared
+            .config
+            .workers
+            .saturating_sub(shared.in_flight.load(Ordering::Acquire));
+        let mut claimed_any = false;
+        if free > 0 {
+            // Rotate so that one busy consumer does not starve the others.
+            if !names.is_empty() {
+                names.rotate_left(1);
+            }
+            let order = names.clone();
+            let token = shared.next_token.fetch_add(1, Ordering::Relaxed);
+            let started = Instant::now();
+            let result = shared.writer.submit(move |w| {
+                let now = w.clock.now_ms();
+                let until = now.saturating_add(lease_ms);
+                let mut claimed = Vec::new();
+                for name in &order {
+                    let want = free - claimed.len();
+                    if want == 0 {
+                        break;
+                    }
+                    claimed.extend(
+                        queue::claim(w.conn, name, want, now, until, token)
+                            .map_err(|e| Error::sqlite("claim due messages", e))?,
+                    );
+                }
+                Ok(claimed)
+            });
+            match result {
+                Ok(claims) => {
+                    for claim in claims {
+                        claimed_any = true;
+                        shared.leases.insert(claim.row_id, token, started + lease);
+                        shared.in_flight.fetch_add(1, Ordering::AcqRel);
+                        if work.send(claim).is_err() {
+                            return;
+                        }
+                    }
+                }
+                Err(Error::Closed) => return,
+                Err(e) => log::warn!("postroom dispatcher: claiming failed: {e}"),
+            }
+        }
+        if !claimed_any {
+            let _ = shared.wake_rx.recv_timeout(shared.config.poll_interval);
+        }
+    }
+}
+
+/// A worker thread's body: processes claimed rows until the dispatcher is
+/// gone. Once stopping, rows not yet started are handed back unattempted.
+pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>) {
+    while let Ok(claim) = claims.recv() {
+        let (row_id, token) = (claim.row_id, claim.token);
+        if shared.stopping.load(Ordering::Acquire) {
+            let result = shared.writer.submit(move |w| {
+                queue::release(w.conn, row_id, token).map_err(|e| Error::sqlite("release claim", e))
+            });
+            if let Err(e) = result {
+                log::warn!("postroom worker: releasing row {row_id}: {e}; recovered at next open");
+            }
+        } else {
+            match process(&shared, claim) {
+                Ok(Some(outcome)) => log::debug!("postroom worker: row {row_id}: {outcome:?}"),
+                Ok(None) => log::warn!(
+                    "postroom worker: row {row_id}: lease lost (expired and claimed again); \
+                     this attempt's result was discarded"
+                ),
+                Err(e) => log::error!(
+                    "postroom worker: row {row_id}: {e}; retried once its lease expires"
+                ),
+            }
+        }
+        shared.leases.remove(row_id, Some(token));
+        shared.in_flight.fetch_sub(1, Ordering::AcqRel);
+        shared.wake();
+    }
+}
+
+/// Runs one claimed row. `Ok(None)`: the lease was lost, nothing recorded.
+fn process(shared: &Shared, claim: Claimed) -> Result<Option<Outcome>> {
+    let Some(consumer) = shared.consumers.get(&claim.consumer) else {
+        return Err(Error::UnknownConsumer {
+            consumer: claim.consumer,
+        });
+    };
+    match &consumer.kind {
+        ConsumerKind::Transactional(handler) => {
+            let handler = Arc::clone(handler);
+            shared
+                .writer
+                .submit(move |w| complete(w, &claim, |tx| handler.handle(tx, &claim.msg)))
+        }
+        ConsumerKind::Effectful(handler) => {
+            let ctx = EffectContext {
+                consumer: &claim.consumer,
+                attempt: claim.attempt,
+                idempotency_key: idempotency_key(&claim.consumer, &claim.msg),
+            };
+            let output = panic::catch_unwind(AssertUnwindSafe(|| handler.effect(&ctx, &claim.msg)))
+                .unwrap_or_else(|panic| {
+                    Err(Failure::retry(format_args!(
+                        "effect panicked: {}",
+                        panic_message(panic.as_ref())
+                    )))
+                });
+            let handler = Arc::clone(handler);
+            shared.writer.submit(move |w| match output {
+                Ok(output) => complete(w, &claim, |tx| handler.apply(tx, &claim.msg, output)),
+                Err(failure) => record_failure(w, &claim, failure),
+            })
+        }
+    }
+}
+
+/// The transactional step of a claimed row.
+fn complete(
+    w: &mut WriterCtx<'_>,
+    claim: &Claimed,
+    body: impl FnOnce(&mut Tx<'_>) -> Result<(), Failure>,
+) -> Result<Option<Outcome>> {
+    fenced(w, claim, |env, at| {
+        let failure = run_user_step(env, at, body)?;
+        finish(env, at, failure)
+    })
+}
+
+/// Records a failed external step.
+fn record_failure(
+    w: &mut WriterCtx<'_>,
+    claim: &Claimed,
+    failure: Failure,
+) -> Result<Option<Outcome>> {
+    fenced(w, claim, |env, at| finish(env, at, Some(failure)))
+}
+
+/// Runs `step` only while `claim`'s lease token still holds the row, so a
+/// worker whose lease was reaped and re-claimed cannot complete it twice.
+/// `Ok(None)`: the lease was lost and nothing was written.
+fn fenced(
+    w: &mut WriterCtx<'_>,
+    claim: &Claimed,
+    step: impl FnOnce(&mut Env<'_>, Attempt<'_>) -> Result<Outcome>,
+) -> Result<Option<Outcome>> {
+    if !queue::lease_held(w.conn, claim.row_id, claim.token)
+        .map_err(|e| Error::sqlite("check lease", e))?
+    {
+        return Ok(None);
+    }
+    // The claim already counted this attempt: no in-flight marker needed.
+    let mut log = NoInflightLog;
+    let mut env = Env {
+        conn: w.conn,
+        config: w.config,
+        now_ms: w.clock.now_ms(),
+        log: &mut log,
+        guard: w.guard,
+    };
+    step(&mut env, attempt_of(claim)).map(Some)
+}
+
+fn attempt_of(claim: &Claimed) -> Attempt<'_> {
+    Attempt {
+        consumer: &claim.consumer,
+        msg: &claim.msg,
+        hash: &claim.hash,
+        attempt: claim.attempt,
+    }
+}
