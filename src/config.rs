@@ -363,8 +363,9 @@ impl Builder {
         self
     }
 
-    /// The reaper truncates the `-wal` file (a `TRUNCATE` checkpoint, when
-    /// the writer is idle) once it is larger than this. Default: 4 MiB.
+    /// Once the `-wal` file is larger than this, the checkpointer thread
+    /// copies it into the database: `PASSIVE` while writes go on (never
+    /// blocking them), `TRUNCATE` when the engine is idle. Default: 4 MiB.
     pub fn checkpoint_wal_bytes(mut self, bytes: u64) -> Self {
         self.config.checkpoint_wal_bytes = bytes;
         self

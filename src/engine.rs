@@ -13,6 +13,7 @@ use crossbeam_channel::{RecvTimeoutError, Sender};
 use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::OpenFlags;
 
+use crate::checkpoint;
 use crate::clock::Clock;
 use crate::config::{Builder, Config, ConsumerKind};
 use crate::delivery::{self, exec, panic_message, Env};
@@ -87,7 +88,9 @@ struct Threads {
     dispatcher: Option<Running>,
     workers: Vec<Running>,
     reaper: Option<Running>,
-    reaper_stop: Option<Sender<()>>,
+    checkpointer: Option<Running>,
+    /// Dropping it stops the reaper and the checkpointer.
+    timers_stop: Option<Sender<()>>,
     writer: Option<Running>,
 }
 
@@ -226,10 +229,16 @@ impl Postroom {
     fn start_background(&self, shared: &Arc<Shared>) -> Result<()> {
         let mut threads = self.lock_threads();
         let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
-        threads.reaper_stop = Some(stop_tx);
+        threads.timers_stop = Some(stop_tx);
         let s = Arc::clone(shared);
+        let stop = stop_rx.clone();
         threads.reaper = Some(spawn("postroom-reaper".into(), move || {
-            reaper::reap(s, stop_rx)
+            reaper::reap(s, stop)
+        })?);
+        let (path, threshold) = (shared.path.clone(), shared.config.checkpoint_wal_bytes);
+        let counters = Arc::clone(&self.counters);
+        threads.checkpointer = Some(spawn("postroom-checkpointer".into(), move || {
+            checkpoint::run(path, threshold, counters, stop_rx)
         })?);
         let workers = shared.config.workers;
         if workers == 0 || shared.consumers.is_empty() {
@@ -431,7 +440,7 @@ impl Postroom {
         })
     }
 
-    /// Runs a reaper pass now: expired leases, retention, WAL checkpoint.
+    /// Runs a reaper pass now: expired leases, then retention.
     pub fn cleanup(&self) -> Result<CleanupReport> {
         self.check_caller()?;
         reaper::run_once(&self.shared)
@@ -462,7 +471,7 @@ impl Postroom {
         let deadline = Instant::now() + deadline;
         let mut threads = std::mem::take(&mut *self.lock_threads());
         let mut report = ShutdownReport::default();
-        drop(threads.reaper_stop.take());
+        drop(threads.timers_stop.take());
         if let Some(t) = threads.dispatcher.take() {
             t.join(deadline, &mut report);
         }
@@ -470,6 +479,9 @@ impl Postroom {
             t.join(deadline, &mut report);
         }
         if let Some(t) = threads.reaper.take() {
+            t.join(deadline, &mut report);
+        }
+        if let Some(t) = threads.checkpointer.take() {
             t.join(deadline, &mut report);
         }
         self.shared

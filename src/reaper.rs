@@ -1,5 +1,5 @@
-//! The reaper: on a timer, recovers expired leases, deletes what retention
-//! allows, and truncates the WAL when it has grown.
+//! The reaper: on a timer, recovers expired leases and deletes what
+//! retention allows. (The WAL is the checkpointer's job.)
 //!
 //! Retention deletes in small batches, each its own writer job, so
 //! deliveries queued meanwhile get their turn between batches: a million-row
@@ -14,8 +14,9 @@ use crate::error::{Error, Result};
 use crate::queue;
 use crate::workers::{LeaseState, Shared};
 
-/// Rows deleted per writer job.
-const RETENTION_BATCH: usize = 1000;
+/// Rows deleted per writer job: a few milliseconds of work, the longest a
+/// delivery queued behind it waits.
+const RETENTION_BATCH: usize = 256;
 
 /// What one reaper pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -27,8 +28,6 @@ pub struct CleanupReport {
     pub inbox_deleted: u64,
     /// Dead letters deleted by `dead_retention`.
     pub dead_deleted: u64,
-    /// Whether the WAL was checkpointed and truncated.
-    pub wal_truncated: bool,
 }
 
 /// The reaper thread's body: a pass every `reaper_interval` until `stop`
@@ -50,7 +49,7 @@ pub(crate) fn reap(shared: Arc<Shared>, stop: Receiver<()>) {
     }
 }
 
-/// One pass: expired leases, retention, checkpoint.
+/// One pass: expired leases, then retention.
 pub(crate) fn run_once(shared: &Shared) -> Result<CleanupReport> {
     let mut report = CleanupReport {
         leases_expired: expire_leases(shared)?,
@@ -64,7 +63,6 @@ pub(crate) fn run_once(shared: &Shared) -> Result<CleanupReport> {
     if let Some(dead_retention) = shared.config.dead_retention {
         report.dead_deleted = delete_in_batches(shared, dead_retention, queue::delete_dead)?;
     }
-    report.wal_truncated = checkpoint_if_large(shared)?;
     Ok(report)
 }
 
@@ -117,23 +115,4 @@ fn delete_in_batches(
             return Ok(total);
         }
     }
-}
-
-fn checkpoint_if_large(shared: &Shared) -> Result<bool> {
-    let mut wal = shared.path.as_os_str().to_owned();
-    wal.push("-wal");
-    let size = std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
-    if size <= shared.config.checkpoint_wal_bytes {
-        return Ok(false);
-    }
-    let (done_tx, done) = crossbeam_channel::bounded(1);
-    shared.writer.maintain(move |conn| {
-        // TRUNCATE waits (busy_timeout) for readers to move past the WAL;
-        // a checkpoint that cannot finish is retried next pass.
-        let result = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
-            r.get::<_, i64>(0)
-        });
-        let _ = done_tx.send(matches!(result, Ok(0)));
-    })?;
-    done.recv().map_err(|_| Error::Closed)
 }

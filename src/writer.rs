@@ -43,9 +43,6 @@ pub(crate) trait Job: Send {
 
 pub(crate) enum Command {
     Job(Box<dyn Job>),
-    /// Work that must run outside a transaction (a WAL checkpoint), between
-    /// batches.
-    Maintenance(Box<dyn FnOnce(&Connection) + Send>),
     /// Finish the queued jobs before this one, then exit.
     Stop,
 }
@@ -81,13 +78,6 @@ impl WriterHandle {
             recv(answer) -> reply => reply.map_err(|_| Error::Closed)?,
             recv(self.alive) -> _ => answer.try_recv().map_err(|_| Error::Closed)?,
         }
-    }
-
-    /// Queues work to run between batches, outside any transaction.
-    pub fn maintain(&self, work: impl FnOnce(&Connection) + Send + 'static) -> Result<()> {
-        self.commands
-            .send(Command::Maintenance(Box::new(work)))
-            .map_err(|_| Error::Closed)
     }
 
     /// Asks the writer to stop once the commands queued before this one are
@@ -186,7 +176,6 @@ impl Writer {
             while let Some(command) = next.take() {
                 match command {
                     Command::Stop => break 'run,
-                    Command::Maintenance(work) => work(&self.conn),
                     Command::Job(job) => {
                         batch.push(job);
                         while batch.len() < self.config.max_batch {

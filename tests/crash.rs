@@ -17,7 +17,7 @@ use std::thread;
 use std::time::Duration;
 
 use common::*;
-use postroom::{handler_fn, Failure, Message, Outcome, Postroom};
+use postroom::{handler_fn, EffectContext, EffectHandler, Failure, Message, Outcome, Postroom, Tx};
 
 /// Entry point of the child processes. Not a test: it only does something
 /// when started by `spawn_child`, and is ignored otherwise.
@@ -34,6 +34,7 @@ fn child_main() {
         "hang-in-handler" => child_hang_in_handler(&db),
         "crash-loop" => child_crash_loop(&db),
         "stream" => child_stream(&db),
+        "queued" => child_queued(&db),
         other => panic!("unknown child role {other}"),
     }
 }
@@ -385,4 +386,176 @@ fn random_sigkills_lose_nothing_acknowledged_and_apply_nothing_twice() {
         acked.len()
     );
     assert!(crash_attempts >= 0);
+}
+
+// ---------------------------------------------------------------------------
+// Queued mode: kill -9 while workers are mid-handler, of both kinds.
+
+/// Distinct ids in the queued test, received by both consumers.
+const QUEUED_IDS: u64 = 600;
+
+/// An effectful consumer: the "external call" hands its attempt number to
+/// the transactional step, which records it.
+struct Charge;
+
+impl EffectHandler for Charge {
+    type Output = u32;
+    fn effect(&self, ctx: &EffectContext<'_>, _msg: &Message) -> Result<u32, Failure> {
+        thread::sleep(Duration::from_micros(300));
+        Ok(ctx.attempt())
+    }
+    fn apply(&self, tx: &mut Tx<'_>, msg: &Message, attempt: u32) -> Result<(), Failure> {
+        tx.execute(
+            "INSERT INTO applied (consumer, message_id, payload) VALUES ('fx', ?1, ?2)",
+            rusqlite::params![msg.id(), attempt.to_string()],
+        )?;
+        Ok(())
+    }
+}
+
+fn queued_room(db: &Path, workers: usize) -> Postroom {
+    Postroom::builder()
+        .workers(workers)
+        .max_attempts(1_000_000)
+        .poll_interval(Duration::from_millis(5))
+        .backoff(Duration::from_millis(1), Duration::from_millis(1))
+        .consumer(
+            "tx",
+            handler_fn(|tx, msg| {
+                apply(tx, msg)?;
+                thread::sleep(Duration::from_micros(300));
+                Ok(())
+            }),
+        )
+        .effectful_consumer("fx", Charge)
+        .open(db)
+        .unwrap()
+}
+
+fn child_queued(db: &Path) {
+    let seed = env_u64("POSTROOM_SEED").unwrap();
+    let room = queued_room(db, 2);
+    create_domain(&room);
+    report("READY");
+    let mut rng = Rng::new(seed);
+    for _ in 0..10_000 {
+        let batch: Vec<Message> = (0..rng.below(20) + 1)
+            .map(|_| {
+                let id = format!("q{}", rng.below(QUEUED_IDS));
+                Message::new("s", id.clone(), format!("payload of {id}"))
+            })
+            .collect();
+        for consumer in ["tx", "fx"] {
+            let receipts = room.receive_batch(consumer, batch.clone()).unwrap();
+            for (msg, receipt) in batch.iter().zip(receipts) {
+                assert!(receipt.should_ack());
+                report(&format!("ACK {consumer} {}", msg.id()));
+            }
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
+    report("DONE");
+}
+
+#[test]
+fn random_sigkills_while_workers_run_lose_nothing_and_apply_nothing_twice() {
+    let kills = env_u64("POSTROOM_QUEUED_KILLS").unwrap_or(100);
+    let seed = seed();
+    eprintln!("queued_sigkills: {kills} kills, POSTROOM_SEED={seed}");
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.db");
+    let mut rng = Rng::new(seed);
+    let mut acked: BTreeSet<(String, String)> = BTreeSet::new();
+    for k in 0..kills {
+        let mut child = spawn_child(
+            "queued",
+            &db,
+            &[("POSTROOM_SEED", rng.next_u64().to_string())],
+        );
+        let lines = lines_of(&mut child);
+        if rng.below(8) == 0 {
+            thread::sleep(Duration::from_micros(rng.below(20_000)));
+        } else {
+            wait_for(&lines, "READY");
+            thread::sleep(Duration::from_micros(rng.below(40_000)));
+        }
+        child.kill().unwrap();
+        let status = child.wait().unwrap();
+        assert!(
+            status.signal() == Some(9) || status.success(),
+            "kill {k}: {status:?}"
+        );
+        for line in lines.iter() {
+            if let Some(rest) = line.strip_prefix("ACK ") {
+                let (consumer, id) = rest.split_once(' ').unwrap();
+                acked.insert((consumer.to_owned(), id.to_owned()));
+            }
+        }
+    }
+    assert!(
+        !acked.is_empty(),
+        "nothing was acknowledged; the test proves nothing"
+    );
+
+    let room = queued_room(&db, 2);
+    let conn = raw(&db);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let left = count(
+            &conn,
+            "SELECT count(*) FROM postroom_inbox WHERE status IN ('pending', 'processing', 'failed')",
+        );
+        if left == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{left} messages never finished"
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    integrity_ok(&conn);
+    let mut lost = Vec::new();
+    for (consumer, id) in &acked {
+        let (status, ..) = inbox_row(&conn, consumer, "s", id)
+            .unwrap_or_else(|| panic!("seed {seed}: acknowledged {consumer}/{id} was lost"));
+        if status != "completed" {
+            lost.push(format!("{consumer}/{id}: {status}"));
+        }
+    }
+    assert!(lost.is_empty(), "seed {seed}: {lost:?}");
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM postroom_inbox WHERE status != 'completed'"
+        ),
+        0
+    );
+    // Every stored message's transactional step applied exactly once.
+    let twice = count(
+        &conn,
+        "SELECT count(*) FROM (SELECT consumer, message_id FROM applied
+                              GROUP BY consumer, message_id HAVING count(*) > 1)",
+    );
+    let missing = count(
+        &conn,
+        "SELECT count(*) FROM postroom_inbox i WHERE NOT EXISTS (
+             SELECT 1 FROM applied a WHERE a.consumer = i.consumer AND a.message_id = i.message_id)",
+    );
+    assert_eq!(
+        (twice, missing),
+        (0, 0),
+        "seed {seed}: applied twice / not applied"
+    );
+    let reclaimed = count(
+        &conn,
+        "SELECT count(*) FROM postroom_inbox WHERE attempts > 1",
+    );
+    eprintln!(
+        "queued_sigkills: {kills} kills survived, {} acknowledged receipts, {} messages, \
+         {reclaimed} needed more than one attempt",
+        acked.len(),
+        count(&conn, "SELECT count(*) FROM postroom_inbox")
+    );
 }

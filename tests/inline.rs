@@ -744,6 +744,7 @@ fn shutdown_joins_the_writer_and_releases_the_database() {
             "postroom-worker-0",
             "postroom-worker-1",
             "postroom-reaper",
+            "postroom-checkpointer",
             "postroom-writer"
         ]
     );
