@@ -93,6 +93,12 @@ CREATE INDEX postroom_outbox_pending
     ON postroom_outbox (seq)
     WHERE status = 'pending';
 
+-- Pending rows per key: a row is held back while an earlier row of its key
+-- waits out a backoff.
+CREATE INDEX postroom_outbox_key
+    ON postroom_outbox (key, seq)
+    WHERE key IS NOT NULL AND status = 'pending';
+
 CREATE INDEX postroom_outbox_sent
     ON postroom_outbox (sent_at)
     WHERE status = 'sent';

@@ -11,6 +11,7 @@ use crate::engine::Postroom;
 use crate::error::{Error, Result};
 use crate::handler::{EffectHandler, ErasedEffect, Handler};
 use crate::message::{Headers, Message, Outgoing};
+use crate::relay::Sink;
 
 /// Longest message id, in bytes.
 pub const MAX_ID_BYTES: usize = 512;
@@ -93,6 +94,8 @@ pub(crate) struct Config {
     pub retention: Duration,
     pub dead_retention: Option<Duration>,
     pub checkpoint_wal_bytes: u64,
+    pub relay_batch: usize,
+    pub relay_poll: Duration,
 }
 
 impl Default for Config {
@@ -118,6 +121,8 @@ impl Default for Config {
             retention: Duration::from_secs(7 * 24 * 3600),
             dead_retention: None,
             checkpoint_wal_bytes: 4 * 1024 * 1024,
+            relay_batch: 100,
+            relay_poll: Duration::from_secs(1),
         }
     }
 }
@@ -146,6 +151,12 @@ impl Config {
             return Err(Error::invalid(
                 "interval",
                 "poll and reaper intervals must be greater than zero",
+            ));
+        }
+        if self.relay_batch == 0 || self.relay_poll.is_zero() {
+            return Err(Error::invalid(
+                "relay",
+                "relay_batch and relay_poll must be greater than zero",
             ));
         }
         if self.lease.is_zero() {
@@ -270,6 +281,8 @@ pub struct Builder {
     pub(crate) config: Config,
     pub(crate) consumers: Vec<(String, ConsumerKind)>,
     pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) sink: Option<Box<dyn Sink>>,
+    pub(crate) handle_signals: bool,
 }
 
 /// The two kinds of handler a consumer can have.
@@ -287,6 +300,8 @@ impl Default for Builder {
             config: Config::default(),
             consumers: Vec::new(),
             clock: Arc::new(SystemClock),
+            sink: None,
+            handle_signals: false,
         }
     }
 }
@@ -323,6 +338,35 @@ impl Builder {
     ) -> Self {
         self.consumers
             .push((name.into(), ConsumerKind::Effectful(Arc::new(handler))));
+        self
+    }
+
+    /// Where the relay sends outbox messages. Without a sink no relay runs
+    /// and outbox rows wait (another process may relay them). Default: none.
+    pub fn sink(mut self, sink: impl Sink) -> Self {
+        self.sink = Some(Box::new(sink));
+        self
+    }
+
+    /// Most outbox messages handed to the sink at once. Default: 100.
+    pub fn relay_batch(mut self, messages: usize) -> Self {
+        self.config.relay_batch = messages;
+        self
+    }
+
+    /// How often the relay looks for due rows when nothing woke it (retries
+    /// coming due, rows committed by another process); commits of this
+    /// engine wake it at once. Default: 1 s.
+    pub fn relay_poll(mut self, interval: Duration) -> Self {
+        self.config.relay_poll = interval;
+        self
+    }
+
+    /// Turn SIGINT and SIGTERM into a graceful shutdown of this engine
+    /// (deadline: `drop_deadline`), after which the process terminates as
+    /// the signal would have had it. Default: false.
+    pub fn handle_signals(mut self, handle: bool) -> Self {
+        self.handle_signals = handle;
         self
     }
 

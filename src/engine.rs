@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{RecvTimeoutError, Sender};
 use r2d2_sqlite::SqliteConnectionManager;
+use rusqlite::hooks::Action;
 use rusqlite::OpenFlags;
 
 use crate::checkpoint;
@@ -22,8 +23,10 @@ use crate::guard::UserCodeGuard;
 use crate::handler::Tx;
 use crate::inflight::EngineFile;
 use crate::message::{Failure, Message, Outcome, Receipt};
+use crate::outbox::{self, OutboxMessage};
 use crate::queue::{self, DeadLetter};
 use crate::reaper::{self, CleanupReport};
+use crate::relay::{self, Sink};
 use crate::schema;
 use crate::stats::{self, Stats};
 use crate::workers::{self, Consumer, Leases, Shared};
@@ -91,6 +94,9 @@ struct Threads {
     checkpointer: Option<Running>,
     /// Dropping it stops the reaper and the checkpointer.
     timers_stop: Option<Sender<()>>,
+    relay: Option<Running>,
+    relay_stop: Option<Sender<relay::StopAt>>,
+    signals: Option<(Running, signal_hook::iterator::Handle)>,
     writer: Option<Running>,
 }
 
@@ -120,19 +126,26 @@ impl ShutdownReport {
 /// Dropping it shuts it down (waiting up to the builder's `drop_deadline`);
 /// call [`Postroom::shutdown`] to choose the deadline and see the report.
 pub struct Postroom {
+    control: Arc<Control>,
+    shared: Arc<Shared>,
+    readers: r2d2::Pool<SqliteConnectionManager>,
+    counters: Arc<Counters>,
+}
+
+/// What shutting down needs, shared with the signal thread (which holds it
+/// weakly, so it never keeps an engine alive).
+struct Control {
     shared: Arc<Shared>,
     closed: AtomicBool,
     threads: Mutex<Threads>,
     writer_thread: ThreadId,
-    readers: r2d2::Pool<SqliteConnectionManager>,
-    counters: Arc<Counters>,
 }
 
 impl std::fmt::Debug for Postroom {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Postroom")
             .field("path", &self.shared.path)
-            .field("closed", &self.closed.load(Ordering::Relaxed))
+            .field("closed", &self.control.closed.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
 }
@@ -148,6 +161,8 @@ impl Postroom {
             config,
             consumers,
             clock,
+            sink,
+            handle_signals,
         } = builder;
         let mut engine_file = EngineFile::lock(path)?;
         schema::create_private(path)?;
@@ -163,7 +178,20 @@ impl Postroom {
         let (commands, receiver) = crossbeam_channel::bounded(config.max_batch);
         let (alive_tx, writer_alive) = crossbeam_channel::bounded::<()>(0);
         let counters = Arc::new(Counters::default());
+        let outbox_dirty = Arc::new(AtomicBool::new(false));
+        {
+            let dirty = Arc::clone(&outbox_dirty);
+            conn.update_hook(Some(move |action, _: &str, table: &str, _| {
+                if action == Action::SQLITE_INSERT && table == "postroom_outbox" {
+                    dirty.store(true, Ordering::Release);
+                }
+            }))
+            .map_err(|e| Error::sqlite("install update hook", e))?;
+        }
+        let (relay_wake, relay_woken) = crossbeam_channel::bounded(1);
         let writer = Writer {
+            outbox_dirty,
+            relay_wake: sink.is_some().then_some(relay_wake),
             conn,
             config: config.clone(),
             clock: Arc::clone(&clock),
@@ -212,22 +240,67 @@ impl Postroom {
         // From here on, a failure drops `room`, which shuts down whatever
         // threads were started.
         let room = Postroom {
-            shared: Arc::clone(&shared),
-            closed: AtomicBool::new(false),
-            threads: Mutex::new(Threads {
-                writer: Some(writer_running),
-                ..Threads::default()
+            control: Arc::new(Control {
+                shared: Arc::clone(&shared),
+                closed: AtomicBool::new(false),
+                threads: Mutex::new(Threads {
+                    writer: Some(writer_running),
+                    ..Threads::default()
+                }),
+                writer_thread,
             }),
-            writer_thread,
+            shared: Arc::clone(&shared),
             readers,
             counters,
         };
-        room.start_background(&shared)?;
+        room.start_background(&shared, sink, relay_woken)?;
+        if handle_signals {
+            room.start_signal_thread()?;
+        }
         Ok(room)
     }
 
-    fn start_background(&self, shared: &Arc<Shared>) -> Result<()> {
-        let mut threads = self.lock_threads();
+    fn start_signal_thread(&self) -> Result<()> {
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+            .map_err(|e| Error::io("install signal handlers", e))?;
+        let handle = signals.handle();
+        let control = Arc::downgrade(&self.control);
+        let running = spawn("postroom-signals".into(), move || {
+            if let Some(signal) = signals.forever().next() {
+                log::info!("postroom: signal {signal}: shutting down");
+                if let Some(control) = control.upgrade() {
+                    let deadline = control.shared.config.drop_deadline;
+                    match control.shutdown(deadline) {
+                        Ok(report) if !report.is_clean() => {
+                            log::error!("postroom: shutdown on signal: {report:?}")
+                        }
+                        _ => {}
+                    }
+                }
+                // Then do what the signal would have done.
+                let _ = signal_hook::low_level::emulate_default_handler(signal);
+            }
+        })?;
+        self.control.lock_threads().signals = Some((running, handle));
+        Ok(())
+    }
+
+    fn start_background(
+        &self,
+        shared: &Arc<Shared>,
+        sink: Option<Box<dyn Sink>>,
+        relay_woken: crossbeam_channel::Receiver<()>,
+    ) -> Result<()> {
+        let mut threads = self.control.lock_threads();
+        if let Some(sink) = sink {
+            let (stop_tx, stop_rx) = crossbeam_channel::bounded(1);
+            threads.relay_stop = Some(stop_tx);
+            let s = Arc::clone(shared);
+            threads.relay = Some(spawn("postroom-relay".into(), move || {
+                relay::relay(s, sink, relay_woken, stop_rx)
+            })?);
+        }
         let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
         threads.timers_stop = Some(stop_tx);
         let s = Arc::clone(shared);
@@ -258,12 +331,6 @@ impl Postroom {
             workers::dispatch(s, work_tx)
         })?);
         Ok(())
-    }
-
-    fn lock_threads(&self) -> std::sync::MutexGuard<'_, Threads> {
-        self.threads
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// The database file.
@@ -440,6 +507,27 @@ impl Postroom {
         })
     }
 
+    /// Outbox messages the relay gave up on, oldest first, at most `limit`.
+    pub fn outbox_dead_letters(&self, limit: usize) -> Result<Vec<OutboxMessage>> {
+        let conn = self.reader()?;
+        outbox::dead_letters(&conn, limit).map_err(|e| Error::sqlite("list outbox dead letters", e))
+    }
+
+    /// Sends a dead outbox message (by [`OutboxMessage::seq`]) back to the
+    /// relay with its attempts reset. Returns false when there is no dead
+    /// outbox message with that seq.
+    pub fn redrive_outbox(&self, seq: i64) -> Result<bool> {
+        self.submit(move |w| {
+            outbox::redrive(w.conn, seq, w.clock.now_ms()).map_err(|e| Error::sqlite("redrive", e))
+        })
+    }
+
+    /// Deletes a dead outbox message: it will not be sent. Returns false
+    /// when there is no dead outbox message with that seq.
+    pub fn discard_outbox(&self, seq: i64) -> Result<bool> {
+        self.submit(move |w| outbox::discard(w.conn, seq).map_err(|e| Error::sqlite("discard", e)))
+    }
+
     /// Runs a reaper pass now: expired leases, then retention.
     pub fn cleanup(&self) -> Result<CleanupReport> {
         self.check_caller()?;
@@ -448,53 +536,17 @@ impl Postroom {
 
     /// Stops the engine: no new work is accepted, the dispatcher stops
     /// claiming, workers finish the message in hand (claims not yet started
-    /// are handed back), queued writes are committed, and every thread is
-    /// joined, waiting at most `deadline` in all. A thread still running at
-    /// the deadline is left detached and named in the report; rows it left
-    /// `processing` are recovered at the next open. Calling it again returns
-    /// [`Error::Closed`].
+    /// are handed back), the relay hands over what is due, queued writes are
+    /// committed, and every thread is joined, waiting at most `deadline` in
+    /// all. A thread still running at the deadline is left detached and
+    /// named in the report; rows it left `processing` are recovered at the
+    /// next open. Calling it again returns [`Error::Closed`].
     pub fn shutdown(&self, deadline: Duration) -> Result<ShutdownReport> {
-        if self.closed.swap(true, Ordering::AcqRel) {
-            return Err(Error::Closed);
-        }
-        self.shared.stopping.store(true, Ordering::Release);
-        self.shared.wake();
-        if thread::current().id() == self.writer_thread {
-            // A handler cannot wait for the thread it runs on. The writer
-            // stops once the jobs queued so far are done.
-            self.shared.writer.try_stop();
-            return Err(Error::invalid(
-                "caller",
-                "shutdown called from inside a handler; the engine stops after this batch",
-            ));
-        }
-        let deadline = Instant::now() + deadline;
-        let mut threads = std::mem::take(&mut *self.lock_threads());
-        let mut report = ShutdownReport::default();
-        drop(threads.timers_stop.take());
-        if let Some(t) = threads.dispatcher.take() {
-            t.join(deadline, &mut report);
-        }
-        for t in threads.workers.drain(..) {
-            t.join(deadline, &mut report);
-        }
-        if let Some(t) = threads.reaper.take() {
-            t.join(deadline, &mut report);
-        }
-        if let Some(t) = threads.checkpointer.take() {
-            t.join(deadline, &mut report);
-        }
-        self.shared
-            .writer
-            .stop(deadline.saturating_duration_since(Instant::now()));
-        if let Some(t) = threads.writer.take() {
-            t.join(deadline, &mut report);
-        }
-        Ok(report)
+        self.control.shutdown(deadline)
     }
 
     fn reader(&self) -> Result<r2d2::PooledConnection<SqliteConnectionManager>> {
-        if self.closed.load(Ordering::Acquire) {
+        if self.control.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
         self.readers.get().map_err(|e| Error::Io {
@@ -504,10 +556,10 @@ impl Postroom {
     }
 
     fn check_caller(&self) -> Result<()> {
-        if self.closed.load(Ordering::Acquire) {
+        if self.control.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
-        if thread::current().id() == self.writer_thread {
+        if thread::current().id() == self.control.writer_thread {
             return Err(Error::invalid(
                 "caller",
                 "called from inside a handler; that would wait on itself forever",
@@ -528,9 +580,72 @@ impl Postroom {
     }
 }
 
+impl Control {
+    fn lock_threads(&self) -> std::sync::MutexGuard<'_, Threads> {
+        self.threads
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn shutdown(&self, deadline: Duration) -> Result<ShutdownReport> {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return Err(Error::Closed);
+        }
+        self.shared.stopping.store(true, Ordering::Release);
+        self.shared.wake();
+        if thread::current().id() == self.writer_thread {
+            // A handler cannot wait for the thread it runs on. The writer
+            // stops once the jobs queued so far are done.
+            self.shared.writer.try_stop();
+            return Err(Error::invalid(
+                "caller",
+                "shutdown called from inside a handler; the engine stops after this batch",
+            ));
+        }
+        let deadline = Instant::now() + deadline;
+        let mut threads = std::mem::take(&mut *self.lock_threads());
+        let mut report = ShutdownReport::default();
+        if let Some((running, handle)) = threads.signals.take() {
+            handle.close();
+            // The signal thread may be the one shutting us down.
+            if running.handle.thread().id() != thread::current().id() {
+                running.join(deadline, &mut report);
+            }
+        }
+        drop(threads.timers_stop.take());
+        if let Some(t) = threads.dispatcher.take() {
+            t.join(deadline, &mut report);
+        }
+        for t in threads.workers.drain(..) {
+            t.join(deadline, &mut report);
+        }
+        if let Some(t) = threads.reaper.take() {
+            t.join(deadline, &mut report);
+        }
+        if let Some(t) = threads.checkpointer.take() {
+            t.join(deadline, &mut report);
+        }
+        // The relay flushes what is due (workers may just have published)
+        // until the deadline; it needs the writer to mark what it sent.
+        if let Some(stop) = threads.relay_stop.take() {
+            let _ = stop.try_send(deadline);
+        }
+        if let Some(t) = threads.relay.take() {
+            t.join(deadline, &mut report);
+        }
+        self.shared
+            .writer
+            .stop(deadline.saturating_duration_since(Instant::now()));
+        if let Some(t) = threads.writer.take() {
+            t.join(deadline, &mut report);
+        }
+        Ok(report)
+    }
+}
+
 impl Drop for Postroom {
     fn drop(&mut self) {
-        if let Ok(report) = self.shutdown(self.shared.config.drop_deadline) {
+        if let Ok(report) = self.control.shutdown(self.shared.config.drop_deadline) {
             if !report.is_clean() {
                 log::error!("postroom: shutdown on drop: {report:?}");
             }

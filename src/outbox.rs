@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use rusqlite::{params, Connection};
+use rusqlite::{params, Connection, Row};
 
 use crate::handler::Cause;
 use crate::message::{Headers, Outgoing};
@@ -113,4 +113,144 @@ fn hex32(bytes: &[u8; 32]) -> String {
         let _ = write!(s, "{b:02x}");
     }
     s
+}
+
+/// An outbox row as the relay hands it to a [`Sink`](crate::Sink).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxMessage {
+    /// Commit order: rows of one key are handed over in increasing `seq`.
+    pub seq: i64,
+    /// Stable message id, the same on every re-send: what a downstream
+    /// inbox deduplicates on.
+    pub id: String,
+    /// The topic it was published to.
+    pub topic: String,
+    /// The ordering key, if any.
+    pub key: Option<String>,
+    /// The payload bytes.
+    pub payload: Vec<u8>,
+    /// Headers, including `causation-id` and `correlation-id` for messages
+    /// published by a handler.
+    pub headers: Headers,
+    /// Hand-overs that failed before this one.
+    pub attempts: u32,
+    /// When it was committed (unix ms).
+    pub created_at: i64,
+    /// Why it last failed, for dead or retried rows.
+    pub last_error: Option<String>,
+}
+
+const COLUMNS: &str =
+    "seq, message_id, topic, key, payload, headers, attempts, created_at, last_error";
+
+fn from_row(r: &Row<'_>) -> rusqlite::Result<OutboxMessage> {
+    let headers: Option<String> = r.get(5)?;
+    Ok(OutboxMessage {
+        seq: r.get(0)?,
+        id: r.get(1)?,
+        topic: r.get(2)?,
+        key: r.get(3)?,
+        payload: r.get(4)?,
+        headers: headers
+            .and_then(|h| serde_json::from_str(&h).ok())
+            .unwrap_or_default(),
+        attempts: r.get(6)?,
+        created_at: r.get(7)?,
+        last_error: r.get(8)?,
+    })
+}
+
+/// Due pending rows in commit order, at most `limit`, skipping any row
+/// whose key has an earlier pending row still waiting out a backoff.
+pub(crate) fn fetch_due(
+    conn: &Connection,
+    now_ms: i64,
+    limit: usize,
+) -> rusqlite::Result<Vec<OutboxMessage>> {
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {COLUMNS} FROM postroom_outbox r
+         WHERE r.status = 'pending' AND r.next_attempt_at <= ?1
+           AND (r.key IS NULL OR NOT EXISTS (
+               SELECT 1 FROM postroom_outbox o
+               WHERE o.key = r.key AND o.seq < r.seq AND o.status = 'pending'
+                 AND o.next_attempt_at > ?1))
+         ORDER BY r.seq LIMIT ?2"
+    ))?;
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let rows = stmt.query_map(params![now_ms, limit], from_row)?;
+    rows.collect()
+}
+
+pub(crate) fn mark_sent(conn: &Connection, seq: i64, now_ms: i64) -> rusqlite::Result<()> {
+    conn.prepare_cached(
+        "UPDATE postroom_outbox SET status = 'sent', sent_at = ?2, attempts = attempts + 1
+         WHERE seq = ?1 AND status = 'pending'",
+    )?
+    .execute(params![seq, now_ms])?;
+    Ok(())
+}
+
+/// Counts a failed hand-over: retried at `next_attempt_at`, or dead when
+/// it was the last attempt (or `dead` is set).
+pub(crate) fn mark_failed(
+    conn: &Connection,
+    seq: i64,
+    error: &str,
+    next_attempt_at: i64,
+    max_attempts: u32,
+    dead: bool,
+) -> rusqlite::Result<()> {
+    conn.prepare_cached(
+        "UPDATE postroom_outbox
+         SET attempts = attempts + 1, last_error = ?2, next_attempt_at = ?3,
+             status = CASE WHEN ?5 OR attempts + 1 >= ?4 THEN 'dead' ELSE 'pending' END
+         WHERE seq = ?1 AND status = 'pending'",
+    )?
+    .execute(params![seq, error, next_attempt_at, max_attempts, dead])?;
+    Ok(())
+}
+
+/// Deletes up to `limit` sent rows sent before `cutoff_ms`.
+pub(crate) fn delete_sent(
+    conn: &Connection,
+    cutoff_ms: i64,
+    limit: usize,
+) -> rusqlite::Result<usize> {
+    conn.prepare_cached(
+        "DELETE FROM postroom_outbox WHERE seq IN (
+             SELECT seq FROM postroom_outbox WHERE status = 'sent' AND sent_at < ?1 LIMIT ?2)",
+    )?
+    .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
+}
+
+/// Dead outbox rows, oldest first.
+pub(crate) fn dead_letters(
+    conn: &Connection,
+    limit: usize,
+) -> rusqlite::Result<Vec<OutboxMessage>> {
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {COLUMNS} FROM postroom_outbox WHERE status = 'dead' ORDER BY seq LIMIT ?1"
+    ))?;
+    let rows = stmt.query_map([i64::try_from(limit).unwrap_or(i64::MAX)], from_row)?;
+    rows.collect()
+}
+
+/// Sends a dead outbox row back to the relay, attempts reset.
+pub(crate) fn redrive(conn: &Connection, seq: i64, now_ms: i64) -> rusqlite::Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE postroom_outbox SET status = 'pending', attempts = 0, next_attempt_at = ?2
+             WHERE seq = ?1 AND status = 'dead'",
+        )?
+        .execute(params![seq, now_ms])?;
+    Ok(n == 1)
+}
+
+/// Deletes a dead outbox row: it will not be sent.
+pub(crate) fn discard(conn: &Connection, seq: i64) -> rusqlite::Result<bool> {
+    let n = conn
+        .prepare_cached("DELETE FROM postroom_outbox WHERE seq = ?1 AND status = 'dead'")?
+        .execute([seq])?;
+    Ok(n == 1)
 }

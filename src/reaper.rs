@@ -1,5 +1,6 @@
 //! The reaper: on a timer, recovers expired leases and deletes what
-//! retention allows. (The WAL is the checkpointer's job.)
+//! retention allows: completed inbox rows, sent outbox rows, and dead
+//! letters when configured. (The WAL is the checkpointer's job.)
 //!
 //! Retention deletes in small batches, each its own writer job, so
 //! deliveries queued meanwhile get their turn between batches: a million-row
@@ -11,6 +12,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use crate::error::{Error, Result};
+use crate::outbox;
 use crate::queue;
 use crate::workers::{LeaseState, Shared};
 
@@ -28,6 +30,8 @@ pub struct CleanupReport {
     pub inbox_deleted: u64,
     /// Dead letters deleted by `dead_retention`.
     pub dead_deleted: u64,
+    /// Sent outbox rows deleted by retention.
+    pub outbox_deleted: u64,
 }
 
 /// The reaper thread's body: a pass every `reaper_interval` until `stop`
@@ -60,6 +64,7 @@ pub(crate) fn run_once(shared: &Shared) -> Result<CleanupReport> {
     }
     let retention = shared.config.retention;
     report.inbox_deleted = delete_in_batches(shared, retention, queue::delete_completed)?;
+    report.outbox_deleted = delete_in_batches(shared, retention, outbox::delete_sent)?;
     if let Some(dead_retention) = shared.config.dead_retention {
         report.dead_deleted = delete_in_batches(shared, dead_retention, queue::delete_dead)?;
     }

@@ -10,7 +10,7 @@
 //!   rolls back by itself after some I/O errors), every job of the batch is
 //!   answered with an error: nothing of it was acknowledged.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
@@ -164,6 +164,10 @@ pub(crate) struct Writer {
     pub guard: UserCodeGuard,
     pub commands: Receiver<Command>,
     pub counters: Arc<Counters>,
+    /// Set (by an update hook) when a job inserted outbox rows; the relay is
+    /// woken once their batch has committed.
+    pub outbox_dirty: Arc<AtomicBool>,
+    pub relay_wake: Option<Sender<()>>,
 }
 
 impl Writer {
@@ -206,6 +210,11 @@ impl Writer {
             self.counters
                 .jobs
                 .fetch_add(batch.len() as u64, Ordering::Relaxed);
+            if let Some(wake) = &self.relay_wake {
+                crate::relay::wake(wake, &self.outbox_dirty);
+            }
+        } else {
+            self.outbox_dirty.store(false, Ordering::Release);
         }
         if let Err(e) = &outcome {
             log::error!("postroom writer: batch of {} failed: {e}", batch.len());

@@ -1,0 +1,422 @@
+//! The relay: hands committed outbox rows to a [`Sink`], at least once, in
+//! per-key commit order, and records what became of each.
+//!
+//! It reads due rows through a read-only connection of its own, calls the
+//! sink outside any transaction, and marks the results through the writer.
+//! The writer wakes it right after a commit that added outbox rows; a slow
+//! poll catches rows written by another process.
+//!
+//! Ordering invariant: rows of one key are handed over in `seq` order, and
+//! once a row of a key is not `Sent`, later rows of that key are neither
+//! marked sent nor counted in that batch — they are handed over again after
+//! the failed row has gone through. A sink must therefore not deliver later
+//! messages of a key after failing an earlier one in the same batch (the
+//! built-in sinks do not).
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::panic::{self, AssertUnwindSafe};
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use rusqlite::{Connection, OpenFlags};
+
+use crate::delivery::panic_message;
+use crate::engine::Postroom;
+use crate::error::{Error, Result};
+use crate::message::{Message, Outcome};
+use crate::outbox::{self, OutboxMessage};
+use crate::workers::Shared;
+
+/// What became of one message handed to a [`Sink`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SendResult {
+    /// Handed over; the row is marked sent.
+    Sent,
+    /// Not handed over this time; try again after `after` (or the backoff).
+    Retry {
+        /// Stored as the row's `last_error`.
+        reason: String,
+        /// When to try again; `None` uses exponential backoff.
+        after: Option<Duration>,
+    },
+    /// Will never go through: the row is dead at once.
+    Dead {
+        /// Stored as the row's `last_error`.
+        reason: String,
+    },
+}
+
+impl SendResult {
+    /// A retryable failure with the default backoff.
+    pub fn retry(reason: impl std::fmt::Display) -> Self {
+        SendResult::Retry {
+            reason: reason.to_string(),
+            after: None,
+        }
+    }
+
+    /// A permanent failure.
+    pub fn dead(reason: impl std::fmt::Display) -> Self {
+        SendResult::Dead {
+            reason: reason.to_string(),
+        }
+    }
+}
+
+/// Where the relay sends outbox messages. Owned by the relay thread.
+///
+/// `send` gets a batch in commit order and returns one result per message,
+/// in the same order. Messages of one key appear in commit order; after
+/// failing one, do not deliver later messages of the same key in that
+/// batch (return `Retry` for them): the relay hands them over again once
+/// the failed one went through. A missing result counts as `Retry`.
+pub trait Sink: Send + 'static {
+    /// Hands `batch` over.
+    fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult>;
+}
+
+/// Calls `each` per message in order, skipping (as `Retry`) later messages
+/// of a key once one of that key was not sent.
+fn per_message(
+    batch: &[OutboxMessage],
+    mut each: impl FnMut(&OutboxMessage) -> SendResult,
+) -> Vec<SendResult> {
+    let mut failed_keys: HashSet<&str> = HashSet::new();
+    batch
+        .iter()
+        .map(|msg| {
+            if let Some(key) = msg.key.as_deref() {
+                if failed_keys.contains(key) {
+                    return held_back();
+                }
+            }
+            let result = each(msg);
+            if result != SendResult::Sent {
+                if let Some(key) = msg.key.as_deref() {
+                    failed_keys.insert(key);
+                }
+            }
+            result
+        })
+        .collect()
+}
+
+fn held_back() -> SendResult {
+    SendResult::retry("held back behind an earlier message of its key")
+}
+
+/// A [`Sink`] made from a closure called once per message; see [`sink_fn`].
+pub struct FnSink<F>(F);
+
+/// Makes a [`Sink`] from a closure called once per message, in order. After
+/// a message of some key is not `Sent`, the closure is not called for later
+/// messages of that key in the batch.
+pub fn sink_fn<F>(f: F) -> FnSink<F>
+where
+    F: FnMut(&OutboxMessage) -> SendResult + Send + 'static,
+{
+    FnSink(f)
+}
+
+impl<F> Sink for FnSink<F>
+where
+    F: FnMut(&OutboxMessage) -> SendResult + Send + 'static,
+{
+    fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
+        per_message(batch, &mut self.0)
+    }
+}
+
+/// A [`Sink`] that sends each message into a crossbeam channel. A full
+/// channel makes the relay wait up to `timeout` (default 1 s), then retry;
+/// a disconnected one is retried too.
+#[derive(Debug, Clone)]
+pub struct ChannelSink {
+    tx: Sender<OutboxMessage>,
+    timeout: Duration,
+}
+
+impl ChannelSink {
+    /// Sends into `tx`.
+    pub fn new(tx: Sender<OutboxMessage>) -> Self {
+        ChannelSink {
+            tx,
+            timeout: Duration::from_secs(1),
+        }
+    }
+
+    /// How long to wait for room in a full channel.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+impl Sink for ChannelSink {
+    fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
+        per_message(batch, |msg| {
+            match self.tx.send_timeout(msg.clone(), self.timeout) {
+                Ok(()) => SendResult::Sent,
+                Err(e) => SendResult::retry(format_args!("channel: {e}")),
+            }
+        })
+    }
+}
+
+/// A [`Sink`] writing one JSON object per line to any [`Write`] (stdout, a
+/// file, a pipe), flushed after each batch: `{"id", "seq", "topic", "key",
+/// "headers", "payload"}`, where `payload` is the JSON value itself when
+/// the payload is JSON, else a string when it is UTF-8, else absent and
+/// `payload_hex` given instead.
+#[derive(Debug)]
+pub struct NdjsonSink<W> {
+    out: W,
+}
+
+impl<W: Write + Send + 'static> NdjsonSink<W> {
+    /// Writes to `out`.
+    pub fn new(out: W) -> Self {
+        NdjsonSink { out }
+    }
+}
+
+/// One outbox message as an NDJSON line.
+pub(crate) fn ndjson_line(msg: &OutboxMessage) -> serde_json::Value {
+    let mut line = serde_json::json!({
+        "id": msg.id,
+        "seq": msg.seq,
+        "topic": msg.topic,
+        "key": msg.key,
+        "headers": msg.headers,
+    });
+    if let Ok(value) = serde_json::from_slice::<serde_json::Value>(&msg.payload) {
+        line["payload"] = value;
+    } else if let Ok(text) = std::str::from_utf8(&msg.payload) {
+        line["payload"] = text.into();
+    } else {
+        let hex: String = msg.payload.iter().map(|b| format!("{b:02x}")).collect();
+        line["payload_hex"] = hex.into();
+    }
+    line
+}
+
+impl<W: Write + Send + 'static> Sink for NdjsonSink<W> {
+    fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
+        let mut buf = Vec::new();
+        for msg in batch {
+            // A `Value` always serializes.
+            let _ = serde_json::to_writer(&mut buf, &ndjson_line(msg));
+            buf.push(b'\n');
+        }
+        // All or nothing: a partly written batch is re-sent whole (at least
+        // once), never split around a failure.
+        match self.out.write_all(&buf).and_then(|()| self.out.flush()) {
+            Ok(()) => vec![SendResult::Sent; batch.len()],
+            Err(e) => vec![SendResult::retry(format_args!("write: {e}")); batch.len()],
+        }
+    }
+}
+
+/// A [`Sink`] that delivers into another postroom engine — two components
+/// on one device chained exactly-once end to end. Each message becomes a
+/// [`Message`] with source = topic, id = the outbox message id (so the
+/// target deduplicates re-sends), the same headers, and ordering key = key.
+///
+/// By default a batch is stored with one `receive_batch` (queued: the
+/// target's workers process it). [`InboxSink::inline`] delivers each message
+/// inline instead, and only counts it sent once the target says to ack.
+pub struct InboxSink {
+    target: Arc<Postroom>,
+    consumer: String,
+    inline: bool,
+}
+
+impl InboxSink {
+    /// Sends into `consumer` of `target`.
+    pub fn new(target: Arc<Postroom>, consumer: impl Into<String>) -> Self {
+        InboxSink {
+            target,
+            consumer: consumer.into(),
+            inline: false,
+        }
+    }
+
+    /// Deliver each message inline (`deliver`) rather than queue the batch.
+    pub fn inline(mut self) -> Self {
+        self.inline = true;
+        self
+    }
+
+    fn message(msg: &OutboxMessage) -> Message {
+        let mut m = Message::new(msg.topic.clone(), msg.id.clone(), msg.payload.clone());
+        m.headers = msg.headers.clone();
+        m.ordering_key = msg.key.clone();
+        m
+    }
+}
+
+impl Sink for InboxSink {
+    fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
+        if self.inline {
+            return per_message(batch, |msg| {
+                match self.target.deliver(&self.consumer, Self::message(msg)) {
+                    Ok(outcome) if outcome.should_ack() => SendResult::Sent,
+                    Ok(Outcome::Failed {
+                        error, retry_after, ..
+                    }) => SendResult::Retry {
+                        reason: format!("target: {error}"),
+                        after: Some(retry_after),
+                    },
+                    Ok(other) => SendResult::Retry {
+                        reason: format!("target: {other:?}"),
+                        after: other.retry_after(),
+                    },
+                    Err(e) if e.is_retryable() => SendResult::retry(format_args!("target: {e}")),
+                    Err(e @ (Error::InvalidInput { .. } | Error::UnknownConsumer { .. })) => {
+                        SendResult::dead(format_args!("target: {e}"))
+                    }
+                    Err(e) => SendResult::retry(format_args!("target: {e}")),
+                }
+            });
+        }
+        let msgs: Vec<Message> = batch.iter().map(Self::message).collect();
+        match self.target.receive_batch(&self.consumer, msgs) {
+            Ok(_) => vec![SendResult::Sent; batch.len()],
+            Err(e) => vec![SendResult::retry(format_args!("target: {e}")); batch.len()],
+        }
+    }
+}
+
+/// How the relay thread is told to stop: flush what is due until the
+/// deadline, then return.
+pub(crate) type StopAt = Instant;
+
+/// The relay thread's body.
+pub(crate) fn relay(
+    shared: Arc<Shared>,
+    mut sink: Box<dyn Sink>,
+    wake: Receiver<()>,
+    stop: Receiver<StopAt>,
+) {
+    let conn = match open_reader(&shared.path, shared.config.busy_timeout) {
+        Ok(conn) => conn,
+        Err(e) => {
+            log::error!("postroom relay: cannot open the database: {e}; outbox not relayed");
+            return;
+        }
+    };
+    let mut stop_at: Option<Instant> = None;
+    loop {
+        if stop_at.is_some_and(|at| Instant::now() >= at) {
+            return;
+        }
+        let now = shared.clock.now_ms();
+        let batch = match outbox::fetch_due(&conn, now, shared.config.relay_batch) {
+            Ok(batch) => batch,
+            Err(e) => {
+                log::warn!("postroom relay: reading the outbox: {e}");
+                Vec::new()
+            }
+        };
+        if batch.is_empty() {
+            if stop_at.is_some() {
+                return; // flushed
+            }
+            crossbeam_channel::select! {
+                recv(wake) -> _ => {}
+                recv(stop) -> at => stop_at = Some(at.unwrap_or_else(|_| Instant::now())),
+                default(shared.config.relay_poll) => {}
+            }
+            continue;
+        }
+        let results =
+            panic::catch_unwind(AssertUnwindSafe(|| sink.send(&batch))).unwrap_or_else(|panic| {
+                let reason = format!("sink panicked: {}", panic_message(panic.as_ref()));
+                vec![SendResult::retry(reason); batch.len()]
+            });
+        match record(&shared, batch, results) {
+            Ok(()) => {}
+            Err(Error::Closed) => return,
+            Err(e) => {
+                // Nothing marked: the rows are handed over again (at least
+                // once), after a pause so a failing disk is not hammered.
+                log::warn!("postroom relay: recording results: {e}");
+                std::thread::sleep(shared.config.relay_poll.min(Duration::from_secs(1)));
+            }
+        }
+        if stop_at.is_none() {
+            if let Ok(at) = stop.try_recv() {
+                stop_at = Some(at);
+            }
+        }
+    }
+}
+
+/// Marks a batch's results through the writer, in one job.
+fn record(shared: &Shared, batch: Vec<OutboxMessage>, results: Vec<SendResult>) -> Result<()> {
+    let config = shared.config.clone();
+    shared.writer.submit(move |w| {
+        let now = w.clock.now_ms();
+        let mut held: HashSet<String> = HashSet::new();
+        for (i, msg) in batch.iter().enumerate() {
+            if let Some(key) = &msg.key {
+                if held.contains(key) {
+                    continue; // behind a failed row of its key: not counted
+                }
+            }
+            let result = results
+                .get(i)
+                .cloned()
+                .unwrap_or_else(|| SendResult::retry("the sink returned no result"));
+            let sql = |e| Error::sqlite("record relay result", e);
+            match result {
+                SendResult::Sent => outbox::mark_sent(w.conn, msg.seq, now).map_err(sql)?,
+                SendResult::Retry { reason, after } => {
+                    let attempt = msg.attempts.saturating_add(1);
+                    let delay = after
+                        .unwrap_or_else(|| config.retry.delay(attempt, jitter(msg.seq, attempt)));
+                    let next =
+                        now.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+                    outbox::mark_failed(w.conn, msg.seq, &reason, next, config.max_attempts, false)
+                        .map_err(sql)?;
+                    if let Some(key) = &msg.key {
+                        held.insert(key.clone());
+                    }
+                }
+                SendResult::Dead { reason } => {
+                    outbox::mark_failed(w.conn, msg.seq, &reason, now, config.max_attempts, true)
+                        .map_err(sql)?;
+                    log::warn!("postroom relay: outbox message {} dead: {reason}", msg.id);
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
+fn jitter(seq: i64, attempt: u32) -> u64 {
+    let h = blake3::hash(&[seq.to_le_bytes(), i64::from(attempt).to_le_bytes()].concat());
+    u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
+fn open_reader(path: &Path, busy_timeout: Duration) -> rusqlite::Result<Connection> {
+    let conn = Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    conn.busy_timeout(busy_timeout)?;
+    conn.pragma_update(None, "query_only", true)?;
+    Ok(conn)
+}
+
+/// Wakes the relay after a commit that added outbox rows.
+pub(crate) fn wake(tx: &Sender<()>, dirty: &std::sync::atomic::AtomicBool) {
+    if dirty.swap(false, Ordering::AcqRel) {
+        let _ = tx.try_send(());
+    }
+}
