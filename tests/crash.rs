@@ -17,7 +17,10 @@ use std::thread;
 use std::time::Duration;
 
 use common::*;
-use postroom::{handler_fn, EffectContext, EffectHandler, Failure, Message, Outcome, Postroom, Tx};
+use postroom::{
+    handler_fn, EffectContext, EffectHandler, Failure, InboxSink, Message, Outcome, Postroom, Tx,
+};
+use std::sync::Arc;
 
 /// Entry point of the child processes. Not a test: it only does something
 /// when started by `spawn_child`, and is ignored otherwise.
@@ -35,6 +38,7 @@ fn child_main() {
         "crash-loop" => child_crash_loop(&db),
         "stream" => child_stream(&db),
         "queued" => child_queued(&db),
+        "relay" => child_relay(&db),
         other => panic!("unknown child role {other}"),
     }
 }
@@ -557,5 +561,166 @@ fn random_sigkills_while_workers_run_lose_nothing_and_apply_nothing_twice() {
          {reclaimed} needed more than one attempt",
         acked.len(),
         count(&conn, "SELECT count(*) FROM postroom_inbox")
+    );
+}
+
+// ---------------------------------------------------------------------------
+// The relay: kill -9 between the sink's hand-over and mark-sent.
+
+/// Service B: records each message it gets; publishes nothing.
+fn downstream(db: &Path) -> Arc<Postroom> {
+    let room = Postroom::builder()
+        .poll_interval(Duration::from_millis(5))
+        .consumer(
+            "b",
+            handler_fn(|tx, msg| {
+                tx.execute(
+                    "INSERT INTO applied (consumer, message_id, payload) VALUES ('b', ?1, ?2)",
+                    rusqlite::params![msg.id(), msg.payload()],
+                )?;
+                Ok(())
+            }),
+        )
+        .open(db)
+        .unwrap();
+    create_domain(&room);
+    Arc::new(room)
+}
+
+/// Service A: applies and publishes; its relay delivers into B's inbox.
+fn upstream(db: &Path, b: &Arc<Postroom>) -> Postroom {
+    let room = Postroom::builder()
+        .relay_poll(Duration::from_millis(10))
+        .relay_batch(16)
+        .consumer("a", handler_fn(apply))
+        .sink(InboxSink::new(Arc::clone(b), "b"))
+        .open(db)
+        .unwrap();
+    create_domain(&room);
+    room
+}
+
+fn b_path(db: &Path) -> std::path::PathBuf {
+    db.with_file_name("b.db")
+}
+
+fn child_relay(db: &Path) {
+    let seed = env_u64("POSTROOM_SEED").unwrap();
+    let b = downstream(&b_path(db));
+    let a = upstream(db, &b);
+    report("READY");
+    let mut rng = Rng::new(seed);
+    for _ in 0..100_000 {
+        let id = format!("r{}", rng.below(STREAM_IDS));
+        if a.deliver("a", Message::new("s", id.clone(), id.clone()))
+            .unwrap()
+            .should_ack()
+        {
+            report(&format!("ACK {id}"));
+        }
+    }
+    report("DONE");
+}
+
+#[test]
+fn random_sigkills_around_the_relay_deliver_every_outbox_row_exactly_once_downstream() {
+    let kills = env_u64("POSTROOM_RELAY_KILLS").unwrap_or(100);
+    let seed = seed();
+    eprintln!("relay_sigkills: {kills} kills, POSTROOM_SEED={seed}");
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("a.db");
+    let mut rng = Rng::new(seed);
+    let mut acked = BTreeSet::new();
+    for k in 0..kills {
+        let mut child = spawn_child(
+            "relay",
+            &db,
+            &[("POSTROOM_SEED", rng.next_u64().to_string())],
+        );
+        let lines = lines_of(&mut child);
+        wait_for(&lines, "READY");
+        thread::sleep(Duration::from_micros(rng.below(30_000)));
+        child.kill().unwrap();
+        let status = child.wait().unwrap();
+        assert!(
+            status.signal() == Some(9) || status.success(),
+            "kill {k}: {status:?}"
+        );
+        for line in lines.iter() {
+            if let Some(id) = line.strip_prefix("ACK ") {
+                acked.insert(id.to_owned());
+            }
+        }
+    }
+    assert!(
+        !acked.is_empty(),
+        "nothing was acknowledged; the test proves nothing"
+    );
+
+    let b = downstream(&b_path(&db));
+    let a = upstream(&db, &b);
+    let (a_conn, b_conn) = (raw(&db), raw(&b_path(&db)));
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let unsent = count(
+            &a_conn,
+            "SELECT count(*) FROM postroom_outbox WHERE status != 'sent'",
+        );
+        let unfinished = count(
+            &b_conn,
+            "SELECT count(*) FROM postroom_inbox WHERE status != 'completed'",
+        );
+        if unsent == 0 && unfinished == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{unsent} unsent, {unfinished} unfinished"
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    a.shutdown(Duration::from_secs(10)).unwrap();
+    b.shutdown(Duration::from_secs(10)).unwrap();
+    integrity_ok(&a_conn);
+    integrity_ok(&b_conn);
+    for id in &acked {
+        assert_eq!(
+            applied_count(&a_conn, id),
+            1,
+            "seed {seed}: acknowledged {id} in A"
+        );
+    }
+    // Every committed outbox row of A applied exactly once in B.
+    let outbox_ids: Vec<String> = a_conn
+        .prepare("SELECT message_id FROM postroom_outbox")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        outbox_ids.len() as i64,
+        count(&a_conn, "SELECT count(*) FROM postroom_inbox")
+    );
+    for id in &outbox_ids {
+        assert_eq!(
+            applied_count(&b_conn, id),
+            1,
+            "seed {seed}: outbox row {id} in B"
+        );
+    }
+    assert_eq!(
+        count(&b_conn, "SELECT count(*) FROM applied"),
+        outbox_ids.len() as i64
+    );
+    let resent = count(
+        &a_conn,
+        "SELECT count(*) FROM postroom_outbox WHERE attempts > 1",
+    );
+    eprintln!(
+        "relay_sigkills: {kills} kills survived; {} outbox rows, each applied once downstream; \
+         {} acknowledged ids",
+        outbox_ids.len(),
+        acked.len()
     );
 }
