@@ -713,10 +713,6 @@ fn random_sigkills_around_the_relay_deliver_every_outbox_row_exactly_once_downst
         count(&b_conn, "SELECT count(*) FROM applied"),
         outbox_ids.len() as i64
     );
-    let resent = count(
-        &a_conn,
-        "SELECT count(*) FROM postroom_outbox WHERE attempts > 1",
-    );
     eprintln!(
         "relay_sigkills: {kills} kills survived; {} outbox rows, each applied once downstream; \
          {} acknowledged ids",
