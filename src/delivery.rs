@@ -9,6 +9,7 @@ use rusqlite::{Connection, ErrorCode};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::failpoint;
 use crate::guard::UserCodeGuard;
 use crate::handler::{Cause, Handler, Tx};
 use crate::inbox::{self, Key, Record, Status};
@@ -121,7 +122,10 @@ fn attempt(
     let cleared = env.log.end();
     let result = result?;
     cleared.map_err(|e| Error::io("clear in-flight marker", e))?;
-    finish(env, attempt_ref, result)
+    failpoint::hit("deliver.after_handler")?;
+    let outcome = finish(env, attempt_ref, result)?;
+    failpoint::hit("deliver.after_record")?;
+    Ok(outcome)
 }
 
 /// One attempt at one message, as the state machine records it.

@@ -19,6 +19,7 @@ use crate::clock::Clock;
 use crate::config::{Builder, Config, ConsumerKind};
 use crate::delivery::{self, exec, panic_message, Env};
 use crate::error::{Error, Result};
+use crate::failpoint;
 use crate::guard::UserCodeGuard;
 use crate::handler::Tx;
 use crate::inflight::EngineFile;
@@ -416,13 +417,16 @@ impl Postroom {
             .collect();
         let receipts = self.submit(move |w| {
             let now = w.clock.now_ms();
-            msgs.iter()
+            let receipts = msgs
+                .iter()
                 .zip(&hashes)
                 .map(|(msg, hash)| {
                     queue::receive(w.conn, &consumer.name, msg, hash, now)
                         .map_err(|e| Error::sqlite("store received message", e))
                 })
-                .collect::<Result<Vec<_>>>()
+                .collect::<Result<Vec<_>>>()?;
+            failpoint::hit("receive.after_insert")?;
+            Ok(receipts)
         })?;
         if receipts.contains(&Receipt::Accepted) {
             self.shared.wake();

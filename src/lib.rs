@@ -88,6 +88,8 @@ mod config;
 mod delivery;
 mod engine;
 mod error;
+#[doc(hidden)]
+pub mod failpoint;
 mod guard;
 mod handler;
 mod inbox;

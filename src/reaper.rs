@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use crate::error::{Error, Result};
+use crate::failpoint;
 use crate::outbox;
 use crate::queue;
 use crate::workers::{LeaseState, Shared};
@@ -112,6 +113,7 @@ fn delete_in_batches(
     let cutoff = shared.clock.now_ms().saturating_sub(keep_ms);
     let mut total = 0u64;
     loop {
+        failpoint::hit("reaper.retention")?;
         let deleted = shared.writer.submit(move |w| {
             delete(w.conn, cutoff, RETENTION_BATCH).map_err(|e| Error::sqlite("retention", e))
         })?;

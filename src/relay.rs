@@ -27,6 +27,7 @@ use rusqlite::{Connection, OpenFlags};
 use crate::delivery::panic_message;
 use crate::engine::Postroom;
 use crate::error::{Error, Result};
+use crate::failpoint;
 use crate::message::{Message, Outcome};
 use crate::outbox::{self, OutboxMessage};
 use crate::workers::Shared;
@@ -339,7 +340,9 @@ pub(crate) fn relay(
                 let reason = format!("sink panicked: {}", panic_message(panic.as_ref()));
                 vec![SendResult::retry(reason); batch.len()]
             });
-        match record(&shared, batch, results) {
+        let recorded =
+            failpoint::hit("relay.after_send").and_then(|()| record(&shared, batch, results));
+        match recorded {
             Ok(()) => {}
             Err(Error::Closed) => return,
             Err(e) => {

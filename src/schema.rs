@@ -9,6 +9,7 @@ use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::failpoint;
 
 /// The newest schema version this library knows.
 pub const SCHEMA_VERSION: i64 = 1;
@@ -148,5 +149,6 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             ));
         }
     }
+    failpoint::hit("schema.migrate")?;
     tx.commit().map_err(|e| Error::sqlite("commit schema", e))
 }

@@ -19,6 +19,7 @@ use crate::clock::Clock;
 use crate::config::{Config, ConsumerKind};
 use crate::delivery::{finish, panic_message, run_user_step, Attempt, Env};
 use crate::error::{Error, Result};
+use crate::failpoint;
 use crate::handler::{idempotency_key, EffectContext, Tx};
 use crate::inflight::NoInflightLog;
 use crate::message::{Failure, Outcome};
@@ -136,6 +137,10 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
                 }
                 Ok(claimed)
             });
+            // A failure here leaves the rows claimed but unstarted: their
+            // leases expire and the reaper makes them due again.
+            let result =
+                result.and_then(|claims| failpoint::hit("dispatch.after_claim").map(|()| claims));
             match result {
                 Ok(claims) => {
                     for claim in claims {

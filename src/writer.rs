@@ -20,6 +20,7 @@ use crate::clock::Clock;
 use crate::config::Config;
 use crate::delivery::exec;
 use crate::error::{Error, Result};
+use crate::failpoint;
 use crate::guard::UserCodeGuard;
 use crate::inflight::EngineFile;
 
@@ -232,6 +233,7 @@ impl Writer {
     /// Runs the batch in one transaction. `Err` means nothing of it may be
     /// reported as committed.
     fn execute(&mut self, batch: &mut [Box<dyn Job>]) -> Result<()> {
+        failpoint::hit("writer.before_begin")?;
         exec(&self.conn, "BEGIN IMMEDIATE")?;
         let mut ctx = WriterCtx {
             conn: &self.conn,
@@ -256,7 +258,11 @@ impl Writer {
             }
             exec(ctx.conn, "RELEASE postroom_job")?;
         }
-        exec(&self.conn, "COMMIT")
+        failpoint::hit("writer.before_commit")?;
+        exec(&self.conn, "COMMIT")?;
+        // An error here reaches callers although the batch committed: they
+        // retry and are told Duplicate, which is safe (never the reverse).
+        failpoint::hit("writer.after_commit")
     }
 
     fn close(self) {

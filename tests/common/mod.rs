@@ -148,3 +148,68 @@ pub fn report(line: &str) {
     out.write_all(b"\n").unwrap();
     out.flush().unwrap();
 }
+
+/// What a total-queue checker (after Jepsen's) finds when it compares what
+/// a client was told was acknowledged with what the database holds after
+/// recovery and a full redelivery.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Checked {
+    /// Messages acknowledged to the client.
+    pub acked: usize,
+    /// Acknowledged, but not applied after recovery. Must be empty.
+    pub lost: Vec<String>,
+    /// Applied more than once. Must be empty.
+    pub duplicated: Vec<String>,
+    /// Applied, but never sent. Must be empty.
+    pub unexpected: Vec<String>,
+    /// Sent and not acknowledged (the client crashed or was refused), yet
+    /// applied once after recovery: the at-least-once path working.
+    pub recovered: usize,
+}
+
+impl Checked {
+    pub fn ok(&self) -> bool {
+        self.lost.is_empty() && self.duplicated.is_empty() && self.unexpected.is_empty()
+    }
+}
+
+/// Checks `consumer`'s effects in the `applied` table against what was sent
+/// and what was acknowledged.
+pub fn check_effects(
+    conn: &Connection,
+    consumer: &str,
+    sent: &std::collections::BTreeSet<String>,
+    acked: &std::collections::BTreeSet<String>,
+) -> Checked {
+    let mut applied: std::collections::BTreeMap<String, i64> = Default::default();
+    let mut stmt = conn
+        .prepare("SELECT message_id, count(*) FROM applied WHERE consumer = ?1 GROUP BY message_id")
+        .unwrap();
+    for row in stmt
+        .query_map([consumer], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+    {
+        let (id, n): (String, i64) = row.unwrap();
+        applied.insert(id, n);
+    }
+    let mut checked = Checked {
+        acked: acked.len(),
+        ..Checked::default()
+    };
+    for id in acked {
+        if !applied.contains_key(id) {
+            checked.lost.push(id.clone());
+        }
+    }
+    for (id, n) in &applied {
+        if *n > 1 {
+            checked.duplicated.push(id.clone());
+        }
+        if !sent.contains(id) {
+            checked.unexpected.push(id.clone());
+        } else if !acked.contains(id) {
+            checked.recovered += 1;
+        }
+    }
+    checked
+}
