@@ -44,6 +44,8 @@ pub(crate) fn deliver(
         message_id: &msg.id,
     };
     let row = inbox::lookup(conn, key).map_err(|e| Error::sqlite("look up inbox row", e))?;
+    // The row's incarnation: a new row gets `now` as its received_at.
+    let received_at = row.as_ref().map_or(now, |r| r.received_at);
     let prior_attempts = match row {
         None => 0,
         Some(row) if row.payload_hash != *hash => {
@@ -95,7 +97,15 @@ pub(crate) fn deliver(
             }
         },
     };
-    attempt(env, consumer, handler, msg, hash, prior_attempts)
+    attempt(
+        env,
+        consumer,
+        handler,
+        msg,
+        hash,
+        prior_attempts,
+        received_at,
+    )
 }
 
 /// Runs the handler once (inline delivery), and records the result.
@@ -106,6 +116,7 @@ fn attempt(
     msg: &Message,
     hash: &[u8; 32],
     prior_attempts: u32,
+    received_at: i64,
 ) -> Result<Outcome> {
     let attempt = prior_attempts.saturating_add(1);
     let attempt_ref = Attempt {
@@ -113,6 +124,7 @@ fn attempt(
         msg,
         hash,
         attempt,
+        received_at,
     };
     // The in-flight marker counts this attempt if the process dies in it.
     env.log
@@ -136,6 +148,8 @@ pub(crate) struct Attempt<'a> {
     pub hash: &'a [u8; 32],
     /// This attempt's number, from 1.
     pub attempt: u32,
+    /// The inbox row's `received_at` (see [`Cause`]).
+    pub received_at: i64,
 }
 
 /// Runs user code for `at` in its own savepoint, guarded and with panics
@@ -154,6 +168,7 @@ pub(crate) fn run_user_step(
             consumer: at.consumer,
             msg: at.msg,
             attempt: at.attempt,
+            received_at: at.received_at,
         };
         let mut tx = Tx::new(conn, env.config, env.now_ms, Some(cause));
         let guard = env.guard;
@@ -193,6 +208,7 @@ pub(crate) fn finish(
         msg,
         hash,
         attempt,
+        ..
     } = at;
     let config = env.config;
     let now = env.now_ms;

@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
 use crate::handler::Tx;
-use crate::inflight::EngineFile;
+use crate::inflight::{EngineFile, Inflight};
 use crate::message::{Failure, Message, Outcome, Receipt};
 use crate::outbox::{self, OutboxMessage};
 use crate::queue::{self, DeadLetter};
@@ -657,11 +657,8 @@ impl Drop for Postroom {
     }
 }
 
-/// Recovers what a process that died left behind, in one transaction: the
-/// attempt of a handler it died in (see [`crate::inflight`]), and rows it
-/// left `processing` (nothing else can hold them: this engine holds the
-/// lock), which become due again with their attempt counted. Then clears
-/// the marker.
+/// Recovers what the previous process left behind (see
+/// [`recover_after_crash`]), then clears the in-flight marker.
 fn recover(
     conn: &rusqlite::Connection,
     config: &Config,
@@ -671,10 +668,28 @@ fn recover(
     let inflight = engine_file
         .read()
         .map_err(|e| Error::io("read in-flight marker", e))?;
-    let now = clock.now_ms();
+    recover_after_crash(conn, config, clock.now_ms(), inflight.as_ref())?;
+    if inflight.is_some() {
+        engine_file
+            .clear()
+            .map_err(|e| Error::io("clear in-flight marker", e))?;
+    }
+    Ok(())
+}
+
+/// Recovers what a process that died left behind, in one transaction: the
+/// attempt of a handler it died in (see [`crate::inflight`]), and rows it
+/// left `processing` (nothing else can hold them: the caller holds the
+/// engine lock), which become due again with their attempt counted.
+pub(crate) fn recover_after_crash(
+    conn: &rusqlite::Connection,
+    config: &Config,
+    now: i64,
+    inflight: Option<&Inflight>,
+) -> Result<()> {
     exec(conn, "BEGIN IMMEDIATE")?;
     let recovered = (|| {
-        if let Some(inflight) = &inflight {
+        if let Some(inflight) = inflight {
             delivery::recover_inflight(conn, config, now, inflight)?;
         }
         let abandoned = queue::leased(conn).map_err(|e| Error::sqlite("read leases", e))?;
@@ -701,11 +716,5 @@ fn recover(
     if recovered.is_err() && !conn.is_autocommit() {
         let _ = conn.execute_batch("ROLLBACK");
     }
-    recovered?;
-    if inflight.is_some() {
-        engine_file
-            .clear()
-            .map_err(|e| Error::io("clear in-flight marker", e))?;
-    }
-    Ok(())
+    recovered
 }

@@ -145,6 +145,9 @@ pub(crate) struct Cause<'a> {
     pub consumer: &'a str,
     pub msg: &'a Message,
     pub attempt: u32,
+    /// `received_at` of the inbox row: the same on every attempt, different
+    /// for a message received again after retention forgot it.
+    pub received_at: i64,
 }
 
 /// The write transaction a handler runs in. Derefs to

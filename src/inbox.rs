@@ -97,11 +97,13 @@ pub(crate) struct Row {
     pub last_error: Option<String>,
     pub next_attempt_at: Option<i64>,
     pub lease_until: Option<i64>,
+    pub received_at: i64,
 }
 
 pub(crate) fn lookup(conn: &Connection, key: Key<'_>) -> rusqlite::Result<Option<Row>> {
     conn.prepare_cached(
-        "SELECT status, payload_hash, attempts, last_error, next_attempt_at, lease_until
+        "SELECT status, payload_hash, attempts, last_error, next_attempt_at, lease_until,
+                received_at
          FROM postroom_inbox WHERE consumer = ?1 AND source = ?2 AND message_id = ?3",
     )?
     .query_row(params![key.consumer, key.source, key.message_id], |r| {
@@ -115,6 +117,7 @@ pub(crate) fn lookup(conn: &Connection, key: Key<'_>) -> rusqlite::Result<Option
             last_error: r.get(3)?,
             next_attempt_at: r.get(4)?,
             lease_until: r.get(5)?,
+            received_at: r.get(6)?,
         })
     })
     .optional()

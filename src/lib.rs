@@ -100,6 +100,8 @@ mod queue;
 mod reaper;
 mod relay;
 mod schema;
+#[cfg(feature = "sim")]
+pub mod sim;
 mod stats;
 mod workers;
 mod writer;

@@ -15,10 +15,12 @@ pub const CORRELATION_HEADER: &str = "correlation-id";
 /// Inserts one pending outbox row and returns its message id.
 ///
 /// Without an explicit id, a message published while handling an inbox
-/// message gets `blake3(consumer, source, id, n)` for the handler's `n`-th
-/// publish: the same on every attempt, unique across messages. Only the
-/// attempt that commits leaves rows, so the ids never collide within the
-/// dedupe horizon.
+/// message gets `blake3(consumer, source, id, received_at, n)` for the
+/// handler's `n`-th publish: the same on every attempt of that inbox row,
+/// unique across messages. `received_at` tells apart a message received
+/// again after retention deleted its row: it is processed again, and its
+/// outbox rows must not collide with the first processing's, which may
+/// still be waiting to be sent.
 pub(crate) fn insert(
     conn: &Connection,
     out: &Outgoing,
@@ -71,10 +73,13 @@ pub(crate) fn headers_json(headers: &Headers) -> Option<String> {
 }
 
 fn derived_id(c: Cause<'_>, index: u32) -> String {
+    let mut extra = [0u8; 12];
+    extra[..8].copy_from_slice(&c.received_at.to_le_bytes());
+    extra[8..].copy_from_slice(&index.to_le_bytes());
     digest_hex(
         b"postroom-outbox\0",
         &[c.consumer, &c.msg.source, &c.msg.id],
-        &index.to_le_bytes(),
+        &extra,
     )
 }
 

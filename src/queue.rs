@@ -69,6 +69,8 @@ pub(crate) struct Claimed {
     pub hash: [u8; 32],
     /// This attempt's number, already counted in the row.
     pub attempt: u32,
+    /// The row's `received_at`.
+    pub received_at: i64,
 }
 
 /// Claims up to `limit` due rows of `consumer` in receive order: pending
@@ -96,7 +98,8 @@ pub(crate) fn claim(
                      AND o.id < i.id AND o.status IN ('pending', 'processing', 'failed')))
              ORDER BY i.id
              LIMIT ?2)
-         RETURNING id, source, message_id, payload, payload_hash, headers, ordering_key, attempts",
+         RETURNING id, source, message_id, payload, payload_hash, headers, ordering_key, attempts,
+                   received_at",
     )?;
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut rows = stmt.query(params![consumer, limit, now_ms, lease_until, token])?;
@@ -117,6 +120,7 @@ pub(crate) fn claim(
             },
             hash: hash.try_into().unwrap_or([0; 32]),
             attempt: r.get(7)?,
+            received_at: r.get(8)?,
         });
     }
     claimed.sort_by_key(|c| c.row_id);

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use rusqlite::{Connection, OpenFlags};
 
+use crate::config::Config;
 use crate::delivery::panic_message;
 use crate::engine::Postroom;
 use crate::error::{Error, Result};
@@ -83,7 +84,7 @@ pub trait Sink: Send + 'static {
 
 /// Calls `each` per message in order, skipping (as `Retry`) later messages
 /// of a key once one of that key was not sent.
-fn per_message(
+pub(crate) fn per_message(
     batch: &[OutboxMessage],
     mut each: impl FnMut(&OutboxMessage) -> SendResult,
 ) -> Vec<SendResult> {
@@ -362,44 +363,57 @@ pub(crate) fn relay(
 
 /// Marks a batch's results through the writer, in one job.
 fn record(shared: &Shared, batch: Vec<OutboxMessage>, results: Vec<SendResult>) -> Result<()> {
-    let config = shared.config.clone();
     shared.writer.submit(move |w| {
         let now = w.clock.now_ms();
-        let mut held: HashSet<String> = HashSet::new();
-        for (i, msg) in batch.iter().enumerate() {
-            if let Some(key) = &msg.key {
-                if held.contains(key) {
-                    continue; // behind a failed row of its key: not counted
+        record_results(w.conn, w.config, now, &batch, &results)
+    })
+}
+
+/// Marks what became of each message of a batch. A message after a failed
+/// one of the same key is left alone: not sent, no attempt counted.
+pub(crate) fn record_results(
+    conn: &Connection,
+    config: &Config,
+    now: i64,
+    batch: &[OutboxMessage],
+    results: &[SendResult],
+) -> Result<()> {
+    let mut held: HashSet<&str> = HashSet::new();
+    let sql = |e| Error::sqlite("record relay result", e);
+    for (i, msg) in batch.iter().enumerate() {
+        if msg.key.as_deref().is_some_and(|key| held.contains(key)) {
+            continue;
+        }
+        let result = results
+            .get(i)
+            .cloned()
+            .unwrap_or_else(|| SendResult::retry("the sink returned no result"));
+        match result {
+            SendResult::Sent => outbox::mark_sent(conn, msg.seq, now).map_err(sql)?,
+            SendResult::Retry { reason, after } => {
+                let attempt = msg.attempts.saturating_add(1);
+                let delay =
+                    after.unwrap_or_else(|| config.retry.delay(attempt, jitter(msg.seq, attempt)));
+                let next = now.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+                outbox::mark_failed(conn, msg.seq, &reason, next, config.max_attempts, false)
+                    .map_err(sql)?;
+                if let Some(key) = msg.key.as_deref() {
+                    held.insert(key);
                 }
             }
-            let result = results
-                .get(i)
-                .cloned()
-                .unwrap_or_else(|| SendResult::retry("the sink returned no result"));
-            let sql = |e| Error::sqlite("record relay result", e);
-            match result {
-                SendResult::Sent => outbox::mark_sent(w.conn, msg.seq, now).map_err(sql)?,
-                SendResult::Retry { reason, after } => {
-                    let attempt = msg.attempts.saturating_add(1);
-                    let delay = after
-                        .unwrap_or_else(|| config.retry.delay(attempt, jitter(msg.seq, attempt)));
-                    let next =
-                        now.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
-                    outbox::mark_failed(w.conn, msg.seq, &reason, next, config.max_attempts, false)
-                        .map_err(sql)?;
-                    if let Some(key) = &msg.key {
-                        held.insert(key.clone());
-                    }
-                }
-                SendResult::Dead { reason } => {
-                    outbox::mark_failed(w.conn, msg.seq, &reason, now, config.max_attempts, true)
-                        .map_err(sql)?;
-                    log::warn!("postroom relay: outbox message {} dead: {reason}", msg.id);
+            SendResult::Dead { reason } => {
+                outbox::mark_failed(conn, msg.seq, &reason, now, config.max_attempts, true)
+                    .map_err(sql)?;
+                log::warn!("postroom relay: outbox message {} dead: {reason}", msg.id);
+                // Later rows of the key were held back by the sink in this
+                // batch; they go next time (a dead row blocks nothing).
+                if let Some(key) = msg.key.as_deref() {
+                    held.insert(key);
                 }
             }
         }
-        Ok(())
-    })
+    }
+    Ok(())
 }
 
 fn jitter(seq: i64, attempt: u32) -> u64 {

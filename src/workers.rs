@@ -20,6 +20,7 @@ use crate::config::{Config, ConsumerKind};
 use crate::delivery::{finish, panic_message, run_user_step, Attempt, Env};
 use crate::error::{Error, Result};
 use crate::failpoint;
+use crate::guard::UserCodeGuard;
 use crate::handler::{idempotency_key, EffectContext, Tx};
 use crate::inflight::NoInflightLog;
 use crate::message::{Failure, Outcome};
@@ -234,10 +235,8 @@ fn complete(
     claim: &Claimed,
     body: impl FnOnce(&mut Tx<'_>) -> Result<(), Failure>,
 ) -> Result<Option<Outcome>> {
-    fenced(w, claim, |env, at| {
-        let failure = run_user_step(env, at, body)?;
-        finish(env, at, failure)
-    })
+    let now = w.clock.now_ms();
+    complete_claim(w.conn, w.config, w.guard, now, claim, body)
 }
 
 /// Records a failed external step.
@@ -246,18 +245,40 @@ fn record_failure(
     claim: &Claimed,
     failure: Failure,
 ) -> Result<Option<Outcome>> {
-    fenced(w, claim, |env, at| finish(env, at, Some(failure)))
+    let now = w.clock.now_ms();
+    fenced(w.conn, w.config, w.guard, now, claim, |env, at| {
+        finish(env, at, Some(failure))
+    })
+}
+
+/// Runs the transactional step of `claim` and records its result, if the
+/// claim's lease token still holds the row. Must run inside a transaction.
+pub(crate) fn complete_claim(
+    conn: &rusqlite::Connection,
+    config: &Config,
+    guard: &UserCodeGuard,
+    now_ms: i64,
+    claim: &Claimed,
+    body: impl FnOnce(&mut Tx<'_>) -> Result<(), Failure>,
+) -> Result<Option<Outcome>> {
+    fenced(conn, config, guard, now_ms, claim, |env, at| {
+        let failure = run_user_step(env, at, body)?;
+        finish(env, at, failure)
+    })
 }
 
 /// Runs `step` only while `claim`'s lease token still holds the row, so a
 /// worker whose lease was reaped and re-claimed cannot complete it twice.
 /// `Ok(None)`: the lease was lost and nothing was written.
 fn fenced(
-    w: &mut WriterCtx<'_>,
+    conn: &rusqlite::Connection,
+    config: &Config,
+    guard: &UserCodeGuard,
+    now_ms: i64,
     claim: &Claimed,
     step: impl FnOnce(&mut Env<'_>, Attempt<'_>) -> Result<Outcome>,
 ) -> Result<Option<Outcome>> {
-    if !queue::lease_held(w.conn, claim.row_id, claim.token)
+    if !queue::lease_held(conn, claim.row_id, claim.token)
         .map_err(|e| Error::sqlite("check lease", e))?
     {
         return Ok(None);
@@ -265,11 +286,11 @@ fn fenced(
     // The claim already counted this attempt: no in-flight marker needed.
     let mut log = NoInflightLog;
     let mut env = Env {
-        conn: w.conn,
-        config: w.config,
-        now_ms: w.clock.now_ms(),
+        conn,
+        config,
+        now_ms,
         log: &mut log,
-        guard: w.guard,
+        guard,
     };
     step(&mut env, attempt_of(claim)).map(Some)
 }
@@ -280,5 +301,6 @@ fn attempt_of(claim: &Claimed) -> Attempt<'_> {
         msg: &claim.msg,
         hash: &claim.hash,
         attempt: claim.attempt,
+        received_at: claim.received_at,
     }
 }

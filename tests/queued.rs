@@ -619,3 +619,46 @@ fn delivering_inline_to_a_queued_message_and_the_reverse_stay_exactly_once() {
     );
     assert_eq!(applied_count(&raw(room.path()), "q"), 1);
 }
+
+/// A message received again after retention forgot it is processed again
+/// (the dedupe horizon), and its new outbox rows do not collide with the
+/// first processing's, which may not even have been sent yet.
+#[test]
+fn a_message_redelivered_after_retention_is_processed_again_without_outbox_collisions() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = postroom::ManualClock::new(1_700_000_000_000);
+    let room = quick()
+        .workers(0)
+        .clock(clock.clone())
+        .retention(Duration::from_secs(60))
+        .reaper_interval(Duration::from_secs(3600))
+        .consumer("c", handler_fn(apply))
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    create_domain(&room);
+    let msg = Message::new("s", "m", "x");
+    assert_eq!(
+        room.deliver("c", msg.clone()).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    clock.advance(Duration::from_secs(61));
+    assert_eq!(room.cleanup().unwrap().inbox_deleted, 1);
+    // The first outbox row is still pending (no relay): no collision.
+    assert_eq!(
+        room.deliver("c", msg).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    let conn = raw(room.path());
+    assert_eq!(
+        applied_count(&conn, "m"),
+        2,
+        "beyond the horizon it is a new message"
+    );
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(DISTINCT message_id) FROM postroom_outbox"
+        ),
+        2
+    );
+}

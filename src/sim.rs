@@ -1,0 +1,1018 @@
+//! A thread-free, deterministic harness around the engine's state machine,
+//! and a reference model to check it against (feature `sim`).
+//!
+//! [`Machine`] drives the same functions the writer, the workers, the relay
+//! and recovery run — inline delivery, receive, claim and lease-fenced
+//! completion, relay marking, retention, crash recovery — on a real SQLite
+//! file, with a manual clock, each step in its own transaction. A simulated
+//! crash drops the connection without committing (what a dead process
+//! leaves) and keeps the in-flight marker, then re-opens through the real
+//! recovery code.
+//!
+//! [`run_seed`] and [`run_bytes`] generate a sequence of operations (from a
+//! seed, or from fuzzer input), apply each to the machine and to the model,
+//! and compare outcomes and the whole inbox after every step. The seeded
+//! form runs as an ordinary test; `fuzz/` feeds `run_bytes` to libFuzzer.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rusqlite::Connection;
+
+use crate::config::{Config, RetryPolicy};
+use crate::delivery::{self, exec, Env};
+use crate::engine::recover_after_crash;
+use crate::guard::UserCodeGuard;
+use crate::handler::{Handler, Tx};
+use crate::inbox::Status;
+use crate::inflight::{Inflight, InflightLog};
+use crate::message::{Failure, Message, Outcome, Outgoing, Receipt};
+use crate::outbox;
+use crate::queue;
+use crate::relay::{self, SendResult};
+use crate::schema;
+use crate::workers;
+
+/// What the simulated handler does with a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plan {
+    /// Succeeds.
+    Ok,
+    /// Fails, retry after 100 ms.
+    Retry,
+    /// Rejects: dead at once.
+    Reject,
+    /// Panics.
+    Panic,
+    /// The process dies inside the handler.
+    Crash,
+}
+
+const RETRY_AFTER_MS: i64 = 100;
+const LEASE_MS: i64 = 1_000;
+const MAX_ATTEMPTS: u32 = 4;
+const CONSUMERS: [&str; 2] = ["c0", "c1"];
+
+/// One step of a sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    /// Inline delivery of message `id` (payload variant `variant`).
+    Deliver {
+        /// Consumer index.
+        consumer: u8,
+        /// Message id.
+        id: u8,
+        /// Payload variant: another variant under the same id conflicts.
+        variant: u8,
+        /// What the handler does.
+        plan: Plan,
+    },
+    /// Queued receipt of a batch.
+    Receive {
+        /// Consumer index.
+        consumer: u8,
+        /// (id, variant) pairs.
+        msgs: Vec<(u8, u8)>,
+    },
+    /// Claims up to `limit` due rows and runs them with `plans` in turn.
+    Work {
+        /// Most rows claimed.
+        limit: u8,
+        /// Plan of the n-th claimed row (cycled).
+        plans: Vec<Plan>,
+    },
+    /// Moves the clock.
+    Advance {
+        /// Milliseconds.
+        ms: u32,
+    },
+    /// Expires leases past their time.
+    Reap,
+    /// One relay pass; messages whose seq is a multiple of `fail_every`
+    /// fail this time.
+    Relay {
+        /// 0: none fail.
+        fail_every: u8,
+    },
+    /// Retention with this horizon.
+    Cleanup {
+        /// Milliseconds.
+        retention_ms: u32,
+    },
+    /// The process dies between operations, then re-opens.
+    CrashReopen,
+}
+
+struct SimHandler {
+    plan: Arc<Mutex<Plan>>,
+    crashing: Arc<AtomicBool>,
+}
+
+impl Handler for SimHandler {
+    fn handle(&self, tx: &mut Tx<'_>, msg: &Message) -> Result<(), Failure> {
+        tx.execute(
+            "INSERT INTO sim_effects (consumer, message_id) VALUES (?1, ?2)",
+            [tx.consumer().unwrap_or(""), msg.id()],
+        )?;
+        tx.publish(Outgoing::new("sim", msg.payload().to_vec()).with_key(msg.id()))?;
+        match *self.plan.lock().unwrap_or_else(|p| p.into_inner()) {
+            Plan::Ok => Ok(()),
+            Plan::Retry => Err(Failure::retry_after(
+                "sim retry",
+                Duration::from_millis(RETRY_AFTER_MS as u64),
+            )),
+            Plan::Reject => Err(Failure::reject("sim reject")),
+            Plan::Panic => panic!("sim panic"),
+            Plan::Crash => {
+                self.crashing.store(true, Ordering::SeqCst);
+                Err(Failure::retry("sim crash"))
+            }
+        }
+    }
+}
+
+/// The in-flight marker of a simulated process: kept across a simulated
+/// crash (as the engine file is), not cleared by a handler that "died".
+struct SimLog<'a> {
+    marker: &'a mut Option<Inflight>,
+    crashing: &'a AtomicBool,
+}
+
+impl InflightLog for SimLog<'_> {
+    fn begin(
+        &mut self,
+        consumer: &str,
+        msg: &Message,
+        hash: &[u8; 32],
+        prior_attempts: u32,
+    ) -> std::io::Result<()> {
+        *self.marker = Some(Inflight {
+            consumer: consumer.to_owned(),
+            msg: msg.clone(),
+            hash: *hash,
+            prior_attempts,
+        });
+        Ok(())
+    }
+    fn end(&mut self) -> std::io::Result<()> {
+        if !self.crashing.load(Ordering::SeqCst) {
+            *self.marker = None;
+        }
+        Ok(())
+    }
+}
+
+/// The engine's state machine on a real file, without threads.
+pub struct Machine {
+    path: PathBuf,
+    conn: Option<(Connection, UserCodeGuard)>,
+    config: Config,
+    handler: SimHandler,
+    plan: Arc<Mutex<Plan>>,
+    crashing: Arc<AtomicBool>,
+    marker: Option<Inflight>,
+    now_ms: i64,
+    next_token: i64,
+}
+
+type SimResult<T> = std::result::Result<T, String>;
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+fn payload(id: u8, variant: u8) -> Vec<u8> {
+    format!("message {id} variant {variant}").into_bytes()
+}
+
+fn hash_of(bytes: &[u8]) -> [u8; 32] {
+    *blake3::hash(bytes).as_bytes()
+}
+
+impl Machine {
+    /// Creates (or re-opens) the database at `path`.
+    pub fn open(path: &Path) -> SimResult<Machine> {
+        let config = Config {
+            // Power loss is not simulated; fsyncs would only slow the run.
+            durability: crate::Durability::Normal,
+            max_attempts: MAX_ATTEMPTS,
+            retry: RetryPolicy {
+                initial: Duration::from_millis(200),
+                max: Duration::from_millis(1_000),
+            },
+            ..Config::default()
+        };
+        let plan = Arc::new(Mutex::new(Plan::Ok));
+        let crashing = Arc::new(AtomicBool::new(false));
+        let mut machine = Machine {
+            path: path.to_path_buf(),
+            conn: None,
+            config,
+            handler: SimHandler {
+                plan: Arc::clone(&plan),
+                crashing: Arc::clone(&crashing),
+            },
+            plan,
+            crashing,
+            marker: None,
+            now_ms: 1_000_000,
+            next_token: 1,
+        };
+        schema::create_private(path).map_err(err)?;
+        machine.reopen()?;
+        Ok(machine)
+    }
+
+    /// Opens the connection and runs crash recovery, as the engine does.
+    fn reopen(&mut self) -> SimResult<()> {
+        let mut conn = schema::open_writer(&self.path, &self.config).map_err(err)?;
+        schema::migrate(&mut conn).map_err(err)?;
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS sim_effects (consumer TEXT NOT NULL, message_id TEXT NOT NULL)",
+        )
+        .map_err(err)?;
+        recover_after_crash(&conn, &self.config, self.now_ms, self.marker.as_ref()).map_err(err)?;
+        self.marker = None;
+        let guard = UserCodeGuard::install(&conn).map_err(err)?;
+        self.conn = Some((conn, guard));
+        Ok(())
+    }
+
+    /// Drops the connection without committing: what a dead process leaves.
+    fn crash(&mut self) -> SimResult<()> {
+        self.conn = None;
+        self.crashing.store(false, Ordering::SeqCst);
+        self.reopen()
+    }
+
+    fn conn(&self) -> &Connection {
+        &self.conn.as_ref().expect("open").0
+    }
+
+    /// Runs `step` in a transaction; commits on `Ok`, rolls back on `Err`.
+    /// If the handler "died" in it, crashes instead and returns `None`.
+    fn in_tx<T>(
+        &mut self,
+        step: impl FnOnce(&mut Machine) -> crate::Result<T>,
+    ) -> SimResult<Option<T>> {
+        exec(self.conn(), "BEGIN IMMEDIATE").map_err(err)?;
+        let result = step(self);
+        if self.crashing.load(Ordering::SeqCst) {
+            self.crash()?;
+            return Ok(None);
+        }
+        match result {
+            Ok(value) => {
+                exec(self.conn(), "COMMIT").map_err(err)?;
+                Ok(Some(value))
+            }
+            Err(e) => {
+                let _ = self.conn().execute_batch("ROLLBACK");
+                Err(err(e))
+            }
+        }
+    }
+
+    /// Inline delivery. `None`: the process died in the handler.
+    pub fn deliver(
+        &mut self,
+        consumer: &str,
+        id: u8,
+        variant: u8,
+        plan: Plan,
+    ) -> SimResult<Option<Outcome>> {
+        *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = plan;
+        let msg = Message::new("sim", id.to_string(), payload(id, variant));
+        let hash = hash_of(&msg.payload);
+        let consumer = consumer.to_owned();
+        self.in_tx(move |m| {
+            let (conn, guard) = m.conn.as_ref().expect("open");
+            let mut log = SimLog {
+                marker: &mut m.marker,
+                crashing: &m.crashing,
+            };
+            let mut env = Env {
+                conn,
+                config: &m.config,
+                now_ms: m.now_ms,
+                log: &mut log,
+                guard,
+            };
+            delivery::deliver(&mut env, &consumer, &m.handler, &msg, &hash)
+        })
+    }
+
+    /// Queued receipt of a batch, in one transaction.
+    pub fn receive(&mut self, consumer: &str, msgs: &[(u8, u8)]) -> SimResult<Vec<Receipt>> {
+        let consumer = consumer.to_owned();
+        let msgs: Vec<Message> = msgs
+            .iter()
+            .map(|&(id, v)| Message::new("sim", id.to_string(), payload(id, v)))
+            .collect();
+        self.in_tx(move |m| {
+            msgs.iter()
+                .map(|msg| {
+                    queue::receive(m.conn(), &consumer, msg, &hash_of(&msg.payload), m.now_ms)
+                        .map_err(|e| crate::Error::sqlite("receive", e))
+                })
+                .collect()
+        })
+        .map(Option::unwrap_or_default)
+    }
+
+    /// Claims up to `limit` due rows (consumer c0 first, then c1), then
+    /// completes each in its own transaction with the next plan. Stops at a
+    /// crash. Returns (consumer, id, outcome) per row completed.
+    pub fn work(
+        &mut self,
+        limit: usize,
+        plans: &[Plan],
+    ) -> SimResult<Vec<(String, String, Outcome)>> {
+        let token = self.next_token;
+        self.next_token += 1;
+        let claims = self
+            .in_tx(move |m| {
+                let mut claims = Vec::new();
+                for consumer in CONSUMERS {
+                    let want = limit - claims.len();
+                    if want == 0 {
+                        break;
+                    }
+                    claims.extend(
+                        queue::claim(
+                            m.conn(),
+                            consumer,
+                            want,
+                            m.now_ms,
+                            m.now_ms + LEASE_MS,
+                            token,
+                        )
+                        .map_err(|e| crate::Error::sqlite("claim", e))?,
+                    );
+                }
+                Ok(claims)
+            })?
+            .unwrap_or_default();
+        let mut done = Vec::new();
+        for (i, claim) in claims.into_iter().enumerate() {
+            let plan = plans
+                .get(i % plans.len().max(1))
+                .copied()
+                .unwrap_or(Plan::Ok);
+            *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = plan;
+            let outcome = self.in_tx(|m| {
+                let (conn, guard) = m.conn.as_ref().expect("open");
+                workers::complete_claim(conn, &m.config, guard, m.now_ms, &claim, |tx| {
+                    m.handler.handle(tx, &claim.msg)
+                })
+            })?;
+            match outcome {
+                None => break, // crashed: the rest stay claimed until recovery
+                Some(None) => return Err(format!("lease lost for row {}", claim.row_id)),
+                Some(Some(outcome)) => done.push((claim.consumer, claim.msg.id, outcome)),
+            }
+        }
+        Ok(done)
+    }
+
+    /// Moves the clock.
+    pub fn advance(&mut self, ms: u32) {
+        self.now_ms += i64::from(ms);
+    }
+
+    /// Expires leases whose time has passed (the engine's reaper, for rows
+    /// this process does not hold).
+    pub fn reap(&mut self) -> SimResult<u64> {
+        self.in_tx(|m| {
+            let mut n = 0;
+            for row in queue::leased(m.conn()).map_err(|e| crate::Error::sqlite("leased", e))? {
+                if row.lease_until.is_none_or(|u| u < m.now_ms)
+                    && queue::expire(
+                        m.conn(),
+                        row.row_id,
+                        row.token,
+                        "lease expired",
+                        MAX_ATTEMPTS,
+                        m.now_ms,
+                    )
+                    .map_err(|e| crate::Error::sqlite("expire", e))?
+                {
+                    n += 1;
+                }
+            }
+            Ok(n)
+        })
+        .map(Option::unwrap_or_default)
+    }
+
+    /// One relay pass: fetch due rows, "send" them (failing those whose
+    /// seq is a multiple of `fail_every`), record the results.
+    pub fn relay(&mut self, fail_every: u8) -> SimResult<usize> {
+        let batch = outbox::fetch_due(self.conn(), self.now_ms, 50).map_err(err)?;
+        let results = relay::per_message(&batch, |msg| {
+            if fail_every > 0 && msg.seq % i64::from(fail_every) == 0 {
+                SendResult::Retry {
+                    reason: "sim sink down".into(),
+                    after: Some(Duration::from_millis(50)),
+                }
+            } else {
+                SendResult::Sent
+            }
+        });
+        let n = batch.len();
+        self.in_tx(move |m| {
+            relay::record_results(m.conn(), &m.config, m.now_ms, &batch, &results)
+        })?;
+        Ok(n)
+    }
+
+    /// Retention of completed inbox rows older than `retention_ms`.
+    pub fn cleanup(&mut self, retention_ms: u32) -> SimResult<usize> {
+        let cutoff = self.now_ms - i64::from(retention_ms);
+        self.in_tx(move |m| {
+            queue::delete_completed(m.conn(), cutoff, usize::MAX)
+                .map_err(|e| crate::Error::sqlite("cleanup", e))
+        })
+        .map(Option::unwrap_or_default)
+    }
+
+    /// The process dies between operations and re-opens.
+    pub fn crash_reopen(&mut self) -> SimResult<()> {
+        self.crash()
+    }
+
+    /// The clock.
+    pub fn now_ms(&self) -> i64 {
+        self.now_ms
+    }
+
+    /// Every inbox row: (consumer, id) -> (status, attempts, next_attempt_at).
+    fn inbox(&self) -> SimResult<BTreeMap<(String, String), (Status, u32, Option<i64>)>> {
+        let mut stmt = self
+            .conn()
+            .prepare("SELECT consumer, message_id, status, attempts, next_attempt_at FROM postroom_inbox")
+            .map_err(err)?;
+        let rows = stmt
+            .query_map([], |r| {
+                Ok(((r.get(0)?, r.get(1)?), (r.get(2)?, r.get(3)?, r.get(4)?)))
+            })
+            .map_err(err)?;
+        rows.collect::<rusqlite::Result<_>>().map_err(err)
+    }
+
+    /// How many times each (consumer, id) had its effect committed, and how
+    /// many outbox rows each caused.
+    fn effects(&self, sql: &str) -> SimResult<BTreeMap<(String, String), u32>> {
+        let mut stmt = self.conn().prepare(sql).map_err(err)?;
+        let rows = stmt
+            .query_map([], |r| Ok(((r.get(0)?, r.get(1)?), r.get(2)?)))
+            .map_err(err)?;
+        rows.collect::<rusqlite::Result<_>>().map_err(err)
+    }
+}
+
+/// The reference model's view of one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Entry {
+    variant: u8,
+    status: Status,
+    attempts: u32,
+    next_at: Option<i64>,
+    processed_at: Option<i64>,
+    /// Receive order (the row id's order).
+    order: u64,
+}
+
+#[derive(Debug, Default)]
+struct Model {
+    entries: BTreeMap<(String, String), Entry>,
+    applied: BTreeMap<(String, String), u32>,
+    created: u64,
+}
+
+/// What a run did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RunStats {
+    /// Operations applied.
+    pub ops: usize,
+    /// Handler runs whose effects committed.
+    pub processed: u64,
+    /// Simulated process deaths (in handlers and between operations).
+    pub crashes: u64,
+    /// Deliveries or receipts quarantined as conflicts.
+    pub conflicts: u64,
+    /// Messages dead-lettered.
+    pub dead: u64,
+}
+
+impl Model {
+    fn key(consumer: &str, id: u8) -> (String, String) {
+        (consumer.to_owned(), id.to_string())
+    }
+
+    fn create(&mut self, key: &(String, String), variant: u8, now: i64) -> &mut Entry {
+        self.created += 1;
+        let order = self.created;
+        self.entries.insert(
+            key.clone(),
+            Entry {
+                variant,
+                status: Status::Pending,
+                attempts: 0,
+                next_at: Some(now),
+                processed_at: None,
+                order,
+            },
+        );
+        self.entries.get_mut(key).expect("just inserted")
+    }
+
+    /// Applies one attempt's plan to an entry whose attempt count already
+    /// includes it. Returns the expected outcome (`None` for a crash, whose
+    /// effect on the row is applied at recovery).
+    fn attempt(&mut self, key: &(String, String), plan: Plan, now: i64) -> Option<Outcome> {
+        let e = self.entries.get_mut(key).expect("entry");
+        let attempts = e.attempts;
+        let last = attempts >= MAX_ATTEMPTS;
+        match plan {
+            Plan::Ok => {
+                e.status = Status::Completed;
+                e.next_at = None;
+                e.processed_at = Some(now);
+                *self.applied.entry(key.clone()).or_default() += 1;
+                Some(Outcome::Processed { attempts })
+            }
+            Plan::Reject => {
+                e.status = Status::Dead;
+                e.next_at = None;
+                Some(Outcome::Dead {
+                    attempts,
+                    error: "sim reject".into(),
+                })
+            }
+            Plan::Retry | Plan::Panic if last => {
+                e.status = Status::Dead;
+                e.next_at = None;
+                let error = if plan == Plan::Retry {
+                    "sim retry"
+                } else {
+                    "handler panicked: sim panic"
+                };
+                Some(Outcome::Dead {
+                    attempts,
+                    error: error.into(),
+                })
+            }
+            Plan::Retry => {
+                e.status = Status::Failed;
+                e.next_at = Some(now + RETRY_AFTER_MS);
+                Some(Outcome::Failed {
+                    attempts,
+                    error: "sim retry".into(),
+                    retry_after: Duration::from_millis(RETRY_AFTER_MS as u64),
+                })
+            }
+            Plan::Panic => {
+                // The delay is jittered: the check reads it back.
+                e.status = Status::Failed;
+                e.next_at = None;
+                Some(Outcome::Failed {
+                    attempts,
+                    error: "handler panicked: sim panic".into(),
+                    retry_after: Duration::ZERO,
+                })
+            }
+            Plan::Crash => None,
+        }
+    }
+
+    /// A claimed or in-flight attempt whose process died: counted, due at
+    /// once, or dead if it was the last.
+    fn died(&mut self, key: &(String, String), now: i64) {
+        let e = self.entries.get_mut(key).expect("entry");
+        if e.attempts >= MAX_ATTEMPTS {
+            e.status = Status::Dead;
+            e.next_at = None;
+        } else {
+            e.status = Status::Failed;
+            e.next_at = Some(now);
+        }
+    }
+}
+
+/// Compares a real outcome with the model's, allowing the jittered backoff
+/// of a panic within its bounds. Fills in the model's `next_at` from it.
+fn same_outcome(real: &Outcome, expected: &Outcome, model_entry: &mut Entry, now: i64) -> bool {
+    match (real, expected) {
+        (
+            Outcome::Failed {
+                attempts: a,
+                error: e,
+                retry_after: r,
+            },
+            Outcome::Failed {
+                attempts: b,
+                error: f,
+                retry_after: s,
+            },
+        ) if s.is_zero() && e == f && a == b => {
+            // Jittered: between half and all of 200 ms doubled per attempt,
+            // capped at 1 s.
+            let full = (200u64 << (a - 1).min(10)).min(1_000);
+            let ms = r.as_millis() as u64;
+            model_entry.next_at = Some(now + ms as i64);
+            (full / 2..=full).contains(&ms)
+        }
+        (
+            Outcome::Dead {
+                attempts: a,
+                error: e,
+            },
+            Outcome::Dead {
+                attempts: b,
+                error: f,
+            },
+        ) => a == b && (e == f || e.starts_with("attempts exhausted")),
+        _ => real == expected,
+    }
+}
+
+/// Runs `ops` against a fresh database in `dir`, checking every step.
+/// `Err` names the step and what differed.
+pub fn run(dir: &Path, ops: &[Op]) -> SimResult<RunStats> {
+    let mut machine = Machine::open(&dir.join("sim.db"))?;
+    let mut model = Model::default();
+    let mut stats = RunStats::default();
+    for (step, op) in ops.iter().enumerate() {
+        apply(&mut machine, &mut model, &mut stats, op)
+            .and_then(|()| check(&machine, &model))
+            .map_err(|e| format!("step {step} {op:?}: {e}"))?;
+        stats.ops += 1;
+    }
+    let integrity: String = machine
+        .conn()
+        .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+        .map_err(err)?;
+    if integrity != "ok" {
+        return Err(format!("integrity_check: {integrity}"));
+    }
+    Ok(stats)
+}
+
+fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> SimResult<()> {
+    let now = m.now_ms();
+    match op {
+        Op::Deliver {
+            consumer,
+            id,
+            variant,
+            plan,
+        } => {
+            let consumer = CONSUMERS[usize::from(*consumer) % 2];
+            let key = Model::key(consumer, *id);
+            let expected: Option<Outcome> = match model.entries.get(&key).cloned() {
+                Some(e) if e.variant != *variant => Some(Outcome::Conflict { conflict_id: 0 }),
+                Some(e) => match e.status {
+                    Status::Completed => Some(Outcome::Duplicate),
+                    Status::Dead => Some(Outcome::Dead {
+                        attempts: e.attempts,
+                        error: String::new(),
+                    }),
+                    Status::Processing => return Err("model: processing between steps".into()),
+                    Status::Pending | Status::Failed => {
+                        if e.next_at.is_some_and(|at| at > now) {
+                            Some(Outcome::Failed {
+                                attempts: e.attempts,
+                                error: String::new(),
+                                retry_after: Duration::from_millis(
+                                    (e.next_at.unwrap_or(now) - now) as u64,
+                                ),
+                            })
+                        } else {
+                            model.entries.get_mut(&key).expect("entry").attempts += 1;
+                            model.attempt(&key, *plan, now)
+                        }
+                    }
+                },
+                None => {
+                    model.create(&key, *variant, now).attempts = 1;
+                    model.attempt(&key, *plan, now)
+                }
+            };
+            let real = m.deliver(consumer, *id, *variant, *plan)?;
+            match (real, expected) {
+                (None, None) => {
+                    stats.crashes += 1;
+                    model.died(&key, now);
+                }
+                (Some(Outcome::Conflict { .. }), Some(Outcome::Conflict { .. })) => {
+                    stats.conflicts += 1
+                }
+                (Some(real), Some(expected)) => {
+                    let entry = model.entries.get_mut(&key).expect("entry");
+                    let ok = match (&real, &expected) {
+                        // Answers given without running: compare the parts
+                        // that do not depend on stored text.
+                        (
+                            Outcome::Dead { attempts: a, .. },
+                            Outcome::Dead { attempts: b, error },
+                        ) if error.is_empty() => a == b,
+                        (
+                            Outcome::Failed {
+                                attempts: a,
+                                retry_after: r,
+                                ..
+                            },
+                            Outcome::Failed {
+                                attempts: b,
+                                retry_after: s,
+                                error,
+                            },
+                        ) if error.is_empty() => a == b && r == s,
+                        _ => same_outcome(&real, &expected, entry, now),
+                    };
+                    if !ok {
+                        return Err(format!("outcome {real:?}, model expected {expected:?}"));
+                    }
+                    match real {
+                        Outcome::Processed { .. } => stats.processed += 1,
+                        Outcome::Dead { .. } => stats.dead += 1,
+                        _ => {}
+                    }
+                }
+                (real, expected) => {
+                    return Err(format!("outcome {real:?}, model expected {expected:?}"))
+                }
+            }
+        }
+        Op::Receive { consumer, msgs } => {
+            let consumer = CONSUMERS[usize::from(*consumer) % 2];
+            let mut expected = Vec::new();
+            for &(id, variant) in msgs {
+                let key = Model::key(consumer, id);
+                expected.push(match model.entries.get(&key) {
+                    None => {
+                        model.create(&key, variant, now);
+                        Receipt::Accepted
+                    }
+                    Some(e) if e.variant == variant => Receipt::Duplicate,
+                    Some(_) => Receipt::Conflict { conflict_id: 0 },
+                });
+            }
+            let real = m.receive(consumer, msgs)?;
+            let strip = |r: &Receipt| match r {
+                Receipt::Conflict { .. } => Receipt::Conflict { conflict_id: 0 },
+                other => *other,
+            };
+            let real: Vec<Receipt> = real.iter().map(strip).collect();
+            if real != expected {
+                return Err(format!("receipts {real:?}, model expected {expected:?}"));
+            }
+            stats.conflicts += real
+                .iter()
+                .filter(|r| matches!(r, Receipt::Conflict { .. }))
+                .count() as u64;
+        }
+        Op::Work { limit, plans } => {
+            // The model claims what is due, c0 before c1, in receive order.
+            let mut due: Vec<(String, (String, String), u64)> = model
+                .entries
+                .iter()
+                .filter(|(_, e)| {
+                    matches!(e.status, Status::Pending | Status::Failed)
+                        && e.next_at.is_none_or(|at| at <= now)
+                })
+                .map(|(k, e)| (k.0.clone(), k.clone(), e.order))
+                .collect();
+            due.sort_by(|a, b| (&a.0, a.2).cmp(&(&b.0, b.2)));
+            due.truncate(usize::from(*limit));
+            let real = m.work(usize::from(*limit), plans)?;
+            let mut crashed = false;
+            let mut completed = 0;
+            for (i, (_, key, _)) in due.iter().enumerate() {
+                model.entries.get_mut(key).expect("entry").attempts += 1;
+                if crashed {
+                    // Claimed in the same batch, never started: recovered
+                    // with the claim's attempt counted.
+                    model.died(key, now);
+                    continue;
+                }
+                let plan = plans
+                    .get(i % plans.len().max(1))
+                    .copied()
+                    .unwrap_or(Plan::Ok);
+                let Some(expected) = model.attempt(key, plan, now) else {
+                    crashed = true;
+                    stats.crashes += 1;
+                    model.died(key, now);
+                    continue;
+                };
+                let Some((c, id, outcome)) = real.get(i) else {
+                    return Err(format!("worked {} rows, model expected more", real.len()));
+                };
+                if (c, id) != (&key.0, &key.1) {
+                    return Err(format!(
+                        "claimed {c}/{id}, model expected {}/{}",
+                        key.0, key.1
+                    ));
+                }
+                let entry = model.entries.get_mut(key).expect("entry");
+                if !same_outcome(outcome, &expected, entry, now) {
+                    return Err(format!(
+                        "{c}/{id}: {outcome:?}, model expected {expected:?}"
+                    ));
+                }
+                match outcome {
+                    Outcome::Processed { .. } => stats.processed += 1,
+                    Outcome::Dead { .. } => stats.dead += 1,
+                    _ => {}
+                }
+                completed += 1;
+            }
+            if real.len() != completed {
+                return Err(format!(
+                    "worked {} rows, model expected {completed}",
+                    real.len()
+                ));
+            }
+        }
+        Op::Advance { ms } => m.advance(*ms),
+        Op::Reap => {
+            let n = m.reap()?;
+            if n != 0 {
+                return Err(format!("reaped {n} leases; none should be outstanding"));
+            }
+        }
+        Op::Relay { fail_every } => {
+            m.relay(*fail_every)?;
+        }
+        Op::Cleanup { retention_ms } => {
+            let cutoff = now - i64::from(*retention_ms);
+            let before = model.entries.len();
+            model.entries.retain(|_, e| {
+                !(e.status == Status::Completed && e.processed_at.is_some_and(|at| at < cutoff))
+            });
+            let n = m.cleanup(*retention_ms)?;
+            if n != before - model.entries.len() {
+                return Err(format!(
+                    "cleanup deleted {n}, model expected {}",
+                    before - model.entries.len()
+                ));
+            }
+        }
+        Op::CrashReopen => {
+            stats.crashes += 1;
+            m.crash_reopen()?;
+        }
+    }
+    Ok(())
+}
+
+/// The whole inbox, every effect count and every outbox count against the
+/// model.
+fn check(m: &Machine, model: &Model) -> SimResult<()> {
+    let inbox = m.inbox()?;
+    if inbox.len() != model.entries.len() {
+        return Err(format!(
+            "{} inbox rows, model has {}",
+            inbox.len(),
+            model.entries.len()
+        ));
+    }
+    for (key, e) in &model.entries {
+        let Some(&(status, attempts, next_at)) = inbox.get(key) else {
+            return Err(format!("{key:?} missing from the inbox"));
+        };
+        if (status, attempts) != (e.status, e.attempts) {
+            return Err(format!(
+                "{key:?}: inbox has {status}/{attempts}, model {}/{}",
+                e.status, e.attempts
+            ));
+        }
+        if e.status == Status::Failed && e.next_at.is_some() && next_at != e.next_at {
+            return Err(format!(
+                "{key:?}: next_attempt_at {next_at:?}, model {:?}",
+                e.next_at
+            ));
+        }
+    }
+    let applied =
+        m.effects("SELECT consumer, message_id, count(*) FROM sim_effects GROUP BY 1, 2")?;
+    let published = m.effects(
+        "SELECT cause_consumer, cause_message_id, count(*) FROM postroom_outbox GROUP BY 1, 2",
+    )?;
+    let expected: BTreeMap<_, _> = model
+        .applied
+        .iter()
+        .filter(|(_, n)| **n > 0)
+        .map(|(k, n)| (k.clone(), *n))
+        .collect();
+    if applied != expected {
+        return Err(format!("effects {applied:?}, model {expected:?}"));
+    }
+    if published != expected {
+        return Err(format!("outbox rows {published:?}, model {expected:?}"));
+    }
+    Ok(())
+}
+
+/// A source of choices: a seeded generator, or fuzzer bytes (zeros once
+/// they run out).
+trait Choices {
+    fn next(&mut self) -> u64;
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+struct Seeded(u64);
+
+impl Choices for Seeded {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+struct Bytes<'a>(&'a [u8]);
+
+impl Choices for Bytes<'_> {
+    fn next(&mut self) -> u64 {
+        let (&b, rest) = self.0.split_first().unwrap_or((&0, &[]));
+        self.0 = rest;
+        u64::from(b)
+    }
+}
+
+fn plan(c: &mut dyn Choices) -> Plan {
+    match c.below(20) {
+        0..=11 => Plan::Ok,
+        12..=14 => Plan::Retry,
+        15 => Plan::Reject,
+        16..=17 => Plan::Panic,
+        _ => Plan::Crash,
+    }
+}
+
+fn op(c: &mut dyn Choices) -> Op {
+    // Few ids, so duplicates and conflicts are common.
+    let id = |c: &mut dyn Choices| c.below(6) as u8;
+    let variant = |c: &mut dyn Choices| u8::from(c.below(12) == 0);
+    match c.below(100) {
+        0..=34 => Op::Deliver {
+            consumer: c.below(2) as u8,
+            id: id(c),
+            variant: variant(c),
+            plan: plan(c),
+        },
+        35..=49 => Op::Receive {
+            consumer: c.below(2) as u8,
+            msgs: (0..1 + c.below(3)).map(|_| (id(c), variant(c))).collect(),
+        },
+        50..=64 => Op::Work {
+            limit: 1 + c.below(4) as u8,
+            plans: (0..1 + c.below(3)).map(|_| plan(c)).collect(),
+        },
+        65..=79 => Op::Advance {
+            ms: [10, 60, 150, 400, 1_500][c.below(5) as usize],
+        },
+        80..=83 => Op::Reap,
+        84..=91 => Op::Relay {
+            fail_every: c.below(4) as u8,
+        },
+        92..=95 => Op::Cleanup {
+            retention_ms: [0, 500, 5_000][c.below(3) as usize],
+        },
+        _ => Op::CrashReopen,
+    }
+}
+
+/// Generates `len` operations from `seed`.
+pub fn ops_from_seed(seed: u64, len: usize) -> Vec<Op> {
+    let mut c = Seeded(seed);
+    (0..len).map(|_| op(&mut c)).collect()
+}
+
+/// Generates operations from fuzzer input (about three bytes each).
+pub fn ops_from_bytes(data: &[u8]) -> Vec<Op> {
+    let mut c = Bytes(data);
+    let n = data.len() / 3;
+    (0..n.min(400)).map(|_| op(&mut c)).collect()
+}
+
+/// Runs the sequence generated from `seed` in `dir`.
+pub fn run_seed(dir: &Path, seed: u64, len: usize) -> SimResult<RunStats> {
+    run(dir, &ops_from_seed(seed, len))
+}
+
+/// Runs the sequence generated from fuzzer input in `dir`.
+pub fn run_bytes(dir: &Path, data: &[u8]) -> SimResult<RunStats> {
+    run(dir, &ops_from_bytes(data))
+}
