@@ -3,7 +3,8 @@
 //! and checks that nothing acknowledged was lost and nothing applied twice.
 //!
 //! `POSTROOM_CRASH_KILLS` sets the number of kills of the randomized test
-//! (default 200); `POSTROOM_SEED` replays a run.
+//! (default 300), `POSTROOM_QUEUED_KILLS` and `POSTROOM_RELAY_KILLS` those of
+//! the queued and relay tests (default 100 each); `POSTROOM_SEED` replays a run.
 
 mod common;
 
@@ -277,7 +278,7 @@ fn child_stream(db: &Path) {
 
 #[test]
 fn random_sigkills_lose_nothing_acknowledged_and_apply_nothing_twice() {
-    let kills = env_u64("POSTROOM_CRASH_KILLS").unwrap_or(200);
+    let kills = env_u64("POSTROOM_CRASH_KILLS").unwrap_or(300);
     let seed = seed();
     eprintln!("random_sigkills: {kills} kills, POSTROOM_SEED={seed}");
     let dir = tempfile::tempdir().unwrap();
