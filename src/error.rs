@@ -47,6 +47,12 @@ pub enum Error {
         /// What SQLite said.
         detail: String,
     },
+    /// The database file cannot be written (permissions, an immutable
+    /// flag, a read-only mount). Nothing was changed.
+    ReadOnly {
+        /// The database file.
+        path: PathBuf,
+    },
     /// Another engine (in this or another process) has this database open.
     AlreadyOpen {
         /// The database file.
@@ -160,6 +166,7 @@ impl Error {
                 detail: detail.clone(),
             },
             Error::AlreadyOpen { path } => Error::AlreadyOpen { path: path.clone() },
+            Error::ReadOnly { path } => Error::ReadOnly { path: path.clone() },
             Error::StorageFull { op } => Error::StorageFull { op },
             Error::Busy { op } => Error::Busy { op },
             Error::RolledBack { op } => Error::RolledBack { op },
@@ -206,6 +213,11 @@ impl fmt::Display for Error {
                  ({supported}); upgrade postroom"
             ),
             Error::Corrupt { detail } => write!(f, "database is corrupt: {detail}"),
+            Error::ReadOnly { path } => write!(
+                f,
+                "{} is read-only; postroom needs to write it",
+                path.display()
+            ),
             Error::AlreadyOpen { path } => write!(
                 f,
                 "{} is already open by another postroom engine",

@@ -82,6 +82,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod admin;
 mod checkpoint;
 mod clock;
 mod config;

@@ -103,7 +103,7 @@ pub(crate) fn claim(
     )?;
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut rows = stmt.query(params![consumer, limit, now_ms, lease_until, token])?;
-    let mut claimed = Vec::new();
+    let mut claimed: Vec<Claimed> = Vec::new();
     while let Some(r) = rows.next()? {
         let hash: Vec<u8> = r.get(4)?;
         let headers: Option<String> = r.get(5)?;
@@ -123,8 +123,32 @@ pub(crate) fn claim(
             received_at: r.get(8)?,
         });
     }
-    claimed.sort_by_key(|c| c.row_id);
-    Ok(claimed)
+    drop(rows);
+    drop(stmt);
+    // Never hand a handler a payload that is not the one received: a row
+    // whose stored payload fails its digest (bit rot, a damaged page, a
+    // hand edit) is dead-lettered instead, with the reason.
+    let (mut sound, corrupt): (Vec<Claimed>, Vec<Claimed>) = claimed
+        .into_iter()
+        .partition(|c| blake3::hash(&c.msg.payload).as_bytes() == &c.hash);
+    for c in corrupt {
+        log::error!(
+            "postroom: row {} ({}/{}/{}): stored payload does not match its digest; dead-lettered",
+            c.row_id,
+            c.consumer,
+            c.msg.source,
+            c.msg.id
+        );
+        conn.prepare_cached(
+            "UPDATE postroom_inbox SET status = 'dead', lease_until = NULL, lease_token = NULL,
+                 last_error = 'stored payload does not match its digest (corrupted)',
+                 updated_at = ?2
+             WHERE id = ?1",
+        )?
+        .execute(params![c.row_id, now_ms])?;
+    }
+    sound.sort_by_key(|c| c.row_id);
+    Ok(sound)
 }
 
 /// True when `token` still holds the lease on the row.

@@ -40,6 +40,16 @@ pub(crate) fn open_writer(path: &Path, config: &Config) -> Result<Connection> {
         .map_err(|e| open_error(path, "open database", e))?;
     conn.busy_timeout(config.busy_timeout)
         .map_err(|e| open_error(path, "set busy_timeout", e))?;
+    // SQLite quietly opens a file it cannot write read-only; every write
+    // would then fail. Refuse up front instead.
+    if conn
+        .is_readonly(rusqlite::MAIN_DB)
+        .map_err(|e| open_error(path, "open database", e))?
+    {
+        return Err(Error::ReadOnly {
+            path: path.to_path_buf(),
+        });
+    }
     let mode: String = conn
         .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
         .map_err(|e| open_error(path, "set journal_mode", e))?;

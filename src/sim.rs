@@ -180,6 +180,12 @@ pub struct Machine {
 
 type SimResult<T> = std::result::Result<T, String>;
 
+/// (consumer, message id).
+type Key = (String, String);
+
+/// (status, attempts, next_attempt_at) of an inbox row.
+type RowState = (Status, u32, Option<i64>);
+
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
@@ -450,7 +456,7 @@ impl Machine {
     }
 
     /// Every inbox row: (consumer, id) -> (status, attempts, next_attempt_at).
-    fn inbox(&self) -> SimResult<BTreeMap<(String, String), (Status, u32, Option<i64>)>> {
+    fn inbox(&self) -> SimResult<BTreeMap<Key, RowState>> {
         let mut stmt = self
             .conn()
             .prepare("SELECT consumer, message_id, status, attempts, next_attempt_at FROM postroom_inbox")

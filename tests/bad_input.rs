@@ -15,6 +15,7 @@ fn counting_room(path: &std::path::Path) -> (Postroom, Arc<AtomicU32>) {
     let calls = Arc::new(AtomicU32::new(0));
     let c = Arc::clone(&calls);
     let room = Postroom::builder()
+        .workers(0)
         .consumer(
             "c",
             handler_fn(move |tx, msg| {

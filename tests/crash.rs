@@ -82,6 +82,7 @@ fn wait_for(lines: &mpsc::Receiver<String>, wanted: &str) -> Vec<String> {
 
 fn child_hang_in_handler(db: &Path) {
     let room = Postroom::builder()
+        .workers(0)
         .consumer(
             "orders",
             handler_fn(|tx, msg| {
@@ -113,6 +114,7 @@ fn sigkill_between_the_handlers_write_and_commit_then_redelivery_applies_once() 
     assert_eq!(status.signal(), Some(9), "{status:?}");
 
     let room = Postroom::builder()
+        .workers(0)
         .consumer("orders", handler_fn(apply))
         .open(&db)
         .unwrap();
@@ -146,6 +148,8 @@ const CRASH_LOOP_MAX_ATTEMPTS: u32 = 3;
 
 fn child_crash_loop(db: &Path) {
     let room = Postroom::builder()
+        // Inline only: workers would otherwise retry the failed row too.
+        .workers(0)
         .max_attempts(CRASH_LOOP_MAX_ATTEMPTS)
         .consumer(
             "c",

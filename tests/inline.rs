@@ -12,8 +12,13 @@ use postroom::{handler_fn, Failure, ManualClock, Message, Outcome, Outgoing, Pos
 
 const T0: i64 = 1_700_000_000_000;
 
+/// Inline tests run without workers: they would otherwise retry failed
+/// rows in the background and race the test's own redeliveries.
 fn open(dir: &tempfile::TempDir, builder: postroom::Builder) -> Postroom {
-    let room = builder.open(dir.path().join("app.db")).expect("open");
+    let room = builder
+        .workers(0)
+        .open(dir.path().join("app.db"))
+        .expect("open");
     create_domain(&room);
     room
 }

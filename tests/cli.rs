@@ -1,0 +1,1068 @@
+//! The `postroom` operator CLI (feature `cli`), run as a real process on
+//! real database files made by a real engine: output, `--json`, exit codes,
+//! every bad-file case, mutations the engine then acts on, and a run while
+//! the engine still has the database open.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use postroom::{
+    handler_fn, sink_fn, Durability, Failure, ManualClock, Message, OutboxMessage, Outcome,
+    Outgoing, Postroom, SendResult,
+};
+use rusqlite::{params, Connection};
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_postroom");
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("stdout is not JSON ({e}):\n{}", self.stdout))
+    }
+}
+
+fn cli(db: &Path, args: &[&str]) -> Run {
+    let out = Command::new(BIN)
+        .arg(db)
+        .args(args)
+        .output()
+        .expect("run the postroom binary");
+    Run {
+        code: out
+            .status
+            .code()
+            .expect("exit code (not killed by a signal)"),
+        stdout: String::from_utf8(out.stdout).expect("UTF-8 stdout"),
+        stderr: String::from_utf8(out.stderr).expect("UTF-8 stderr"),
+    }
+}
+
+/// Runs and asserts the exit code, showing the output when it differs.
+fn cli_ok(db: &Path, args: &[&str], code: i32) -> Run {
+    let run = cli(db, args);
+    assert_eq!(
+        run.code, code,
+        "postroom {args:?}: exit {}\nstdout:\n{}\nstderr:\n{}",
+        run.code, run.stdout, run.stderr
+    );
+    run
+}
+
+fn raw(path: &Path) -> Connection {
+    let conn = Connection::open(path).unwrap();
+    conn.busy_timeout(Duration::from_secs(10)).unwrap();
+    conn
+}
+
+fn count(conn: &Connection, sql: &str) -> i64 {
+    conn.query_row(sql, [], |r| r.get(0)).unwrap()
+}
+
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn create_domain(room: &Postroom) {
+    room.transaction(|tx| {
+        tx.execute_batch("CREATE TABLE IF NOT EXISTS applied (message_id TEXT NOT NULL)")?;
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// Applies a message: a domain row and one outbox message, to topic
+/// `refused` for id `o-3` (the sink refuses it), else `shipping`.
+fn apply(tx: &mut postroom::Tx<'_>, msg: &Message) -> Result<(), Failure> {
+    tx.execute("INSERT INTO applied (message_id) VALUES (?1)", [msg.id()])?;
+    let topic = if msg.id() == "o-3" {
+        "refused"
+    } else {
+        "shipping"
+    };
+    tx.publish(Outgoing::new(topic, msg.payload().to_vec()).with_key(msg.id()))?;
+    Ok(())
+}
+
+/// A sink that sends everything except topic `refused`, which is dead at once.
+fn refusing_sink() -> impl postroom::Sink {
+    sink_fn(|m: &OutboxMessage| {
+        if m.topic == "refused" {
+            SendResult::dead("sink refused the topic")
+        } else {
+            SendResult::Sent
+        }
+    })
+}
+
+const BINARY: &[u8] = &[0xff, 0x00, 0x10, b'A', 0xfe];
+
+/// A database with known contents, engine shut down:
+/// * `orders`: o-1 (JSON, header trace=t-1), o-2 (text), o-3 (JSON)
+///   completed; each published one outbox row;
+/// * `flaky`: f-1 failed once (retryable);
+/// * `strict`: s-1 dead (rejected), binary payload;
+/// * outbox: 2 sent (`shipping`), 1 dead (`refused`, from o-3);
+/// * one conflict: o-1 redelivered with another payload.
+fn populated(dir: &Path) -> PathBuf {
+    let path = dir.join("app.db");
+    let room = Postroom::builder()
+        .workers(0)
+        .durability(Durability::Normal)
+        .consumer("orders", handler_fn(apply))
+        .consumer(
+            "flaky",
+            handler_fn(|_, _| Err(Failure::retry("upstream timeout"))),
+        )
+        .consumer(
+            "strict",
+            handler_fn(|_, _| Err(Failure::reject("bad order: missing amount"))),
+        )
+        .sink(refusing_sink())
+        .open(&path)
+        .unwrap();
+    create_domain(&room);
+    let o1 =
+        Message::new("shop", "o-1", r#"{"order_id":1,"amount":5}"#).with_header("trace", "t-1");
+    assert!(matches!(
+        room.deliver("orders", o1).unwrap(),
+        Outcome::Processed { .. }
+    ));
+    for (id, payload) in [("o-2", "plain text order"), ("o-3", r#"{"order_id":3}"#)] {
+        let outcome = room
+            .deliver("orders", Message::new("shop", id, payload))
+            .unwrap();
+        assert!(matches!(outcome, Outcome::Processed { .. }), "{outcome:?}");
+    }
+    let outcome = room
+        .deliver("flaky", Message::new("feed", "f-1", "{}"))
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Failed { .. }), "{outcome:?}");
+    let outcome = room
+        .deliver("strict", Message::new("feed", "s-1", BINARY.to_vec()))
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Dead { .. }), "{outcome:?}");
+    let outcome = room
+        .deliver(
+            "orders",
+            Message::new("shop", "o-1", r#"{"order_id":1,"amount":999}"#),
+        )
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Conflict { .. }), "{outcome:?}");
+    eventually("the relay to settle the outbox", || {
+        let s = room.stats().unwrap();
+        s.outbox.pending == 0 && s.outbox.sent == 2 && s.outbox.dead == 1
+    });
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    path
+}
+
+fn inbox_id(path: &Path, consumer: &str, message_id: &str) -> i64 {
+    raw(path)
+        .query_row(
+            "SELECT id FROM postroom_inbox WHERE consumer = ?1 AND message_id = ?2",
+            [consumer, message_id],
+            |r| r.get(0),
+        )
+        .unwrap()
+}
+
+fn consumer<'a>(status: &'a Value, name: &str) -> &'a Value {
+    status["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer"] == name)
+        .unwrap_or_else(|| panic!("consumer {name} in {status}"))
+}
+
+/// The whitespace-separated cells of the table line starting with `first`.
+fn table_row<'a>(text: &'a str, first: &str) -> Vec<&'a str> {
+    text.lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|cells| cells.first() == Some(&first))
+        .unwrap_or_else(|| panic!("no row {first:?} in:\n{text}"))
+}
+
+#[test]
+fn status_shows_counts_backlog_attempts_outbox_conflicts_and_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+
+    let human = cli_ok(&db, &["status"], 0).stdout;
+    // CONSUMER PENDING PROCESSING COMPLETED FAILED DEAD TOTAL OLDEST EXPIRED ATTEMPTS
+    assert_eq!(
+        table_row(&human, "orders")[..9],
+        ["orders", "0", "0", "3", "0", "0", "3", "-", "0"]
+    );
+    let flaky = table_row(&human, "flaky");
+    assert_eq!(flaky[..7], ["flaky", "0", "0", "0", "1", "0", "1"]);
+    assert_ne!(flaky[7], "-", "flaky has a message waiting: {human}");
+    assert_eq!(flaky[9], "1:1", "attempts histogram: {human}");
+    assert_eq!(
+        table_row(&human, "strict")[..7],
+        ["strict", "0", "0", "0", "0", "1", "1"]
+    );
+    assert!(human.contains("conflicts  1"), "{human}");
+    // OUTBOX row: PENDING SENT DEAD OLDEST
+    let outbox_line = human
+        .lines()
+        .skip_while(|l| !l.starts_with("OUTBOX"))
+        .nth(1)
+        .unwrap();
+    assert_eq!(
+        outbox_line.split_whitespace().collect::<Vec<_>>(),
+        ["0", "2", "1", "-"]
+    );
+
+    let s = cli_ok(&db, &["status", "--json"], 0).json();
+    assert_eq!(s["schema_version"], postroom::SCHEMA_VERSION);
+    assert_eq!(s["conflicts"], 1);
+    assert_eq!(s["outbox"]["sent"], 2);
+    assert_eq!(s["outbox"]["dead"], 1);
+    assert_eq!(s["outbox"]["pending"], 0);
+    assert!(s["outbox"]["oldest_pending_ms"].is_null());
+    assert!(s["db_bytes"].as_u64().unwrap() > 0);
+    assert!(s["wal_bytes"].is_u64());
+    let orders = consumer(&s, "orders");
+    assert_eq!(orders["completed"], 3);
+    assert_eq!(orders["total"], 3);
+    assert!(orders["oldest_pending_age_ms"].is_null());
+    assert_eq!(
+        orders["attempts"],
+        serde_json::json!([{"attempts": 1, "rows": 3}])
+    );
+    let flaky = consumer(&s, "flaky");
+    assert_eq!(flaky["failed"], 1);
+    assert!(flaky["oldest_pending_age_ms"].as_i64().unwrap() >= 0);
+    assert_eq!(consumer(&s, "strict")["dead"], 1);
+}
+
+#[test]
+fn inbox_list_filters_by_consumer_status_source_time_and_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+
+    let all = cli_ok(&db, &["inbox", "list", "--json"], 0).json();
+    assert_eq!(all.as_array().unwrap().len(), 5);
+    let ids = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["message_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(ids(&all), ["o-1", "o-2", "o-3", "f-1", "s-1"]);
+
+    let orders = cli_ok(&db, &["inbox", "list", "--consumer", "orders", "--json"], 0).json();
+    assert_eq!(ids(&orders), ["o-1", "o-2", "o-3"]);
+    let dead = cli_ok(&db, &["inbox", "list", "--status", "dead", "--json"], 0).json();
+    assert_eq!(ids(&dead), ["s-1"]);
+    assert_eq!(dead[0]["status"], "dead");
+    assert_eq!(dead[0]["payload_bytes"], BINARY.len());
+    let feed = cli_ok(&db, &["inbox", "list", "--source", "feed", "--json"], 0).json();
+    assert_eq!(ids(&feed), ["f-1", "s-1"]);
+    let limited = cli_ok(&db, &["inbox", "list", "--limit", "2", "--json"], 0).json();
+    assert_eq!(ids(&limited), ["o-1", "o-2"]);
+
+    // Time range on received_at: [since, until).
+    let f1_received = raw(&db)
+        .query_row(
+            "SELECT received_at FROM postroom_inbox WHERE message_id = 'f-1'",
+            [],
+            |r| r.get::<_, i64>(0),
+        )
+        .unwrap();
+    raw(&db)
+        .execute(
+            "UPDATE postroom_inbox SET received_at = ?1 + 1000 WHERE message_id = 's-1'",
+            [f1_received],
+        )
+        .unwrap();
+    let since = (f1_received + 500).to_string();
+    let late = cli_ok(&db, &["inbox", "list", "--since", &since, "--json"], 0).json();
+    assert_eq!(ids(&late), ["s-1"]);
+    let early = cli_ok(&db, &["inbox", "list", "--until", &since, "--json"], 0).json();
+    assert_eq!(ids(&early), ["o-1", "o-2", "o-3", "f-1"]);
+
+    let human = cli_ok(&db, &["inbox", "list", "--consumer", "flaky"], 0).stdout;
+    let row = table_row(&human, &inbox_id(&db, "flaky", "f-1").to_string());
+    assert_eq!(row[1..6], ["flaky", "feed", "f-1", "failed", "1"]);
+    assert!(human.contains("upstream timeout"), "{human}");
+    assert!(human.contains("1 row(s)"), "{human}");
+}
+
+#[test]
+fn inbox_show_prints_payload_as_json_text_or_hex_with_headers_and_timestamps() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+
+    // A failed row keeps its payload; make o-1's JSON payload kept too.
+    let o1 = inbox_id(&db, "orders", "o-1");
+    raw(&db)
+        .execute(
+            "UPDATE postroom_inbox SET payload = ?1 WHERE id = ?2",
+            params![br#"{"order_id":1,"amount":5}"#.to_vec(), o1],
+        )
+        .unwrap();
+    let human = cli_ok(&db, &["inbox", "show", &o1.to_string()], 0).stdout;
+    assert!(human.contains("payload (25 bytes, JSON):"), "{human}");
+    assert!(human.contains("  \"amount\": 5"), "pretty-printed: {human}");
+    assert!(human.contains("trace: t-1"), "{human}");
+    assert!(human.contains("(matches the payload)"), "{human}");
+    assert!(human.contains("status           completed"), "{human}");
+    let json = cli_ok(&db, &["inbox", "show", &o1.to_string(), "--json"], 0).json();
+    assert_eq!(json["payload"]["encoding"], "json");
+    assert_eq!(json["payload"]["value"]["amount"], 5);
+    assert_eq!(json["headers"]["trace"], "t-1");
+    assert_eq!(json["payload_hash_ok"], true);
+    assert!(json["processed_at"].as_i64().unwrap() >= json["received_at"].as_i64().unwrap());
+    assert_eq!(json["caused_outbox"].as_array().unwrap().len(), 1);
+
+    let s1 = inbox_id(&db, "strict", "s-1").to_string();
+    let human = cli_ok(&db, &["inbox", "show", &s1], 0).stdout;
+    assert!(human.contains("binary, hex dump"), "{human}");
+    assert!(human.contains("00000000  ff 00 10 41 fe"), "{human}");
+    assert!(human.contains("bad order: missing amount"), "{human}");
+    let json = cli_ok(&db, &["inbox", "show", &s1, "--json"], 0).json();
+    assert_eq!(json["payload"]["encoding"], "hex");
+    assert_eq!(json["payload"]["value"], "ff001041fe");
+    assert_eq!(json["status"], "dead");
+    assert_eq!(json["attempts"], 1);
+
+    // o-2's payload was not kept (completed, keep_payloads off).
+    let o2 = inbox_id(&db, "orders", "o-2").to_string();
+    let human = cli_ok(&db, &["inbox", "show", &o2], 0).stdout;
+    assert!(human.contains("payload: not kept"), "{human}");
+
+    let missing = cli_ok(&db, &["inbox", "show", "999999"], 5);
+    assert!(
+        missing.stderr.contains("no inbox row with id 999999"),
+        "{}",
+        missing.stderr
+    );
+}
+
+#[test]
+fn dead_list_shows_inbox_and_outbox_dead_letters() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+
+    let inbox = cli_ok(&db, &["dead", "list", "--json"], 0).json();
+    let inbox = inbox.as_array().unwrap();
+    assert_eq!(inbox.len(), 1);
+    assert_eq!(inbox[0]["consumer"], "strict");
+    assert_eq!(inbox[0]["message_id"], "s-1");
+    assert_eq!(inbox[0]["last_error"], "bad order: missing amount");
+    assert_eq!(inbox[0]["payload"]["value"], "ff001041fe");
+    let none = cli_ok(&db, &["dead", "list", "--consumer", "orders", "--json"], 0).json();
+    assert_eq!(none, serde_json::json!([]));
+
+    let outbox = cli_ok(&db, &["dead", "list", "--outbox", "--json"], 0).json();
+    let outbox = outbox.as_array().unwrap();
+    assert_eq!(outbox.len(), 1);
+    assert_eq!(outbox[0]["topic"], "refused");
+    assert_eq!(outbox[0]["key"], "o-3");
+    assert_eq!(outbox[0]["last_error"], "sink refused the topic");
+    assert_eq!(outbox[0]["payload"]["value"]["order_id"], 3);
+
+    let human = cli_ok(&db, &["dead", "list", "--outbox"], 0).stdout;
+    assert!(human.contains("refused"), "{human}");
+    assert!(human.contains("1 dead outbox row(s)"), "{human}");
+    let human = cli_ok(&db, &["dead", "list"], 0).stdout;
+    let row = table_row(&human, &inbox[0]["id"].to_string());
+    assert_eq!(row[1..5], ["strict", "feed", "s-1", "1"]);
+}
+
+/// The CLI beside a running engine: reads work, a redrive goes through the
+/// engine's write lock by waiting, and the engine's workers then process the
+/// redriven message exactly once; the engine keeps its lock throughout.
+#[test]
+fn redrive_while_the_engine_runs_is_processed_by_its_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("live.db");
+    let fixed = Arc::new(AtomicBool::new(false));
+    let f = Arc::clone(&fixed);
+    let room = Postroom::builder()
+        .workers(1)
+        .poll_interval(Duration::from_millis(20))
+        .consumer(
+            "orders",
+            handler_fn(move |tx, msg| {
+                if !f.load(Ordering::SeqCst) {
+                    return Err(Failure::reject("price service down"));
+                }
+                apply(tx, msg)
+            }),
+        )
+        .open(&path)
+        .unwrap();
+    create_domain(&room);
+    let msg = Message::new("shop", "o-9", r#"{"order_id":9}"#);
+    assert!(matches!(
+        room.deliver("orders", msg.clone()).unwrap(),
+        Outcome::Dead { .. }
+    ));
+    let id = room.dead_letters(None, 10).unwrap()[0].id;
+
+    let s = cli_ok(&path, &["status", "--json"], 0).json();
+    assert_eq!(consumer(&s, "orders")["dead"], 1);
+    // Not a dead letter: nothing to redrive.
+    fixed.store(true, Ordering::SeqCst);
+    room.deliver("orders", Message::new("shop", "other2", "x"))
+        .unwrap();
+    let done_id = inbox_id(&path, "orders", "other2").to_string();
+    let not_dead = cli_ok(&path, &["dead", "redrive", &done_id], 5);
+    assert!(
+        not_dead
+            .stderr
+            .contains("is not a dead letter (it is completed)"),
+        "{}",
+        not_dead.stderr
+    );
+
+    // The application keeps delivering while the CLI writes: both go
+    // through, one writer at a time.
+    let stop = AtomicBool::new(false);
+    let (run, delivered) = std::thread::scope(|s| {
+        let load = s.spawn(|| {
+            let mut n = 0u64;
+            while !stop.load(Ordering::SeqCst) || n == 0 {
+                let msg = Message::new("load", format!("l-{n}"), "x");
+                let outcome = room.deliver("orders", msg).unwrap();
+                assert!(matches!(outcome, Outcome::Processed { .. }), "{outcome:?}");
+                n += 1;
+            }
+            n
+        });
+        let run = cli_ok(&path, &["dead", "redrive", &id.to_string(), "--json"], 0).json();
+        let cleanup = cli_ok(&path, &["cleanup", "--retention-secs", "3600", "--json"], 0).json();
+        assert_eq!(cleanup["inbox_deleted"], 0);
+        stop.store(true, Ordering::SeqCst);
+        (run, load.join().unwrap())
+    });
+    assert_eq!(run["done"], true);
+    assert_eq!(run["table"], "inbox");
+    eventually("the engine's workers to process the redriven row", || {
+        room.stats().unwrap().inbox["orders"].completed == 2 + delivered
+    });
+    let conn = raw(&path);
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM applied WHERE message_id = 'o-9'"
+        ),
+        1
+    );
+    let (status, attempts): (String, i64) = conn
+        .query_row(
+            "SELECT status, attempts FROM postroom_inbox WHERE id = ?1",
+            [id],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!((status.as_str(), attempts), ("completed", 1));
+    // Redelivered now: a duplicate, applied once.
+    assert_eq!(room.deliver("orders", msg).unwrap(), Outcome::Duplicate);
+    // The engine's lock is still its own: a second engine is refused.
+    assert!(matches!(
+        Postroom::builder().open(&path),
+        Err(postroom::Error::AlreadyOpen { .. })
+    ));
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}
+
+#[test]
+fn discard_completes_a_dead_letter_without_effects_and_deletes_a_dead_outbox_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let s1 = inbox_id(&db, "strict", "s-1").to_string();
+
+    let human = cli_ok(&db, &["dead", "discard", &s1], 0).stdout;
+    assert!(human.contains("discarded"), "{human}");
+    let again = cli_ok(&db, &["dead", "discard", &s1], 5);
+    assert!(again.stderr.contains("it is completed"), "{}", again.stderr);
+    let missing = cli_ok(&db, &["dead", "redrive", "424242"], 5);
+    assert!(
+        missing.stderr.contains("no inbox row with id 424242"),
+        "{}",
+        missing.stderr
+    );
+    let row = cli_ok(&db, &["inbox", "show", &s1, "--json"], 0).json();
+    assert_eq!(row["status"], "completed");
+    assert!(row["payload"].is_null());
+    assert!(row["last_error"]
+        .as_str()
+        .unwrap()
+        .starts_with("discarded by operator"));
+
+    let seq = cli_ok(&db, &["dead", "list", "--outbox", "--json"], 0).json()[0]["seq"].to_string();
+    cli_ok(&db, &["dead", "discard", "--outbox", &seq, "--json"], 0);
+    assert_eq!(
+        count(
+            &raw(&db),
+            "SELECT count(*) FROM postroom_outbox WHERE status = 'dead'"
+        ),
+        0
+    );
+    cli_ok(&db, &["dead", "discard", "--outbox", &seq], 5);
+
+    // The engine now answers a redelivery of the discarded message as a
+    // duplicate: the rejecting handler does not run again.
+    let room = Postroom::builder()
+        .workers(0)
+        .consumer(
+            "strict",
+            handler_fn(|_, _| Err(Failure::reject("must not run"))),
+        )
+        .open(&db)
+        .unwrap();
+    assert_eq!(
+        room.deliver("strict", Message::new("feed", "s-1", BINARY.to_vec()))
+            .unwrap(),
+        Outcome::Duplicate
+    );
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}
+
+#[test]
+fn an_outbox_redrive_is_sent_by_the_engines_relay() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let seq = cli_ok(&db, &["dead", "list", "--outbox", "--json"], 0).json()[0]["seq"]
+        .as_i64()
+        .unwrap();
+    let human = cli_ok(&db, &["dead", "redrive", "--outbox", &seq.to_string()], 0).stdout;
+    assert!(
+        human.contains(&format!("outbox row {seq} redriven")),
+        "{human}"
+    );
+    let (status, attempts): (String, i64) = raw(&db)
+        .query_row(
+            "SELECT status, attempts FROM postroom_outbox WHERE seq = ?1",
+            [seq],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!((status.as_str(), attempts), ("pending", 0));
+
+    let (tx, rx) = crossbeam_channel::unbounded::<String>();
+    let room = Postroom::builder()
+        .workers(0)
+        .sink(sink_fn(move |m: &OutboxMessage| {
+            let _ = tx.send(m.topic.clone());
+            SendResult::Sent
+        }))
+        .open(&db)
+        .unwrap();
+    assert_eq!(rx.recv_timeout(Duration::from_secs(20)).unwrap(), "refused");
+    eventually("the redriven row to be marked sent", || {
+        room.stats().unwrap().outbox.sent == 3
+    });
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}
+
+#[test]
+fn conflicts_list_and_show_put_the_quarantined_payload_beside_the_stored_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+
+    let list = cli_ok(&db, &["conflicts", "list", "--json"], 0).json();
+    let list = list.as_array().unwrap();
+    assert_eq!(list.len(), 1);
+    assert_eq!(list[0]["message_id"], "o-1");
+    assert_eq!(list[0]["deliveries"], 1);
+    assert_ne!(list[0]["stored_hash"], list[0]["payload_hash"]);
+    let id = list[0]["id"].to_string();
+
+    let human = cli_ok(&db, &["conflicts", "list"], 0).stdout;
+    assert_eq!(table_row(&human, &id)[1..5], ["orders", "shop", "o-1", "1"]);
+
+    let show = cli_ok(&db, &["conflicts", "show", &id, "--json"], 0).json();
+    assert_eq!(show["payload"]["value"]["amount"], 999);
+    assert_eq!(show["stored"]["status"], "completed");
+    assert_eq!(
+        show["payload_hash"].as_str().unwrap(),
+        blake3::hash(br#"{"order_id":1,"amount":999}"#)
+            .to_hex()
+            .as_str()
+    );
+    let human = cli_ok(&db, &["conflicts", "show", &id], 0).stdout;
+    assert!(
+        human.contains("quarantined payload (27 bytes, JSON):"),
+        "{human}"
+    );
+    assert!(human.contains("\"amount\": 999"), "{human}");
+    assert!(human.contains("stored row"), "{human}");
+    cli_ok(&db, &["conflicts", "show", "777"], 5);
+}
+
+#[test]
+fn cleanup_dry_run_counts_and_the_real_run_deletes_only_expired_rows_in_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("old.db");
+    let now = postroom::admin::now_ms();
+    let clock = ManualClock::new(now - 10 * 24 * 3600 * 1000);
+    let room = Postroom::builder()
+        .workers(0)
+        .durability(Durability::Normal)
+        .clock(clock.clone())
+        .retention(Duration::from_secs(365 * 24 * 3600))
+        .reaper_interval(Duration::from_secs(3600))
+        .consumer("orders", handler_fn(apply))
+        .consumer("strict", handler_fn(|_, _| Err(Failure::reject("no"))))
+        .sink(refusing_sink())
+        .open(&db)
+        .unwrap();
+    create_domain(&room);
+    let old: Vec<Message> = (0..300)
+        .map(|i| Message::new("shop", format!("old-{i}"), "x"))
+        .collect();
+    for msg in old {
+        room.deliver("orders", msg).unwrap();
+    }
+    room.deliver("strict", Message::new("shop", "old-dead", "x"))
+        .unwrap();
+    eventually("old outbox rows sent", || {
+        room.stats().unwrap().outbox.sent == 300
+    });
+    clock.set(now);
+    for i in 0..2 {
+        room.deliver("orders", Message::new("shop", format!("new-{i}"), "x"))
+            .unwrap();
+    }
+    eventually("new outbox rows sent", || {
+        room.stats().unwrap().outbox.sent == 302
+    });
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    let conn = raw(&db);
+    let snapshot = |conn: &Connection| {
+        (
+            count(conn, "SELECT count(*) FROM postroom_inbox"),
+            count(conn, "SELECT count(*) FROM postroom_outbox"),
+        )
+    };
+    assert_eq!(snapshot(&conn), (303, 302));
+
+    let dry = cli_ok(&db, &["cleanup", "--dry-run"], 0).stdout;
+    assert!(
+        dry.contains("dry run: would delete 300 completed inbox row(s) and 300 sent outbox row(s)"),
+        "{dry}"
+    );
+    let dry = cli_ok(&db, &["cleanup", "--dry-run", "--json"], 0).json();
+    assert_eq!(dry["dry_run"], true);
+    assert_eq!(dry["inbox_deleted"], 300);
+    assert_eq!(dry["transactions"], 0);
+    assert_eq!(snapshot(&conn), (303, 302), "a dry run deletes nothing");
+    // A shorter retention reaches the new rows too (counted only).
+    let all = cli_ok(
+        &db,
+        &["cleanup", "--dry-run", "--retention-secs", "0", "--json"],
+        0,
+    )
+    .json();
+    assert!(all["inbox_deleted"].as_u64().unwrap() >= 300);
+
+    let real = cli_ok(&db, &["cleanup", "--json"], 0).json();
+    assert_eq!(real["dry_run"], false);
+    assert_eq!(real["inbox_deleted"], 300);
+    assert_eq!(real["outbox_deleted"], 300);
+    // 256 + 44 rows per table, each batch its own transaction.
+    assert_eq!(real["transactions"], 4);
+    assert_eq!(snapshot(&conn), (3, 2));
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM postroom_inbox WHERE status = 'dead'"
+        ),
+        1,
+        "dead letters are kept"
+    );
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM postroom_inbox WHERE message_id LIKE 'new-%'"
+        ),
+        2
+    );
+    let human = cli_ok(&db, &["cleanup"], 0).stdout;
+    assert!(
+        human.starts_with("deleted 0 completed inbox row(s) and 0 sent outbox row(s)"),
+        "{human}"
+    );
+}
+
+#[test]
+fn check_passes_a_healthy_database_and_finds_a_payload_changed_behind_the_engines_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+
+    let ok = cli_ok(&db, &["check"], 0).stdout;
+    assert!(ok.contains("quick_check: ok"), "{ok}");
+    assert!(ok.contains("check: OK"), "{ok}");
+    let ok = cli_ok(&db, &["check", "--full", "--json"], 0).json();
+    assert_eq!(ok["integrity_check"], "integrity_check");
+    assert_eq!(ok["violations_total"], 0);
+    assert_eq!(ok["inbox_rows"], 5);
+    assert_eq!(ok["outbox_rows"], 3);
+    // f-1 and s-1 keep payloads, plus the conflict's.
+    assert_eq!(ok["payloads_hashed"], 3);
+
+    let s1 = inbox_id(&db, "strict", "s-1");
+    raw(&db)
+        .execute(
+            "UPDATE postroom_inbox SET payload = x'00' WHERE id = ?1",
+            [s1],
+        )
+        .unwrap();
+    let bad = cli_ok(&db, &["check"], 4);
+    let row = table_row(&bad.stdout, "payload_digest");
+    assert_eq!(row[1..3], ["postroom_inbox", &s1.to_string()]);
+    assert!(
+        bad.stdout.contains("check: 1 VIOLATION(S)"),
+        "{}",
+        bad.stdout
+    );
+    let bad = cli_ok(&db, &["check", "--json"], 4).json();
+    assert_eq!(bad["violations_total"], 1);
+    assert_eq!(bad["violations"][0]["kind"], "payload_digest");
+    assert_eq!(bad["violations"][0]["id"], s1);
+    cli_ok(&db, &["check", "--full"], 4);
+    let show = cli_ok(&db, &["inbox", "show", &s1.to_string()], 0).stdout;
+    assert!(show.contains("DOES NOT MATCH"), "{show}");
+}
+
+#[test]
+fn check_reports_expired_leases_as_warnings_and_a_cause_that_is_not_completed() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let conn = raw(&db);
+    let f1 = inbox_id(&db, "flaky", "f-1");
+    conn.execute(
+        "UPDATE postroom_inbox SET status = 'processing', lease_until = 1000, lease_token = 7
+         WHERE id = ?1",
+        [f1],
+    )
+    .unwrap();
+    let warned = cli_ok(&db, &["check", "--json"], 0).json();
+    assert_eq!(warned["violations_total"], 0);
+    assert_eq!(warned["warnings_total"], 1);
+    assert_eq!(warned["warnings"][0]["kind"], "expired_lease");
+    assert_eq!(warned["warnings"][0]["id"], f1);
+    let s = cli_ok(&db, &["status", "--json"], 0).json();
+    assert_eq!(consumer(&s, "flaky")["expired_leases"], 1);
+
+    // o-2 published an outbox row; pretend its inbox row never completed.
+    let o2 = inbox_id(&db, "orders", "o-2");
+    conn.execute(
+        "UPDATE postroom_inbox SET status = 'failed', payload = x'01', last_error = 'x',
+             payload_hash = ?2
+         WHERE id = ?1",
+        params![o2, blake3::hash(&[1]).as_bytes().to_vec()],
+    )
+    .unwrap();
+    let bad = cli_ok(&db, &["check", "--json"], 4).json();
+    assert_eq!(bad["violations_total"], 1, "{bad}");
+    assert_eq!(bad["violations"][0]["kind"], "cause_not_completed");
+    assert_eq!(bad["violations"][0]["table"], "postroom_outbox");
+    assert!(bad["violations"][0]["detail"]
+        .as_str()
+        .unwrap()
+        .contains(&format!("inbox row {o2}")));
+}
+
+#[test]
+fn metrics_prints_prometheus_text_with_help_and_type_for_every_family() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let text = cli_ok(&db, &["metrics"], 0).stdout;
+    for line in [
+        "# TYPE postroom_inbox_messages gauge",
+        "postroom_inbox_messages{consumer=\"orders\",status=\"completed\"} 3",
+        "postroom_inbox_messages{consumer=\"flaky\",status=\"failed\"} 1",
+        "postroom_inbox_messages{consumer=\"strict\",status=\"dead\"} 1",
+        "postroom_inbox_messages{consumer=\"strict\",status=\"pending\"} 0",
+        "postroom_outbox_messages{status=\"sent\"} 2",
+        "postroom_outbox_messages{status=\"dead\"} 1",
+        "postroom_conflicts_total 1",
+        "# TYPE postroom_conflicts_total counter",
+        "postroom_oldest_pending_seconds{consumer=\"orders\"} 0.000",
+        "postroom_inbox_attempts{consumer=\"orders\",attempts=\"1\"} 3",
+        "postroom_outbox_oldest_pending_seconds 0.000",
+        "postroom_schema_version 1",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in:\n{text}"
+        );
+    }
+    // Every sample belongs to a family announced with HELP and TYPE, and
+    // its value is a number.
+    let mut typed = std::collections::HashSet::new();
+    let mut helped = std::collections::HashSet::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            helped.insert(rest.split(' ').next().unwrap().to_owned());
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            typed.insert(rest.split(' ').next().unwrap().to_owned());
+        } else {
+            let (series, value) = line.rsplit_once(' ').unwrap();
+            let name = series.split('{').next().unwrap();
+            assert!(typed.contains(name) && helped.contains(name), "{line}");
+            value.parse::<f64>().unwrap_or_else(|_| panic!("{line}"));
+        }
+    }
+    assert!(text.contains("postroom_wal_bytes "));
+    let flaky_age: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("postroom_oldest_pending_seconds{consumer=\"flaky\"} "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(flaky_age >= 0.0);
+}
+
+/// Every bad file: exit code 3, a clear message, and the file untouched
+/// (a missing one not created) — for read and write commands alike.
+#[test]
+fn bad_files_are_refused_with_exit_code_3_and_left_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let commands: [&[&str]; 5] = [
+        &["status"],
+        &["check"],
+        &["metrics"],
+        &["dead", "redrive", "1"],
+        &["cleanup"],
+    ];
+
+    let missing = dir.path().join("missing.db");
+    for args in commands {
+        let run = cli_ok(&missing, args, 3);
+        assert!(run.stderr.contains("does not exist"), "{}", run.stderr);
+        assert!(!missing.exists(), "{args:?} created the file");
+    }
+    let run = cli_ok(&missing, &["status", "--json"], 3);
+    let err: Value = serde_json::from_str(&run.stderr).unwrap();
+    assert_eq!(err["exit_code"], 3);
+    assert!(err["error"].as_str().unwrap().contains("does not exist"));
+
+    let text = dir.path().join("notes.txt");
+    let content = "these are my notes, not a database\n".repeat(100);
+    std::fs::write(&text, &content).unwrap();
+    for args in commands {
+        let run = cli_ok(&text, args, 3);
+        assert!(
+            run.stderr.contains("is not a SQLite database"),
+            "{}",
+            run.stderr
+        );
+    }
+    assert_eq!(std::fs::read_to_string(&text).unwrap(), content);
+
+    let plain = dir.path().join("plain.db");
+    Connection::open(&plain)
+        .unwrap()
+        .execute_batch("CREATE TABLE mine (x); INSERT INTO mine VALUES (1);")
+        .unwrap();
+    for args in commands {
+        let run = cli_ok(&plain, args, 3);
+        assert!(
+            run.stderr.contains("is not a postroom database"),
+            "{}",
+            run.stderr
+        );
+    }
+    let conn = Connection::open(&plain).unwrap();
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM sqlite_master WHERE name LIKE 'postroom%'"
+        ),
+        0
+    );
+
+    let newer = populated(&dir.path().join("newer").tap_mkdir());
+    raw(&newer)
+        .execute(
+            "UPDATE postroom_meta SET value = '99' WHERE key = 'schema_version'",
+            [],
+        )
+        .unwrap();
+    for args in commands {
+        let run = cli_ok(&newer, args, 3);
+        assert!(
+            run.stderr.contains("schema version 99 is newer"),
+            "{}",
+            run.stderr
+        );
+    }
+    assert_eq!(
+        count(&raw(&newer), "SELECT count(*) FROM postroom_inbox"),
+        5,
+        "nothing changed"
+    );
+
+    let a_dir = dir.path().join("a-directory");
+    std::fs::create_dir(&a_dir).unwrap();
+    cli_ok(&a_dir, &["status"], 3);
+}
+
+/// A file whose b-tree pages were overwritten: `check` reports SQLite's
+/// findings and exits 3 (a damaged file, not a postroom invariant), and
+/// other commands refuse it with 3 too.
+#[test]
+fn a_damaged_file_is_exit_code_3() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    raw(&db)
+        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+        .unwrap();
+    let page_size = 4096u64;
+    let pages = std::fs::metadata(&db).unwrap().len() / page_size;
+    assert!(pages > 4, "{pages} pages");
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new().write(true).open(&db).unwrap();
+        // From page 3 on: a leaf-table page header claiming 5 cells, whose
+        // cell pointers and contents are garbage.
+        for page in 2..pages {
+            f.seek(SeekFrom::Start(page * page_size)).unwrap();
+            let mut junk = vec![0x0d, 0, 0, 0, 5, 0x0f, 0];
+            junk.resize(4000, 0xaa);
+            f.write_all(&junk).unwrap();
+        }
+    }
+    let check = cli_ok(&db, &["check"], 3);
+    assert!(
+        check.stdout.contains("quick_check: FAILED"),
+        "{}",
+        check.stdout
+    );
+    assert!(
+        check.stdout.contains("postroom invariants not checked"),
+        "{}",
+        check.stdout
+    );
+    let json = cli_ok(&db, &["check", "--json"], 3).json();
+    assert_eq!(json["integrity_ok"], false);
+    assert!(!json["integrity_errors"].as_array().unwrap().is_empty());
+    let status = cli_ok(&db, &["status"], 3);
+    assert!(status.stderr.contains("corrupt"), "{}", status.stderr);
+}
+
+trait TapMkdir {
+    fn tap_mkdir(self) -> Self;
+}
+
+impl TapMkdir for PathBuf {
+    fn tap_mkdir(self) -> Self {
+        std::fs::create_dir_all(&self).unwrap();
+        self
+    }
+}
+
+#[test]
+fn usage_errors_exit_with_code_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let bad_status = cli_ok(&db, &["inbox", "list", "--status", "sleeping"], 2);
+    assert!(
+        bad_status.stderr.contains("unknown inbox status"),
+        "{}",
+        bad_status.stderr
+    );
+    cli_ok(
+        &db,
+        &["dead", "list", "--outbox", "--consumer", "orders"],
+        2,
+    );
+    cli_ok(&db, &["dead", "redrive"], 2);
+    cli_ok(&db, &["inbox", "show", "not-a-number"], 2);
+    cli_ok(&db, &[], 2);
+    let help = cli_ok(&db, &["--help"], 0).stdout;
+    assert!(help.contains("Exit codes:"), "{help}");
+    assert!(
+        help.contains("4  check found broken postroom invariants"),
+        "{help}"
+    );
+}
+
+/// A write lock held past the busy timeout is an operational error (1),
+/// and changes nothing.
+#[test]
+fn a_busy_database_is_exit_code_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let s1 = inbox_id(&db, "strict", "s-1").to_string();
+    let holder = raw(&db);
+    holder.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let run = cli_ok(
+        &db,
+        &["dead", "redrive", &s1, "--busy-timeout-ms", "200"],
+        1,
+    );
+    assert!(run.stderr.contains("busy timeout"), "{}", run.stderr);
+    // Reads do not wait for the writer (WAL).
+    cli_ok(&db, &["status"], 0);
+    holder.execute_batch("ROLLBACK").unwrap();
+    assert_eq!(
+        count(
+            &holder,
+            "SELECT count(*) FROM postroom_inbox WHERE status = 'dead'"
+        ),
+        1
+    );
+    cli_ok(&db, &["dead", "redrive", &s1], 0);
+}
+
+/// The CLI never creates the engine's lock file, and the library side of
+/// it opens read connections that refuse writes.
+#[test]
+fn the_cli_leaves_the_engine_lock_alone_and_read_connections_cannot_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let lock = dir.path().join("app.db-postroom");
+    std::fs::remove_file(&lock).unwrap();
+    for args in [
+        &["status"][..],
+        &["check", "--full"],
+        &["inbox", "list"],
+        &["cleanup"],
+        &[
+            "dead",
+            "discard",
+            &inbox_id(&db, "strict", "s-1").to_string(),
+        ],
+    ] {
+        cli_ok(&db, args, 0);
+        assert!(!lock.exists(), "{args:?} created {}", lock.display());
+    }
+
+    let conn = postroom::admin::open(&db, false).unwrap();
+    let err = conn.execute("DELETE FROM postroom_inbox", []).unwrap_err();
+    assert!(err.to_string().contains("readonly"), "{err}");
+    assert!(matches!(
+        postroom::admin::redrive(&conn, 1, 0),
+        Err(postroom::Error::Sqlite { .. })
+    ));
+    assert!(matches!(
+        postroom::admin::open(dir.path().join("nope.db"), false),
+        Err(postroom::Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound
+    ));
+}
