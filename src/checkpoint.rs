@@ -83,6 +83,20 @@ fn checkpoint(conn: &Connection, mode: &str) -> Option<(i64, i64)> {
     }
 }
 
+/// At open, before any thread runs: copy back and truncate a WAL that a
+/// previous process left large (a process killed young never reaches its
+/// checkpointer's first tick, so crash loops would otherwise grow it). Waits
+/// at most briefly for readers of other processes; best effort.
+pub(crate) fn at_open(conn: &Connection, db: &Path, threshold: u64, busy_timeout: Duration) {
+    let size = std::fs::metadata(wal_path(db)).map(|m| m.len()).unwrap_or(0);
+    if size <= threshold {
+        return;
+    }
+    let _ = conn.busy_timeout(Duration::from_millis(100));
+    checkpoint(conn, "TRUNCATE");
+    let _ = conn.busy_timeout(busy_timeout);
+}
+
 fn open(db: &Path) -> rusqlite::Result<Connection> {
     let conn = Connection::open_with_flags(
         db,
