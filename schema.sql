@@ -41,15 +41,19 @@ CREATE TABLE postroom_inbox (
     lease_until     INTEGER,
     lease_token     INTEGER,
     processed_at    INTEGER,
+    -- 1 when the engine's workers own this message's retries: it was
+    -- received (queued) or redriven. 0 when it was delivered inline: the
+    -- broker redelivers it, and workers leave it alone.
+    queued          INTEGER NOT NULL DEFAULT 0 CHECK (queued IN (0, 1)),
     UNIQUE (consumer, source, message_id)
 );
 
--- What may be claimed, in receive order: pending rows, and failed rows
--- (whose next_attempt_at is checked while scanning; rows waiting out a
--- backoff are few compared with the backlog).
+-- What workers may claim, in receive order: queued rows pending, or failed
+-- (next_attempt_at is checked while scanning; rows waiting out a backoff are
+-- few compared with the backlog).
 CREATE INDEX postroom_inbox_due
     ON postroom_inbox (consumer, id)
-    WHERE status IN ('pending', 'failed');
+    WHERE queued = 1 AND status IN ('pending', 'failed');
 
 -- Unfinished rows per ordering key: a row may be claimed only when no
 -- earlier row of its key is still pending, processing or failed.

@@ -88,7 +88,9 @@ fn checkpoint(conn: &Connection, mode: &str) -> Option<(i64, i64)> {
 /// checkpointer's first tick, so crash loops would otherwise grow it). Waits
 /// at most briefly for readers of other processes; best effort.
 pub(crate) fn at_open(conn: &Connection, db: &Path, threshold: u64, busy_timeout: Duration) {
-    let size = std::fs::metadata(wal_path(db)).map(|m| m.len()).unwrap_or(0);
+    let size = std::fs::metadata(wal_path(db))
+        .map(|m| m.len())
+        .unwrap_or(0);
     if size <= threshold {
         return;
     }

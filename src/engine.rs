@@ -173,7 +173,12 @@ impl Postroom {
         }
         schema::migrate(&mut conn)?;
         recover(&conn, &config, &*clock, &mut engine_file)?;
-        checkpoint::at_open(&conn, path, config.checkpoint_wal_bytes, config.busy_timeout);
+        checkpoint::at_open(
+            &conn,
+            path,
+            config.checkpoint_wal_bytes,
+            config.busy_timeout,
+        );
         let guard =
             UserCodeGuard::install(&conn).map_err(|e| Error::sqlite("install authorizer", e))?;
 

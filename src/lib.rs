@@ -107,6 +107,11 @@ mod stats;
 mod workers;
 mod writer;
 
+/// The rusqlite this crate is built on: [`Tx`] derefs to its `Connection`,
+/// so handlers can use its traits (`OptionalExtension`, …) without pinning
+/// the version themselves.
+pub use rusqlite;
+
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{
     Builder, Durability, MAX_HEADERS, MAX_HEADERS_BYTES, MAX_HEADER_NAME_BYTES, MAX_ID_BYTES,

@@ -28,8 +28,8 @@ pub(crate) fn receive(
         .prepare_cached(
             "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
                  payload_hash, headers, ordering_key, attempts, received_at, updated_at,
-                 next_attempt_at)
-             VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6, ?7, 0, ?8, ?8, ?8)
+                 next_attempt_at, queued)
+             VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6, ?7, 0, ?8, ?8, ?8, 1)
              ON CONFLICT (consumer, source, message_id) DO NOTHING",
         )?
         .execute(params![
@@ -90,7 +90,7 @@ pub(crate) fn claim(
              lease_token = ?5, updated_at = ?3
          WHERE id IN (
              SELECT i.id FROM postroom_inbox i
-             WHERE i.consumer = ?1 AND i.status IN ('pending', 'failed')
+             WHERE i.consumer = ?1 AND i.queued = 1 AND i.status IN ('pending', 'failed')
                AND coalesce(i.next_attempt_at, 0) <= ?3
                AND (i.ordering_key IS NULL OR NOT EXISTS (
                    SELECT 1 FROM postroom_inbox o
@@ -304,13 +304,15 @@ pub(crate) fn dead_letters(
     rows.collect()
 }
 
-/// Sends a dead letter back to `pending` with its attempts reset. Returns
-/// false when `row_id` is not a dead letter.
+/// Sends a dead letter back to `pending` with its attempts reset, for the
+/// workers to process (even one first delivered inline: its broker has
+/// been told to ack it). Returns false when `row_id` is not a dead letter.
 pub(crate) fn redrive(conn: &Connection, row_id: i64, now_ms: i64) -> rusqlite::Result<bool> {
     let n = conn
         .prepare_cached(
             "UPDATE postroom_inbox
-             SET status = 'pending', attempts = 0, next_attempt_at = ?2, updated_at = ?2
+             SET status = 'pending', attempts = 0, next_attempt_at = ?2, updated_at = ?2,
+                 queued = 1
              WHERE id = ?1 AND status = 'dead'",
         )?
         .execute(params![row_id, now_ms])?;

@@ -490,6 +490,8 @@ struct Entry {
     processed_at: Option<i64>,
     /// Receive order (the row id's order).
     order: u64,
+    /// Received (workers retry it) rather than delivered inline.
+    queued: bool,
 }
 
 #[derive(Debug, Default)]
@@ -520,7 +522,13 @@ impl Model {
         (consumer.to_owned(), id.to_string())
     }
 
-    fn create(&mut self, key: &(String, String), variant: u8, now: i64) -> &mut Entry {
+    fn create(
+        &mut self,
+        key: &(String, String),
+        variant: u8,
+        now: i64,
+        queued: bool,
+    ) -> &mut Entry {
         self.created += 1;
         let order = self.created;
         self.entries.insert(
@@ -532,6 +540,7 @@ impl Model {
                 next_at: Some(now),
                 processed_at: None,
                 order,
+                queued,
             },
         );
         self.entries.get_mut(key).expect("just inserted")
@@ -705,7 +714,7 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                     }
                 },
                 None => {
-                    model.create(&key, *variant, now).attempts = 1;
+                    model.create(&key, *variant, now, false).attempts = 1;
                     model.attempt(&key, *plan, now)
                 }
             };
@@ -762,7 +771,7 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                 let key = Model::key(consumer, id);
                 expected.push(match model.entries.get(&key) {
                     None => {
-                        model.create(&key, variant, now);
+                        model.create(&key, variant, now, true);
                         Receipt::Accepted
                     }
                     Some(e) if e.variant == variant => Receipt::Duplicate,
@@ -789,7 +798,8 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                 .entries
                 .iter()
                 .filter(|(_, e)| {
-                    matches!(e.status, Status::Pending | Status::Failed)
+                    e.queued
+                        && matches!(e.status, Status::Pending | Status::Failed)
                         && e.next_at.is_none_or(|at| at <= now)
                 })
                 .map(|(k, e)| (k.0.clone(), k.clone(), e.order))

@@ -147,8 +147,8 @@ fn a_stuck_processing_row_is_reaped_then_retried_and_completed_once() {
     let long_ago = 1_000_000i64; // unix ms: a lease that expired long ago
     conn.execute(
         "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload, payload_hash,
-             attempts, received_at, updated_at, lease_until, lease_token)
-         VALUES ('c', 's', 'stuck', 'processing', x'70', ?1, 1, ?2, ?2, ?2, 424242)",
+             attempts, received_at, updated_at, lease_until, lease_token, queued)
+         VALUES ('c', 's', 'stuck', 'processing', x'70', ?1, 1, ?2, ?2, ?2, 424242, 1)",
         rusqlite::params![blake3::hash(b"p").as_bytes().to_vec(), long_ago],
     )
     .unwrap();
