@@ -22,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
 use crate::handler::Tx;
+use crate::inbox::{self, Status};
 use crate::inflight::{EngineFile, Inflight};
 use crate::message::{Failure, Message, Outcome, Receipt};
 use crate::outbox::{self, OutboxMessage};
@@ -375,6 +376,9 @@ impl Postroom {
         };
         self.shared.config.check_message(&msg)?;
         let hash = *blake3::hash(&msg.payload).as_bytes();
+        if let Some(outcome) = self.settled(&consumer.name, &msg, &hash) {
+            return Ok(outcome);
+        }
         self.submit(move |w| {
             let mut env = Env {
                 conn: w.conn,
@@ -385,6 +389,33 @@ impl Postroom {
             };
             delivery::deliver(&mut env, &consumer.name, &*handler, &msg, &hash)
         })
+    }
+
+    /// The answer for a message whose fate is already committed — completed,
+    /// or dead, with the same payload digest — read on the caller's thread
+    /// without queueing behind the writer. Those states are final (only an
+    /// operator's redrive leaves `dead`, and a redelivery racing a redrive
+    /// may be told either), so a duplicate storm costs one indexed read per
+    /// message. Anything else, or any error, goes the writer's way.
+    fn settled(&self, consumer: &str, msg: &Message, hash: &[u8; 32]) -> Option<Outcome> {
+        let conn = self.reader().ok()?;
+        let key = inbox::Key {
+            consumer,
+            source: &msg.source,
+            message_id: &msg.id,
+        };
+        let row = inbox::lookup(&conn, key).ok()??;
+        if row.payload_hash != *hash {
+            return None;
+        }
+        match row.status {
+            Status::Completed => Some(Outcome::Duplicate),
+            Status::Dead => Some(Outcome::Dead {
+                attempts: row.attempts,
+                error: row.last_error.unwrap_or_default(),
+            }),
+            _ => None,
+        }
     }
 
     /// Stores `msg` for `consumer`'s workers to process later (queued
