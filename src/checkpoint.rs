@@ -1,17 +1,18 @@
-//! The checkpointer thread: keeps the `-wal` file small without making
-//! the writer pay for it.
+//! The checkpointer thread: gives the `-wal` file's disk space back.
 //!
-//! SQLite's automatic checkpoint runs inside the COMMIT that crosses the
-//! threshold, so the delivery that happens to commit then waits for pages to
-//! be copied and the database file fsynced (tens of milliseconds). The
-//! writer connection therefore runs with `wal_autocheckpoint=0`, and this
-//! thread checkpoints from a connection of its own: `PASSIVE` while writes
-//! go on (it never blocks the writer), and `TRUNCATE` (which does block new
-//! writers while it waits) only once the engine has been idle for a tick.
+//! Copying the WAL into the database stays with SQLite's automatic
+//! checkpoint on the writer connection (every 1000 pages, right after a
+//! COMMIT). That is deliberate and measured: a checkpoint from another
+//! connection can never finish while the writer keeps appending, so the WAL
+//! is never restarted, every commit then extends the file, and each fsync
+//! pays for the size change — single-caller latency went from ~260 µs to
+//! ~380 µs (p50, synchronous=FULL) when copying moved to this thread.
 //!
-//! Invariant: whenever the WAL exceeds `checkpoint_wal_bytes`, a checkpoint
-//! is attempted within one tick, so the WAL stays bounded by what the
-//! writer can append in a tick plus what readers pin.
+//! The automatic checkpoint reuses the WAL's space but never shrinks the
+//! file, which after a burst (or a retention pass) can stay large. This
+//! thread truncates it — `PASSIVE` first, then `TRUNCATE` only when that
+//! copied everything and the engine has been idle for a tick, because
+//! `TRUNCATE` makes new writers wait while it runs.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -51,10 +52,10 @@ pub(crate) fn run(db: PathBuf, threshold: u64, counters: Arc<Counters>, stop: Re
         if size <= threshold {
             continue;
         }
-        // Copy first, without blocking anyone; truncate only an idle, fully
-        // copied WAL, so TRUNCATE has nothing left to do while new writers
-        // wait on it.
-        if checkpoint(&conn, "PASSIVE").is_some_and(|(log, done)| log == done) && idle {
+        // Only when idle: copy whatever is left without blocking anyone,
+        // then truncate a fully copied WAL, so TRUNCATE has nothing to do
+        // while new writers wait on it.
+        if idle && checkpoint(&conn, "PASSIVE").is_some_and(|(log, done)| log == done) {
             checkpoint(&conn, "TRUNCATE");
         }
     }

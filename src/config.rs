@@ -407,9 +407,9 @@ impl Builder {
         self
     }
 
-    /// Once the `-wal` file is larger than this, the checkpointer thread
-    /// copies it into the database: `PASSIVE` while writes go on (never
-    /// blocking them), `TRUNCATE` when the engine is idle. Default: 4 MiB.
+    /// Once the `-wal` file is larger than this and the engine is idle, the
+    /// checkpointer thread truncates it (SQLite's automatic checkpoint keeps
+    /// reusing its space meanwhile, but never shrinks it). Default: 4 MiB.
     pub fn checkpoint_wal_bytes(mut self, bytes: u64) -> Self {
         self.config.checkpoint_wal_bytes = bytes;
         self

@@ -65,9 +65,6 @@ pub(crate) fn open_writer(path: &Path, config: &Config) -> Result<Connection> {
         .map_err(|e| open_error(path, "set synchronous", e))?;
     conn.pragma_update(None, "foreign_keys", true)
         .map_err(|e| open_error(path, "set foreign_keys", e))?;
-    // Checkpoints run on the checkpointer thread, not inside our commits.
-    conn.pragma_update(None, "wal_autocheckpoint", 0)
-        .map_err(|e| open_error(path, "set wal_autocheckpoint", e))?;
     conn.set_prepared_statement_cache_capacity(64);
     Ok(conn)
 }
