@@ -346,6 +346,11 @@ impl Postroom {
         &self.shared.path
     }
 
+    /// Checks a message against this engine's limits, as `receive` would.
+    pub(crate) fn check_message(&self, msg: &Message) -> Result<()> {
+        self.shared.config.check_message(msg)
+    }
+
     fn consumer(&self, name: &str) -> Result<Arc<Consumer>> {
         self.shared
             .consumers

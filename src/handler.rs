@@ -181,7 +181,10 @@ impl<'c> Tx<'c> {
     /// id: stable, and derived from the incoming message, so a downstream
     /// inbox can deduplicate it. An outgoing message over the limits is a
     /// [`Failure::Reject`].
-    pub fn publish(&mut self, out: Outgoing) -> Result<String, Failure> {
+    pub fn publish(&mut self, mut out: Outgoing) -> Result<String, Failure> {
+        // Checked as stored, causation headers included: a row over the
+        // limits would be refused by a downstream postroom inbox.
+        outbox::add_causation(&mut out.headers, self.cause);
         self.config
             .check_outgoing(&out)
             .map_err(|e| Failure::reject(e.to_string()))?;

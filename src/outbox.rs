@@ -33,16 +33,6 @@ pub(crate) fn insert(
         (None, Some(c)) => derived_id(c, index),
         (None, None) => random_id(),
     };
-    let mut headers = out.headers.clone();
-    if let Some(c) = cause {
-        headers
-            .entry(CAUSATION_HEADER.to_owned())
-            .or_insert_with(|| c.msg.id.clone());
-        let correlation = c.msg.header(CORRELATION_HEADER).unwrap_or(&c.msg.id);
-        headers
-            .entry(CORRELATION_HEADER.to_owned())
-            .or_insert_with(|| correlation.to_owned());
-    }
     conn.prepare_cached(
         "INSERT INTO postroom_outbox (message_id, topic, key, payload, headers, status, attempts,
              created_at, next_attempt_at, cause_consumer, cause_source, cause_message_id)
@@ -53,13 +43,27 @@ pub(crate) fn insert(
         out.topic,
         out.key,
         out.payload,
-        headers_json(&headers),
+        headers_json(&out.headers),
         now_ms,
         cause.map(|c| c.consumer),
         cause.map(|c| c.msg.source.as_str()),
         cause.map(|c| c.msg.id.as_str()),
     ])?;
     Ok(id)
+}
+
+/// Adds the headers linking an outgoing message to the inbox message that
+/// caused it, unless the handler set them: `causation-id` (that message's
+/// id) and `correlation-id` (carried along from it, or started as its id).
+pub(crate) fn add_causation(headers: &mut Headers, cause: Option<Cause<'_>>) {
+    let Some(c) = cause else { return };
+    headers
+        .entry(CAUSATION_HEADER.to_owned())
+        .or_insert_with(|| c.msg.id.clone());
+    let correlation = c.msg.header(CORRELATION_HEADER).unwrap_or(&c.msg.id);
+    headers
+        .entry(CORRELATION_HEADER.to_owned())
+        .or_insert_with(|| correlation.to_owned());
 }
 
 /// Headers as stored: a JSON object, or NULL when there are none.

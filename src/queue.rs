@@ -52,6 +52,15 @@ pub(crate) fn receive(
         )?
         .query_row(params![consumer, msg.source, msg.id], |r| r.get(0))?;
     if stored.as_slice() == hash.as_slice() {
+        // The caller will ack this receipt, so the workers must own the
+        // message from now on even if an inline delivery left it unfinished
+        // (its broker will not redeliver an acked message).
+        conn.prepare_cached(
+            "UPDATE postroom_inbox SET queued = 1
+             WHERE consumer = ?1 AND source = ?2 AND message_id = ?3
+               AND queued = 0 AND status IN ('pending', 'failed')",
+        )?
+        .execute(params![consumer, msg.source, msg.id])?;
         return Ok(Receipt::Duplicate);
     }
     let stored: [u8; 32] = stored.try_into().unwrap_or([0; 32]);
@@ -75,7 +84,8 @@ pub(crate) struct Claimed {
 
 /// Claims up to `limit` due rows of `consumer` in receive order: pending
 /// rows, and failed rows whose backoff has passed, skipping any row whose
-/// ordering key has an earlier unfinished row.
+/// ordering key has an earlier unfinished row or any row in progress (a
+/// redriven head must not run beside its successor).
 pub(crate) fn claim(
     conn: &Connection,
     consumer: &str,
@@ -95,7 +105,9 @@ pub(crate) fn claim(
                AND (i.ordering_key IS NULL OR NOT EXISTS (
                    SELECT 1 FROM postroom_inbox o
                    WHERE o.consumer = i.consumer AND o.ordering_key = i.ordering_key
-                     AND o.id < i.id AND o.status IN ('pending', 'processing', 'failed')))
+                     AND o.id != i.id
+                     AND (o.status = 'processing'
+                          OR (o.id < i.id AND o.status IN ('pending', 'failed')))))
              ORDER BY i.id
              LIMIT ?2)
          RETURNING id, source, message_id, payload, payload_hash, headers, ordering_key, attempts,

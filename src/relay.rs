@@ -286,11 +286,25 @@ impl Sink for InboxSink {
                 }
             });
         }
-        let msgs: Vec<Message> = batch.iter().map(Self::message).collect();
-        match self.target.receive_batch(&self.consumer, msgs) {
-            Ok(_) => vec![SendResult::Sent; batch.len()],
-            Err(e) => vec![SendResult::retry(format_args!("target: {e}")); batch.len()],
+        // A message the target refuses never will be accepted: it alone is
+        // dead; the rest go in one receive_batch (one commit).
+        let mut results = vec![SendResult::Sent; batch.len()];
+        let mut valid = Vec::with_capacity(batch.len());
+        for (i, out) in batch.iter().enumerate() {
+            let msg = Self::message(out);
+            match self.target.check_message(&msg) {
+                Ok(()) => valid.push((i, msg)),
+                Err(e) => results[i] = SendResult::dead(format_args!("target: {e}")),
+            }
         }
+        let (indexes, msgs): (Vec<usize>, Vec<Message>) = valid.into_iter().unzip();
+        if let Err(e) = self.target.receive_batch(&self.consumer, msgs) {
+            let reason = format!("target: {e}");
+            for i in indexes {
+                results[i] = SendResult::retry(&reason);
+            }
+        }
+        results
     }
 }
 

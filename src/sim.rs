@@ -774,7 +774,15 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                         model.create(&key, variant, now, true);
                         Receipt::Accepted
                     }
-                    Some(e) if e.variant == variant => Receipt::Duplicate,
+                    Some(e) if e.variant == variant => {
+                        // An acked receipt hands an unfinished inline
+                        // message over to the workers.
+                        let e = model.entries.get_mut(&key).expect("entry");
+                        if matches!(e.status, Status::Pending | Status::Failed) {
+                            e.queued = true;
+                        }
+                        Receipt::Duplicate
+                    }
                     Some(_) => Receipt::Conflict { conflict_id: 0 },
                 });
             }
