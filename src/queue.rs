@@ -94,6 +94,9 @@ pub(crate) fn claim(
     lease_until: i64,
     token: i64,
 ) -> rusqlite::Result<Vec<Claimed>> {
+    // The NOT EXISTS repeats the partial index's status list on purpose:
+    // without it SQLite cannot prove the index applies and scans the table
+    // for every candidate row (100x slower with a backlog).
     let mut stmt = conn.prepare_cached(
         "UPDATE postroom_inbox
          SET status = 'processing', attempts = attempts + 1, lease_until = ?4,
@@ -105,9 +108,8 @@ pub(crate) fn claim(
                AND (i.ordering_key IS NULL OR NOT EXISTS (
                    SELECT 1 FROM postroom_inbox o
                    WHERE o.consumer = i.consumer AND o.ordering_key = i.ordering_key
-                     AND o.id != i.id
-                     AND (o.status = 'processing'
-                          OR (o.id < i.id AND o.status IN ('pending', 'failed')))))
+                     AND o.status IN ('pending', 'processing', 'failed')
+                     AND o.id != i.id AND (o.id < i.id OR o.status = 'processing')))
              ORDER BY i.id
              LIMIT ?2)
          RETURNING id, source, message_id, payload, payload_hash, headers, ordering_key, attempts,
