@@ -153,6 +153,12 @@ impl Config {
                 "poll and reaper intervals must be greater than zero",
             ));
         }
+        if self.workers >= crate::inflight::SLOTS {
+            return Err(Error::invalid(
+                "workers",
+                format!("must be at most {}", crate::inflight::SLOTS - 1),
+            ));
+        }
         if self.relay_batch == 0 || self.relay_poll.is_zero() {
             return Err(Error::invalid(
                 "relay",
@@ -371,7 +377,7 @@ impl Builder {
     }
 
     /// Worker threads processing received (queued) messages; 0 runs none,
-    /// so received messages wait. Default: 2.
+    /// so received messages wait. At most 63. Default: 2.
     pub fn workers(mut self, workers: usize) -> Self {
         self.config.workers = workers;
         self

@@ -23,7 +23,7 @@ use crate::failpoint;
 use crate::guard::UserCodeGuard;
 use crate::handler::Tx;
 use crate::inbox::{self, Status};
-use crate::inflight::{EngineFile, Inflight};
+use crate::inflight::{ClaimSlot, EngineFile, Inflight};
 use crate::message::{Failure, Message, Outcome, Receipt};
 use crate::outbox::{self, OutboxMessage};
 use crate::queue::{self, DeadLetter};
@@ -197,6 +197,10 @@ impl Postroom {
             .map_err(|e| Error::sqlite("install update hook", e))?;
         }
         let (relay_wake, relay_woken) = crossbeam_channel::bounded(1);
+        let worker_slots = (1..=config.workers)
+            .map(|n| engine_file.slot(n))
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(|e| Error::io("open engine file for workers", e))?;
         let writer = Writer {
             outbox_dirty,
             relay_wake: sink.is_some().then_some(relay_wake),
@@ -261,7 +265,7 @@ impl Postroom {
             readers,
             counters,
         };
-        room.start_background(&shared, sink, relay_woken)?;
+        room.start_background(&shared, sink, relay_woken, worker_slots)?;
         if handle_signals {
             room.start_signal_thread()?;
         }
@@ -299,6 +303,7 @@ impl Postroom {
         shared: &Arc<Shared>,
         sink: Option<Box<dyn Sink>>,
         relay_woken: crossbeam_channel::Receiver<()>,
+        worker_slots: Vec<ClaimSlot>,
     ) -> Result<()> {
         let mut threads = self.control.lock_threads();
         if let Some(sink) = sink {
@@ -326,12 +331,12 @@ impl Postroom {
             return Ok(());
         }
         let (work_tx, work_rx) = crossbeam_channel::bounded(workers);
-        for n in 0..workers {
+        for (n, slot) in worker_slots.into_iter().enumerate() {
             let (s, rx) = (Arc::clone(shared), work_rx.clone());
             threads
                 .workers
                 .push(spawn(format!("postroom-worker-{n}"), move || {
-                    workers::work(s, rx)
+                    workers::work(s, rx, slot)
                 })?);
         }
         let s = Arc::clone(shared);
@@ -710,24 +715,27 @@ fn recover(
     let inflight = engine_file
         .read()
         .map_err(|e| Error::io("read in-flight marker", e))?;
-    recover_after_crash(conn, config, clock.now_ms(), inflight.as_ref())?;
-    if inflight.is_some() {
-        engine_file
-            .clear()
-            .map_err(|e| Error::io("clear in-flight marker", e))?;
-    }
-    Ok(())
+    let started = engine_file
+        .started_claims()
+        .map_err(|e| Error::io("read claim marks", e))?;
+    recover_after_crash(conn, config, clock.now_ms(), inflight.as_ref(), &started)?;
+    engine_file
+        .clear()
+        .map_err(|e| Error::io("clear in-flight marker", e))
 }
 
 /// Recovers what a process that died left behind, in one transaction: the
-/// attempt of a handler it died in (see [`crate::inflight`]), and rows it
-/// left `processing` (nothing else can hold them: the caller holds the
-/// engine lock), which become due again with their attempt counted.
+/// attempt of an inline handler it died in (see [`crate::inflight`]), and
+/// rows it left `processing` (nothing else can hold them: the caller holds
+/// the engine lock). Of those, claims whose user code was running
+/// (`started`) become due again with their attempt counted; the others
+/// only waited, and are handed back uncounted.
 pub(crate) fn recover_after_crash(
     conn: &rusqlite::Connection,
     config: &Config,
     now: i64,
     inflight: Option<&Inflight>,
+    started: &[i64],
 ) -> Result<()> {
     exec(conn, "BEGIN IMMEDIATE")?;
     let recovered = (|| {
@@ -736,14 +744,29 @@ pub(crate) fn recover_after_crash(
         }
         let abandoned = queue::leased(conn).map_err(|e| Error::sqlite("read leases", e))?;
         for row in &abandoned {
-            queue::expire(
-                conn,
-                row.row_id,
-                row.token,
-                "process died while the handler was running (lease abandoned)",
-                config.max_attempts,
-                now,
-            )
+            if started.contains(&row.row_id) {
+                queue::expire(
+                    conn,
+                    row.row_id,
+                    row.token,
+                    "process died while the handler was running",
+                    config.max_attempts,
+                    now,
+                )
+                .map(drop)
+            } else if let Some(token) = row.token {
+                queue::release(conn, row.row_id, token).map(drop)
+            } else {
+                queue::expire(
+                    conn,
+                    row.row_id,
+                    None,
+                    "lease abandoned",
+                    config.max_attempts,
+                    now,
+                )
+                .map(drop)
+            }
             .map_err(|e| Error::sqlite("recover abandoned lease", e))?;
         }
         if !abandoned.is_empty() {

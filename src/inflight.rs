@@ -15,9 +15,18 @@
 //! Invariant: a marker is valid only if its checksum matches, so a torn or
 //! stale-after-power-loss write is ignored rather than misread. After power
 //! loss a stale marker can at worst count one extra attempt.
+//!
+//! Queued work has its attempt counted when it is claimed, so after a crash
+//! recovery must tell claims whose user code was running (counted: that
+//! code may be what killed the process) from claims still waiting their
+//! turn (handed back, uncounted: otherwise a crash-looping poison message
+//! would dead-letter whatever was claimed beside it). The file's first
+//! 4 KiB are slots for that: slot 0 names the claim whose transactional
+//! step runs on the writer, slot n the claim whose external step runs on
+//! worker n. The inline marker follows at [`RECORD_OFFSET`].
 
 use std::fs::{File, OpenOptions, TryLockError};
-use std::io::{self, Read};
+use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -26,6 +35,12 @@ use crate::message::Message;
 use crate::outbox::headers_json;
 
 const MAGIC: &[u8; 8] = b"PRMINFL1";
+/// Where the inline marker starts; the claim slots come before it.
+const RECORD_OFFSET: u64 = 4096;
+const SLOT_BYTES: u64 = 32;
+/// Claim slots: the writer's and one per worker.
+pub(crate) const SLOTS: usize = (RECORD_OFFSET / SLOT_BYTES) as usize;
+const SLOT_MAGIC: &[u8; 8] = b"PRMCLM01";
 /// A marker larger than this is garbage (payloads are capped well below).
 const MAX_RECORD: u64 = 300 * 1024 * 1024;
 
@@ -111,17 +126,39 @@ impl EngineFile {
     /// The marker left by the previous engine, if it is valid.
     pub fn read(&mut self) -> io::Result<Option<Inflight>> {
         let len = self.file.metadata()?.len();
-        if len < (MAGIC.len() + 4 + 32) as u64 || len > MAX_RECORD {
+        if len < RECORD_OFFSET + (MAGIC.len() + 4 + 32) as u64 || len > MAX_RECORD {
             return Ok(None);
         }
-        let mut bytes = Vec::with_capacity(len as usize);
-        (&self.file).read_to_end(&mut bytes)?;
+        let mut bytes = vec![0; (len - RECORD_OFFSET) as usize];
+        self.file.read_exact_at(&mut bytes, RECORD_OFFSET)?;
         Ok(decode(&bytes))
     }
 
-    /// Invalidates the marker.
+    /// Invalidates the marker and every claim slot.
     pub fn clear(&mut self) -> io::Result<()> {
-        self.file.write_all_at(&[0u8; 8], 0)
+        self.file
+            .write_all_at(&[0u8; RECORD_OFFSET as usize + 8], 0)
+    }
+
+    /// Row ids of the claims whose user code was running when the previous
+    /// process died (valid slots only).
+    pub fn started_claims(&self) -> io::Result<Vec<i64>> {
+        let len = self.file.metadata()?.len();
+        let mut table = vec![0u8; RECORD_OFFSET.min(len) as usize];
+        self.file.read_exact_at(&mut table, 0)?;
+        Ok(table
+            .chunks_exact(SLOT_BYTES as usize)
+            .filter_map(decode_slot)
+            .collect())
+    }
+
+    /// A handle on claim slot `index` (1.. for workers) that another thread
+    /// can write through.
+    pub fn slot(&self, index: usize) -> io::Result<ClaimSlot> {
+        Ok(ClaimSlot {
+            file: self.file.try_clone()?,
+            index,
+        })
     }
 }
 
@@ -134,12 +171,81 @@ impl InflightLog for EngineFile {
         prior_attempts: u32,
     ) -> io::Result<()> {
         encode(&mut self.buf, consumer, msg, hash, prior_attempts);
-        self.file.write_all_at(&self.buf, 0)
+        self.file.write_all_at(&self.buf, RECORD_OFFSET)
     }
 
     fn end(&mut self) -> io::Result<()> {
-        self.clear()
+        self.file.write_all_at(&[0u8; 8], RECORD_OFFSET)
     }
+}
+
+/// Marks which claimed row's user code is running (see the module docs).
+pub(crate) trait ClaimMarks {
+    /// Just before user code runs for the claim `(row_id, token)`.
+    fn started(&mut self, row_id: i64, token: i64) -> io::Result<()>;
+    /// As soon as it returned.
+    fn finished(&mut self) -> io::Result<()>;
+}
+
+/// Slot 0, the writer's: queued transactional steps.
+impl ClaimMarks for EngineFile {
+    fn started(&mut self, row_id: i64, token: i64) -> io::Result<()> {
+        self.file.write_all_at(&encode_slot(row_id, token), 0)
+    }
+    fn finished(&mut self) -> io::Result<()> {
+        self.file.write_all_at(&[0u8; SLOT_BYTES as usize], 0)
+    }
+}
+
+impl ClaimMarks for NoInflightLog {
+    fn started(&mut self, _: i64, _: i64) -> io::Result<()> {
+        Ok(())
+    }
+    fn finished(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A worker's claim slot: its own bytes of the engine file, written with
+/// positioned writes through its own handle, so no lock is shared.
+#[derive(Debug)]
+pub(crate) struct ClaimSlot {
+    file: File,
+    index: usize,
+}
+
+impl ClaimMarks for ClaimSlot {
+    fn started(&mut self, row_id: i64, token: i64) -> io::Result<()> {
+        let at = self.index as u64 * SLOT_BYTES;
+        self.file.write_all_at(&encode_slot(row_id, token), at)
+    }
+    fn finished(&mut self) -> io::Result<()> {
+        let at = self.index as u64 * SLOT_BYTES;
+        self.file.write_all_at(&[0u8; SLOT_BYTES as usize], at)
+    }
+}
+
+fn slot_check(row_id: i64, token: i64) -> [u8; 8] {
+    let sum = blake3::hash(&[row_id.to_le_bytes(), token.to_le_bytes()].concat());
+    sum.as_bytes()[..8].try_into().expect("8 bytes")
+}
+
+fn encode_slot(row_id: i64, token: i64) -> [u8; SLOT_BYTES as usize] {
+    let mut slot = [0u8; SLOT_BYTES as usize];
+    slot[..8].copy_from_slice(SLOT_MAGIC);
+    slot[8..16].copy_from_slice(&row_id.to_le_bytes());
+    slot[16..24].copy_from_slice(&token.to_le_bytes());
+    slot[24..].copy_from_slice(&slot_check(row_id, token));
+    slot
+}
+
+fn decode_slot(slot: &[u8]) -> Option<i64> {
+    if &slot[..8] != SLOT_MAGIC {
+        return None;
+    }
+    let row_id = i64::from_le_bytes(slot[8..16].try_into().ok()?);
+    let token = i64::from_le_bytes(slot[16..24].try_into().ok()?);
+    (slot[24..32] == slot_check(row_id, token)).then_some(row_id)
 }
 
 fn put_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
@@ -272,6 +378,25 @@ mod tests {
                 "torn write of {n} bytes accepted"
             );
         }
+    }
+
+    #[test]
+    fn claim_slots_and_the_marker_live_side_by_side() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut file = EngineFile::lock(&dir.path().join("x.db")).unwrap();
+        let msg = Message::new("s", "m", vec![9u8; 10_000]);
+        let hash = *blake3::hash(msg.payload()).as_bytes();
+        InflightLog::begin(&mut file, "c", &msg, &hash, 0).unwrap();
+        let mut worker = file.slot(3).unwrap();
+        worker.started(42, 7).unwrap();
+        ClaimMarks::started(&mut file, 41, 7).unwrap();
+        assert_eq!(file.started_claims().unwrap(), vec![41, 42]);
+        assert_eq!(file.read().unwrap().unwrap().msg, msg);
+        worker.finished().unwrap();
+        assert_eq!(file.started_claims().unwrap(), vec![41]);
+        file.clear().unwrap();
+        assert!(file.started_claims().unwrap().is_empty());
+        assert!(file.read().unwrap().is_none());
     }
 
     #[test]

@@ -28,7 +28,7 @@ use crate::engine::recover_after_crash;
 use crate::guard::UserCodeGuard;
 use crate::handler::{Handler, Tx};
 use crate::inbox::Status;
-use crate::inflight::{Inflight, InflightLog};
+use crate::inflight::{ClaimMarks, Inflight, InflightLog};
 use crate::message::{Failure, Message, Outcome, Outgoing, Receipt};
 use crate::outbox;
 use crate::queue;
@@ -165,6 +165,26 @@ impl InflightLog for SimLog<'_> {
     }
 }
 
+/// The claim marks of a simulated process: the claim whose user code runs,
+/// kept across a simulated crash like the engine file's slots.
+struct SimClaims<'a> {
+    started: &'a mut Option<i64>,
+    crashing: &'a AtomicBool,
+}
+
+impl ClaimMarks for SimClaims<'_> {
+    fn started(&mut self, row_id: i64, _token: i64) -> std::io::Result<()> {
+        *self.started = Some(row_id);
+        Ok(())
+    }
+    fn finished(&mut self) -> std::io::Result<()> {
+        if !self.crashing.load(Ordering::SeqCst) {
+            *self.started = None;
+        }
+        Ok(())
+    }
+}
+
 /// The engine's state machine on a real file, without threads.
 pub struct Machine {
     path: PathBuf,
@@ -174,6 +194,7 @@ pub struct Machine {
     plan: Arc<Mutex<Plan>>,
     crashing: Arc<AtomicBool>,
     marker: Option<Inflight>,
+    started_claim: Option<i64>,
     now_ms: i64,
     next_token: i64,
 }
@@ -224,6 +245,7 @@ impl Machine {
             plan,
             crashing,
             marker: None,
+            started_claim: None,
             now_ms: 1_000_000,
             next_token: 1,
         };
@@ -240,8 +262,17 @@ impl Machine {
             "CREATE TABLE IF NOT EXISTS sim_effects (consumer TEXT NOT NULL, message_id TEXT NOT NULL)",
         )
         .map_err(err)?;
-        recover_after_crash(&conn, &self.config, self.now_ms, self.marker.as_ref()).map_err(err)?;
+        let started: Vec<i64> = self.started_claim.into_iter().collect();
+        recover_after_crash(
+            &conn,
+            &self.config,
+            self.now_ms,
+            self.marker.as_ref(),
+            &started,
+        )
+        .map_err(err)?;
         self.marker = None;
+        self.started_claim = None;
         let guard = UserCodeGuard::install(&conn).map_err(err)?;
         self.conn = Some((conn, guard));
         Ok(())
@@ -370,9 +401,22 @@ impl Machine {
                 .unwrap_or(Plan::Ok);
             *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = plan;
             let outcome = self.in_tx(|m| {
-                let (conn, guard) = m.conn.as_ref().expect("open");
-                workers::complete_claim(conn, &m.config, guard, m.now_ms, &claim, |tx| {
-                    m.handler.handle(tx, &claim.msg)
+                let Machine {
+                    conn,
+                    config,
+                    handler,
+                    started_claim,
+                    crashing,
+                    now_ms,
+                    ..
+                } = m;
+                let (conn, guard) = conn.as_ref().expect("open");
+                let mut marks = SimClaims {
+                    started: started_claim,
+                    crashing,
+                };
+                workers::complete_claim(conn, config, guard, *now_ms, &claim, &mut marks, |tx| {
+                    handler.handle(tx, &claim.msg)
                 })
             })?;
             match outcome {
@@ -818,13 +862,12 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
             let mut crashed = false;
             let mut completed = 0;
             for (i, (_, key, _)) in due.iter().enumerate() {
-                model.entries.get_mut(key).expect("entry").attempts += 1;
                 if crashed {
-                    // Claimed in the same batch, never started: recovered
-                    // with the claim's attempt counted.
-                    model.died(key, now);
+                    // Claimed in the same batch, never started: handed
+                    // back at recovery, its claim's attempt uncounted.
                     continue;
                 }
+                model.entries.get_mut(key).expect("entry").attempts += 1;
                 let plan = plans
                     .get(i % plans.len().max(1))
                     .copied()

@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
 use crate::handler::{idempotency_key, EffectContext, Tx};
-use crate::inflight::NoInflightLog;
+use crate::inflight::{ClaimMarks, ClaimSlot, NoInflightLog};
 use crate::message::{Failure, Outcome};
 use crate::queue::{self, Claimed};
 use crate::writer::{WriterCtx, WriterHandle};
@@ -165,7 +165,7 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
 
 /// A worker thread's body: processes claimed rows until the dispatcher is
 /// gone. Once stopping, rows not yet started are handed back unattempted.
-pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>) {
+pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>, mut slot: ClaimSlot) {
     while let Ok(claim) = claims.recv() {
         let (row_id, token) = (claim.row_id, claim.token);
         if shared.stopping.load(Ordering::Acquire) {
@@ -176,7 +176,7 @@ pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>) {
                 log::warn!("postroom worker: releasing row {row_id}: {e}; recovered at next open");
             }
         } else {
-            match process(&shared, claim) {
+            match process(&shared, claim, &mut slot) {
                 Ok(Some(outcome)) => log::debug!("postroom worker: row {row_id}: {outcome:?}"),
                 Ok(None) => log::warn!(
                     "postroom worker: row {row_id}: lease lost (expired and claimed again); \
@@ -194,7 +194,7 @@ pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>) {
 }
 
 /// Runs one claimed row. `Ok(None)`: the lease was lost, nothing recorded.
-fn process(shared: &Shared, claim: Claimed) -> Result<Option<Outcome>> {
+fn process(shared: &Shared, claim: Claimed, slot: &mut ClaimSlot) -> Result<Option<Outcome>> {
     let Some(consumer) = shared.consumers.get(&claim.consumer) else {
         return Err(Error::UnknownConsumer {
             consumer: claim.consumer,
@@ -213,6 +213,8 @@ fn process(shared: &Shared, claim: Claimed) -> Result<Option<Outcome>> {
                 attempt: claim.attempt,
                 idempotency_key: idempotency_key(&claim.consumer, &claim.msg),
             };
+            slot.started(claim.row_id, claim.token)
+                .map_err(|e| Error::io("mark claim started", e))?;
             let output = panic::catch_unwind(AssertUnwindSafe(|| handler.effect(&ctx, &claim.msg)))
                 .unwrap_or_else(|panic| {
                     Err(Failure::retry(format_args!(
@@ -220,6 +222,8 @@ fn process(shared: &Shared, claim: Claimed) -> Result<Option<Outcome>> {
                         panic_message(panic.as_ref())
                     )))
                 });
+            slot.finished()
+                .map_err(|e| Error::io("mark claim finished", e))?;
             let handler = Arc::clone(handler);
             shared.writer.submit(move |w| match output {
                 Ok(output) => complete(w, &claim, |tx| handler.apply(tx, &claim.msg, output)),
@@ -236,7 +240,7 @@ fn complete(
     body: impl FnOnce(&mut Tx<'_>) -> Result<(), Failure>,
 ) -> Result<Option<Outcome>> {
     let now = w.clock.now_ms();
-    complete_claim(w.conn, w.config, w.guard, now, claim, body)
+    complete_claim(w.conn, w.config, w.guard, now, claim, w.engine_file, body)
 }
 
 /// Records a failed external step.
@@ -253,16 +257,26 @@ fn record_failure(
 
 /// Runs the transactional step of `claim` and records its result, if the
 /// claim's lease token still holds the row. Must run inside a transaction.
+/// `marks` records that this claim's user code runs (see
+/// [`crate::inflight`]), so a crash inside it is counted and a crash while
+/// it only waited is not.
 pub(crate) fn complete_claim(
     conn: &rusqlite::Connection,
     config: &Config,
     guard: &UserCodeGuard,
     now_ms: i64,
     claim: &Claimed,
+    marks: &mut dyn ClaimMarks,
     body: impl FnOnce(&mut Tx<'_>) -> Result<(), Failure>,
 ) -> Result<Option<Outcome>> {
     fenced(conn, config, guard, now_ms, claim, |env, at| {
-        let failure = run_user_step(env, at, body)?;
+        marks
+            .started(claim.row_id, claim.token)
+            .map_err(|e| Error::io("mark claim started", e))?;
+        let failure = run_user_step(env, at, body);
+        let cleared = marks.finished();
+        let failure = failure?;
+        cleared.map_err(|e| Error::io("mark claim finished", e))?;
         finish(env, at, failure)
     })
 }

@@ -40,6 +40,7 @@ fn child_main() {
         "stream" => child_stream(&db),
         "queued" => child_queued(&db),
         "relay" => child_relay(&db),
+        "queued-poison" => child_queued_poison(&db),
         other => panic!("unknown child role {other}"),
     }
 }
@@ -724,4 +725,86 @@ fn random_sigkills_around_the_relay_deliver_every_outbox_row_exactly_once_downst
         outbox_ids.len(),
         acked.len()
     );
+}
+
+// ---------------------------------------------------------------------------
+// Queued crash loop: only the claim that was running is counted.
+
+fn child_queued_poison(db: &Path) {
+    let _room = Postroom::builder()
+        .max_attempts(3)
+        .workers(2)
+        .poll_interval(Duration::from_millis(10))
+        .consumer(
+            "c",
+            handler_fn(|tx, msg| {
+                if msg.id() == "poison" {
+                    report("POISON RUNNING");
+                    thread::sleep(Duration::from_secs(60)); // killed in here
+                }
+                apply(tx, msg)
+            }),
+        )
+        .open(db)
+        .unwrap();
+    thread::sleep(Duration::from_secs(60));
+}
+
+/// A poison message that kills the process every time is dead after
+/// `max_attempts` restarts; a message claimed beside it, which only waited
+/// behind it, is handed back uncounted each time and is processed once the
+/// poison is out of the way (found by review: it used to die with it).
+#[test]
+fn a_queued_poison_crash_loop_dead_letters_the_poison_not_its_neighbours() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.db");
+    {
+        let room = Postroom::builder()
+            .workers(0)
+            .consumer("c", handler_fn(apply))
+            .open(&db)
+            .unwrap();
+        create_domain(&room);
+        room.receive_batch(
+            "c",
+            vec![
+                Message::new("s", "poison", "p"),
+                Message::new("s", "innocent", "i"),
+            ],
+        )
+        .unwrap();
+    }
+    for run in 0..3 {
+        let mut child = spawn_child("queued-poison", &db, &[]);
+        let lines = lines_of(&mut child);
+        wait_for(&lines, "POISON RUNNING");
+        child.kill().unwrap(); // SIGKILL inside the poison's handler
+        let status = child.wait().unwrap();
+        assert_eq!(status.signal(), Some(9), "run {run}");
+    }
+    let room = Postroom::builder()
+        .max_attempts(3)
+        .poll_interval(Duration::from_millis(10))
+        .consumer("c", handler_fn(apply))
+        .open(&db)
+        .unwrap();
+    let conn = raw(&db);
+    let poison = inbox_row(&conn, "c", "s", "poison").unwrap();
+    assert_eq!((poison.0.as_str(), poison.1), ("dead", 3), "{poison:?}");
+    assert!(poison.2.unwrap().contains("process died"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while applied_count(&conn, "innocent") == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the innocent message never ran"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    let innocent = inbox_row(&conn, "c", "s", "innocent").unwrap();
+    assert_eq!(
+        (innocent.0.as_str(), innocent.1),
+        ("completed", 1),
+        "{innocent:?}"
+    );
+    room.shutdown(Duration::from_secs(5)).unwrap();
 }
