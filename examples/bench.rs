@@ -7,13 +7,13 @@
 //! cargo run --release --example bench -- [--quick] [--json PATH] [--only TEXT]
 //! ```
 //!
-//! `--quick` uses small message counts and 50,000-row prefills (about 35 s on
+//! `--quick` uses small message counts and 50,000-row prefills (about 30 s on
 //! two cores). The full run prefills 1,000,000 and 5,000,000 retained rows,
-//! 1,000,000 expired and 1,000,000 pending ones, and takes about 17 minutes
-//! on a busy two-core machine (a fifth of it `stats()` scanning millions of
-//! rows between timed phases, three minutes of it retention deleting a
-//! million rows three times, and the first run's two-minute prefills); the
-//! prefilled files are cached in `<target dir>/bench-cache/`
+//! 1,000,000 expired and 1,000,000 pending ones, and takes about 12 minutes
+//! on a busy two-core machine (a third of it `stats()` scanning millions of
+//! rows between timed phases, two minutes of it retention deleting a
+//! million rows three times), plus about a minute of prefills the first
+//! time; the prefilled files are cached in `<target dir>/bench-cache/`
 //! (`$CARGO_TARGET_DIR` when the binary runs, else the crate's `target/`),
 //! so only the first run pays for them. `--json PATH` also writes the rows
 //! as a JSON array. Progress goes to stderr, the report to stdout.
@@ -82,7 +82,9 @@
 //!   workers, quick_check on) and left to process for 10 s per pass (2 s with
 //!   `--quick`); msgs/s is what the workers completed in that time. Notes
 //!   give the engine's own share of the peak: VmHWM minus VmRSS just
-//!   before the open, the largest over the passes.
+//!   before the open, the largest over the passes. That is a lower bound:
+//!   the engine reuses heap the allocator kept from earlier scenarios; the
+//!   `peak RSS` column, everything included, is the upper one.
 //!
 //! The columns:
 //!

@@ -184,6 +184,7 @@ impl Postroom {
             UserCodeGuard::install(&conn).map_err(|e| Error::sqlite("install authorizer", e))?;
 
         let (commands, receiver) = crossbeam_channel::bounded(config.max_batch);
+        let (background, background_rx) = crossbeam_channel::bounded(1);
         let (alive_tx, writer_alive) = crossbeam_channel::bounded::<()>(0);
         let counters = Arc::new(Counters::default());
         let outbox_dirty = Arc::new(AtomicBool::new(false));
@@ -210,6 +211,7 @@ impl Postroom {
             engine_file,
             guard,
             commands: receiver,
+            background: background_rx,
             counters: Arc::clone(&counters),
         };
         let writer_running = spawn(WRITER_THREAD.into(), move || {
@@ -238,7 +240,7 @@ impl Postroom {
         let (wake_tx, wake_rx) = crossbeam_channel::bounded(1);
         let shared = Arc::new(Shared {
             path: path.to_path_buf(),
-            writer: WriterHandle::new(commands, writer_alive),
+            writer: WriterHandle::new(commands, background, writer_alive),
             config,
             clock,
             consumers,

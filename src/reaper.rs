@@ -2,9 +2,10 @@
 //! retention allows: completed inbox rows, sent outbox rows, and dead
 //! letters when configured. (The WAL is the checkpointer's job.)
 //!
-//! Retention deletes in small batches, each its own writer job, so
-//! deliveries queued meanwhile get their turn between batches: a million-row
-//! cleanup never holds the writer for more than one batch at a time.
+//! Retention deletes in small batches, each a background writer job: it
+//! runs only when no caller's job is waiting (or after being put off for
+//! 25 ms), in a transaction of its own, so a million-row cleanup never holds
+//! a delivery up for more than one batch.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -114,7 +115,7 @@ fn delete_in_batches(
     let mut total = 0u64;
     loop {
         failpoint::hit("reaper.retention")?;
-        let deleted = shared.writer.submit(move |w| {
+        let deleted = shared.writer.submit_background(move |w| {
             delete(w.conn, cutoff, RETENTION_BATCH).map_err(|e| Error::sqlite("retention", e))
         })?;
         total += deleted as u64;

@@ -13,7 +13,9 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crossbeam_channel::{Receiver, Sender};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use rusqlite::Connection;
 
 use crate::clock::Clock;
@@ -48,17 +50,38 @@ pub(crate) enum Command {
     Stop,
 }
 
+/// How long the writer, with nothing else to do, waits for a caller's job
+/// before it starts a background job.
+const BACKGROUND_GRACE: Duration = Duration::from_millis(1);
+/// The longest background work is put off when callers keep the writer busy.
+const BACKGROUND_MAX_DEFER: Duration = Duration::from_millis(25);
+
+enum Next {
+    Command(Command),
+    Background(Box<dyn Job>),
+    Disconnected,
+}
+
 /// What other threads hold to send work to the writer.
 #[derive(Clone)]
 pub(crate) struct WriterHandle {
     commands: Sender<Command>,
+    background: Sender<Box<dyn Job>>,
     /// Disconnects when the writer thread ends (its sender is dropped).
     alive: Receiver<()>,
 }
 
 impl WriterHandle {
-    pub fn new(commands: Sender<Command>, alive: Receiver<()>) -> Self {
-        WriterHandle { commands, alive }
+    pub fn new(
+        commands: Sender<Command>,
+        background: Sender<Box<dyn Job>>,
+        alive: Receiver<()>,
+    ) -> Self {
+        WriterHandle {
+            commands,
+            background,
+            alive,
+        }
     }
 
     /// Runs `work` in the writer's next batch and waits for its answer,
@@ -72,6 +95,23 @@ impl WriterHandle {
         self.commands
             .send(Command::Job(job))
             .map_err(|_| Error::Closed)?;
+        self.wait(answer)
+    }
+
+    /// Like `submit`, for work that should not hold callers up: it runs when
+    /// the writer has nothing else to do (or has put it off too long), in a
+    /// transaction of its own.
+    pub fn submit_background<T, F>(&self, work: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
+    {
+        let (job, answer) = job(work);
+        self.background.send(job).map_err(|_| Error::Closed)?;
+        self.wait(answer)
+    }
+
+    fn wait<T>(&self, answer: Receiver<Result<T>>) -> Result<T> {
         // A job that lands behind `Stop` is never run, and a bounded
         // channel keeps it (and its reply sender) after the writer is gone;
         // so wait on the writer's life as well as on the answer.
@@ -164,6 +204,8 @@ pub(crate) struct Writer {
     pub engine_file: EngineFile,
     pub guard: UserCodeGuard,
     pub commands: Receiver<Command>,
+    /// Low-priority jobs (retention), each run in a transaction of its own.
+    pub background: Receiver<Box<dyn Job>>,
     pub counters: Arc<Counters>,
     /// Set (by an update hook) when a job inserted outbox rows; the relay is
     /// woken once their batch has committed.
@@ -176,7 +218,18 @@ impl Writer {
     /// is gone, then checkpoints and closes.
     pub fn run(mut self) {
         let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(self.config.max_batch);
-        'run: while let Ok(first) = self.commands.recv() {
+        let mut deferring_since: Option<Instant> = None;
+        'run: loop {
+            let first = match self.next_command(&mut deferring_since) {
+                Next::Command(command) => command,
+                Next::Background(job) => {
+                    // Alone in its transaction: nobody waits for its commit.
+                    batch.push(job);
+                    self.run_batch(&mut batch);
+                    continue;
+                }
+                Next::Disconnected => break,
+            };
             let mut next = Some(first);
             while let Some(command) = next.take() {
                 match command {
@@ -201,7 +254,55 @@ impl Writer {
         // Jobs that arrived behind Stop are dropped unrun: their callers
         // hear `Closed` (the reply channel disconnects).
         while self.commands.try_recv().is_ok() {}
+        while self.background.try_recv().is_ok() {}
         self.close();
+    }
+
+    /// The next thing to do. Callers' jobs come first; a background job
+    /// (retention) runs only once no caller's job arrived for
+    /// [`BACKGROUND_GRACE`] — a caller sending its next message a few
+    /// microseconds after its answer must not find itself behind a delete
+    /// batch — or once background work has been put off for
+    /// [`BACKGROUND_MAX_DEFER`], so that it still progresses under full
+    /// load (one batch at a time).
+    fn next_command(&self, deferring_since: &mut Option<Instant>) -> Next {
+        if self.background.is_empty() {
+            *deferring_since = None;
+        } else if deferring_since.get_or_insert_with(Instant::now).elapsed() >= BACKGROUND_MAX_DEFER
+        {
+            if let Ok(job) = self.background.try_recv() {
+                *deferring_since = None;
+                return Next::Background(job);
+            }
+        }
+        match self.commands.try_recv() {
+            Ok(command) => return Next::Command(command),
+            Err(TryRecvError::Disconnected) => return Next::Disconnected,
+            Err(TryRecvError::Empty) => {}
+        }
+        match self.commands.recv_timeout(BACKGROUND_GRACE) {
+            Ok(command) => return Next::Command(command),
+            Err(RecvTimeoutError::Disconnected) => return Next::Disconnected,
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        crossbeam_channel::select! {
+            recv(self.commands) -> command => match command {
+                Ok(command) => Next::Command(command),
+                Err(_) => Next::Disconnected,
+            },
+            recv(self.background) -> job => match job {
+                Ok(job) => {
+                    *deferring_since = None;
+                    Next::Background(job)
+                }
+                // Only the engine holds background senders; with them gone
+                // the callers' channel decides when to stop.
+                Err(_) => match self.commands.recv() {
+                    Ok(command) => Next::Command(command),
+                    Err(_) => Next::Disconnected,
+                },
+            },
+        }
     }
 
     fn run_batch(&mut self, batch: &mut Vec<Box<dyn Job>>) {
