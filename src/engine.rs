@@ -681,7 +681,9 @@ impl Control {
         // The relay flushes what is due (workers may just have published)
         // until the deadline; it needs the writer to mark what it sent.
         if let Some(stop) = threads.relay_stop.take() {
-            let _ = stop.try_send(deadline);
+            // A tenth of what is left stays for the writer to finish.
+            let left = deadline.saturating_duration_since(Instant::now());
+            let _ = stop.try_send(Instant::now() + left.mul_f64(0.9));
         }
         if let Some(t) = threads.relay.take() {
             t.join(deadline, &mut report);

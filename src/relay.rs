@@ -135,8 +135,8 @@ where
 }
 
 /// A [`Sink`] that sends each message into a crossbeam channel. A full
-/// channel makes the relay wait up to `timeout` (default 1 s), then retry;
-/// a disconnected one is retried too.
+/// channel makes the relay wait up to `timeout` per batch (default 1 s),
+/// then retry what did not fit; a disconnected one is retried too.
 #[derive(Debug, Clone)]
 pub struct ChannelSink {
     tx: Sender<OutboxMessage>,
@@ -152,7 +152,7 @@ impl ChannelSink {
         }
     }
 
-    /// How long to wait for room in a full channel.
+    /// How long one batch may wait for room in a full channel.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -161,8 +161,11 @@ impl ChannelSink {
 
 impl Sink for ChannelSink {
     fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
+        // One deadline for the whole batch: a full channel holds the relay
+        // (and a shutdown's flush) for `timeout`, not `timeout` per message.
+        let deadline = Instant::now() + self.timeout;
         per_message(batch, |msg| {
-            match self.tx.send_timeout(msg.clone(), self.timeout) {
+            match self.tx.send_deadline(msg.clone(), deadline) {
                 Ok(()) => SendResult::Sent,
                 Err(e) => SendResult::retry(format_args!("channel: {e}")),
             }
@@ -355,6 +358,10 @@ pub(crate) fn relay(
                 let reason = format!("sink panicked: {}", panic_message(panic.as_ref()));
                 vec![SendResult::retry(reason); batch.len()]
             });
+        // While flushing for shutdown, a batch the sink took none of ends
+        // the flush: retrying a dead sink until the deadline would only eat
+        // the time the writer needs to stop.
+        let progress = results.contains(&SendResult::Sent);
         let recorded =
             failpoint::hit("relay.after_send").and_then(|()| record(&shared, batch, results));
         match recorded {
@@ -366,6 +373,9 @@ pub(crate) fn relay(
                 log::warn!("postroom relay: recording results: {e}");
                 std::thread::sleep(shared.config.relay_poll.min(Duration::from_secs(1)));
             }
+        }
+        if stop_at.is_some() && !progress {
+            return;
         }
         if stop_at.is_none() {
             if let Ok(at) = stop.try_recv() {

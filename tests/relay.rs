@@ -414,3 +414,41 @@ fn shutdown_flushes_the_outbox() {
         200
     );
 }
+
+/// A full channel holds the relay for the sink's timeout once per batch,
+/// not once per message: a shutdown with a stuck consumer stays prompt, and
+/// nothing is marked sent that did not get into the channel.
+#[test]
+fn a_full_channel_sink_waits_once_per_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let (tx, rx) = crossbeam_channel::bounded::<OutboxMessage>(1);
+    let room = fast()
+        .workers(0)
+        .relay_batch(50)
+        .consumer("c", handler_fn(|_, _| Ok(())))
+        .sink(ChannelSink::new(tx).timeout(Duration::from_millis(200)))
+        .open(dir.path().join("a.db"))
+        .unwrap();
+    room.transaction(|tx| {
+        for i in 0..50 {
+            tx.publish(Outgoing::new("t", format!("{i}")))?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    let report = room.shutdown(Duration::from_secs(5)).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    let sent = count(
+        &raw(&dir.path().join("a.db")),
+        "SELECT count(*) FROM postroom_outbox WHERE status = 'sent'",
+    );
+    assert_eq!(sent, 1, "only what fitted into the channel is marked sent");
+    assert_eq!(rx.len(), 1);
+}
