@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use crate::clock::{Clock, SystemClock};
 use crate::engine::Postroom;
-
 use crate::error::{Error, Result};
 use crate::handler::{EffectHandler, ErasedEffect, Handler};
 use crate::message::{Headers, Message, Outgoing};

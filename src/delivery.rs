@@ -60,12 +60,8 @@ pub(crate) fn deliver(
             return Ok(Outcome::Conflict { conflict_id });
         }
         Some(row) => match row.status {
-            Status::Completed => return Ok(Outcome::Duplicate),
-            Status::Dead => {
-                return Ok(Outcome::Dead {
-                    attempts: row.attempts,
-                    error: row.last_error.unwrap_or_default(),
-                })
+            Status::Completed | Status::Dead => {
+                return Ok(settled(row).expect("completed and dead are settled"))
             }
             Status::Processing => {
                 return Ok(Outcome::InFlight {
@@ -106,6 +102,19 @@ pub(crate) fn deliver(
         prior_attempts,
         received_at,
     )
+}
+
+/// The final answer for a row whose fate is decided (completed or dead, so
+/// the same for every later delivery of the same payload), or `None`.
+pub(crate) fn settled(row: inbox::Row) -> Option<Outcome> {
+    match row.status {
+        Status::Completed => Some(Outcome::Duplicate),
+        Status::Dead => Some(Outcome::Dead {
+            attempts: row.attempts,
+            error: row.last_error.unwrap_or_default(),
+        }),
+        _ => None,
+    }
 }
 
 /// Runs the handler once (inline delivery), and records the result.

@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
 use crate::handler::Tx;
-use crate::inbox::{self, Status};
+use crate::inbox;
 use crate::inflight::{ClaimSlot, EngineFile, Inflight};
 use crate::message::{Failure, Message, Outcome, Receipt};
 use crate::outbox::{self, OutboxMessage};
@@ -420,14 +420,7 @@ impl Postroom {
         if row.payload_hash != *hash {
             return None;
         }
-        match row.status {
-            Status::Completed => Some(Outcome::Duplicate),
-            Status::Dead => Some(Outcome::Dead {
-                attempts: row.attempts,
-                error: row.last_error.unwrap_or_default(),
-            }),
-            _ => None,
-        }
+        delivery::settled(row)
     }
 
     /// Stores `msg` for `consumer`'s workers to process later (queued

@@ -197,15 +197,6 @@ impl ClaimMarks for EngineFile {
     }
 }
 
-impl ClaimMarks for NoInflightLog {
-    fn started(&mut self, _: i64, _: i64) -> io::Result<()> {
-        Ok(())
-    }
-    fn finished(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
 /// A worker's claim slot: its own bytes of the engine file, written with
 /// positioned writes through its own handle, so no lock is shared.
 #[derive(Debug)]

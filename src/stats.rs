@@ -129,9 +129,7 @@ pub(crate) fn read(conn: &Connection, db_path: &Path) -> Result<Stats> {
             .map_err(sql)?,
     );
     stats.db_bytes = file_len(db_path);
-    let mut wal = db_path.as_os_str().to_owned();
-    wal.push("-wal");
-    stats.wal_bytes = file_len(Path::new(&wal));
+    stats.wal_bytes = file_len(&crate::checkpoint::wal_path(db_path));
     Ok(stats)
 }
 

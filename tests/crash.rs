@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
@@ -76,6 +76,44 @@ fn wait_for(lines: &mpsc::Receiver<String>, wanted: &str) -> Vec<String> {
             ),
         }
     }
+}
+
+/// Starts child `role` on `db` `kills` times, each with its own seed, and
+/// SIGKILLs it at a random moment: up to `max_us` after it said READY, or,
+/// one time in eight when `early`, while it is still opening (schema,
+/// recovery). Returns everything the children acknowledged (what followed
+/// `ACK ` on their lines).
+fn kill_randomly(
+    role: &str,
+    db: &Path,
+    rng: &mut Rng,
+    kills: u64,
+    max_us: u64,
+    early: bool,
+) -> Vec<String> {
+    let mut acked = Vec::new();
+    for k in 0..kills {
+        let mut child = spawn_child(role, db, &[("POSTROOM_SEED", rng.next_u64().to_string())]);
+        let lines = lines_of(&mut child);
+        if early && rng.below(8) == 0 {
+            thread::sleep(Duration::from_micros(rng.below(20_000)));
+        } else {
+            wait_for(&lines, "READY");
+            thread::sleep(Duration::from_micros(rng.below(max_us)));
+        }
+        child.kill().unwrap();
+        let status = child.wait().unwrap();
+        assert!(
+            status.signal() == Some(9) || status.success(),
+            "{role} kill {k}: {status:?}"
+        );
+        acked.extend(
+            lines
+                .iter()
+                .filter_map(|line| line.strip_prefix("ACK ").map(str::to_owned)),
+        );
+    }
+    acked
 }
 
 // ---------------------------------------------------------------------------
@@ -289,34 +327,11 @@ fn random_sigkills_lose_nothing_acknowledged_and_apply_nothing_twice() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("app.db");
     let mut rng = Rng::new(seed);
-    let mut acked: BTreeMap<String, u32> = BTreeMap::new();
-    let mut killed = 0;
-    for k in 0..kills {
-        let child_seed = rng.next_u64().to_string();
-        let mut child = spawn_child("stream", &db, &[("POSTROOM_SEED", child_seed)]);
-        let lines = lines_of(&mut child);
-        if rng.below(8) == 0 {
-            // Sometimes while it is still opening: schema, recovery.
-            thread::sleep(Duration::from_micros(rng.below(20_000)));
-        } else {
-            wait_for(&lines, "READY");
-            // Anywhere from at once to a few dozen commits in.
-            thread::sleep(Duration::from_micros(rng.below(30_000)));
-        }
-        child.kill().unwrap();
-        let status = child.wait().unwrap();
-        assert!(
-            status.signal() == Some(9) || status.success(),
-            "kill {k}: {status:?}"
-        );
-        killed += 1;
-        for line in lines.iter() {
-            if let Some(id) = line.strip_prefix("ACK ") {
-                *acked.entry(id.to_owned()).or_default() += 1;
-            }
-        }
-    }
-    assert_eq!(killed, kills);
+    // Anywhere from while it is still opening (schema, recovery) to a few
+    // dozen commits in.
+    let acked: BTreeSet<String> = kill_randomly("stream", &db, &mut rng, kills, 30_000, true)
+        .into_iter()
+        .collect();
     assert!(
         !acked.is_empty(),
         "no child acknowledged anything; the test proves nothing"
@@ -367,7 +382,7 @@ fn random_sigkills_lose_nothing_acknowledged_and_apply_nothing_twice() {
         lost.is_empty() && duplicated.is_empty(),
         "seed {seed}: lost {lost:?}, duplicated {duplicated:?}"
     );
-    for id in acked.keys() {
+    for id in &acked {
         assert_eq!(
             applied_count(&conn, id),
             1,
@@ -391,7 +406,7 @@ fn random_sigkills_lose_nothing_acknowledged_and_apply_nothing_twice() {
     let planned = STREAM_IDS + STREAM_IDS.div_ceil(7);
     let crash_attempts = count(&conn, "SELECT sum(attempts) FROM postroom_inbox") - planned as i64;
     eprintln!(
-        "random_sigkills: {killed} kills survived, {} distinct ids acknowledged before a kill, \
+        "random_sigkills: {kills} kills survived, {} distinct ids acknowledged before a kill, \
          {crash_attempts} kills landed inside a handler and were counted",
         acked.len()
     );
@@ -475,33 +490,14 @@ fn random_sigkills_while_workers_run_lose_nothing_and_apply_nothing_twice() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("app.db");
     let mut rng = Rng::new(seed);
-    let mut acked: BTreeSet<(String, String)> = BTreeSet::new();
-    for k in 0..kills {
-        let mut child = spawn_child(
-            "queued",
-            &db,
-            &[("POSTROOM_SEED", rng.next_u64().to_string())],
-        );
-        let lines = lines_of(&mut child);
-        if rng.below(8) == 0 {
-            thread::sleep(Duration::from_micros(rng.below(20_000)));
-        } else {
-            wait_for(&lines, "READY");
-            thread::sleep(Duration::from_micros(rng.below(40_000)));
-        }
-        child.kill().unwrap();
-        let status = child.wait().unwrap();
-        assert!(
-            status.signal() == Some(9) || status.success(),
-            "kill {k}: {status:?}"
-        );
-        for line in lines.iter() {
-            if let Some(rest) = line.strip_prefix("ACK ") {
-                let (consumer, id) = rest.split_once(' ').unwrap();
-                acked.insert((consumer.to_owned(), id.to_owned()));
-            }
-        }
-    }
+    let acked: BTreeSet<(String, String)> =
+        kill_randomly("queued", &db, &mut rng, kills, 40_000, true)
+            .into_iter()
+            .map(|line| {
+                let (consumer, id) = line.split_once(' ').unwrap();
+                (consumer.to_owned(), id.to_owned())
+            })
+            .collect();
     assert!(
         !acked.is_empty(),
         "nothing was acknowledged; the test proves nothing"
@@ -636,28 +632,9 @@ fn random_sigkills_around_the_relay_deliver_every_outbox_row_exactly_once_downst
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("a.db");
     let mut rng = Rng::new(seed);
-    let mut acked = BTreeSet::new();
-    for k in 0..kills {
-        let mut child = spawn_child(
-            "relay",
-            &db,
-            &[("POSTROOM_SEED", rng.next_u64().to_string())],
-        );
-        let lines = lines_of(&mut child);
-        wait_for(&lines, "READY");
-        thread::sleep(Duration::from_micros(rng.below(30_000)));
-        child.kill().unwrap();
-        let status = child.wait().unwrap();
-        assert!(
-            status.signal() == Some(9) || status.success(),
-            "kill {k}: {status:?}"
-        );
-        for line in lines.iter() {
-            if let Some(id) = line.strip_prefix("ACK ") {
-                acked.insert(id.to_owned());
-            }
-        }
-    }
+    let acked: BTreeSet<String> = kill_randomly("relay", &db, &mut rng, kills, 30_000, false)
+        .into_iter()
+        .collect();
     assert!(
         !acked.is_empty(),
         "nothing was acknowledged; the test proves nothing"

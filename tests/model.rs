@@ -34,7 +34,6 @@ fn seeded_sequences_match_the_model() {
                 .collect()
         }
     };
-    let mut total = sim::RunStats::default();
     let (mut ops, mut processed, mut crashes, mut conflicts, mut dead) = (0, 0, 0, 0, 0);
     for &seed in &seeds {
         let dir = tempfile::tempdir().unwrap();
@@ -45,12 +44,10 @@ fn seeded_sequences_match_the_model() {
                 crashes += stats.crashes;
                 conflicts += stats.conflicts;
                 dead += stats.dead;
-                total = stats;
             }
             Err(e) => panic!("POSTROOM_SEED={seed} POSTROOM_MODEL_LEN={len}: {e}"),
         }
     }
-    let _ = total;
     eprintln!(
         "model: {} sequences, {ops} operations; {processed} processed, {crashes} crashes, \
          {conflicts} conflicts, {dead} dead letters; every step matched the model",
