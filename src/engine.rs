@@ -6,13 +6,13 @@ use std::panic::{self, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::{self, JoinHandle, ThreadId};
+use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{RecvTimeoutError, Sender};
 use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::hooks::Action;
-use rusqlite::OpenFlags;
+use rusqlite::{Connection, OpenFlags};
 
 use crate::checkpoint;
 use crate::clock::Clock;
@@ -32,7 +32,7 @@ use crate::relay::{self, Sink};
 use crate::schema;
 use crate::stats::{self, Stats};
 use crate::workers::{self, Consumer, Leases, Shared};
-use crate::writer::{Counters, Writer, WriterCtx, WriterHandle};
+use crate::writer::{self, Counters, WriterCtx, WriterState};
 
 const WRITER_THREAD: &str = "postroom-writer";
 
@@ -140,7 +140,6 @@ struct Control {
     shared: Arc<Shared>,
     closed: AtomicBool,
     threads: Mutex<Threads>,
-    writer_thread: ThreadId,
 }
 
 impl std::fmt::Debug for Postroom {
@@ -183,8 +182,6 @@ impl Postroom {
         let guard =
             UserCodeGuard::install(&conn).map_err(|e| Error::sqlite("install authorizer", e))?;
 
-        let (commands, receiver) = crossbeam_channel::bounded(config.max_batch);
-        let (background, background_rx) = crossbeam_channel::bounded(1);
         let (alive_tx, writer_alive) = crossbeam_channel::bounded::<()>(0);
         let counters = Arc::new(Counters::default());
         let outbox_dirty = Arc::new(AtomicBool::new(false));
@@ -202,7 +199,7 @@ impl Postroom {
             .map(|n| engine_file.slot(n))
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| Error::io("open engine file for workers", e))?;
-        let writer = Writer {
+        let state = WriterState {
             outbox_dirty,
             relay_wake: sink.is_some().then_some(relay_wake),
             conn,
@@ -210,15 +207,13 @@ impl Postroom {
             clock: Arc::clone(&clock),
             engine_file,
             guard,
-            commands: receiver,
-            background: background_rx,
             counters: Arc::clone(&counters),
         };
+        let (writer, writer_thread) = writer::writer(state, writer_alive);
         let writer_running = spawn(WRITER_THREAD.into(), move || {
             let _alive = alive_tx;
-            writer.run();
+            writer_thread.run();
         })?;
-        let writer_thread = writer_running.handle.thread().id();
 
         let busy_timeout = config.busy_timeout;
         let manager = SqliteConnectionManager::file(path)
@@ -240,7 +235,7 @@ impl Postroom {
         let (wake_tx, wake_rx) = crossbeam_channel::bounded(1);
         let shared = Arc::new(Shared {
             path: path.to_path_buf(),
-            writer: WriterHandle::new(commands, background, writer_alive),
+            writer,
             config,
             clock,
             consumers,
@@ -261,7 +256,6 @@ impl Postroom {
                     writer: Some(writer_running),
                     ..Threads::default()
                 }),
-                writer_thread,
             }),
             shared: Arc::clone(&shared),
             readers,
@@ -388,10 +382,25 @@ impl Postroom {
         };
         self.shared.config.check_message(&msg)?;
         let hash = *blake3::hash(&msg.payload).as_bytes();
-        if let Some(outcome) = self.settled(&consumer.name, &msg, &hash) {
+        self.check_caller()?;
+        // A message whose fate is already committed is answered from a read,
+        // on the caller's thread, without a batch: on the write connection
+        // when this caller may lead, else from the read pool rather than
+        // queueing behind other callers' batches.
+        let leader = self.shared.writer.lead();
+        let known = match &leader {
+            Some(leader) => leader
+                .conn()
+                .and_then(|conn| settled(conn, &consumer.name, &msg, &hash)),
+            None => self
+                .reader()
+                .ok()
+                .and_then(|conn| settled(&conn, &consumer.name, &msg, &hash)),
+        };
+        if let Some(outcome) = known {
             return Ok(outcome);
         }
-        self.submit(move |w| {
+        let work = move |w: &mut WriterCtx<'_>| {
             let mut env = Env {
                 conn: w.conn,
                 config: w.config,
@@ -400,27 +409,11 @@ impl Postroom {
                 guard: w.guard,
             };
             delivery::deliver(&mut env, &consumer.name, &*handler, &msg, &hash)
-        })
-    }
-
-    /// The answer for a message whose fate is already committed — completed,
-    /// or dead, with the same payload digest — read on the caller's thread
-    /// without queueing behind the writer. Those states are final (only an
-    /// operator's redrive leaves `dead`, and a redelivery racing a redrive
-    /// may be told either), so a duplicate storm costs one indexed read per
-    /// message. Anything else, or any error, goes the writer's way.
-    fn settled(&self, consumer: &str, msg: &Message, hash: &[u8; 32]) -> Option<Outcome> {
-        let conn = self.reader().ok()?;
-        let key = inbox::Key {
-            consumer,
-            source: &msg.source,
-            message_id: &msg.id,
         };
-        let row = inbox::lookup(&conn, key).ok()??;
-        if row.payload_hash != *hash {
-            return None;
+        match leader {
+            Some(leader) => leader.run(work),
+            None => self.shared.writer.enqueue(work),
         }
-        delivery::settled(row)
     }
 
     /// Stores `msg` for `consumer`'s workers to process later (queued
@@ -605,7 +598,7 @@ impl Postroom {
         if self.control.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
-        if thread::current().id() == self.control.writer_thread {
+        if self.shared.writer.held_here() {
             return Err(Error::invalid(
                 "caller",
                 "called from inside a handler; that would wait on itself forever",
@@ -639,10 +632,10 @@ impl Control {
         }
         self.shared.stopping.store(true, Ordering::Release);
         self.shared.wake();
-        if thread::current().id() == self.writer_thread {
-            // A handler cannot wait for the thread it runs on. The writer
+        if self.shared.writer.held_here() {
+            // A handler cannot wait for the batch it runs in. The writer
             // stops once the jobs queued so far are done.
-            self.shared.writer.try_stop();
+            self.shared.writer.stop();
             return Err(Error::invalid(
                 "caller",
                 "shutdown called from inside a handler; the engine stops after this batch",
@@ -681,9 +674,7 @@ impl Control {
         if let Some(t) = threads.relay.take() {
             t.join(deadline, &mut report);
         }
-        self.shared
-            .writer
-            .stop(deadline.saturating_duration_since(Instant::now()));
+        self.shared.writer.stop();
         if let Some(t) = threads.writer.take() {
             t.join(deadline, &mut report);
         }
@@ -779,4 +770,22 @@ pub(crate) fn recover_after_crash(
         let _ = conn.execute_batch("ROLLBACK");
     }
     recovered
+}
+
+/// The answer for a message whose fate is already committed: completed, or
+/// dead, with the same payload digest. Those states are final (only an
+/// operator's redrive leaves `dead`, and a redelivery racing a redrive may
+/// be told either), so a duplicate storm costs one indexed read per
+/// message. Anything else, or any error, is `None`: the writer decides.
+fn settled(conn: &Connection, consumer: &str, msg: &Message, hash: &[u8; 32]) -> Option<Outcome> {
+    let key = inbox::Key {
+        consumer,
+        source: &msg.source,
+        message_id: &msg.id,
+    };
+    let row = inbox::lookup(conn, key).ok()??;
+    if row.payload_hash != *hash {
+        return None;
+    }
+    delivery::settled(row)
 }

@@ -1,21 +1,31 @@
-//! The writer thread: owns the only write connection and commits jobs in
-//! groups.
+//! The write connection, and how jobs reach it: group commit with the
+//! caller as leader when nobody else is writing.
 //!
-//! It blocks for one job, then takes whatever else is already queued, up to
-//! `max_batch`, and runs them all in one `BEGIN IMMEDIATE … COMMIT`, each in
-//! its own savepoint. Callers hear back only after `COMMIT` returned, so one
+//! The connection lives behind a mutex. A caller that finds it free (and no
+//! writer thread waiting for it) *leads*: it takes the lock, adds whatever
+//! other callers have queued (up to `max_batch`), runs the batch on its own
+//! thread and answers everyone. A caller that finds it taken queues its job;
+//! the writer thread picks queued jobs up, takes the lock once the leader is
+//! done, and runs them as the next batch. A lone caller thus never waits on
+//! a thread hand-off, and concurrent callers still share one commit.
+//!
+//! Each batch runs in one `BEGIN IMMEDIATE … COMMIT`, each job in its own
+//! savepoint, and callers hear back only after `COMMIT` returned, so one
 //! fsync covers the whole group. Invariants:
+//! * only the holder of the lock touches the connection;
 //! * a job's `Err` rolls back its own savepoint and nothing else;
 //! * if `COMMIT` fails, or the transaction disappears mid-batch (SQLite
 //!   rolls back by itself after some I/O errors), every job of the batch is
-//!   answered with an error: nothing of it was acknowledged.
+//!   answered with an error: nothing of it was acknowledged;
+//! * a job queued before the writer was told to stop is run; a job queued
+//!   after it had closed the connection is answered `Closed`.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use rusqlite::Connection;
 
 use crate::clock::Clock;
@@ -35,7 +45,7 @@ pub(crate) struct WriterCtx<'a> {
     pub guard: &'a UserCodeGuard,
 }
 
-/// A unit of work for the writer thread.
+/// A unit of work for the writer.
 pub(crate) trait Job: Send {
     /// Runs inside the batch's transaction and its own savepoint. An `Err`
     /// (a copy of the job's own error) means its writes must be rolled back.
@@ -44,63 +54,153 @@ pub(crate) trait Job: Send {
     fn finish(self: Box<Self>, batch: std::result::Result<(), &Error>);
 }
 
-pub(crate) enum Command {
-    Job(Box<dyn Job>),
-    /// Finish the queued jobs before this one, then exit.
-    Stop,
-}
-
 /// How long the writer, with nothing else to do, waits for a caller's job
 /// before it starts a background job.
 const BACKGROUND_GRACE: Duration = Duration::from_millis(1);
 /// The longest background work is put off when callers keep the writer busy.
 const BACKGROUND_MAX_DEFER: Duration = Duration::from_millis(25);
 
-enum Next {
-    Command(Command),
-    Background(Box<dyn Job>),
-    Disconnected,
+thread_local! {
+    /// The writers (by address) whose lock this thread holds: a caller
+    /// inside a handler must not wait for a batch that waits for it.
+    static HELD: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+
+/// What the writer thread and leading callers share.
+pub(crate) struct Core {
+    state: Mutex<Option<WriterState>>,
+    /// Set while the writer thread holds a queued job and waits for the
+    /// lock; callers then queue rather than lead, so it cannot starve.
+    writer_waiting: AtomicBool,
+    /// When a caller's batch last ended, in ns since `epoch`: background
+    /// work waits until callers have been quiet for [`BACKGROUND_GRACE`].
+    last_batch_ns: AtomicU64,
+    epoch: Instant,
+}
+
+impl Core {
+    pub fn new(state: WriterState) -> Arc<Core> {
+        Arc::new(Core {
+            state: Mutex::new(Some(state)),
+            writer_waiting: AtomicBool::new(false),
+            last_batch_ns: AtomicU64::new(0),
+            epoch: Instant::now(),
+        })
+    }
+
+    fn id(&self) -> usize {
+        self as *const Core as usize
+    }
+
+    /// True when this thread holds the lock (it runs inside a batch).
+    pub fn held_here(&self) -> bool {
+        let id = self.id();
+        HELD.with(|held| held.borrow().contains(&id))
+    }
+
+    fn lock(&self) -> Held<'_> {
+        Held::new(self, self.state.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn try_lock(&self) -> Option<Held<'_>> {
+        match self.state.try_lock() {
+            Ok(guard) => Some(Held::new(self, guard)),
+            Err(TryLockError::Poisoned(p)) => Some(Held::new(self, p.into_inner())),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+
+    fn note_callers_batch(&self) {
+        let ns = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.last_batch_ns.store(ns, Ordering::Relaxed);
+    }
+
+    fn callers_quiet_for(&self) -> Duration {
+        let last = Duration::from_nanos(self.last_batch_ns.load(Ordering::Relaxed));
+        self.epoch.elapsed().saturating_sub(last)
+    }
+}
+
+/// The lock on the writer's state, registered in [`HELD`] while held.
+struct Held<'a> {
+    core: &'a Core,
+    guard: MutexGuard<'a, Option<WriterState>>,
+}
+
+impl<'a> Held<'a> {
+    fn new(core: &'a Core, guard: MutexGuard<'a, Option<WriterState>>) -> Self {
+        HELD.with(|held| held.borrow_mut().push(core.id()));
+        Held { core, guard }
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let id = self.core.id();
+        HELD.with(|held| {
+            let mut held = held.borrow_mut();
+            if let Some(at) = held.iter().rposition(|&h| h == id) {
+                held.remove(at);
+            }
+        });
+    }
 }
 
 /// What other threads hold to send work to the writer.
 #[derive(Clone)]
 pub(crate) struct WriterHandle {
-    commands: Sender<Command>,
+    core: Arc<Core>,
+    commands: Sender<Box<dyn Job>>,
+    /// The same queue, for leaders to take other callers' jobs from.
+    queued: Receiver<Box<dyn Job>>,
     background: Sender<Box<dyn Job>>,
+    stop: Sender<()>,
     /// Disconnects when the writer thread ends (its sender is dropped).
     alive: Receiver<()>,
 }
 
 impl WriterHandle {
-    pub fn new(
-        commands: Sender<Command>,
-        background: Sender<Box<dyn Job>>,
-        alive: Receiver<()>,
-    ) -> Self {
-        WriterHandle {
-            commands,
-            background,
-            alive,
-        }
-    }
-
-    /// Runs `work` in the writer's next batch and waits for its answer,
-    /// which comes after that batch has committed.
+    /// Runs `work` in a batch and returns its answer, which comes after that
+    /// batch has committed: as the batch's leader when the writer is free,
+    /// else in the writer thread's next batch.
     pub fn submit<T, F>(&self, work: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
     {
+        match self.lead() {
+            Some(leader) => leader.run(work),
+            None => self.enqueue(work),
+        }
+    }
+
+    /// The lock, if this caller can lead the next batch now.
+    pub fn lead(&self) -> Option<Leader<'_>> {
+        if self.core.writer_waiting.load(Ordering::Acquire) {
+            return None;
+        }
+        let held = self.core.try_lock()?;
+        // Closed: the queue answers `Closed` once the writer thread is gone.
+        held.guard.is_some().then_some(Leader {
+            held,
+            queued: &self.queued,
+        })
+    }
+
+    /// Queues `work` for the writer thread and waits for its answer.
+    pub fn enqueue<T, F>(&self, work: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
+    {
         let (job, answer) = job(work);
-        self.commands
-            .send(Command::Job(job))
-            .map_err(|_| Error::Closed)?;
+        self.commands.send(job).map_err(|_| Error::Closed)?;
         self.wait(answer)
     }
 
     /// Like `submit`, for work that should not hold callers up: it runs when
-    /// the writer has nothing else to do (or has put it off too long), in a
-    /// transaction of its own.
+    /// callers have left the writer alone for a moment (or it has been put
+    /// off too long), in a transaction of its own.
     pub fn submit_background<T, F>(&self, work: F) -> Result<T>
     where
         T: Send + 'static,
@@ -112,24 +212,62 @@ impl WriterHandle {
     }
 
     fn wait<T>(&self, answer: Receiver<Result<T>>) -> Result<T> {
-        // A job that lands behind `Stop` is never run, and a bounded
-        // channel keeps it (and its reply sender) after the writer is gone;
-        // so wait on the writer's life as well as on the answer.
+        // A job queued after the writer closed is never run, and the queue
+        // keeps it (and its reply sender) after the writer is gone; so wait
+        // on the writer's life as well as on the answer.
         crossbeam_channel::select! {
             recv(answer) -> reply => reply.map_err(|_| Error::Closed)?,
             recv(self.alive) -> _ => answer.try_recv().map_err(|_| Error::Closed)?,
         }
     }
 
-    /// Asks the writer to stop once the commands queued before this one are
-    /// done, waiting at most `deadline` for room in the queue.
-    pub fn stop(&self, deadline: std::time::Duration) {
-        let _ = self.commands.send_timeout(Command::Stop, deadline);
+    /// Asks the writer thread to run what is queued, then close.
+    pub fn stop(&self) {
+        // The channel holds one stop; a second adds nothing.
+        let _ = self.stop.try_send(());
     }
 
-    /// Like `stop`, without waiting (for the writer thread itself).
-    pub fn try_stop(&self) {
-        let _ = self.commands.try_send(Command::Stop);
+    /// True when this thread is running inside one of this writer's batches.
+    pub fn held_here(&self) -> bool {
+        self.core.held_here()
+    }
+}
+
+/// A caller holding the writer's lock, about to run a batch.
+pub(crate) struct Leader<'a> {
+    held: Held<'a>,
+    queued: &'a Receiver<Box<dyn Job>>,
+}
+
+impl Leader<'_> {
+    /// Runs `work`, and what other callers queued, as one batch.
+    pub fn run<T, F>(mut self, work: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
+    {
+        let Some(state) = self.held.guard.as_mut() else {
+            return Err(Error::Closed);
+        };
+        let (own, answer) = job(work);
+        let mut batch = Vec::with_capacity(8);
+        batch.push(own);
+        while batch.len() < state.config.max_batch {
+            match self.queued.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        state.run_batch(&mut batch);
+        self.held.core.note_callers_batch();
+        drop(self.held);
+        answer.try_recv().map_err(|_| Error::Closed)?
+    }
+
+    /// The write connection, outside any transaction: for reads that may
+    /// answer a caller without a batch.
+    pub fn conn(&self) -> Option<&Connection> {
+        self.held.guard.as_ref().map(|state| &state.conn)
     }
 }
 
@@ -196,16 +334,13 @@ pub(crate) struct Counters {
     pub jobs: AtomicU64,
 }
 
-/// Everything the writer thread owns.
-pub(crate) struct Writer {
+/// The write connection and what running a batch on it needs.
+pub(crate) struct WriterState {
     pub conn: Connection,
     pub config: Config,
     pub clock: std::sync::Arc<dyn Clock>,
     pub engine_file: EngineFile,
     pub guard: UserCodeGuard,
-    pub commands: Receiver<Command>,
-    /// Low-priority jobs (retention), each run in a transaction of its own.
-    pub background: Receiver<Box<dyn Job>>,
     pub counters: Arc<Counters>,
     /// Set (by an update hook) when a job inserted outbox rows; the relay is
     /// woken once their batch has committed.
@@ -213,98 +348,7 @@ pub(crate) struct Writer {
     pub relay_wake: Option<Sender<()>>,
 }
 
-impl Writer {
-    /// The thread's body: runs batches until told to stop or every sender
-    /// is gone, then checkpoints and closes.
-    pub fn run(mut self) {
-        let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(self.config.max_batch);
-        let mut deferring_since: Option<Instant> = None;
-        'run: loop {
-            let first = match self.next_command(&mut deferring_since) {
-                Next::Command(command) => command,
-                Next::Background(job) => {
-                    // Alone in its transaction: nobody waits for its commit.
-                    batch.push(job);
-                    self.run_batch(&mut batch);
-                    continue;
-                }
-                Next::Disconnected => break,
-            };
-            let mut next = Some(first);
-            while let Some(command) = next.take() {
-                match command {
-                    Command::Stop => break 'run,
-                    Command::Job(job) => {
-                        batch.push(job);
-                        while batch.len() < self.config.max_batch {
-                            match self.commands.try_recv() {
-                                Ok(Command::Job(job)) => batch.push(job),
-                                Ok(other) => {
-                                    next = Some(other);
-                                    break;
-                                }
-                                Err(_) => break,
-                            }
-                        }
-                        self.run_batch(&mut batch);
-                    }
-                }
-            }
-        }
-        // Jobs that arrived behind Stop are dropped unrun: their callers
-        // hear `Closed` (the reply channel disconnects).
-        while self.commands.try_recv().is_ok() {}
-        while self.background.try_recv().is_ok() {}
-        self.close();
-    }
-
-    /// The next thing to do. Callers' jobs come first; a background job
-    /// (retention) runs only once no caller's job arrived for
-    /// [`BACKGROUND_GRACE`] — a caller sending its next message a few
-    /// microseconds after its answer must not find itself behind a delete
-    /// batch — or once background work has been put off for
-    /// [`BACKGROUND_MAX_DEFER`], so that it still progresses under full
-    /// load (one batch at a time).
-    fn next_command(&self, deferring_since: &mut Option<Instant>) -> Next {
-        if self.background.is_empty() {
-            *deferring_since = None;
-        } else if deferring_since.get_or_insert_with(Instant::now).elapsed() >= BACKGROUND_MAX_DEFER
-        {
-            if let Ok(job) = self.background.try_recv() {
-                *deferring_since = None;
-                return Next::Background(job);
-            }
-        }
-        match self.commands.try_recv() {
-            Ok(command) => return Next::Command(command),
-            Err(TryRecvError::Disconnected) => return Next::Disconnected,
-            Err(TryRecvError::Empty) => {}
-        }
-        match self.commands.recv_timeout(BACKGROUND_GRACE) {
-            Ok(command) => return Next::Command(command),
-            Err(RecvTimeoutError::Disconnected) => return Next::Disconnected,
-            Err(RecvTimeoutError::Timeout) => {}
-        }
-        crossbeam_channel::select! {
-            recv(self.commands) -> command => match command {
-                Ok(command) => Next::Command(command),
-                Err(_) => Next::Disconnected,
-            },
-            recv(self.background) -> job => match job {
-                Ok(job) => {
-                    *deferring_since = None;
-                    Next::Background(job)
-                }
-                // Only the engine holds background senders; with them gone
-                // the callers' channel decides when to stop.
-                Err(_) => match self.commands.recv() {
-                    Ok(command) => Next::Command(command),
-                    Err(_) => Next::Disconnected,
-                },
-            },
-        }
-    }
-
+impl WriterState {
     fn run_batch(&mut self, batch: &mut Vec<Box<dyn Job>>) {
         let outcome = self.execute(batch);
         if outcome.is_ok() {
@@ -320,20 +364,27 @@ impl Writer {
         }
         if let Err(e) = &outcome {
             log::error!("postroom writer: batch of {} failed: {e}", batch.len());
-            if !self.conn.is_autocommit() {
-                if let Err(e) = self.conn.execute_batch("ROLLBACK") {
-                    log::error!("postroom writer: ROLLBACK failed: {e}");
-                }
-            }
+            self.roll_back();
         }
         for job in batch.drain(..) {
             job.finish(outcome.as_ref().map(|_| ()));
         }
     }
 
+    fn roll_back(&self) {
+        if !self.conn.is_autocommit() {
+            if let Err(e) = self.conn.execute_batch("ROLLBACK") {
+                log::error!("postroom writer: ROLLBACK failed: {e}");
+            }
+        }
+    }
+
     /// Runs the batch in one transaction. `Err` means nothing of it may be
     /// reported as committed.
     fn execute(&mut self, batch: &mut [Box<dyn Job>]) -> Result<()> {
+        // A holder that panicked mid-batch left its transaction open; none
+        // of it was answered as committed.
+        self.roll_back();
         failpoint::hit("writer.before_begin")?;
         exec(&self.conn, "BEGIN IMMEDIATE")?;
         let mut ctx = WriterCtx {
@@ -379,6 +430,166 @@ impl Writer {
         }
         if let Err((_, e)) = self.conn.close() {
             log::warn!("postroom writer: closing the database: {e}");
+        }
+    }
+}
+
+enum Next {
+    Job(Box<dyn Job>),
+    Background(Box<dyn Job>),
+    Stop,
+}
+
+/// The writer thread: runs what callers queued while the lock was taken,
+/// and background work when callers leave it alone.
+pub(crate) struct WriterThread {
+    core: Arc<Core>,
+    commands: Receiver<Box<dyn Job>>,
+    /// Low-priority jobs (retention), each run in a transaction of its own.
+    background: Receiver<Box<dyn Job>>,
+    stop: Receiver<()>,
+    /// A background job taken off its queue, and since when it waits.
+    deferred: Option<(Box<dyn Job>, Instant)>,
+    max_batch: usize,
+}
+
+/// Creates the writer's queues: the handle callers use, and the thread's
+/// end. `alive` must be dropped when the thread ends.
+pub(crate) fn writer(state: WriterState, alive: Receiver<()>) -> (WriterHandle, WriterThread) {
+    let max_batch = state.config.max_batch;
+    let core = Core::new(state);
+    let (commands, queued) = crossbeam_channel::bounded(max_batch);
+    let (background, background_rx) = crossbeam_channel::bounded(1);
+    let (stop, stop_rx) = crossbeam_channel::bounded(1);
+    let handle = WriterHandle {
+        core: Arc::clone(&core),
+        commands,
+        queued: queued.clone(),
+        background,
+        stop,
+        alive,
+    };
+    let thread = WriterThread {
+        core,
+        commands: queued,
+        background: background_rx,
+        stop: stop_rx,
+        deferred: None,
+        max_batch,
+    };
+    (handle, thread)
+}
+
+impl WriterThread {
+    /// The thread's body: runs batches until told to stop or every handle
+    /// is gone, then closes the connection.
+    pub fn run(mut self) {
+        let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(self.max_batch);
+        loop {
+            match self.next() {
+                Next::Job(job) => {
+                    batch.push(job);
+                    self.core.writer_waiting.store(true, Ordering::Release);
+                    let mut held = self.core.lock();
+                    self.core.writer_waiting.store(false, Ordering::Release);
+                    self.take_queued(&mut batch);
+                    let Some(state) = held.guard.as_mut() else {
+                        break;
+                    };
+                    state.run_batch(&mut batch);
+                    self.core.note_callers_batch();
+                }
+                Next::Background(job) => {
+                    // Alone in its transaction: nobody waits for its commit.
+                    batch.push(job);
+                    let mut held = self.core.lock();
+                    let Some(state) = held.guard.as_mut() else {
+                        break;
+                    };
+                    state.run_batch(&mut batch);
+                }
+                Next::Stop => break,
+            }
+        }
+        // Run what was queued before the stop, then close under the lock so
+        // no leader can start a batch on a closing connection. Jobs queued
+        // after this are answered `Closed` when the thread ends.
+        let mut held = self.core.lock();
+        if let Some(state) = held.guard.as_mut() {
+            loop {
+                self.take_queued(&mut batch);
+                if batch.is_empty() {
+                    break;
+                }
+                state.run_batch(&mut batch);
+            }
+        }
+        // Jobs of a batch that could not run (closed) hear `Closed`.
+        batch.clear();
+        if let Some((job, _)) = self.deferred.take() {
+            drop(job);
+        }
+        if let Some(state) = held.guard.take() {
+            state.close();
+        }
+    }
+
+    fn take_queued(&self, batch: &mut Vec<Box<dyn Job>>) {
+        while batch.len() < self.max_batch {
+            match self.commands.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+    }
+
+    /// The next thing to do. Callers' jobs come first; a background job
+    /// (retention) runs only once callers left the writer alone for
+    /// [`BACKGROUND_GRACE`] — a caller sending its next message a few
+    /// microseconds after its answer must not find itself behind a delete
+    /// batch — or once it has been put off for [`BACKGROUND_MAX_DEFER`], so
+    /// that it still progresses under full load (one batch at a time).
+    fn next(&mut self) -> Next {
+        loop {
+            if self.deferred.is_none() {
+                if let Ok(job) = self.background.try_recv() {
+                    self.deferred = Some((job, Instant::now()));
+                }
+            }
+            if let Some((_, since)) = &self.deferred {
+                if since.elapsed() >= BACKGROUND_MAX_DEFER
+                    || self.core.callers_quiet_for() >= BACKGROUND_GRACE
+                {
+                    let (job, _) = self.deferred.take().expect("checked above");
+                    return Next::Background(job);
+                }
+            }
+            match self.commands.try_recv() {
+                Ok(job) => return Next::Job(job),
+                // Every handle is gone.
+                Err(TryRecvError::Disconnected) => return Next::Stop,
+                Err(TryRecvError::Empty) => {}
+            }
+            if !matches!(self.stop.try_recv(), Err(TryRecvError::Empty)) {
+                return Next::Stop;
+            }
+            if self.deferred.is_some() {
+                crossbeam_channel::select! {
+                    recv(self.commands) -> job => return job.map_or(Next::Stop, Next::Job),
+                    recv(self.stop) -> _ => return Next::Stop,
+                    default(BACKGROUND_GRACE) => {}
+                }
+            } else {
+                crossbeam_channel::select! {
+                    recv(self.commands) -> job => return job.map_or(Next::Stop, Next::Job),
+                    recv(self.stop) -> _ => return Next::Stop,
+                    recv(self.background) -> job => match job {
+                        Ok(job) => self.deferred = Some((job, Instant::now())),
+                        // Every handle is gone.
+                        Err(_) => return Next::Stop,
+                    },
+                }
+            }
         }
     }
 }
