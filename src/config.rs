@@ -433,8 +433,9 @@ impl Builder {
         self
     }
 
-    /// Most jobs the writer thread commits in one transaction (group
-    /// commit); also the capacity of its queue. Default: 256.
+    /// Most jobs committed in one transaction (group commit); also the
+    /// capacity of the queue callers wait in while another batch runs.
+    /// Default: 256.
     pub fn max_batch(mut self, jobs: usize) -> Self {
         self.config.max_batch = jobs;
         self

@@ -1,5 +1,5 @@
 //! The inline delivery state machine (DESIGN §4), as a plain function over
-//! a connection that is inside a write transaction. The writer thread calls
+//! a connection that is inside a write transaction. A batch's leader calls
 //! it; tests and fuzz targets can call it directly with a manual clock.
 
 use std::panic::{self, AssertUnwindSafe};

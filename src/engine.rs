@@ -607,8 +607,8 @@ impl Postroom {
         Ok(())
     }
 
-    /// Sends `work` to the writer thread and waits for its answer, which
-    /// comes after the batch it ran in has committed.
+    /// Runs `work` in a batch (leading it, or queued for the writer thread)
+    /// and returns its answer, which comes after that batch has committed.
     fn submit<T, F>(&self, work: F) -> Result<T>
     where
         T: Send + 'static,

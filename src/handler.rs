@@ -13,8 +13,9 @@ use crate::outbox;
 /// `handle` runs inside the engine's write transaction (in its own
 /// savepoint): everything it writes through `tx`, domain rows and published
 /// messages alike, commits together with the inbox record or not at all. It
-/// runs on the writer thread, one message at a time, so keep it quick; do
-/// slow external calls elsewhere. Returning an error (or panicking) rolls its
+/// runs while the engine's write connection is held (on the calling thread
+/// or the writer thread), one message at a time, so keep it quick; do slow
+/// external calls elsewhere. Returning an error (or panicking) rolls its
 /// writes back. A handler must not begin, commit or roll back transactions
 /// itself, and must not call the engine it runs in.
 pub trait Handler: Send + Sync + 'static {

@@ -727,6 +727,52 @@ fn calling_the_engine_from_its_own_handler_is_an_error_not_a_deadlock() {
     );
 }
 
+/// A handler may deliver into another engine (the refusal above is per
+/// engine, not per thread): the inner delivery runs on the same thread,
+/// nested in the outer batch, and both commit. The inner engine is also
+/// busy with other callers, so the nested call may have to queue.
+#[test]
+fn a_handler_may_deliver_into_another_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let inner = Arc::new(
+        Postroom::builder()
+            .consumer("in", handler_fn(|_, _| Ok(())))
+            .open(dir.path().join("inner.db"))
+            .unwrap(),
+    );
+    let target = Arc::clone(&inner);
+    let outer = Postroom::builder()
+        .consumer(
+            "out",
+            handler_fn(move |_, msg| {
+                let copy = Message::new("outer", msg.id(), msg.payload().to_vec());
+                match target.deliver("in", copy) {
+                    Ok(Outcome::Processed { .. } | Outcome::Duplicate) => Ok(()),
+                    other => Err(Failure::reject(format!("inner deliver: {other:?}"))),
+                }
+            }),
+        )
+        .open(dir.path().join("outer.db"))
+        .unwrap();
+    let busy = Arc::clone(&inner);
+    let background = thread::spawn(move || {
+        for i in 0..200 {
+            busy.deliver("in", Message::new("side", format!("s{i}"), "x"))
+                .unwrap();
+        }
+    });
+    for i in 0..200 {
+        let outcome = outer
+            .deliver("out", Message::new("src", format!("m{i}"), "x"))
+            .unwrap();
+        assert_eq!(outcome, Outcome::Processed { attempts: 1 }, "m{i}");
+    }
+    background.join().unwrap();
+    let sql = "SELECT count(*) FROM postroom_inbox WHERE status = 'completed'";
+    assert_eq!(count(&raw(outer.path()), sql), 200);
+    assert_eq!(count(&raw(inner.path()), sql), 400);
+}
+
 #[test]
 fn shutdown_joins_the_writer_and_releases_the_database() {
     let dir = tempfile::tempdir().unwrap();
