@@ -85,7 +85,9 @@ pub(crate) struct Claimed {
 /// Claims up to `limit` due rows of `consumer` in receive order: pending
 /// rows, and failed rows whose backoff has passed, skipping any row whose
 /// ordering key has an earlier unfinished row or any row in progress (a
-/// redriven head must not run beside its successor).
+/// redriven head must not run beside its successor). A row that already used
+/// `max_attempts` (the cap was lowered since) is dead-lettered instead of
+/// claimed.
 pub(crate) fn claim(
     conn: &Connection,
     consumer: &str,
@@ -93,6 +95,7 @@ pub(crate) fn claim(
     now_ms: i64,
     lease_until: i64,
     token: i64,
+    max_attempts: u32,
 ) -> rusqlite::Result<Vec<Claimed>> {
     // The NOT EXISTS repeats the partial index's status list on purpose:
     // without it SQLite cannot prove the index applies and scans the table
@@ -139,6 +142,26 @@ pub(crate) fn claim(
     }
     drop(rows);
     drop(stmt);
+    let (exhausted, claimed): (Vec<Claimed>, Vec<Claimed>) =
+        claimed.into_iter().partition(|c| c.attempt > max_attempts);
+    for c in exhausted {
+        let used = c.attempt - 1;
+        log::warn!(
+            "consumer {:?}: message {}/{} dead: {used} attempts used, max_attempts is now \
+             {max_attempts}",
+            c.consumer,
+            c.msg.source,
+            c.msg.id
+        );
+        conn.prepare_cached(
+            "UPDATE postroom_inbox SET status = 'dead', attempts = ?2, lease_until = NULL,
+                 lease_token = NULL, updated_at = ?4,
+                 last_error = 'attempts exhausted (' || ?2 || ' of ' || ?3 || '); last error: '
+                     || coalesce(last_error, '')
+             WHERE id = ?1",
+        )?
+        .execute(params![c.row_id, used, max_attempts, now_ms])?;
+    }
     // Never hand a handler a payload that is not the one received: a row
     // whose stored payload fails its digest (bit rot, a damaged page, a
     // hand edit) is dead-lettered instead, with the reason.

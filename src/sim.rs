@@ -386,6 +386,7 @@ impl Machine {
                             m.now_ms,
                             m.now_ms + LEASE_MS,
                             token,
+                            MAX_ATTEMPTS,
                         )
                         .map_err(|e| crate::Error::sqlite("claim", e))?,
                     );

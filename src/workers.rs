@@ -125,6 +125,7 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
             let result = shared.writer.submit(move |w| {
                 let now = w.clock.now_ms();
                 let until = now.saturating_add(lease_ms);
+                let max_attempts = w.config.max_attempts;
                 let mut claimed = Vec::new();
                 for name in &order {
                     let want = free - claimed.len();
@@ -132,7 +133,7 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
                         break;
                     }
                     claimed.extend(
-                        queue::claim(w.conn, name, want, now, until, token)
+                        queue::claim(w.conn, name, want, now, until, token, max_attempts)
                             .map_err(|e| Error::sqlite("claim due messages", e))?,
                     );
                 }

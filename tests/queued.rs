@@ -662,3 +662,56 @@ fn a_message_redelivered_after_retention_is_processed_again_without_outbox_colli
         2
     );
 }
+
+/// Lowering `max_attempts` applies to rows that already used more attempts
+/// than the new cap: they are dead-lettered when next due, and their
+/// handler does not run again.
+#[test]
+fn a_lowered_attempt_cap_dead_letters_rows_already_past_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let runs = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&runs);
+    let flaky = move |_: &mut Tx<'_>, _: &Message| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        Err(Failure::retry("still failing"))
+    };
+    {
+        let room = quick()
+            .max_attempts(10)
+            .consumer("c", handler_fn(flaky.clone()))
+            .open(&path)
+            .unwrap();
+        room.receive("c", Message::new("s", "1", "x")).unwrap();
+        eventually(10, "three failed attempts", || {
+            runs.load(Ordering::SeqCst) >= 3
+        });
+        room.shutdown(Duration::from_secs(5)).unwrap();
+    }
+    let before = runs.load(Ordering::SeqCst);
+    let attempts = inbox_row(&raw(&path), "c", "s", "1").unwrap().1;
+    assert!(attempts >= 3, "attempts {attempts}");
+    let room = quick()
+        .max_attempts(2)
+        .consumer("c", handler_fn(flaky))
+        .open(&path)
+        .unwrap();
+    eventually(10, "the row dead-lettered", || {
+        inbox_row(&raw(&path), "c", "s", "1").unwrap().0 == "dead"
+    });
+    let (_, after, _, payload) = inbox_row(&raw(&path), "c", "s", "1").unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), before, "the handler ran again");
+    assert_eq!(after, attempts, "a refused claim is not an attempt");
+    assert_eq!(
+        payload.as_deref(),
+        Some(&b"x"[..]),
+        "dead letters keep payloads"
+    );
+    let dead = room.dead_letters(Some("c"), 10).unwrap();
+    assert_eq!(dead.len(), 1);
+    let error = dead[0].last_error.clone().unwrap_or_default();
+    assert!(
+        error.contains("attempts exhausted") && error.contains("still failing"),
+        "{error:?}"
+    );
+}
