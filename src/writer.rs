@@ -102,6 +102,16 @@ impl Core {
         Held::new(self, self.state.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
+    /// The lock, for the writer thread: callers queue instead of leading
+    /// while it waits (the mutex is not fair; a caller looping on `deliver`
+    /// would otherwise win it again and again).
+    fn lock_as_writer(&self) -> Held<'_> {
+        self.writer_waiting.store(true, Ordering::Release);
+        let held = self.lock();
+        self.writer_waiting.store(false, Ordering::Release);
+        held
+    }
+
     fn try_lock(&self) -> Option<Held<'_>> {
         match self.state.try_lock() {
             Ok(guard) => Some(Held::new(self, guard)),
@@ -489,9 +499,7 @@ impl WriterThread {
             match self.next() {
                 Next::Job(job) => {
                     batch.push(job);
-                    self.core.writer_waiting.store(true, Ordering::Release);
-                    let mut held = self.core.lock();
-                    self.core.writer_waiting.store(false, Ordering::Release);
+                    let mut held = self.core.lock_as_writer();
                     self.take_queued(&mut batch);
                     let Some(state) = held.guard.as_mut() else {
                         break;
@@ -502,7 +510,7 @@ impl WriterThread {
                 Next::Background(job) => {
                     // Alone in its transaction: nobody waits for its commit.
                     batch.push(job);
-                    let mut held = self.core.lock();
+                    let mut held = self.core.lock_as_writer();
                     let Some(state) = held.guard.as_mut() else {
                         break;
                     };
@@ -556,13 +564,11 @@ impl WriterThread {
                     self.deferred = Some((job, Instant::now()));
                 }
             }
-            if let Some((_, since)) = &self.deferred {
-                if since.elapsed() >= BACKGROUND_MAX_DEFER
-                    || self.core.callers_quiet_for() >= BACKGROUND_GRACE
-                {
-                    let (job, _) = self.deferred.take().expect("checked above");
-                    return Next::Background(job);
-                }
+            if let Some((job, _)) = self
+                .deferred
+                .take_if(|(_, since)| since.elapsed() >= BACKGROUND_MAX_DEFER)
+            {
+                return Next::Background(job);
             }
             match self.commands.try_recv() {
                 Ok(job) => return Next::Job(job),
@@ -572,6 +578,12 @@ impl WriterThread {
             }
             if !matches!(self.stop.try_recv(), Err(TryRecvError::Empty)) {
                 return Next::Stop;
+            }
+            // Nobody queued; leaders leave a trace of their last batch.
+            if self.core.callers_quiet_for() >= BACKGROUND_GRACE {
+                if let Some((job, _)) = self.deferred.take() {
+                    return Next::Background(job);
+                }
             }
             if self.deferred.is_some() {
                 crossbeam_channel::select! {
