@@ -75,6 +75,8 @@ pub(crate) struct Core {
     /// When a caller's batch last ended, in ns since `epoch`: background
     /// work waits until callers have been quiet for [`BACKGROUND_GRACE`].
     last_batch_ns: AtomicU64,
+    /// Set while a caller's batch runs (leader or writer thread).
+    callers_batch: AtomicBool,
     epoch: Instant,
 }
 
@@ -84,6 +86,7 @@ impl Core {
             state: Mutex::new(Some(state)),
             writer_waiting: AtomicBool::new(false),
             last_batch_ns: AtomicU64::new(0),
+            callers_batch: AtomicBool::new(false),
             epoch: Instant::now(),
         })
     }
@@ -126,6 +129,9 @@ impl Core {
     }
 
     fn callers_quiet_for(&self) -> Duration {
+        if self.callers_batch.load(Ordering::Relaxed) {
+            return Duration::ZERO;
+        }
         let last = Duration::from_nanos(self.last_batch_ns.load(Ordering::Relaxed));
         self.epoch.elapsed().saturating_sub(last)
     }
@@ -139,6 +145,11 @@ struct Held<'a> {
 
 impl<'a> Held<'a> {
     fn new(core: &'a Core, guard: MutexGuard<'a, Option<WriterState>>) -> Self {
+        // A holder that panicked may have left its batch's transaction open:
+        // nobody may read (or build on) what it did not commit.
+        if let Some(state) = guard.as_ref() {
+            state.roll_back();
+        }
         HELD.with(|held| held.borrow_mut().push(core.id()));
         Held { core, guard }
     }
@@ -204,7 +215,10 @@ impl WriterHandle {
         F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
     {
         let (job, answer) = job(work);
-        self.commands.send(job).map_err(|_| Error::Closed)?;
+        crossbeam_channel::select! {
+            send(self.commands, job) -> sent => sent.map_err(|_| Error::Closed)?,
+            recv(self.alive) -> _ => return Err(Error::Closed),
+        }
         self.wait(answer)
     }
 
@@ -268,8 +282,10 @@ impl Leader<'_> {
                 Err(_) => break,
             }
         }
+        self.held.core.callers_batch.store(true, Ordering::Relaxed);
         state.run_batch(&mut batch);
         self.held.core.note_callers_batch();
+        self.held.core.callers_batch.store(false, Ordering::Relaxed);
         drop(self.held);
         answer.try_recv().map_err(|_| Error::Closed)?
     }
@@ -360,7 +376,16 @@ pub(crate) struct WriterState {
 
 impl WriterState {
     fn run_batch(&mut self, batch: &mut Vec<Box<dyn Job>>) {
-        let outcome = self.execute(batch);
+        let outcome =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.execute(batch)))
+                .unwrap_or_else(|panic| {
+                    Err(Error::Aborted {
+                        reason: format!(
+                            "batch panicked: {}",
+                            crate::delivery::panic_message(panic.as_ref())
+                        ),
+                    })
+                });
         if outcome.is_ok() {
             self.counters.batches.fetch_add(1, Ordering::Relaxed);
             self.counters
