@@ -573,16 +573,7 @@ fn random_sigkills_while_workers_run_lose_nothing_and_apply_nothing_twice() {
 fn downstream(db: &Path) -> Arc<Postroom> {
     let room = Postroom::builder()
         .poll_interval(Duration::from_millis(5))
-        .consumer(
-            "b",
-            handler_fn(|tx, msg| {
-                tx.execute(
-                    "INSERT INTO applied (consumer, message_id, payload) VALUES ('b', ?1, ?2)",
-                    rusqlite::params![msg.id(), msg.payload()],
-                )?;
-                Ok(())
-            }),
-        )
+        .consumer("b", handler_fn(record_as_b))
         .open(db)
         .unwrap();
     create_domain(&room);
@@ -674,13 +665,7 @@ fn random_sigkills_around_the_relay_deliver_every_outbox_row_exactly_once_downst
         );
     }
     // Every committed outbox row of A applied exactly once in B.
-    let outbox_ids: Vec<String> = a_conn
-        .prepare("SELECT message_id FROM postroom_outbox")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
+    let outbox_ids: Vec<String> = column(&a_conn, "SELECT message_id FROM postroom_outbox");
     assert_eq!(
         outbox_ids.len() as i64,
         count(&a_conn, "SELECT count(*) FROM postroom_inbox")

@@ -43,16 +43,7 @@ fn b_path(db: &Path) -> PathBuf {
 fn open_b(db: &Path) -> postroom::Result<Arc<Postroom>> {
     let b = Postroom::builder()
         .poll_interval(Duration::from_millis(5))
-        .consumer(
-            "b",
-            handler_fn(|tx, msg| {
-                tx.execute(
-                    "INSERT INTO applied (consumer, message_id, payload) VALUES ('b', ?1, ?2)",
-                    rusqlite::params![msg.id(), msg.payload()],
-                )?;
-                Ok(())
-            }),
-        )
+        .consumer("b", handler_fn(record_as_b))
         .open(db)?;
     b.transaction(|tx| {
         tx.execute_batch(DOMAIN_SQL)?;
@@ -248,13 +239,7 @@ fn run_cell(cell: &Cell) -> (Checked, Checked, String) {
     let inline = check_effects(&a_conn, "inline", &sent[0], &acked[0]);
     let queued = check_effects(&a_conn, "queued", &sent[1], &acked[1]);
     // Downstream: every outbox row of A applied exactly once in B.
-    let outbox_ids: BTreeSet<String> = a_conn
-        .prepare("SELECT message_id FROM postroom_outbox")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
+    let outbox_ids: BTreeSet<String> = column(&a_conn, "SELECT message_id FROM postroom_outbox");
     let downstream = check_effects(&b_conn, "b", &outbox_ids, &outbox_ids);
     assert!(
         downstream.ok() && downstream.acked == outbox_ids.len(),

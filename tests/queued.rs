@@ -250,13 +250,7 @@ fn a_worker_whose_lease_expired_cannot_complete_the_row() {
         2,
         "the effect ran once per attempt"
     );
-    let payloads: Vec<String> = conn
-        .prepare("SELECT payload FROM applied WHERE message_id = 'm'")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
+    let payloads: Vec<String> = column(&conn, "SELECT payload FROM applied WHERE message_id = 'm'");
     assert_eq!(
         payloads,
         vec!["2".to_string()],

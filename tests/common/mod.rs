@@ -25,6 +25,16 @@ pub fn apply(tx: &mut Tx<'_>, msg: &Message) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Service B's handler in the two-service tests: records each message it
+/// gets, publishes nothing.
+pub fn record_as_b(tx: &mut Tx<'_>, msg: &Message) -> Result<(), Failure> {
+    tx.execute(
+        "INSERT INTO applied (consumer, message_id, payload) VALUES ('b', ?1, ?2)",
+        params![msg.id(), msg.payload()],
+    )?;
+    Ok(())
+}
+
 pub fn create_domain(room: &postroom::Postroom) {
     room.transaction(|tx| {
         tx.execute_batch(DOMAIN_SQL)?;
@@ -48,6 +58,16 @@ pub fn applied_count(conn: &Connection, message_id: &str) -> i64 {
         |r| r.get(0),
     )
     .unwrap()
+}
+
+/// The first column of every row `sql` returns.
+pub fn column<T: FromIterator<String>>(conn: &Connection, sql: &str) -> T {
+    conn.prepare(sql)
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
 }
 
 pub fn count(conn: &Connection, sql: &str) -> i64 {
