@@ -387,11 +387,9 @@ impl Postroom {
         // on the caller's thread, without a batch: on the write connection
         // when this caller may lead, else from the read pool rather than
         // queueing behind other callers' batches.
-        let leader = self.shared.writer.lead();
-        let known = match &leader {
-            Some(leader) => leader
-                .conn()
-                .and_then(|conn| settled(conn, &consumer.name, &msg, &hash)),
+        let mut leader = self.shared.writer.lead();
+        let known = match &mut leader {
+            Some(leader) => settled(leader.conn(), &consumer.name, &msg, &hash),
             None => self
                 .reader()
                 .ok()

@@ -60,6 +60,9 @@ const BACKGROUND_GRACE: Duration = Duration::from_millis(1);
 /// The longest background work is put off when callers keep the writer busy.
 const BACKGROUND_MAX_DEFER: Duration = Duration::from_millis(25);
 
+/// [`Core::callers_last_batch`] while a callers' batch runs.
+const BATCH_RUNNING: u64 = u64::MAX;
+
 thread_local! {
     /// The writers (by address) whose lock this thread holds: a caller
     /// inside a handler must not wait for a batch that waits for it.
@@ -72,11 +75,10 @@ pub(crate) struct Core {
     /// Set while the writer thread holds a queued job and waits for the
     /// lock; callers then queue rather than lead, so it cannot starve.
     writer_waiting: AtomicBool,
-    /// When a caller's batch last ended, in ns since `epoch`: background
-    /// work waits until callers have been quiet for [`BACKGROUND_GRACE`].
-    last_batch_ns: AtomicU64,
-    /// Set while a caller's batch runs (leader or writer thread).
-    callers_batch: AtomicBool,
+    /// When callers' last batch ended, in ns since `epoch`, or
+    /// [`BATCH_RUNNING`]: background work waits until callers have been
+    /// quiet for [`BACKGROUND_GRACE`].
+    callers_last_batch: AtomicU64,
     epoch: Instant,
 }
 
@@ -85,8 +87,7 @@ impl Core {
         Arc::new(Core {
             state: Mutex::new(Some(state)),
             writer_waiting: AtomicBool::new(false),
-            last_batch_ns: AtomicU64::new(0),
-            callers_batch: AtomicBool::new(false),
+            callers_last_batch: AtomicU64::new(0),
             epoch: Instant::now(),
         })
     }
@@ -123,17 +124,24 @@ impl Core {
         }
     }
 
-    fn note_callers_batch(&self) {
-        let ns = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.last_batch_ns.store(ns, Ordering::Relaxed);
+    /// Runs callers' jobs (not background work) as one batch, marking the
+    /// time they keep the writer busy.
+    fn run_callers_batch(&self, state: &mut WriterState, batch: &mut Vec<Box<dyn Job>>) {
+        self.callers_last_batch
+            .store(BATCH_RUNNING, Ordering::Relaxed);
+        state.run_batch(batch);
+        let ended = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(BATCH_RUNNING - 1);
+        self.callers_last_batch.store(ended, Ordering::Relaxed);
     }
 
     fn callers_quiet_for(&self) -> Duration {
-        if self.callers_batch.load(Ordering::Relaxed) {
-            return Duration::ZERO;
+        match self.callers_last_batch.load(Ordering::Relaxed) {
+            BATCH_RUNNING => Duration::ZERO,
+            ended => self
+                .epoch
+                .elapsed()
+                .saturating_sub(Duration::from_nanos(ended)),
         }
-        let last = Duration::from_nanos(self.last_batch_ns.load(Ordering::Relaxed));
-        self.epoch.elapsed().saturating_sub(last)
     }
 }
 
@@ -152,6 +160,16 @@ impl<'a> Held<'a> {
         }
         HELD.with(|held| held.borrow_mut().push(core.id()));
         Held { core, guard }
+    }
+}
+
+impl Held<'_> {
+    /// The state; only the writer thread closes it, at its very end, and
+    /// leaders are made only while it is open.
+    fn state(&mut self) -> &mut WriterState {
+        self.guard
+            .as_mut()
+            .expect("the writer is open while held this way")
     }
 }
 
@@ -270,30 +288,20 @@ impl Leader<'_> {
         T: Send + 'static,
         F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
     {
-        let Some(state) = self.held.guard.as_mut() else {
-            return Err(Error::Closed);
-        };
         let (own, answer) = job(work);
-        let mut batch = Vec::with_capacity(8);
-        batch.push(own);
-        while batch.len() < state.config.max_batch {
-            match self.queued.try_recv() {
-                Ok(job) => batch.push(job),
-                Err(_) => break,
-            }
-        }
-        self.held.core.callers_batch.store(true, Ordering::Relaxed);
-        state.run_batch(&mut batch);
-        self.held.core.note_callers_batch();
-        self.held.core.callers_batch.store(false, Ordering::Relaxed);
+        let mut batch = vec![own];
+        let core = self.held.core;
+        let state = self.held.state();
+        take_queued(self.queued, &mut batch, state.config.max_batch);
+        core.run_callers_batch(state, &mut batch);
         drop(self.held);
         answer.try_recv().map_err(|_| Error::Closed)?
     }
 
     /// The write connection, outside any transaction: for reads that may
     /// answer a caller without a batch.
-    pub fn conn(&self) -> Option<&Connection> {
-        self.held.guard.as_ref().map(|state| &state.conn)
+    pub fn conn(&mut self) -> &Connection {
+        &self.held.state().conn
     }
 }
 
@@ -350,6 +358,16 @@ where
         reply,
     };
     (Box::new(job), answer)
+}
+
+/// Adds queued jobs to `batch`, up to `max_batch` in all.
+fn take_queued(queue: &Receiver<Box<dyn Job>>, batch: &mut Vec<Box<dyn Job>>, max_batch: usize) {
+    while batch.len() < max_batch {
+        match queue.try_recv() {
+            Ok(job) => batch.push(job),
+            Err(_) => break,
+        }
+    }
 }
 
 /// Counters the writer keeps for [`Stats`](crate::Stats): how many
@@ -525,21 +543,13 @@ impl WriterThread {
                 Next::Job(job) => {
                     batch.push(job);
                     let mut held = self.core.lock_as_writer();
-                    self.take_queued(&mut batch);
-                    let Some(state) = held.guard.as_mut() else {
-                        break;
-                    };
-                    state.run_batch(&mut batch);
-                    self.core.note_callers_batch();
+                    take_queued(&self.commands, &mut batch, self.max_batch);
+                    self.core.run_callers_batch(held.state(), &mut batch);
                 }
                 Next::Background(job) => {
                     // Alone in its transaction: nobody waits for its commit.
                     batch.push(job);
-                    let mut held = self.core.lock_as_writer();
-                    let Some(state) = held.guard.as_mut() else {
-                        break;
-                    };
-                    state.run_batch(&mut batch);
+                    self.core.lock_as_writer().state().run_batch(&mut batch);
                 }
                 Next::Stop => break,
             }
@@ -548,31 +558,17 @@ impl WriterThread {
         // no leader can start a batch on a closing connection. Jobs queued
         // after this are answered `Closed` when the thread ends.
         let mut held = self.core.lock();
-        if let Some(state) = held.guard.as_mut() {
-            loop {
-                self.take_queued(&mut batch);
-                if batch.is_empty() {
-                    break;
-                }
-                state.run_batch(&mut batch);
+        loop {
+            take_queued(&self.commands, &mut batch, self.max_batch);
+            if batch.is_empty() {
+                break;
             }
+            held.state().run_batch(&mut batch);
         }
-        // Jobs of a batch that could not run (closed) hear `Closed`.
-        batch.clear();
-        if let Some((job, _)) = self.deferred.take() {
-            drop(job);
-        }
+        // Its waiting caller hears `Closed` now, not after the close.
+        self.deferred = None;
         if let Some(state) = held.guard.take() {
             state.close();
-        }
-    }
-
-    fn take_queued(&self, batch: &mut Vec<Box<dyn Job>>) {
-        while batch.len() < self.max_batch {
-            match self.commands.try_recv() {
-                Ok(job) => batch.push(job),
-                Err(_) => break,
-            }
         }
     }
 
