@@ -45,7 +45,7 @@ use crate::inbox::Status;
 use crate::message::Headers;
 use crate::outbox::{self, OutboxMessage};
 use crate::queue::{self, DeadLetter};
-use crate::schema::{self, SCHEMA_VERSION};
+use crate::schema;
 use crate::stats;
 
 /// How long [`open`] waits for another connection's lock (the engine's
@@ -146,23 +146,7 @@ pub fn open_with_timeout(
                 ),
             ))
         }
-        Some(found) if found > SCHEMA_VERSION => {
-            return Err(Error::SchemaTooNew {
-                found,
-                supported: SCHEMA_VERSION,
-            })
-        }
-        Some(SCHEMA_VERSION) => {}
-        Some(found) => {
-            return Err(Error::invalid(
-                "database",
-                format!(
-                    "{}: unknown postroom schema version {found} (this tool knows \
-                     {SCHEMA_VERSION}); open it once with the engine to migrate it",
-                    path.display()
-                ),
-            ))
-        }
+        Some(found) => schema::check_version(found)?,
     }
     let mut missing = Vec::new();
     for table in TABLES {

@@ -140,22 +140,26 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             )
             .map_err(|e| Error::sqlite("record schema version", e))?;
         }
-        Some(found) if found > SCHEMA_VERSION => {
-            return Err(Error::SchemaTooNew {
-                found,
-                supported: SCHEMA_VERSION,
-            })
-        }
-        Some(SCHEMA_VERSION) => {}
-        Some(found) => {
-            // Version 1 is the first; a later version adds its steps here,
-            // each taking the file from `found` to `found + 1`.
-            return Err(Error::invalid(
-                "database",
-                format!("unknown postroom schema version {found}"),
-            ));
-        }
+        // Version 1 is the first; a later version adds its steps here,
+        // each taking the file from `found` to `found + 1`.
+        Some(found) => check_version(found)?,
     }
     failpoint::hit("schema.migrate")?;
     tx.commit().map_err(|e| Error::sqlite("commit schema", e))
+}
+
+/// `Ok` for the schema version this build writes; an error for a newer one
+/// or one it does not know.
+pub(crate) fn check_version(found: i64) -> Result<()> {
+    match found {
+        SCHEMA_VERSION => Ok(()),
+        found if found > SCHEMA_VERSION => Err(Error::SchemaTooNew {
+            found,
+            supported: SCHEMA_VERSION,
+        }),
+        found => Err(Error::invalid(
+            "database",
+            format!("unknown postroom schema version {found} (this build knows {SCHEMA_VERSION})"),
+        )),
+    }
 }
