@@ -386,7 +386,10 @@ impl Postroom {
         // A message whose fate is already committed is answered from a read,
         // on the caller's thread, without a batch: on the write connection
         // when this caller may lead, else from the read pool rather than
-        // queueing behind other callers' batches.
+        // queueing behind other callers' batches. A new message is looked
+        // up again inside the batch (the operator's CLI may have changed
+        // the row in between): one index probe, against a write transaction
+        // and its locks for every duplicate.
         let mut leader = self.shared.writer.lead();
         let known = match &mut leader {
             Some(leader) => settled(leader.conn(), &consumer.name, &msg, &hash),
