@@ -1,63 +1,112 @@
-//! The checkpointer thread: gives the `-wal` file's disk space back.
+//! The checkpointer thread: copies the WAL back into the database, off
+//! the callers' path, and gives the `-wal` file's disk space back.
 //!
-//! Copying the WAL into the database stays with SQLite's automatic
-//! checkpoint on the writer connection (every 1000 pages, right after a
-//! COMMIT). That is deliberate and measured: a checkpoint from another
-//! connection can never finish while the writer keeps appending, so the WAL
-//! is never restarted, every commit then extends the file, and each fsync
-//! pays for the size change — single-caller latency went from ~260 µs to
-//! ~380 µs (p50, synchronous=FULL) when copying moved to this thread.
+//! SQLite's automatic checkpoint copies the WAL back inside whichever commit
+//! crosses 1000 frames: a caller's, which then waits for the copy and its
+//! fsync (40 to 240 ms measured while retention kept the disk busy). The
+//! writer's WAL hook replaces it and wakes this thread instead, which copies
+//! from its own connection while commits go on, then makes one last pass
+//! with writes paused. That last pass matters: a checkpoint that never
+//! catches up with the writer never lets the WAL restart from its
+//! beginning, every commit then extends the file, and each fsync pays for
+//! the size change (single-caller latency went from ~260 µs to ~380 µs when
+//! an earlier version copied from this thread without it). With writes
+//! paused the pass is complete, and the next commit restarts the WAL.
 //!
-//! The automatic checkpoint reuses the WAL's space but never shrinks the
-//! file, which after a burst (or a retention pass) can stay large. This
-//! thread truncates it — `PASSIVE` first, then `TRUNCATE` only when that
-//! copied everything and the engine has been idle for a tick, because
-//! `TRUNCATE` makes new writers wait while it runs.
+//! The restart reuses the WAL's space but never shrinks the file, which
+//! after a burst (or a retention pass) can stay large. This thread
+//! truncates it too — only when the engine has been idle for a tick and a
+//! passive pass copied everything, because `TRUNCATE` makes new writers
+//! wait while it runs.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::Receiver;
 use rusqlite::{Connection, OpenFlags};
 
-use crate::writer::Counters;
+use crate::config::Config;
+use crate::writer::{Counters, WriterHandle};
 
 /// How often the WAL size is looked at.
 const TICK: Duration = Duration::from_millis(100);
+/// Passes made while commits go on before the paused one: each copies
+/// what the commits added during the previous, so the paused pass (which
+/// callers wait for) has little left.
+const LIVE_PASSES: usize = 2;
 
-/// The thread's body, until `stop` disconnects.
-pub(crate) fn run(db: PathBuf, threshold: u64, counters: Arc<Counters>, stop: Receiver<()>) {
-    let conn = match open(&db) {
-        Ok(conn) => conn,
-        Err(e) => {
-            log::error!(
-                "postroom checkpointer: cannot open the database: {e}; WAL not checkpointed"
-            );
-            return;
+/// What the thread needs.
+pub(crate) struct Checkpointer {
+    pub db: PathBuf,
+    pub config: Config,
+    pub counters: Arc<Counters>,
+    pub writer: WriterHandle,
+    /// The writer's "the WAL has grown" signal.
+    pub wake: Receiver<()>,
+    /// Disconnects when the engine closes.
+    pub stop: Receiver<()>,
+}
+
+impl Checkpointer {
+    /// The thread's body, until `stop` disconnects.
+    pub fn run(self) {
+        let conn = match open(&self.db, &self.config) {
+            Ok(conn) => conn,
+            Err(e) => {
+                log::error!(
+                    "postroom checkpointer: cannot open the database: {e}; \
+                     the writer copies the WAL back itself"
+                );
+                return;
+            }
+        };
+        let wal = wal_path(&self.db);
+        let mut last_batches = self.counters.batches.load(Ordering::Relaxed);
+        let never = crossbeam_channel::never();
+        let mut wake = &self.wake;
+        loop {
+            crossbeam_channel::select! {
+                recv(self.stop) -> _ => return,
+                recv(wake) -> woken => {
+                    if woken.is_err() {
+                        // The writer is gone; only the stop is left to wait for.
+                        wake = &never;
+                    } else {
+                        self.copy_back(&conn);
+                    }
+                    continue;
+                }
+                default(TICK) => {}
+            }
+            let batches = self.counters.batches.load(Ordering::Relaxed);
+            let idle = batches == last_batches;
+            last_batches = batches;
+            let size = std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
+            if size <= self.config.checkpoint_wal_bytes {
+                continue;
+            }
+            // Only when idle: copy whatever is left without blocking anyone,
+            // then truncate a fully copied WAL, so TRUNCATE has nothing to do
+            // while new writers wait on it.
+            if idle && checkpoint(&conn, "PASSIVE").is_some_and(|(log, done)| log == done) {
+                checkpoint(&conn, "TRUNCATE");
+            }
         }
-    };
-    let wal = wal_path(&db);
-    let mut last_batches = counters.batches.load(Ordering::Relaxed);
-    loop {
-        match stop.recv_timeout(TICK) {
-            Err(RecvTimeoutError::Timeout) => {}
-            Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+    }
+
+    /// Copies the WAL back: live passes, then one with writes paused.
+    fn copy_back(&self, conn: &Connection) {
+        for _ in 0..LIVE_PASSES {
+            if checkpoint(conn, "PASSIVE").is_none() {
+                return;
+            }
         }
-        let batches = counters.batches.load(Ordering::Relaxed);
-        let idle = batches == last_batches;
-        last_batches = batches;
-        let size = std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
-        if size <= threshold {
-            continue;
-        }
-        // Only when idle: copy whatever is left without blocking anyone,
-        // then truncate a fully copied WAL, so TRUNCATE has nothing to do
-        // while new writers wait on it.
-        if idle && checkpoint(&conn, "PASSIVE").is_some_and(|(log, done)| log == done) {
-            checkpoint(&conn, "TRUNCATE");
-        }
+        self.writer
+            .with_writes_paused(|| checkpoint(conn, "PASSIVE"));
+        // Wakes sent while this ran asked for what was just done.
+        while self.wake.try_recv().is_ok() {}
     }
 }
 
@@ -100,11 +149,13 @@ pub(crate) fn at_open(conn: &Connection, db: &Path, threshold: u64, busy_timeout
     let _ = conn.busy_timeout(busy_timeout);
 }
 
-fn open(db: &Path) -> rusqlite::Result<Connection> {
+fn open(db: &Path, config: &Config) -> rusqlite::Result<Connection> {
     let conn = Connection::open_with_flags(
         db,
         OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )?;
+    // A checkpoint syncs (or not) as the connection running it is told.
+    conn.pragma_update(None, "synchronous", config.durability.pragma())?;
     // TRUNCATE waits this long for the writer at most, and only when idle.
     conn.busy_timeout(Duration::from_millis(20))?;
     Ok(conn)

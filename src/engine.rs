@@ -184,6 +184,8 @@ impl Postroom {
 
         let (alive_tx, writer_alive) = crossbeam_channel::bounded::<()>(0);
         let counters = Arc::new(Counters::default());
+        // Replaces SQLite's automatic checkpoint: see `checkpoint`.
+        conn.wal_hook(Some(writer::note_wal_pages));
         let outbox_dirty = Arc::new(AtomicBool::new(false));
         {
             let dirty = Arc::clone(&outbox_dirty);
@@ -195,6 +197,7 @@ impl Postroom {
             .map_err(|e| Error::sqlite("install update hook", e))?;
         }
         let (relay_wake, relay_woken) = crossbeam_channel::bounded(1);
+        let (checkpoint_wake, checkpoint_woken) = crossbeam_channel::bounded(1);
         let worker_slots = (1..=config.workers)
             .map(|n| engine_file.slot(n))
             .collect::<std::io::Result<Vec<_>>>()
@@ -202,6 +205,7 @@ impl Postroom {
         let state = WriterState {
             outbox_dirty,
             relay_wake: sink.is_some().then_some(relay_wake),
+            checkpoint_wake: Some(checkpoint_wake),
             conn,
             config: config.clone(),
             clock: Arc::clone(&clock),
@@ -261,7 +265,7 @@ impl Postroom {
             readers,
             counters,
         };
-        room.start_background(&shared, sink, relay_woken, worker_slots)?;
+        room.start_background(&shared, sink, relay_woken, checkpoint_woken, worker_slots)?;
         if handle_signals {
             room.start_signal_thread()?;
         }
@@ -299,6 +303,7 @@ impl Postroom {
         shared: &Arc<Shared>,
         sink: Option<Box<dyn Sink>>,
         relay_woken: crossbeam_channel::Receiver<()>,
+        checkpoint_woken: crossbeam_channel::Receiver<()>,
         worker_slots: Vec<ClaimSlot>,
     ) -> Result<()> {
         let mut threads = self.control.lock_threads();
@@ -317,10 +322,16 @@ impl Postroom {
         threads.reaper = Some(spawn("postroom-reaper".into(), move || {
             reaper::reap(s, stop)
         })?);
-        let (path, threshold) = (shared.path.clone(), shared.config.checkpoint_wal_bytes);
-        let counters = Arc::clone(&self.counters);
+        let checkpointer = checkpoint::Checkpointer {
+            db: shared.path.clone(),
+            config: shared.config.clone(),
+            counters: Arc::clone(&self.counters),
+            writer: shared.writer.clone(),
+            wake: checkpoint_woken,
+            stop: stop_rx,
+        };
         threads.checkpointer = Some(spawn("postroom-checkpointer".into(), move || {
-            checkpoint::run(path, threshold, counters, stop_rx)
+            checkpointer.run()
         })?);
         let workers = shared.config.workers;
         if workers == 0 || shared.consumers.is_empty() {

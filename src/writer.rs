@@ -20,8 +20,9 @@
 //! * a job queued before the writer was told to stop is run; a job queued
 //!   after it had closed the connection is answered `Closed`.
 
-use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::cell::{Cell, RefCell};
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -63,18 +64,40 @@ const BACKGROUND_MAX_DEFER: Duration = Duration::from_millis(25);
 /// [`Core::callers_last_batch`] while a callers' batch runs.
 const BATCH_RUNNING: u64 = u64::MAX;
 
+/// Frames in the WAL at which the checkpointer is asked to copy it back:
+/// SQLite's own automatic checkpoint threshold.
+const CHECKPOINT_PAGES: c_int = 1000;
+/// Frames at which the writer copies the WAL back itself, inside the
+/// commit that crossed the line, as SQLite would: the checkpointer is far
+/// behind (or there is none, and then the limit is [`CHECKPOINT_PAGES`]).
+const INLINE_CHECKPOINT_PAGES: c_int = 8 * CHECKPOINT_PAGES;
+
 thread_local! {
     /// The writers (by address) whose lock this thread holds: a caller
     /// inside a handler must not wait for a batch that waits for it.
     static HELD: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+    /// Frames in the WAL after the last commit on this thread, noted by
+    /// [`note_wal_pages`] (the hook runs inside `COMMIT`, on the
+    /// committing thread) and taken right after `COMMIT` returns.
+    static WAL_PAGES: Cell<c_int> = const { Cell::new(0) };
+}
+
+/// The write connection's WAL hook. It replaces SQLite's automatic
+/// checkpoint, which copied the WAL back inside whichever commit crossed
+/// 1000 frames — a caller's, which then waited for the copy and its fsync
+/// (40 to 240 ms measured while retention kept the disk busy).
+pub(crate) fn note_wal_pages(_: &rusqlite::hooks::Wal, pages: c_int) -> rusqlite::Result<()> {
+    WAL_PAGES.set(pages);
+    Ok(())
 }
 
 /// What the writer thread and leading callers share.
 pub(crate) struct Core {
     state: Mutex<Option<WriterState>>,
-    /// Set while the writer thread holds a queued job and waits for the
-    /// lock; callers then queue rather than lead, so it cannot starve.
-    writer_waiting: AtomicBool,
+    /// How many threads (the writer thread with a queued job, the
+    /// checkpointer) wait for the lock; callers queue rather than lead
+    /// while any does, so they cannot starve.
+    writer_waiting: AtomicUsize,
     /// When callers' last batch ended, in ns since `epoch`, or
     /// [`BATCH_RUNNING`]: background work waits until callers have been
     /// quiet for [`BACKGROUND_GRACE`].
@@ -86,7 +109,7 @@ impl Core {
     pub fn new(state: WriterState) -> Arc<Core> {
         Arc::new(Core {
             state: Mutex::new(Some(state)),
-            writer_waiting: AtomicBool::new(false),
+            writer_waiting: AtomicUsize::new(0),
             callers_last_batch: AtomicU64::new(0),
             epoch: Instant::now(),
         })
@@ -110,9 +133,9 @@ impl Core {
     /// while it waits (the mutex is not fair; a caller looping on `deliver`
     /// would otherwise win it again and again).
     fn lock_as_writer(&self) -> Held<'_> {
-        self.writer_waiting.store(true, Ordering::Release);
+        self.writer_waiting.fetch_add(1, Ordering::AcqRel);
         let held = self.lock();
-        self.writer_waiting.store(false, Ordering::Release);
+        self.writer_waiting.fetch_sub(1, Ordering::AcqRel);
         held
     }
 
@@ -215,7 +238,7 @@ impl WriterHandle {
 
     /// The lock, if this caller can lead the next batch now.
     pub fn lead(&self) -> Option<Leader<'_>> {
-        if self.core.writer_waiting.load(Ordering::Acquire) {
+        if self.core.writer_waiting.load(Ordering::Acquire) != 0 {
             return None;
         }
         let held = self.core.try_lock()?;
@@ -272,6 +295,19 @@ impl WriterHandle {
     /// True when this thread is running inside one of this writer's batches.
     pub fn held_here(&self) -> bool {
         self.core.held_here()
+    }
+
+    /// Runs `f` while no batch can commit, once callers have left the
+    /// writer alone for [`BACKGROUND_GRACE`] (or after waiting
+    /// [`BACKGROUND_MAX_DEFER`] for that): the checkpointer's last pass,
+    /// which no commit may race.
+    pub fn with_writes_paused<T>(&self, f: impl FnOnce() -> T) -> T {
+        let deadline = Instant::now() + BACKGROUND_MAX_DEFER;
+        while self.core.callers_quiet_for() < BACKGROUND_GRACE && Instant::now() < deadline {
+            std::thread::sleep(BACKGROUND_GRACE / 4);
+        }
+        let _held = self.core.lock_as_writer();
+        f()
     }
 }
 
@@ -390,6 +426,10 @@ pub(crate) struct WriterState {
     /// woken once their batch has committed.
     pub outbox_dirty: Arc<AtomicBool>,
     pub relay_wake: Option<Sender<()>>,
+    /// Wakes the checkpointer when the WAL has grown past
+    /// [`CHECKPOINT_PAGES`]; `None` when there is none (the writer then
+    /// copies the WAL back itself, at that same size).
+    pub checkpoint_wake: Option<Sender<()>>,
 }
 
 impl WriterState {
@@ -465,9 +505,35 @@ impl WriterState {
         }
         failpoint::hit("writer.before_commit")?;
         exec(&self.conn, "COMMIT")?;
+        self.after_commit();
         // An error here reaches callers although the batch committed: they
         // retry and are told Duplicate, which is safe (never the reverse).
         failpoint::hit("writer.after_commit")
+    }
+
+    /// Hands the WAL's copying back to the checkpointer, or does it here
+    /// when the WAL has grown too far for that.
+    fn after_commit(&self) {
+        let pages = WAL_PAGES.take();
+        if pages < CHECKPOINT_PAGES {
+            return;
+        }
+        let inline_at = match &self.checkpoint_wake {
+            Some(wake) => {
+                // Full: it is already asked.
+                let _ = wake.try_send(());
+                INLINE_CHECKPOINT_PAGES
+            }
+            None => CHECKPOINT_PAGES,
+        };
+        if pages >= inline_at {
+            if let Err(e) = self
+                .conn
+                .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+            {
+                log::warn!("postroom writer: checkpoint of a {pages}-frame WAL failed: {e}");
+            }
+        }
     }
 
     fn close(self) {
