@@ -206,6 +206,7 @@ impl Postroom {
             outbox_dirty,
             relay_wake: sink.is_some().then_some(relay_wake),
             checkpoint_wake: Some(checkpoint_wake),
+            checkpoint_wake_at: 0,
             conn,
             config: config.clone(),
             clock: Arc::clone(&clock),

@@ -10,8 +10,9 @@
 //! a thread hand-off, and concurrent callers still share one commit.
 //!
 //! Each batch runs in one `BEGIN IMMEDIATE … COMMIT`, each job in its own
-//! savepoint, and callers hear back only after `COMMIT` returned, so one
-//! fsync covers the whole group. Invariants:
+//! savepoint (a lone job in the transaction itself), and callers hear back
+//! only after `COMMIT` returned, so one fsync covers the whole group.
+//! Invariants:
 //! * only the holder of the lock touches the connection;
 //! * a job's `Err` rolls back its own savepoint and nothing else;
 //! * if `COMMIT` fails, or the transaction disappears mid-batch (SQLite
@@ -298,16 +299,22 @@ impl WriterHandle {
     }
 
     /// Runs `f` while no batch can commit, once callers have left the
-    /// writer alone for [`BACKGROUND_GRACE`] (or after waiting
-    /// [`BACKGROUND_MAX_DEFER`] for that): the checkpointer's last pass,
-    /// which no commit may race.
-    pub fn with_writes_paused<T>(&self, f: impl FnOnce() -> T) -> T {
+    /// writer alone for [`BACKGROUND_GRACE`]: the checkpointer's last pass,
+    /// which no commit may race. Waits [`BACKGROUND_MAX_DEFER`] at most for
+    /// that quiet; then runs `f` anyway when `force`, else not at all.
+    pub fn with_writes_paused<T>(&self, force: bool, f: impl FnOnce() -> T) -> Option<T> {
         let deadline = Instant::now() + BACKGROUND_MAX_DEFER;
-        while self.core.callers_quiet_for() < BACKGROUND_GRACE && Instant::now() < deadline {
+        while self.core.callers_quiet_for() < BACKGROUND_GRACE {
+            if Instant::now() >= deadline {
+                if !force {
+                    return None;
+                }
+                break;
+            }
             std::thread::sleep(BACKGROUND_GRACE / 4);
         }
         let _held = self.core.lock_as_writer();
-        f()
+        Some(f())
     }
 }
 
@@ -430,6 +437,8 @@ pub(crate) struct WriterState {
     /// [`CHECKPOINT_PAGES`]; `None` when there is none (the writer then
     /// copies the WAL back itself, at that same size).
     pub checkpoint_wake: Option<Sender<()>>,
+    /// WAL frames at which the checkpointer is woken next.
+    pub checkpoint_wake_at: c_int,
 }
 
 impl WriterState {
@@ -444,7 +453,7 @@ impl WriterState {
                         ),
                     })
                 });
-        if outcome.is_ok() {
+        if let Ok(true) = outcome {
             self.counters.batches.fetch_add(1, Ordering::Relaxed);
             self.counters
                 .jobs
@@ -472,9 +481,10 @@ impl WriterState {
         }
     }
 
-    /// Runs the batch in one transaction. `Err` means nothing of it may be
-    /// reported as committed.
-    fn execute(&mut self, batch: &mut [Box<dyn Job>]) -> Result<()> {
+    /// Runs the batch in one transaction: `Ok(true)` once committed,
+    /// `Ok(false)` when a lone job failed and its transaction was rolled
+    /// back. `Err` means nothing of it may be reported as committed.
+    fn execute(&mut self, batch: &mut [Box<dyn Job>]) -> Result<bool> {
         // A holder that panicked mid-batch left its transaction open; none
         // of it was answered as committed.
         self.roll_back();
@@ -487,8 +497,13 @@ impl WriterState {
             engine_file: &mut self.engine_file,
             guard: &self.guard,
         };
+        // A lone job (a single caller's) needs no savepoint of its own: the
+        // transaction is its, and rolling it back undoes exactly its writes.
+        let alone = batch.len() == 1;
         for job in batch.iter_mut() {
-            exec(ctx.conn, "SAVEPOINT postroom_job")?;
+            if !alone {
+                exec(ctx.conn, "SAVEPOINT postroom_job")?;
+            }
             let result = job.run(&mut ctx);
             if ctx.conn.is_autocommit() {
                 // SQLite rolled back the whole transaction (after a full
@@ -498,30 +513,49 @@ impl WriterState {
                     reason: "the transaction was rolled back mid-batch".into(),
                 }));
             }
-            if result.is_err() {
-                exec(ctx.conn, "ROLLBACK TO postroom_job")?;
+            match (alone, result.is_err()) {
+                (true, true) => {
+                    // Nothing to commit; the job answers with its own error.
+                    exec(ctx.conn, "ROLLBACK")?;
+                    return Ok(false);
+                }
+                (true, false) => {}
+                (false, failed) => {
+                    if failed {
+                        exec(ctx.conn, "ROLLBACK TO postroom_job")?;
+                    }
+                    exec(ctx.conn, "RELEASE postroom_job")?;
+                }
             }
-            exec(ctx.conn, "RELEASE postroom_job")?;
         }
         failpoint::hit("writer.before_commit")?;
         exec(&self.conn, "COMMIT")?;
         self.after_commit();
         // An error here reaches callers although the batch committed: they
         // retry and are told Duplicate, which is safe (never the reverse).
-        failpoint::hit("writer.after_commit")
+        failpoint::hit("writer.after_commit")?;
+        Ok(true)
     }
 
     /// Hands the WAL's copying back to the checkpointer, or does it here
     /// when the WAL has grown too far for that.
-    fn after_commit(&self) {
+    fn after_commit(&mut self) {
         let pages = WAL_PAGES.take();
         if pages < CHECKPOINT_PAGES {
+            // Restarted (or still small).
+            self.checkpoint_wake_at = CHECKPOINT_PAGES;
             return;
         }
         let inline_at = match &self.checkpoint_wake {
             Some(wake) => {
-                // Full: it is already asked.
-                let _ = wake.try_send(());
+                // Once per CHECKPOINT_PAGES of growth: a WAL that keeps
+                // growing while the checkpointer waits for a quiet moment
+                // must not keep it copying a few frames at a time.
+                if pages >= self.checkpoint_wake_at {
+                    // Full: it is already asked.
+                    let _ = wake.try_send(());
+                    self.checkpoint_wake_at = pages + CHECKPOINT_PAGES;
+                }
                 INLINE_CHECKPOINT_PAGES
             }
             None => CHECKPOINT_PAGES,
