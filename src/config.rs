@@ -390,8 +390,8 @@ impl Builder {
         self
     }
 
-    /// How often the reaper recovers expired leases, applies retention and
-    /// checkpoints the WAL. Default: 5 s.
+    /// How often the reaper recovers expired leases and applies retention.
+    /// Default: 5 s.
     pub fn reaper_interval(mut self, interval: Duration) -> Self {
         self.config.reaper_interval = interval;
         self
@@ -413,8 +413,9 @@ impl Builder {
     }
 
     /// Once the `-wal` file is larger than this and the engine is idle, the
-    /// checkpointer thread truncates it (SQLite's automatic checkpoint keeps
-    /// reusing its space meanwhile, but never shrinks it). Default: 4 MiB.
+    /// checkpointer thread truncates it (the checkpoints it makes every
+    /// 1000 WAL frames let SQLite reuse the file's space, but never shrink
+    /// it). Default: 4 MiB.
     pub fn checkpoint_wal_bytes(mut self, bytes: u64) -> Self {
         self.config.checkpoint_wal_bytes = bytes;
         self
