@@ -525,6 +525,8 @@ impl Postroom {
         let mut stats = stats::read(&conn, &self.shared.path)?;
         stats.batches_committed = self.counters.batches.load(Ordering::Relaxed);
         stats.jobs_committed = self.counters.jobs.load(Ordering::Relaxed);
+        stats.wal_checkpoints = self.counters.checkpoints.load(Ordering::Relaxed);
+        stats.wal_checkpoints_inline = self.counters.inline_checkpoints.load(Ordering::Relaxed);
         Ok(stats)
     }
 

@@ -85,6 +85,13 @@ pub struct Stats {
     /// Jobs (deliveries, transactions) those commits carried; divided by
     /// `batches_committed` it is the average group-commit size.
     pub jobs_committed: u64,
+    /// WAL copy-backs the checkpointer thread completed (its last pass,
+    /// made with writes paused), since the engine was opened.
+    pub wal_checkpoints: u64,
+    /// WAL copy-backs the writer made inside callers' commits because the
+    /// checkpointer was far behind (or gone). Growing: the disk cannot
+    /// keep up, or a long read holds the WAL.
+    pub wal_checkpoints_inline: u64,
 }
 
 /// Reads the counts. Cost: one pass over the inbox's status column.

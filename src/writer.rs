@@ -14,7 +14,8 @@
 //! only after `COMMIT` returned, so one fsync covers the whole group.
 //! Invariants:
 //! * only the holder of the lock touches the connection;
-//! * a job's `Err` rolls back its own savepoint and nothing else;
+//! * a job's `Err` rolls back its own writes and nothing else (its
+//!   savepoint; a lone job's whole transaction);
 //! * if `COMMIT` fails, or the transaction disappears mid-batch (SQLite
 //!   rolls back by itself after some I/O errors), every job of the batch is
 //!   answered with an error: nothing of it was acknowledged;
@@ -27,7 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError};
 use rusqlite::Connection;
 
 use crate::clock::Clock;
@@ -49,8 +50,9 @@ pub(crate) struct WriterCtx<'a> {
 
 /// A unit of work for the writer.
 pub(crate) trait Job: Send {
-    /// Runs inside the batch's transaction and its own savepoint. An `Err`
-    /// (a copy of the job's own error) means its writes must be rolled back.
+    /// Runs inside the batch's transaction (and its own savepoint, unless
+    /// alone in it). An `Err` (a copy of the job's own error) means its
+    /// writes must be rolled back.
     fn run(&mut self, ctx: &mut WriterCtx<'_>) -> Result<()>;
     /// Answers the caller, once the batch has committed (`Ok`) or failed.
     fn finish(self: Box<Self>, batch: std::result::Result<(), &Error>);
@@ -68,9 +70,9 @@ const BATCH_RUNNING: u64 = u64::MAX;
 /// Frames in the WAL at which the checkpointer is asked to copy it back:
 /// SQLite's own automatic checkpoint threshold.
 const CHECKPOINT_PAGES: c_int = 1000;
-/// Frames at which the writer copies the WAL back itself, inside the
-/// commit that crossed the line, as SQLite would: the checkpointer is far
-/// behind (or there is none, and then the limit is [`CHECKPOINT_PAGES`]).
+/// Frames from which the writer copies the WAL back itself, right after
+/// each commit, as SQLite would: the checkpointer is far behind (or gone,
+/// and then the limit is [`CHECKPOINT_PAGES`]).
 const INLINE_CHECKPOINT_PAGES: c_int = 8 * CHECKPOINT_PAGES;
 
 thread_local! {
@@ -87,8 +89,11 @@ thread_local! {
 /// checkpoint, which copied the WAL back inside whichever commit crossed
 /// 1000 frames — a caller's, which then waited for the copy and its fsync
 /// (40 to 240 ms measured while retention kept the disk busy).
-pub(crate) fn note_wal_pages(_: &rusqlite::hooks::Wal, pages: c_int) -> rusqlite::Result<()> {
-    WAL_PAGES.set(pages);
+pub(crate) fn note_wal_pages(wal: &rusqlite::hooks::Wal, pages: c_int) -> rusqlite::Result<()> {
+    // A handler may write to an attached database; its WAL is not ours.
+    if wal.name() == c"main" {
+        WAL_PAGES.set(pages);
+    }
     Ok(())
 }
 
@@ -413,12 +418,16 @@ fn take_queued(queue: &Receiver<Box<dyn Job>>, batch: &mut Vec<Box<dyn Job>>, ma
     }
 }
 
-/// Counters the writer keeps for [`Stats`](crate::Stats): how many
-/// transactions it committed and how many jobs they carried.
+/// Counters for [`Stats`](crate::Stats): how many transactions the writer
+/// committed and how many jobs they carried, and who copied the WAL back.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub batches: AtomicU64,
     pub jobs: AtomicU64,
+    /// Passes the checkpointer made with writes paused.
+    pub checkpoints: AtomicU64,
+    /// Checkpoints the writer made itself, the checkpointer being behind.
+    pub inline_checkpoints: AtomicU64,
 }
 
 /// The write connection and what running a batch on it needs.
@@ -434,7 +443,7 @@ pub(crate) struct WriterState {
     pub outbox_dirty: Arc<AtomicBool>,
     pub relay_wake: Option<Sender<()>>,
     /// Wakes the checkpointer when the WAL has grown past
-    /// [`CHECKPOINT_PAGES`]; `None` when there is none (the writer then
+    /// [`CHECKPOINT_PAGES`]; `None` once it is gone (the writer then
     /// copies the WAL back itself, at that same size).
     pub checkpoint_wake: Option<Sender<()>>,
     /// WAL frames at which the checkpointer is woken next.
@@ -541,31 +550,45 @@ impl WriterState {
     /// when the WAL has grown too far for that.
     fn after_commit(&mut self) {
         let pages = WAL_PAGES.take();
+        // 0: the commit wrote nothing (SQLite calls the hook only for
+        // commits that append frames), which says nothing of the WAL.
+        if pages == 0 {
+            return;
+        }
         if pages < CHECKPOINT_PAGES {
             // Restarted (or still small).
             self.checkpoint_wake_at = CHECKPOINT_PAGES;
             return;
         }
-        let inline_at = match &self.checkpoint_wake {
-            Some(wake) => {
-                // Once per CHECKPOINT_PAGES of growth: a WAL that keeps
-                // growing while the checkpointer waits for a quiet moment
-                // must not keep it copying a few frames at a time.
-                if pages >= self.checkpoint_wake_at {
-                    // Full: it is already asked.
-                    let _ = wake.try_send(());
-                    self.checkpoint_wake_at = pages + CHECKPOINT_PAGES;
+        // Once per CHECKPOINT_PAGES of growth: a WAL that keeps growing
+        // while the checkpointer waits for a quiet moment must not keep it
+        // copying a few frames at a time.
+        if pages >= self.checkpoint_wake_at {
+            if let Some(wake) = &self.checkpoint_wake {
+                // Full: it is already asked.
+                if let Err(TrySendError::Disconnected(())) = wake.try_send(()) {
+                    self.checkpoint_wake = None;
                 }
-                INLINE_CHECKPOINT_PAGES
             }
+            self.checkpoint_wake_at = pages + CHECKPOINT_PAGES;
+        }
+        let inline_at = match self.checkpoint_wake {
+            Some(_) => INLINE_CHECKPOINT_PAGES,
             None => CHECKPOINT_PAGES,
         };
         if pages >= inline_at {
-            if let Err(e) = self
+            match self
                 .conn
                 .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
             {
-                log::warn!("postroom writer: checkpoint of a {pages}-frame WAL failed: {e}");
+                Ok(()) => {
+                    self.counters
+                        .inline_checkpoints
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    log::warn!("postroom writer: checkpoint of a {pages}-frame WAL failed: {e}")
+                }
             }
         }
     }

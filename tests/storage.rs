@@ -413,6 +413,13 @@ fn the_wal_stays_bounded_while_writes_never_stop() {
         "the WAL grew to {largest} bytes ({} frames)",
         largest / frame
     );
+    // And it is the checkpointer that does so: callers never paused, so
+    // its passes were forced.
+    let stats = room.stats().unwrap();
+    assert!(
+        stats.wal_checkpoints >= 1,
+        "the checkpointer never completed a pass: {stats:?}"
+    );
     drop(room);
     let conn = raw(&path);
     assert_eq!(count(&conn, "SELECT count(*) FROM postroom_inbox"), 6000);
