@@ -5,7 +5,10 @@
 //! connection. Two hooks enforce it:
 //! * the authorizer (run when a statement is prepared) denies `BEGIN`,
 //!   `COMMIT`, `ROLLBACK` and the engine's savepoints, so the common mistake
-//!   gets a clear `not authorized` error and changes nothing;
+//!   gets a clear `not authorized` error and changes nothing; it also
+//!   denies the pragmas that would change how the engine's commits reach
+//!   the disk ([`ENGINE_PRAGMAS`]), which user code could otherwise set
+//!   for every later batch on the shared connection;
 //! * the commit hook vetoes every commit, which turns it into a rollback.
 //!   This catches what the authorizer cannot: the engine's own cached
 //!   `COMMIT` fetched through `prepare_cached`, and, after SQLite rolled the
@@ -24,6 +27,17 @@ use rusqlite::Connection;
 
 /// Prefix of the engine's savepoint names.
 const ENGINE_SAVEPOINT_PREFIX: &str = "postroom_";
+
+/// Pragmas user code may read but not set (`wal_checkpoint` not even run):
+/// durability, the WAL, and the WAL hook that `wal_autocheckpoint` would
+/// silently replace.
+const ENGINE_PRAGMAS: [&str; 5] = [
+    "synchronous",
+    "journal_mode",
+    "locking_mode",
+    "wal_autocheckpoint",
+    "wal_checkpoint",
+];
 
 /// The authorizer's switch. Cloning shares it.
 #[derive(Debug, Clone, Default)]
@@ -44,6 +58,17 @@ impl UserCodeGuard {
                     if savepoint_name
                         .to_ascii_lowercase()
                         .starts_with(ENGINE_SAVEPOINT_PREFIX) =>
+                {
+                    Authorization::Deny
+                }
+                AuthAction::Pragma {
+                    pragma_name,
+                    pragma_value,
+                } if ENGINE_PRAGMAS
+                    .iter()
+                    .any(|p| p.eq_ignore_ascii_case(pragma_name))
+                    && (pragma_value.is_some()
+                        || pragma_name.eq_ignore_ascii_case("wal_checkpoint")) =>
                 {
                     Authorization::Deny
                 }

@@ -666,6 +666,58 @@ fn a_handler_cannot_end_the_engines_transaction() {
 }
 
 #[test]
+fn a_handler_cannot_change_how_the_engine_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let room = open(
+        &dir,
+        Postroom::builder().consumer(
+            "c",
+            handler_fn(|tx, msg| {
+                apply(tx, msg)?;
+                tx.execute_batch(std::str::from_utf8(msg.payload()).unwrap())?;
+                Ok(())
+            }),
+        ),
+    );
+    let conn = raw(room.path());
+    for (i, sql) in [
+        "PRAGMA synchronous = OFF",
+        "pragma Synchronous=0",
+        "PRAGMA wal_autocheckpoint = 0",
+        "PRAGMA journal_mode = DELETE",
+        "PRAGMA locking_mode = EXCLUSIVE",
+        "PRAGMA wal_checkpoint",
+        "PRAGMA wal_checkpoint(TRUNCATE)",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("p{i}");
+        let outcome = room
+            .deliver("c", Message::new("b", id.clone(), sql))
+            .unwrap();
+        let Outcome::Failed { error, .. } = &outcome else {
+            panic!("{sql}: {outcome:?}")
+        };
+        assert!(error.contains("not authorized"), "{sql}: {error}");
+        assert_eq!(applied_count(&conn, &id), 0, "{sql}");
+    }
+    // Reading them, and setting anything else, is the handler's business.
+    let ok = room
+        .deliver(
+            "c",
+            Message::new(
+                "b",
+                "reads",
+                "PRAGMA synchronous; PRAGMA cache_size = -4000;",
+            ),
+        )
+        .unwrap();
+    assert_eq!(ok, Outcome::Processed { attempts: 1 });
+    assert_eq!(applied_count(&conn, "reads"), 1);
+}
+
+#[test]
 fn calling_the_engine_from_its_own_handler_is_an_error_not_a_deadlock() {
     fn refused_as_caller(e: Option<&postroom::Error>) -> bool {
         matches!(
