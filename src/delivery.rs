@@ -71,10 +71,7 @@ pub(crate) fn deliver(
             Status::Pending | Status::Failed => {
                 let error = row.last_error.unwrap_or_default();
                 if row.attempts >= env.config.max_attempts {
-                    let error = format!(
-                        "attempts exhausted ({} of {}); last error: {error}",
-                        row.attempts, env.config.max_attempts
-                    );
+                    let error = inbox::exhausted(row.attempts, env.config.max_attempts, &error);
                     inbox::mark_dead(conn, key, &error, now)
                         .map_err(|e| Error::sqlite("dead-letter inbox row", e))?;
                     return Ok(Outcome::Dead {

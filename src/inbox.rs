@@ -181,6 +181,11 @@ pub(crate) fn record(
     Ok(())
 }
 
+/// The error of a message dead-lettered for running out of attempts.
+pub(crate) fn exhausted(attempts: u32, max_attempts: u32, last_error: &str) -> String {
+    format!("attempts exhausted ({attempts} of {max_attempts}); last error: {last_error}")
+}
+
 /// Marks a stored row dead without running anything (its attempts were
 /// already used up). Keeps the stored payload.
 pub(crate) fn mark_dead(

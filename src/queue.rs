@@ -116,15 +116,16 @@ pub(crate) fn claim(
              ORDER BY i.id
              LIMIT ?2)
          RETURNING id, source, message_id, payload, payload_hash, headers, ordering_key, attempts,
-                   received_at",
+                   received_at, last_error",
     )?;
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut rows = stmt.query(params![consumer, limit, now_ms, lease_until, token])?;
-    let mut claimed: Vec<Claimed> = Vec::new();
+    // With each row, its last error (for a row past a lowered cap).
+    let mut claimed: Vec<(Claimed, Option<String>)> = Vec::new();
     while let Some(r) = rows.next()? {
         let hash: Vec<u8> = r.get(4)?;
         let headers: Option<String> = r.get(5)?;
-        claimed.push(Claimed {
+        let row = Claimed {
             row_id: r.get(0)?,
             token,
             consumer: consumer.to_owned(),
@@ -138,51 +139,48 @@ pub(crate) fn claim(
             hash: hash.try_into().unwrap_or([0; 32]),
             attempt: r.get(7)?,
             received_at: r.get(8)?,
-        });
+        };
+        claimed.push((row, r.get(9)?));
     }
     drop(rows);
     drop(stmt);
-    let (exhausted, claimed): (Vec<Claimed>, Vec<Claimed>) =
-        claimed.into_iter().partition(|c| c.attempt > max_attempts);
-    for c in exhausted {
-        let used = c.attempt - 1;
-        log::warn!(
-            "consumer {:?}: message {}/{} dead: {used} attempts used, max_attempts is now \
-             {max_attempts}",
-            c.consumer,
-            c.msg.source,
-            c.msg.id
-        );
+    let mut sound = Vec::with_capacity(claimed.len());
+    for (c, last_error) in claimed {
+        let (attempts, error) = if c.attempt > max_attempts {
+            // Not an attempt: the claim's increment is taken back.
+            let used = c.attempt - 1;
+            log::warn!(
+                "consumer {:?}: message {}/{} dead: {used} attempts used, max_attempts is now \
+                 {max_attempts}",
+                c.consumer,
+                c.msg.source,
+                c.msg.id
+            );
+            let last = last_error.unwrap_or_default();
+            (used, inbox::exhausted(used, max_attempts, &last))
+        } else if blake3::hash(&c.msg.payload).as_bytes() != &c.hash {
+            // Never hand a handler a payload that is not the one received:
+            // bit rot, a damaged page, a hand edit.
+            log::error!(
+                "postroom: row {} ({}/{}/{}): stored payload does not match its digest; \
+                 dead-lettered",
+                c.row_id,
+                c.consumer,
+                c.msg.source,
+                c.msg.id
+            );
+            let reason = "stored payload does not match its digest (corrupted)";
+            (c.attempt, reason.to_owned())
+        } else {
+            sound.push(c);
+            continue;
+        };
         conn.prepare_cached(
-            "UPDATE postroom_inbox SET status = 'dead', attempts = ?2, lease_until = NULL,
-                 lease_token = NULL, updated_at = ?4,
-                 last_error = 'attempts exhausted (' || ?2 || ' of ' || ?3 || '); last error: '
-                     || coalesce(last_error, '')
+            "UPDATE postroom_inbox SET status = 'dead', attempts = ?2, last_error = ?3,
+                 lease_until = NULL, lease_token = NULL, updated_at = ?4
              WHERE id = ?1",
         )?
-        .execute(params![c.row_id, used, max_attempts, now_ms])?;
-    }
-    // Never hand a handler a payload that is not the one received: a row
-    // whose stored payload fails its digest (bit rot, a damaged page, a
-    // hand edit) is dead-lettered instead, with the reason.
-    let (mut sound, corrupt): (Vec<Claimed>, Vec<Claimed>) = claimed
-        .into_iter()
-        .partition(|c| blake3::hash(&c.msg.payload).as_bytes() == &c.hash);
-    for c in corrupt {
-        log::error!(
-            "postroom: row {} ({}/{}/{}): stored payload does not match its digest; dead-lettered",
-            c.row_id,
-            c.consumer,
-            c.msg.source,
-            c.msg.id
-        );
-        conn.prepare_cached(
-            "UPDATE postroom_inbox SET status = 'dead', lease_until = NULL, lease_token = NULL,
-                 last_error = 'stored payload does not match its digest (corrupted)',
-                 updated_at = ?2
-             WHERE id = ?1",
-        )?
-        .execute(params![c.row_id, now_ms])?;
+        .execute(params![c.row_id, attempts, error, now_ms])?;
     }
     sound.sort_by_key(|c| c.row_id);
     Ok(sound)
