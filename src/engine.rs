@@ -205,8 +205,7 @@ impl Postroom {
         let state = WriterState {
             outbox_dirty,
             relay_wake: sink.is_some().then_some(relay_wake),
-            checkpoint_wake: Some(checkpoint_wake),
-            checkpoint_wake_at: 0,
+            checkpoint: writer::CheckpointTrigger::new(checkpoint_wake),
             conn,
             config: config.clone(),
             clock: Arc::clone(&clock),

@@ -442,12 +442,58 @@ pub(crate) struct WriterState {
     /// woken once their batch has committed.
     pub outbox_dirty: Arc<AtomicBool>,
     pub relay_wake: Option<Sender<()>>,
-    /// Wakes the checkpointer when the WAL has grown past
-    /// [`CHECKPOINT_PAGES`]; `None` once it is gone (the writer then
-    /// copies the WAL back itself, at that same size).
-    pub checkpoint_wake: Option<Sender<()>>,
+    pub checkpoint: CheckpointTrigger,
+}
+
+/// Who copies the WAL back after a commit: the checkpointer, woken once
+/// per [`CHECKPOINT_PAGES`] of growth, or the writer itself when the WAL
+/// has grown too far for that (or the checkpointer is gone).
+pub(crate) struct CheckpointTrigger {
+    /// `None` once the checkpointer is gone.
+    wake: Option<Sender<()>>,
     /// WAL frames at which the checkpointer is woken next.
-    pub checkpoint_wake_at: c_int,
+    wake_at: c_int,
+}
+
+impl CheckpointTrigger {
+    pub fn new(wake: Sender<()>) -> Self {
+        CheckpointTrigger {
+            wake: Some(wake),
+            wake_at: CHECKPOINT_PAGES,
+        }
+    }
+
+    /// After a commit that left `pages` frames in the WAL (0: the commit
+    /// wrote nothing; SQLite calls the hook only for commits that append
+    /// frames, so it says nothing of the WAL). True when the writer must
+    /// copy back itself.
+    fn after_commit(&mut self, pages: c_int) -> bool {
+        if pages == 0 {
+            return false;
+        }
+        if pages < CHECKPOINT_PAGES {
+            // Restarted (or still small).
+            self.wake_at = CHECKPOINT_PAGES;
+            return false;
+        }
+        // Once per CHECKPOINT_PAGES of growth: a WAL that keeps growing
+        // while the checkpointer waits for a quiet moment must not keep it
+        // copying a few frames at a time.
+        if pages >= self.wake_at {
+            if let Some(wake) = &self.wake {
+                // Full: it is already asked.
+                if let Err(TrySendError::Disconnected(())) = wake.try_send(()) {
+                    self.wake = None;
+                }
+            }
+            self.wake_at = pages + CHECKPOINT_PAGES;
+        }
+        let inline_at = match self.wake {
+            Some(_) => INLINE_CHECKPOINT_PAGES,
+            None => CHECKPOINT_PAGES,
+        };
+        pages >= inline_at
+    }
 }
 
 impl WriterState {
@@ -550,33 +596,7 @@ impl WriterState {
     /// when the WAL has grown too far for that.
     fn after_commit(&mut self) {
         let pages = WAL_PAGES.take();
-        // 0: the commit wrote nothing (SQLite calls the hook only for
-        // commits that append frames), which says nothing of the WAL.
-        if pages == 0 {
-            return;
-        }
-        if pages < CHECKPOINT_PAGES {
-            // Restarted (or still small).
-            self.checkpoint_wake_at = CHECKPOINT_PAGES;
-            return;
-        }
-        // Once per CHECKPOINT_PAGES of growth: a WAL that keeps growing
-        // while the checkpointer waits for a quiet moment must not keep it
-        // copying a few frames at a time.
-        if pages >= self.checkpoint_wake_at {
-            if let Some(wake) = &self.checkpoint_wake {
-                // Full: it is already asked.
-                if let Err(TrySendError::Disconnected(())) = wake.try_send(()) {
-                    self.checkpoint_wake = None;
-                }
-            }
-            self.checkpoint_wake_at = pages + CHECKPOINT_PAGES;
-        }
-        let inline_at = match self.checkpoint_wake {
-            Some(_) => INLINE_CHECKPOINT_PAGES,
-            None => CHECKPOINT_PAGES,
-        };
-        if pages >= inline_at {
+        if self.checkpoint.after_commit(pages) {
             match self
                 .conn
                 .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
@@ -747,5 +767,42 @@ impl WriterThread {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_checkpointer_is_woken_once_per_growth_and_the_writer_copies_back_when_it_is_gone() {
+        let (wake, woken) = crossbeam_channel::bounded(1);
+        let mut trigger = CheckpointTrigger::new(wake);
+        assert!(!trigger.after_commit(999));
+        assert!(woken.try_recv().is_err(), "woken below the threshold");
+        assert!(!trigger.after_commit(1000));
+        assert!(woken.try_recv().is_ok(), "not woken at the threshold");
+        // A commit that wrote nothing (0) does not re-arm the wake.
+        assert!(!trigger.after_commit(0));
+        assert!(!trigger.after_commit(1500));
+        assert!(
+            woken.try_recv().is_err(),
+            "woken again before 1000 more frames"
+        );
+        assert!(!trigger.after_commit(2000));
+        assert!(woken.try_recv().is_ok(), "not woken after 1000 more frames");
+        // Far behind: the writer copies back itself.
+        assert!(trigger.after_commit(INLINE_CHECKPOINT_PAGES));
+        // Restarted: the threshold is back at 1000.
+        assert!(!trigger.after_commit(10));
+        assert!(!trigger.after_commit(1000));
+        assert!(woken.try_recv().is_ok(), "not woken after a restart");
+        // Gone: from then on the writer copies back from 1000 frames.
+        drop(woken);
+        assert!(
+            trigger.after_commit(2000),
+            "the loss is noticed at the next wake, and that commit copies back"
+        );
+        assert!(trigger.after_commit(1001));
     }
 }
