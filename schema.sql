@@ -1,6 +1,8 @@
--- postroom schema, version 1.
+-- postroom schema, version 2.
 --
 -- Applied in one transaction when a database is opened for the first time.
+-- Every statement is `IF NOT EXISTS`: the migration from version 1 renames
+-- the old inbox away and runs this file again to create what is missing.
 -- Every table is prefixed `postroom_` so it can live beside the application's
 -- own tables in the same file: domain writes share the transaction.
 --
@@ -8,13 +10,15 @@
 -- The schema version lives in postroom_meta, not in PRAGMA user_version, which
 -- is left to the application (migration tools such as rusqlite_migration use it).
 
-CREATE TABLE postroom_meta (
+CREATE TABLE IF NOT EXISTS postroom_meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
 ) WITHOUT ROWID;
 
 -- One row per (consumer, source, message_id) ever accepted, until retention
 -- deletes completed rows. `id` gives receive order for queued processing.
+-- The key is unique through postroom_inbox_keys (below), which triggers keep
+-- in step with this table: a second row with a known key fails its insert.
 --
 -- Invariants:
 --   * status = 'completed' => processed_at IS NOT NULL
@@ -22,7 +26,7 @@ CREATE TABLE postroom_meta (
 --   * status = 'processing' => lease_until IS NOT NULL and lease_token IS NOT NULL
 --   * payload_hash is the digest of the first payload accepted under this key;
 --     a later delivery with another digest is quarantined, never merged.
-CREATE TABLE postroom_inbox (
+CREATE TABLE IF NOT EXISTS postroom_inbox (
     id              INTEGER PRIMARY KEY,
     consumer        TEXT    NOT NULL,
     source          TEXT    NOT NULL,
@@ -44,37 +48,96 @@ CREATE TABLE postroom_inbox (
     -- 1 when the engine's workers own this message's retries: it was
     -- received (queued) or redriven. 0 when it was delivered inline: the
     -- broker redelivers it, and workers leave it alone.
-    queued          INTEGER NOT NULL DEFAULT 0 CHECK (queued IN (0, 1)),
-    UNIQUE (consumer, source, message_id)
+    queued          INTEGER NOT NULL DEFAULT 0 CHECK (queued IN (0, 1))
 );
+
+-- The inbox's key, with what a redelivery of a completed message needs to
+-- be answered from this one B-tree: which row, the first 16 bytes of its
+-- payload digest, and whether it completed. A UNIQUE index on the inbox
+-- would hold the key too, but answering from it means a second descent
+-- into the inbox table for the digest and status, a page read of its own
+-- at millions of rows (schema version 1 did that).
+--
+-- A 16-byte digest prefix is enough to tell a duplicate from a conflict:
+-- a different payload with the same 128 bits is a blake3 second preimage.
+-- Every other decision reads the inbox row and its whole digest.
+--
+-- Invariant (kept by the triggers below, checked by `postroom check`):
+-- exactly one row here per inbox row, with the same key, inbox_id = its id,
+-- digest = substr(payload_hash, 1, 16), completed = (status = 'completed').
+-- Statements on postroom_inbox must not use INSERT OR IGNORE / OR REPLACE:
+-- the outer conflict policy would override the triggers' own.
+CREATE TABLE IF NOT EXISTS postroom_inbox_keys (
+    consumer   TEXT    NOT NULL,
+    source     TEXT    NOT NULL,
+    message_id TEXT    NOT NULL,
+    inbox_id   INTEGER NOT NULL,
+    digest     BLOB    NOT NULL CHECK (length(digest) = 16),
+    completed  INTEGER NOT NULL CHECK (completed IN (0, 1)),
+    PRIMARY KEY (consumer, source, message_id)
+) WITHOUT ROWID;
+
+CREATE TRIGGER IF NOT EXISTS postroom_inbox_key_insert
+AFTER INSERT ON postroom_inbox
+BEGIN
+    INSERT INTO postroom_inbox_keys (consumer, source, message_id, inbox_id, digest, completed)
+    VALUES (NEW.consumer, NEW.source, NEW.message_id, NEW.id,
+            substr(NEW.payload_hash, 1, 16), NEW.status = 'completed');
+END;
+
+-- Only a change into or out of 'completed' touches the key row, so a queued
+-- message pays one key-row write (on completion), an inline one none.
+CREATE TRIGGER IF NOT EXISTS postroom_inbox_key_status
+AFTER UPDATE OF status ON postroom_inbox
+WHEN (OLD.status = 'completed') <> (NEW.status = 'completed')
+BEGIN
+    UPDATE postroom_inbox_keys SET completed = (NEW.status = 'completed')
+    WHERE consumer = NEW.consumer AND source = NEW.source AND message_id = NEW.message_id;
+END;
+
+CREATE TRIGGER IF NOT EXISTS postroom_inbox_key_delete
+AFTER DELETE ON postroom_inbox
+BEGIN
+    DELETE FROM postroom_inbox_keys
+    WHERE consumer = OLD.consumer AND source = OLD.source AND message_id = OLD.message_id;
+END;
+
+-- A row's identity and first digest are fixed for its life.
+CREATE TRIGGER IF NOT EXISTS postroom_inbox_key_fixed
+BEFORE UPDATE OF id, consumer, source, message_id, payload_hash ON postroom_inbox
+WHEN NEW.id IS NOT OLD.id OR NEW.consumer IS NOT OLD.consumer OR NEW.source IS NOT OLD.source
+  OR NEW.message_id IS NOT OLD.message_id OR NEW.payload_hash IS NOT OLD.payload_hash
+BEGIN
+    SELECT RAISE(ABORT, 'postroom_inbox: a row''s id, key and payload digest never change');
+END;
 
 -- What workers may claim, in receive order: queued rows pending, or failed
 -- (next_attempt_at is checked while scanning; rows waiting out a backoff are
 -- few compared with the backlog).
-CREATE INDEX postroom_inbox_due
+CREATE INDEX IF NOT EXISTS postroom_inbox_due
     ON postroom_inbox (consumer, id)
     WHERE queued = 1 AND status IN ('pending', 'failed');
 
 -- Unfinished rows per ordering key: a row may be claimed only when no
 -- earlier row of its key is still pending, processing or failed.
-CREATE INDEX postroom_inbox_ordering
+CREATE INDEX IF NOT EXISTS postroom_inbox_ordering
     ON postroom_inbox (consumer, ordering_key, id)
     WHERE ordering_key IS NOT NULL AND status IN ('pending', 'processing', 'failed');
 
 -- What is leased: the reaper looks here for expired leases.
-CREATE INDEX postroom_inbox_leased
+CREATE INDEX IF NOT EXISTS postroom_inbox_leased
     ON postroom_inbox (lease_until)
     WHERE status = 'processing';
 
 -- What retention deletes.
-CREATE INDEX postroom_inbox_done
+CREATE INDEX IF NOT EXISTS postroom_inbox_done
     ON postroom_inbox (processed_at)
     WHERE status = 'completed';
 
 -- Outgoing messages, committed in the same transaction as the handler that
 -- published them. `seq` is commit order; `message_id` is stable across re-sends
 -- so a downstream inbox can deduplicate.
-CREATE TABLE postroom_outbox (
+CREATE TABLE IF NOT EXISTS postroom_outbox (
     seq              INTEGER PRIMARY KEY,
     message_id       TEXT    NOT NULL UNIQUE,
     topic            TEXT    NOT NULL,
@@ -93,17 +156,17 @@ CREATE TABLE postroom_outbox (
 );
 
 -- What the relay reads: pending rows in commit order.
-CREATE INDEX postroom_outbox_pending
+CREATE INDEX IF NOT EXISTS postroom_outbox_pending
     ON postroom_outbox (seq)
     WHERE status = 'pending';
 
 -- Pending rows per key: a row is held back while an earlier row of its key
 -- waits out a backoff.
-CREATE INDEX postroom_outbox_key
+CREATE INDEX IF NOT EXISTS postroom_outbox_key
     ON postroom_outbox (key, seq)
     WHERE key IS NOT NULL AND status = 'pending';
 
-CREATE INDEX postroom_outbox_sent
+CREATE INDEX IF NOT EXISTS postroom_outbox_sent
     ON postroom_outbox (sent_at)
     WHERE status = 'sent';
 
@@ -111,7 +174,7 @@ CREATE INDEX postroom_outbox_sent
 -- not. The stored message is never touched; the newcomer is kept here whole.
 -- A redelivery of the same conflicting payload bumps `deliveries` instead of
 -- adding a row, so a broker that keeps redelivering cannot grow this table.
-CREATE TABLE postroom_conflicts (
+CREATE TABLE IF NOT EXISTS postroom_conflicts (
     id            INTEGER PRIMARY KEY,
     consumer      TEXT    NOT NULL,
     source        TEXT    NOT NULL,

@@ -41,7 +41,7 @@ use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
 
 use crate::error::{Error, Result};
-use crate::inbox::Status;
+use crate::inbox::{self, Status};
 use crate::message::Headers;
 use crate::outbox::{self, OutboxMessage};
 use crate::queue::{self, DeadLetter};
@@ -64,9 +64,10 @@ pub const MAX_FINDINGS: usize = 100;
 
 /// The tables postroom's schema creates; a file without all of them is not
 /// a postroom database.
-const TABLES: [&str; 4] = [
+const TABLES: [&str; 5] = [
     "postroom_meta",
     "postroom_inbox",
+    "postroom_inbox_keys",
     "postroom_outbox",
     "postroom_conflicts",
 ];
@@ -1042,7 +1043,8 @@ pub fn conflicts_show(conn: &Connection, id: i64) -> Result<Option<ConflictDetai
             .query_row(
                 &format!(
                     "SELECT {ENTRY_COLUMNS}, payload FROM postroom_inbox
-                     WHERE consumer = ?1 AND source = ?2 AND message_id = ?3"
+                     WHERE id = (SELECT inbox_id FROM postroom_inbox_keys
+                                 WHERE consumer = ?1 AND source = ?2 AND message_id = ?3)"
                 ),
                 params![
                     detail.entry.consumer,
@@ -1166,6 +1168,10 @@ pub enum FindingKind {
     /// An outbox row names a cause whose inbox row exists but is not
     /// completed: its effects committed without the message being done.
     CauseNotCompleted,
+    /// The inbox's key table (`postroom_inbox_keys`) disagrees with the
+    /// inbox: an entry missing, wrong or without its row. Dedupe answers
+    /// come from that table, so this breaks exactly-once.
+    KeyTable,
     /// A `processing` row whose lease has passed. Not a violation: the
     /// reaper, or the engine's next open, retries it.
     ExpiredLease,
@@ -1178,6 +1184,7 @@ impl fmt::Display for FindingKind {
             FindingKind::ConflictDigest => "conflict_digest",
             FindingKind::StatusFields => "status_fields",
             FindingKind::CauseNotCompleted => "cause_not_completed",
+            FindingKind::KeyTable => "key_table",
             FindingKind::ExpiredLease => "expired_lease",
         })
     }
@@ -1257,6 +1264,7 @@ impl CheckReport {
 /// * an outbox row caused by an inbox message whose row still exists (and
 ///   was received before the outbox row was written) points to a
 ///   completed row — rows deleted by retention are fine;
+/// * every inbox row has its entry in the key table, and only they do;
 /// * `processing` rows whose lease has passed are reported as warnings:
 ///   the reaper or the engine's next open recovers them.
 ///
@@ -1303,6 +1311,15 @@ pub fn check(conn: &Connection, full: bool) -> Result<CheckReport> {
 }
 
 fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Result<()> {
+    inbox::key_mismatches(conn, |table, id, what| {
+        report.violation(Finding {
+            kind: FindingKind::KeyTable,
+            table,
+            id,
+            detail: what.to_string(),
+        })
+    })
+    .map_err(sql("check inbox keys"))?;
     let op = sql("check inbox");
     let mut stmt = conn
         .prepare(
@@ -1412,9 +1429,11 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
         .prepare(
             "SELECT o.seq, o.status, o.sent_at, o.last_error, i.id, i.status
              FROM postroom_outbox o
+             LEFT JOIN postroom_inbox_keys k
+               ON k.consumer = o.cause_consumer AND k.source = o.cause_source
+              AND k.message_id = o.cause_message_id
              LEFT JOIN postroom_inbox i
-               ON i.consumer = o.cause_consumer AND i.source = o.cause_source
-              AND i.message_id = o.cause_message_id AND i.received_at <= o.created_at
+               ON i.id = k.inbox_id AND i.received_at <= o.created_at
              ORDER BY o.seq",
         )
         .map_err(&op)?;

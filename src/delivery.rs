@@ -43,7 +43,14 @@ pub(crate) fn deliver(
         source: &msg.source,
         message_id: &msg.id,
     };
-    let row = inbox::lookup(conn, key).map_err(|e| Error::sqlite("look up inbox row", e))?;
+    let seen = inbox::seen(conn, key).map_err(|e| Error::sqlite("look up inbox key", e))?;
+    let row = match seen {
+        Some(seen) if seen.completed_duplicate(hash) => return Ok(Outcome::Duplicate),
+        Some(seen) => {
+            inbox::row(conn, seen.inbox_id).map_err(|e| Error::sqlite("look up inbox row", e))?
+        }
+        None => None,
+    };
     // The row's incarnation: a new row gets `now` as its received_at.
     let received_at = row.as_ref().map_or(now, |r| r.received_at);
     let prior_attempts = match row {

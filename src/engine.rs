@@ -797,7 +797,11 @@ fn settled(conn: &Connection, consumer: &str, msg: &Message, hash: &[u8; 32]) ->
         source: &msg.source,
         message_id: &msg.id,
     };
-    let row = inbox::lookup(conn, key).ok()??;
+    let seen = inbox::seen(conn, key).ok()??;
+    if seen.completed_duplicate(hash) {
+        return Some(Outcome::Duplicate);
+    }
+    let row = inbox::row(conn, seen.inbox_id).ok()??;
     if row.payload_hash != *hash {
         return None;
     }

@@ -100,13 +100,61 @@ pub(crate) struct Row {
     pub received_at: i64,
 }
 
+/// What the key table holds for a stored message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Seen {
+    pub inbox_id: i64,
+    /// The first 16 bytes of the stored payload digest.
+    pub digest: Vec<u8>,
+    pub completed: bool,
+}
+
+impl Seen {
+    /// Whether `hash` is the stored payload's digest (compared on the 16
+    /// bytes the key table keeps; schema.sql says why that is enough).
+    pub fn same_payload(&self, hash: &[u8; 32]) -> bool {
+        self.digest.as_slice() == &hash[..16]
+    }
+
+    /// Whether a delivery with digest `hash` is a duplicate of a completed
+    /// message: answered without reading the inbox row.
+    pub fn completed_duplicate(&self, hash: &[u8; 32]) -> bool {
+        self.completed && self.same_payload(hash)
+    }
+}
+
+/// The key table's entry for `key`: one B-tree descent.
+pub(crate) fn seen(conn: &Connection, key: Key<'_>) -> rusqlite::Result<Option<Seen>> {
+    conn.prepare_cached(
+        "SELECT inbox_id, digest, completed FROM postroom_inbox_keys
+         WHERE consumer = ?1 AND source = ?2 AND message_id = ?3",
+    )?
+    .query_row(params![key.consumer, key.source, key.message_id], |r| {
+        Ok(Seen {
+            inbox_id: r.get(0)?,
+            digest: r.get(1)?,
+            completed: r.get(2)?,
+        })
+    })
+    .optional()
+}
+
+/// The stored row with `key`, if any.
 pub(crate) fn lookup(conn: &Connection, key: Key<'_>) -> rusqlite::Result<Option<Row>> {
+    match seen(conn, key)? {
+        Some(seen) => row(conn, seen.inbox_id),
+        None => Ok(None),
+    }
+}
+
+/// The inbox row with id `inbox_id`, if any.
+pub(crate) fn row(conn: &Connection, inbox_id: i64) -> rusqlite::Result<Option<Row>> {
     conn.prepare_cached(
         "SELECT status, payload_hash, attempts, last_error, next_attempt_at, lease_until,
                 received_at
-         FROM postroom_inbox WHERE consumer = ?1 AND source = ?2 AND message_id = ?3",
+         FROM postroom_inbox WHERE id = ?1",
     )?
-    .query_row(params![key.consumer, key.source, key.message_id], |r| {
+    .query_row([inbox_id], |r| {
         let hash: Vec<u8> = r.get(1)?;
         Ok(Row {
             status: r.get(0)?,
@@ -121,6 +169,51 @@ pub(crate) fn lookup(conn: &Connection, key: Key<'_>) -> rusqlite::Result<Option
         })
     })
     .optional()
+}
+
+/// Calls `found(table, id, what)` for every break of the key table's
+/// invariant (schema.sql): an inbox row whose entry is missing or
+/// disagrees with it, and an entry whose inbox row does not exist (`id` is
+/// then the entry's `inbox_id`).
+pub(crate) fn key_mismatches(
+    conn: &Connection,
+    mut found: impl FnMut(&'static str, i64, &'static str),
+) -> rusqlite::Result<()> {
+    let mut stmt = conn.prepare(
+        "SELECT i.id, k.inbox_id IS NULL FROM postroom_inbox i
+         LEFT JOIN postroom_inbox_keys k
+           ON k.consumer = i.consumer AND k.source = i.source AND k.message_id = i.message_id
+         WHERE k.inbox_id IS NOT i.id
+            OR k.digest IS NOT substr(i.payload_hash, 1, 16)
+            OR k.completed IS NOT (i.status = 'completed')
+         ORDER BY i.id",
+    )?;
+    let mut rows = stmt.query([])?;
+    while let Some(r) = rows.next()? {
+        let missing: bool = r.get(1)?;
+        let what = if missing {
+            "no entry in postroom_inbox_keys"
+        } else {
+            "its postroom_inbox_keys entry disagrees with it (inbox_id, digest or completed)"
+        };
+        found("postroom_inbox", r.get(0)?, what);
+    }
+    let mut stmt = conn.prepare(
+        "SELECT k.inbox_id FROM postroom_inbox_keys k
+         WHERE NOT EXISTS (SELECT 1 FROM postroom_inbox i
+                           WHERE i.id = k.inbox_id AND i.consumer = k.consumer
+                             AND i.source = k.source AND i.message_id = k.message_id)
+         ORDER BY k.inbox_id",
+    )?;
+    let mut rows = stmt.query([])?;
+    while let Some(r) = rows.next()? {
+        found(
+            "postroom_inbox_keys",
+            r.get(0)?,
+            "entry without its inbox row",
+        );
+    }
+    Ok(())
 }
 
 /// The state an attempt leaves a row in.
@@ -147,21 +240,34 @@ pub(crate) fn record(
 ) -> rusqlite::Result<()> {
     let payload = rec.keep_payload.then_some(msg.payload.as_slice());
     let processed_at = (rec.status == Status::Completed).then_some(now_ms);
+    let updated = conn
+        .prepare_cached(
+            "UPDATE postroom_inbox SET status = ?4, payload = ?5, attempts = ?6,
+                 last_error = ?7, updated_at = ?8, next_attempt_at = ?9, processed_at = ?10,
+                 lease_until = NULL, lease_token = NULL
+             WHERE id = (SELECT inbox_id FROM postroom_inbox_keys
+                         WHERE consumer = ?1 AND source = ?2 AND message_id = ?3)",
+        )?
+        .execute(params![
+            consumer,
+            msg.source,
+            msg.id,
+            rec.status,
+            payload,
+            rec.attempts,
+            rec.last_error,
+            now_ms,
+            rec.next_attempt_at,
+            processed_at,
+        ])?;
+    if updated > 0 {
+        return Ok(());
+    }
     conn.prepare_cached(
         "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload, payload_hash,
              headers, ordering_key, attempts, last_error, received_at, updated_at,
              next_attempt_at, processed_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13)
-         ON CONFLICT (consumer, source, message_id) DO UPDATE SET
-             status = excluded.status,
-             payload = excluded.payload,
-             attempts = excluded.attempts,
-             last_error = excluded.last_error,
-             updated_at = excluded.updated_at,
-             next_attempt_at = excluded.next_attempt_at,
-             processed_at = excluded.processed_at,
-             lease_until = NULL,
-             lease_token = NULL",
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13)",
     )?
     .execute(params![
         consumer,
@@ -197,7 +303,8 @@ pub(crate) fn mark_dead(
     conn.prepare_cached(
         "UPDATE postroom_inbox SET status = 'dead', last_error = ?4, updated_at = ?5,
              next_attempt_at = NULL, lease_until = NULL, lease_token = NULL
-         WHERE consumer = ?1 AND source = ?2 AND message_id = ?3",
+         WHERE id = (SELECT inbox_id FROM postroom_inbox_keys
+                     WHERE consumer = ?1 AND source = ?2 AND message_id = ?3)",
     )?
     .execute(params![
         key.consumer,

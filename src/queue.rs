@@ -24,13 +24,17 @@ pub(crate) fn receive(
     hash: &[u8; 32],
     now_ms: i64,
 ) -> rusqlite::Result<Receipt> {
-    let inserted = conn
-        .prepare_cached(
+    let key = inbox::Key {
+        consumer,
+        source: &msg.source,
+        message_id: &msg.id,
+    };
+    let Some(seen) = inbox::seen(conn, key)? else {
+        conn.prepare_cached(
             "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
                  payload_hash, headers, ordering_key, attempts, received_at, updated_at,
                  next_attempt_at, queued)
-             VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6, ?7, 0, ?8, ?8, ?8, 1)
-             ON CONFLICT (consumer, source, message_id) DO NOTHING",
+             VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6, ?7, 0, ?8, ?8, ?8, 1)",
         )?
         .execute(params![
             consumer,
@@ -42,25 +46,23 @@ pub(crate) fn receive(
             msg.ordering_key,
             now_ms,
         ])?;
-    if inserted == 1 {
         return Ok(Receipt::Accepted);
+    };
+    if seen.completed_duplicate(hash) {
+        return Ok(Receipt::Duplicate);
     }
     let stored: Vec<u8> = conn
-        .prepare_cached(
-            "SELECT payload_hash FROM postroom_inbox
-             WHERE consumer = ?1 AND source = ?2 AND message_id = ?3",
-        )?
-        .query_row(params![consumer, msg.source, msg.id], |r| r.get(0))?;
+        .prepare_cached("SELECT payload_hash FROM postroom_inbox WHERE id = ?1")?
+        .query_row([seen.inbox_id], |r| r.get(0))?;
     if stored.as_slice() == hash.as_slice() {
         // The caller will ack this receipt, so the workers must own the
         // message from now on even if an inline delivery left it unfinished
         // (its broker will not redeliver an acked message).
         conn.prepare_cached(
             "UPDATE postroom_inbox SET queued = 1
-             WHERE consumer = ?1 AND source = ?2 AND message_id = ?3
-               AND queued = 0 AND status IN ('pending', 'failed')",
+             WHERE id = ?1 AND queued = 0 AND status IN ('pending', 'failed')",
         )?
-        .execute(params![consumer, msg.source, msg.id])?;
+        .execute([seen.inbox_id])?;
         return Ok(Receipt::Duplicate);
     }
     let stored: [u8; 32] = stored.try_into().unwrap_or([0; 32]);

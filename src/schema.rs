@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::failpoint;
 
 /// The newest schema version this library knows.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// The schema, applied in one transaction to a database without one.
 pub const SCHEMA_SQL: &str = include_str!("../schema.sql");
@@ -123,9 +123,9 @@ pub fn stored_version(conn: &Connection) -> rusqlite::Result<Option<i64>> {
     Ok(Some(text.and_then(|t| t.parse().ok()).unwrap_or(0)))
 }
 
-/// Applies the schema to a new database, or checks (and, in later versions,
-/// migrates) an existing one, in one `BEGIN IMMEDIATE` transaction: a crash
-/// mid-way leaves the file as it was.
+/// Applies the schema to a new database, or checks and migrates an existing
+/// one, in one `BEGIN IMMEDIATE` transaction: a crash mid-way leaves the
+/// file as it was.
 pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
     let tx = conn
         .transaction_with_behavior(TransactionBehavior::Immediate)
@@ -140,12 +140,42 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             )
             .map_err(|e| Error::sqlite("record schema version", e))?;
         }
-        // Version 1 is the first; a later version adds its steps here,
-        // each taking the file from `found` to `found + 1`.
+        Some(1) => migrate_v1(&tx)?,
+        // Each step above takes the file from `found` to `found + 1`.
         Some(found) => check_version(found)?,
     }
     failpoint::hit("schema.migrate")?;
     tx.commit().map_err(|e| Error::sqlite("commit schema", e))
+}
+
+/// Version 1 to 2: the inbox's key moves from a UNIQUE constraint on the
+/// table to `postroom_inbox_keys`. SQLite cannot drop a table constraint, so
+/// the inbox is rebuilt: renamed away (its indexes dropped, their names are
+/// reused), created anew by the schema (every statement `IF NOT EXISTS`),
+/// refilled in id order (the insert trigger fills the key table), dropped.
+/// Takes time in proportion to the inbox: about a minute per million rows
+/// on a small machine, once.
+fn migrate_v1(tx: &Connection) -> Result<()> {
+    let rows: i64 = tx
+        .query_row("SELECT count(*) FROM postroom_inbox", [], |r| r.get(0))
+        .map_err(|e| Error::sqlite("migrate schema 1 to 2", e))?;
+    log::info!("postroom: migrating schema 1 to 2 ({rows} inbox rows)");
+    tx.execute_batch(
+        "ALTER TABLE postroom_inbox RENAME TO postroom_inbox_v1;
+         DROP INDEX postroom_inbox_due;
+         DROP INDEX postroom_inbox_ordering;
+         DROP INDEX postroom_inbox_leased;
+         DROP INDEX postroom_inbox_done;",
+    )
+    .and_then(|()| tx.execute_batch(SCHEMA_SQL))
+    .and_then(|()| {
+        tx.execute_batch(
+            "INSERT INTO postroom_inbox SELECT * FROM postroom_inbox_v1 ORDER BY id;
+             DROP TABLE postroom_inbox_v1;
+             UPDATE postroom_meta SET value = '2' WHERE key = 'schema_version';",
+        )
+    })
+    .map_err(|e| Error::sqlite("migrate schema 1 to 2", e))
 }
 
 /// `Ok` for the schema version this build writes; an error for a newer one
@@ -157,6 +187,13 @@ pub(crate) fn check_version(found: i64) -> Result<()> {
             found,
             supported: SCHEMA_VERSION,
         }),
+        found @ 1.. => Err(Error::invalid(
+            "database",
+            format!(
+                "postroom schema version {found} is older than this build's {SCHEMA_VERSION}; \
+                 opening it once with the engine migrates it"
+            ),
+        )),
         found => Err(Error::invalid(
             "database",
             format!("unknown postroom schema version {found} (this build knows {SCHEMA_VERSION})"),

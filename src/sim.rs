@@ -943,6 +943,14 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
 /// The whole inbox, every effect count and every outbox count against the
 /// model.
 fn check(m: &Machine, model: &Model) -> SimResult<()> {
+    let mut broken = Vec::new();
+    crate::inbox::key_mismatches(m.conn(), |table, id, what| {
+        broken.push(format!("{table} {id}: {what}"))
+    })
+    .map_err(|e| format!("check inbox keys: {e}"))?;
+    if !broken.is_empty() {
+        return Err(format!("key table: {}", broken.join("; ")));
+    }
     let inbox = m.inbox()?;
     if inbox.len() != model.entries.len() {
         return Err(format!(
