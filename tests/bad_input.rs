@@ -516,3 +516,56 @@ fn storage_errors_stay_retryable_however_user_code_reacts() {
         .unwrap()
         .should_ack());
 }
+
+/// The inbox key is unique in the database itself, not only in the engine:
+/// a hand-written INSERT of a stored key fails, and so does changing a
+/// stored row's key or digest. Neither changes anything.
+#[test]
+fn hand_written_sql_cannot_store_a_key_twice_or_change_a_rows_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("p.db");
+    let (room, calls) = counting_room(&db);
+    room.deliver("c", Message::new("s", "m-1", "one")).unwrap();
+    room.deliver("c", Message::new("s", "m-2", "two")).unwrap();
+    let conn = raw(&db);
+    let dump = |conn: &rusqlite::Connection| -> Vec<String> {
+        column(
+            conn,
+            "SELECT id || message_id || status || hex(payload_hash) FROM postroom_inbox
+             UNION ALL
+             SELECT inbox_id || message_id || completed || hex(digest) FROM postroom_inbox_keys",
+        )
+    };
+    let before = dump(&conn);
+
+    let err = conn
+        .execute(
+            "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload_hash,
+                 received_at, updated_at)
+             VALUES ('c', 's', 'm-1', 'pending', zeroblob(32), 0, 0)",
+            [],
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("UNIQUE"), "{err}");
+    for change in [
+        "message_id = 'm-3'",
+        "message_id = 'm-2'",
+        "consumer = 'd'",
+        "payload_hash = zeroblob(32)",
+        "id = 99",
+    ] {
+        let err = conn
+            .execute(
+                &format!("UPDATE postroom_inbox SET {change} WHERE message_id = 'm-1'"),
+                [],
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("never change"), "{change}: {err}");
+    }
+    assert_eq!(dump(&conn), before);
+    assert_eq!(
+        room.deliver("c", Message::new("s", "m-1", "one")).unwrap(),
+        Outcome::Duplicate
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}

@@ -1074,3 +1074,47 @@ fn the_cli_leaves_the_engine_lock_alone_and_read_connections_cannot_write() {
         Err(postroom::Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound
     ));
 }
+
+/// Dedupe answers come from `postroom_inbox_keys`; `check` reports any
+/// disagreement between it and the inbox, from both sides.
+#[test]
+fn check_reports_a_key_table_that_disagrees_with_the_inbox() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    assert_eq!(
+        cli_ok(&db, &["check", "--json"], 0).json()["violations_total"],
+        0
+    );
+    let o1 = inbox_id(&db, "orders", "o-1");
+    let o3 = inbox_id(&db, "orders", "o-3");
+    let conn = Connection::open(&db).unwrap();
+    conn.execute_batch(&format!(
+        "DELETE FROM postroom_inbox_keys WHERE inbox_id = {o1};
+         UPDATE postroom_inbox_keys SET completed = 0 WHERE inbox_id = {o3};
+         INSERT INTO postroom_inbox_keys VALUES ('orders', 'shop', 'ghost', 9999, zeroblob(16), 1);"
+    ))
+    .unwrap();
+    let bad = cli_ok(&db, &["check", "--json"], 4).json();
+    assert_eq!(bad["violations_total"], 3, "{bad}");
+    let found: Vec<(String, String, i64)> = bad["violations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            (
+                v["kind"].as_str().unwrap().to_string(),
+                v["table"].as_str().unwrap().to_string(),
+                v["id"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    let key_table = |table: &str, id| ("key_table".to_string(), table.to_string(), id);
+    assert_eq!(
+        found,
+        [
+            key_table("postroom_inbox", o1),
+            key_table("postroom_inbox", o3),
+            key_table("postroom_inbox_keys", 9999)
+        ]
+    );
+}

@@ -80,7 +80,8 @@ pub type InboxRow = (String, i64, Option<String>, Option<Vec<u8>>);
 pub fn inbox_row(conn: &Connection, consumer: &str, source: &str, id: &str) -> Option<InboxRow> {
     conn.query_row(
         "SELECT status, attempts, last_error, payload FROM postroom_inbox
-         WHERE consumer = ?1 AND source = ?2 AND message_id = ?3",
+         WHERE id = (SELECT inbox_id FROM postroom_inbox_keys
+                     WHERE consumer = ?1 AND source = ?2 AND message_id = ?3)",
         [consumer, source, id],
         |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
     )

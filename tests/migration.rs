@@ -1,0 +1,269 @@
+//! Schema migrations: a file written under schema version 1 (its DDL kept in
+//! `tests/fixtures/schema_v1.sql`) opens under version 2 with every row
+//! intact, gives the same dedupe answers as before, and a process killed in
+//! the middle of the migration leaves the file exactly as it was.
+
+mod common;
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use postroom::{handler_fn, Failure, Message, Outcome, Postroom, Receipt, Status};
+use rusqlite::params;
+
+const SCHEMA_V1: &str = include_str!("fixtures/schema_v1.sql");
+
+/// Every column of every inbox row, in id order, as text.
+const DUMP_INBOX: &str = "SELECT id || '|' || consumer || '|' || source || '|' || message_id
+        || '|' || status || '|' || quote(payload) || '|' || hex(payload_hash) || '|'
+        || quote(headers) || '|' || quote(ordering_key) || '|' || attempts || '|'
+        || quote(last_error) || '|' || received_at || '|' || updated_at || '|'
+        || quote(next_attempt_at) || '|' || quote(lease_until) || '|'
+        || quote(lease_token) || '|' || quote(processed_at) || '|' || queued
+    FROM postroom_inbox ORDER BY id";
+
+fn digest(payload: &str) -> Vec<u8> {
+    blake3::hash(payload.as_bytes()).as_bytes().to_vec()
+}
+
+/// A version 1 file, as that schema stored these messages of consumer
+/// `orders` from source `shop`:
+/// * `done-0..extra`: completed inline, payload not kept;
+/// * `failed`: failed once inline, due now;
+/// * `queued`: received, pending for the workers;
+/// * `dead`: dead-lettered.
+///
+/// Returns the inbox dump.
+fn write_v1(path: &Path, extra: u32) -> Vec<String> {
+    let mut conn = rusqlite::Connection::open(path).unwrap();
+    conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+    let tx = conn.transaction().unwrap();
+    tx.execute_batch(SCHEMA_V1).unwrap();
+    tx.execute_batch(common::DOMAIN_SQL).unwrap();
+    tx.execute(
+        "INSERT INTO postroom_meta (key, value) VALUES ('schema_version', '1')",
+        [],
+    )
+    .unwrap();
+    let insert = "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
+            payload_hash, attempts, last_error, received_at, updated_at, next_attempt_at,
+            processed_at, queued)
+        VALUES ('orders', 'shop', ?1, ?2, ?3, ?4, ?5, ?6, 1000, 1000, ?7, ?8, ?9)";
+    for i in 0..extra {
+        let id = format!("done-{i}");
+        tx.execute(
+            insert,
+            params![
+                id,
+                "completed",
+                None::<Vec<u8>>,
+                digest(&id),
+                1,
+                None::<String>,
+                None::<i64>,
+                1000,
+                0
+            ],
+        )
+        .unwrap();
+    }
+    for (id, status, attempts, error, next, queued) in [
+        ("failed", "failed", 1, Some("boom"), Some(1000), 0),
+        ("queued", "pending", 0, None, Some(1000), 1),
+        ("dead", "dead", 5, Some("gave up"), None, 0),
+    ] {
+        tx.execute(
+            insert,
+            params![
+                id,
+                status,
+                id.as_bytes(),
+                digest(id),
+                attempts,
+                error,
+                next,
+                None::<i64>,
+                queued
+            ],
+        )
+        .unwrap();
+    }
+    tx.commit().unwrap();
+    column(&conn, DUMP_INBOX)
+}
+
+fn stored_version(conn: &rusqlite::Connection) -> String {
+    conn.query_row(
+        "SELECT value FROM postroom_meta WHERE key = 'schema_version'",
+        [],
+        |r| r.get(0),
+    )
+    .unwrap()
+}
+
+fn open(path: &Path, runs: &Arc<AtomicU32>) -> Postroom {
+    let runs = Arc::clone(runs);
+    Postroom::builder()
+        .poll_interval(Duration::from_millis(5))
+        .consumer(
+            "orders",
+            handler_fn(move |tx, msg: &Message| -> Result<(), Failure> {
+                runs.fetch_add(1, Ordering::SeqCst);
+                apply(tx, msg)
+            }),
+        )
+        .open(path)
+        .unwrap()
+}
+
+#[test]
+#[ignore = "entry point for child processes of the migration tests"]
+fn child_main() {
+    let Some((role, db)) = child_role() else {
+        return;
+    };
+    match role.as_str() {
+        // Armed by the parent to abort inside the migration transaction.
+        "open" => {
+            let _ = Postroom::builder().workers(0).open(&db);
+            report("OPENED");
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+#[test]
+fn a_version_1_file_keeps_every_row_and_every_dedupe_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("v1.db");
+    let before = write_v1(&db, 300);
+    let runs = Arc::new(AtomicU32::new(0));
+    let room = open(&db, &runs);
+
+    let conn = raw(&db);
+    assert_eq!(stored_version(&conn), postroom::SCHEMA_VERSION.to_string());
+    assert_eq!(column::<Vec<String>>(&conn, DUMP_INBOX), before);
+    assert_eq!(
+        count(&conn, "SELECT count(*) FROM postroom_inbox_keys"),
+        before.len() as i64
+    );
+    let report = postroom::admin::check(&conn, true).unwrap();
+    assert!(report.is_ok(), "{report:?}");
+    // The old table is gone, the new one has no UNIQUE constraint of its own.
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM sqlite_master WHERE name LIKE 'postroom_inbox_v1%'
+                 OR name LIKE 'sqlite_autoindex_postroom_inbox_%'"
+        ),
+        0
+    );
+
+    // A completed message: its redelivery is a duplicate, a different
+    // payload under its id a conflict; the handler runs for neither.
+    assert_eq!(
+        room.deliver("orders", Message::new("shop", "done-7", "done-7"))
+            .unwrap(),
+        Outcome::Duplicate
+    );
+    assert_eq!(
+        room.receive("orders", Message::new("shop", "done-8", "done-8"))
+            .unwrap(),
+        Receipt::Duplicate
+    );
+    assert!(matches!(
+        room.deliver("orders", Message::new("shop", "done-7", "other"))
+            .unwrap(),
+        Outcome::Conflict { .. }
+    ));
+    for id in ["done-7", "done-8"] {
+        assert_eq!(applied_count(&conn, id), 0, "{id}");
+    }
+
+    // The failed one is retried as its second attempt; the dead one stays dead.
+    assert_eq!(
+        room.deliver("orders", Message::new("shop", "failed", "failed"))
+            .unwrap(),
+        Outcome::Processed { attempts: 2 }
+    );
+    assert!(matches!(
+        room.deliver("orders", Message::new("shop", "dead", "dead"))
+            .unwrap(),
+        Outcome::Dead { attempts: 5, .. }
+    ));
+
+    // The queued one is processed by the workers, once.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while applied_count(&conn, "queued") == 0 {
+        assert!(Instant::now() < deadline, "queued message never processed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // A new message goes in under the new schema, once.
+    let fresh = Message::new("shop", "new", "new");
+    assert_eq!(
+        room.deliver("orders", fresh.clone()).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    assert_eq!(room.deliver("orders", fresh).unwrap(), Outcome::Duplicate);
+    room.shutdown(Duration::from_secs(10)).unwrap();
+
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "failed, queued, new");
+    for id in ["failed", "queued", "new"] {
+        assert_eq!(applied_count(&conn, id), 1, "{id}");
+    }
+    let status = |id: &str| inbox_row(&conn, "orders", "shop", id).unwrap().0;
+    assert_eq!(status("queued"), Status::Completed.to_string());
+    let report = postroom::admin::check(&conn, true).unwrap();
+    assert!(report.is_ok(), "{report:?}");
+}
+
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_process_killed_mid_migration_leaves_the_version_1_file_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("v1.db");
+    let before = write_v1(&db, 2000);
+    let mut child = spawn_child(
+        "open",
+        &db,
+        &[("POSTROOM_FAILPOINTS", "schema.migrate=abort@1".to_string())],
+    );
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the child was to die mid-migration");
+
+    let conn = raw(&db);
+    assert_eq!(stored_version(&conn), "1");
+    assert_eq!(column::<Vec<String>>(&conn, DUMP_INBOX), before);
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM sqlite_master WHERE name LIKE 'postroom_inbox_keys%'
+                 OR name LIKE 'postroom_inbox_v1%'"
+        ),
+        0
+    );
+    drop(conn);
+
+    // The next open migrates it.
+    let runs = Arc::new(AtomicU32::new(0));
+    open(&db, &runs).shutdown(Duration::from_secs(10)).unwrap();
+    let conn = raw(&db);
+    assert_eq!(stored_version(&conn), postroom::SCHEMA_VERSION.to_string());
+    assert_eq!(column::<Vec<String>>(&conn, DUMP_INBOX), before);
+    assert!(postroom::admin::check(&conn, false).unwrap().is_ok());
+}
+
+#[test]
+fn the_cli_asks_for_a_version_1_file_to_be_migrated_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("v1.db");
+    let before = write_v1(&db, 3);
+    let err = postroom::admin::open(&db, false).unwrap_err().to_string();
+    assert!(err.contains("older than this build"), "{err}");
+    let conn = raw(&db);
+    assert_eq!(stored_version(&conn), "1");
+    assert_eq!(column::<Vec<String>>(&conn, DUMP_INBOX), before);
+}
