@@ -58,15 +58,17 @@ CREATE TABLE IF NOT EXISTS postroom_inbox (
 -- into the inbox table for the digest and status, a page read of its own
 -- at millions of rows (schema version 1 did that).
 --
--- A 16-byte digest prefix is enough to tell a duplicate from a conflict:
--- a different payload with the same 128 bits is a blake3 second preimage.
--- Every other decision reads the inbox row and its whole digest.
+-- A 16-byte digest prefix tells a duplicate from a conflict: two payloads
+-- sharing it by chance take 2^64 tries even for a sender choosing both,
+-- and the worst case is a conflict answered as a duplicate (dropped, never
+-- applied twice). Every other decision reads the row and its whole digest.
 --
 -- Invariant (kept by the triggers below, checked by `postroom check`):
 -- exactly one row here per inbox row, with the same key, inbox_id = its id,
 -- digest = substr(payload_hash, 1, 16), completed = (status = 'completed').
 -- Statements on postroom_inbox must not use INSERT OR IGNORE / OR REPLACE:
--- the outer conflict policy would override the triggers' own.
+-- the outer conflict policy would override the triggers' own. The engine
+-- refuses to open a file missing one of these triggers.
 CREATE TABLE IF NOT EXISTS postroom_inbox_keys (
     consumer   TEXT    NOT NULL,
     source     TEXT    NOT NULL,
@@ -85,8 +87,10 @@ BEGIN
             substr(NEW.payload_hash, 1, 16), NEW.status = 'completed');
 END;
 
--- Only a change into or out of 'completed' touches the key row, so a queued
--- message pays one key-row write (on completion), an inline one none.
+-- Only a change into or out of 'completed' touches the key row: a message
+-- completed by the insert that stored it (inline, first attempt) pays no
+-- second write; one completed later (queued, or after a failed attempt)
+-- pays one.
 CREATE TRIGGER IF NOT EXISTS postroom_inbox_key_status
 AFTER UPDATE OF status ON postroom_inbox
 WHEN (OLD.status = 'completed') <> (NEW.status = 'completed')

@@ -1264,7 +1264,8 @@ impl CheckReport {
 /// * an outbox row caused by an inbox message whose row still exists (and
 ///   was received before the outbox row was written) points to a
 ///   completed row — rows deleted by retention are fine;
-/// * every inbox row has its entry in the key table, and only they do;
+/// * every inbox row has its entry in the key table, only they do, and the
+///   triggers that keep it so exist (a missing one is reported with id 0);
 /// * `processing` rows whose lease has passed are reported as warnings:
 ///   the reaper or the engine's next open recovers them.
 ///
@@ -1311,6 +1312,14 @@ pub fn check(conn: &Connection, full: bool) -> Result<CheckReport> {
 }
 
 fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Result<()> {
+    for name in schema::missing_triggers(conn).map_err(sql("check inbox keys"))? {
+        report.violation(Finding {
+            kind: FindingKind::KeyTable,
+            table: "postroom_inbox",
+            id: 0,
+            detail: format!("trigger {name} is missing"),
+        });
+    }
     inbox::key_mismatches(conn, |table, id, what| {
         report.violation(Finding {
             kind: FindingKind::KeyTable,

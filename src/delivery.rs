@@ -46,9 +46,8 @@ pub(crate) fn deliver(
     let seen = inbox::seen(conn, key).map_err(|e| Error::sqlite("look up inbox key", e))?;
     let row = match seen {
         Some(seen) if seen.completed_duplicate(hash) => return Ok(Outcome::Duplicate),
-        Some(seen) => {
-            inbox::row(conn, seen.inbox_id).map_err(|e| Error::sqlite("look up inbox row", e))?
-        }
+        Some(seen) => inbox::row(conn, seen.inbox_id, key)
+            .map_err(|e| Error::sqlite("look up inbox row", e))?,
         None => None,
     };
     // The row's incarnation: a new row gets `now` as its received_at.

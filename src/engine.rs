@@ -801,7 +801,7 @@ fn settled(conn: &Connection, consumer: &str, msg: &Message, hash: &[u8; 32]) ->
     if seen.completed_duplicate(hash) {
         return Some(Outcome::Duplicate);
     }
-    let row = inbox::row(conn, seen.inbox_id).ok()??;
+    let row = inbox::row(conn, seen.inbox_id, key).ok()??;
     if row.payload_hash != *hash {
         return None;
     }

@@ -142,32 +142,39 @@ pub(crate) fn seen(conn: &Connection, key: Key<'_>) -> rusqlite::Result<Option<S
 /// The stored row with `key`, if any.
 pub(crate) fn lookup(conn: &Connection, key: Key<'_>) -> rusqlite::Result<Option<Row>> {
     match seen(conn, key)? {
-        Some(seen) => row(conn, seen.inbox_id),
+        Some(seen) => row(conn, seen.inbox_id, key),
         None => Ok(None),
     }
 }
 
-/// The inbox row with id `inbox_id`, if any.
-pub(crate) fn row(conn: &Connection, inbox_id: i64) -> rusqlite::Result<Option<Row>> {
+/// The inbox row `seen` pointed to, if it still holds `key`. Outside a
+/// transaction, `seen` and this read see different snapshots, and a row id
+/// can be reused once the newest row is deleted: the key check makes a
+/// stale id read as "not found" rather than as another message's row.
+pub(crate) fn row(conn: &Connection, inbox_id: i64, key: Key<'_>) -> rusqlite::Result<Option<Row>> {
     conn.prepare_cached(
         "SELECT status, payload_hash, attempts, last_error, next_attempt_at, lease_until,
                 received_at
-         FROM postroom_inbox WHERE id = ?1",
+         FROM postroom_inbox
+         WHERE id = ?1 AND consumer = ?2 AND source = ?3 AND message_id = ?4",
     )?
-    .query_row([inbox_id], |r| {
-        let hash: Vec<u8> = r.get(1)?;
-        Ok(Row {
-            status: r.get(0)?,
-            // The schema's CHECK guarantees 32 bytes; a damaged row that
-            // somehow has another length compares unequal to every digest.
-            payload_hash: hash.try_into().unwrap_or([0; 32]),
-            attempts: r.get(2)?,
-            last_error: r.get(3)?,
-            next_attempt_at: r.get(4)?,
-            lease_until: r.get(5)?,
-            received_at: r.get(6)?,
-        })
-    })
+    .query_row(
+        params![inbox_id, key.consumer, key.source, key.message_id],
+        |r| {
+            let hash: Vec<u8> = r.get(1)?;
+            Ok(Row {
+                status: r.get(0)?,
+                // The schema's CHECK guarantees 32 bytes; a damaged row that
+                // somehow has another length compares unequal to every digest.
+                payload_hash: hash.try_into().unwrap_or([0; 32]),
+                attempts: r.get(2)?,
+                last_error: r.get(3)?,
+                next_attempt_at: r.get(4)?,
+                lease_until: r.get(5)?,
+                received_at: r.get(6)?,
+            })
+        },
+    )
     .optional()
 }
 

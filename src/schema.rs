@@ -144,8 +144,47 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
         // Each step above takes the file from `found` to `found + 1`.
         Some(found) => check_version(found)?,
     }
+    if let Some(name) = missing_triggers(&tx)
+        .map_err(|e| Error::sqlite("read schema", e))?
+        .first()
+    {
+        return Err(Error::invalid(
+            "database",
+            format!(
+                "trigger {name} is missing: postroom's dedupe depends on it, and the key table \
+                 may no longer match the inbox; the file was changed outside postroom \
+                 (run `postroom check`)"
+            ),
+        ));
+    }
     failpoint::hit("schema.migrate")?;
     tx.commit().map_err(|e| Error::sqlite("commit schema", e))
+}
+
+/// The triggers that keep `postroom_inbox_keys` in step with the inbox.
+pub(crate) const KEY_TRIGGERS: [&str; 4] = [
+    "postroom_inbox_key_insert",
+    "postroom_inbox_key_status",
+    "postroom_inbox_key_delete",
+    "postroom_inbox_key_fixed",
+];
+
+/// Those of [`KEY_TRIGGERS`] the file lacks. Without them, dedupe answers
+/// would come from a table nothing keeps up to date.
+pub(crate) fn missing_triggers(conn: &Connection) -> rusqlite::Result<Vec<&'static str>> {
+    let mut missing = Vec::new();
+    for name in KEY_TRIGGERS {
+        let found: bool = conn.query_row(
+            "SELECT count(*) > 0 FROM sqlite_master
+             WHERE type = 'trigger' AND name = ?1 AND tbl_name = 'postroom_inbox'",
+            [name],
+            |r| r.get(0),
+        )?;
+        if !found {
+            missing.push(name);
+        }
+    }
+    Ok(missing)
 }
 
 /// Version 1 to 2: the inbox's key moves from a UNIQUE constraint on the
@@ -161,8 +200,13 @@ fn migrate_v1(tx: &Connection) -> Result<()> {
         .query_row("SELECT count(*) FROM postroom_inbox", [], |r| r.get(0))
         .map_err(|e| Error::sqlite("migrate schema 1 to 2", e))?;
     log::info!("postroom: migrating schema 1 to 2 ({rows} inbox rows)");
+    // Legacy rename: the application's views, triggers and foreign keys
+    // that name postroom_inbox keep naming it (the new table), instead of
+    // being rewritten to the old table about to be dropped.
     tx.execute_batch(
-        "ALTER TABLE postroom_inbox RENAME TO postroom_inbox_v1;
+        "PRAGMA legacy_alter_table = ON;
+         ALTER TABLE postroom_inbox RENAME TO postroom_inbox_v1;
+         PRAGMA legacy_alter_table = OFF;
          DROP INDEX postroom_inbox_due;
          DROP INDEX postroom_inbox_ordering;
          DROP INDEX postroom_inbox_leased;
@@ -171,7 +215,13 @@ fn migrate_v1(tx: &Connection) -> Result<()> {
     .and_then(|()| tx.execute_batch(SCHEMA_SQL))
     .and_then(|()| {
         tx.execute_batch(
-            "INSERT INTO postroom_inbox SELECT * FROM postroom_inbox_v1 ORDER BY id;
+            "INSERT INTO postroom_inbox (id, consumer, source, message_id, status, payload,
+                 payload_hash, headers, ordering_key, attempts, last_error, received_at,
+                 updated_at, next_attempt_at, lease_until, lease_token, processed_at, queued)
+             SELECT id, consumer, source, message_id, status, payload, payload_hash, headers,
+                 ordering_key, attempts, last_error, received_at, updated_at, next_attempt_at,
+                 lease_until, lease_token, processed_at, queued
+             FROM postroom_inbox_v1 ORDER BY id;
              DROP TABLE postroom_inbox_v1;
              UPDATE postroom_meta SET value = '2' WHERE key = 'schema_version';",
         )

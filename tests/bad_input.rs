@@ -569,3 +569,31 @@ fn hand_written_sql_cannot_store_a_key_twice_or_change_a_rows_key() {
     );
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
+
+/// Dedupe answers come from the key table, which only the triggers keep
+/// up to date: a file missing one is refused at open, and changed nothing.
+#[test]
+fn a_file_missing_a_key_trigger_is_refused_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("p.db");
+    let (room, _) = counting_room(&db);
+    room.deliver("c", Message::new("s", "m-1", "one")).unwrap();
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    raw(&db)
+        .execute_batch("DROP TRIGGER postroom_inbox_key_insert")
+        .unwrap();
+    let Err(err) = Postroom::builder()
+        .workers(0)
+        .consumer("c", handler_fn(apply))
+        .open(&db)
+    else {
+        panic!("open must fail");
+    };
+    assert!(matches!(err, Error::InvalidInput { .. }), "{err:?}");
+    assert!(
+        err.to_string()
+            .contains("postroom_inbox_key_insert is missing"),
+        "{err}"
+    );
+    assert_eq!(count(&raw(&db), "SELECT count(*) FROM postroom_inbox"), 1);
+}

@@ -1118,3 +1118,22 @@ fn check_reports_a_key_table_that_disagrees_with_the_inbox() {
         ]
     );
 }
+
+/// A dropped key trigger is reported by `check` (the engine would refuse
+/// to open the file).
+#[test]
+fn check_reports_a_missing_key_trigger() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    Connection::open(&db)
+        .unwrap()
+        .execute_batch("DROP TRIGGER postroom_inbox_key_delete")
+        .unwrap();
+    let bad = cli_ok(&db, &["check", "--json"], 4).json();
+    assert_eq!(bad["violations_total"], 1, "{bad}");
+    assert_eq!(bad["violations"][0]["kind"], "key_table");
+    assert_eq!(
+        bad["violations"][0]["detail"],
+        "trigger postroom_inbox_key_delete is missing"
+    );
+}

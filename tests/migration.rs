@@ -43,6 +43,12 @@ fn write_v1(path: &Path, extra: u32) -> Vec<String> {
     let tx = conn.transaction().unwrap();
     tx.execute_batch(SCHEMA_V1).unwrap();
     tx.execute_batch(common::DOMAIN_SQL).unwrap();
+    // An application's view over the inbox, which must survive the rebuild.
+    tx.execute_batch(
+        "CREATE VIEW app_waiting AS
+         SELECT message_id FROM postroom_inbox WHERE status IN ('failed', 'dead')",
+    )
+    .unwrap();
     tx.execute(
         "INSERT INTO postroom_meta (key, value) VALUES ('schema_version', '1')",
         [],
@@ -93,6 +99,33 @@ fn write_v1(path: &Path, extra: u32) -> Vec<String> {
     }
     tx.commit().unwrap();
     column(&conn, DUMP_INBOX)
+}
+
+/// postroom's tables, indexes and triggers: (type, name, table, SQL with
+/// `IF NOT EXISTS` dropped and whitespace collapsed).
+fn schema_objects(conn: &rusqlite::Connection) -> Vec<(String, String, String, String)> {
+    let mut stmt = conn
+        .prepare(
+            "SELECT type, name, tbl_name, coalesce(sql, '') FROM sqlite_master
+             WHERE name LIKE 'postroom%' ORDER BY type, name",
+        )
+        .unwrap();
+    let rows = stmt
+        .query_map([], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get::<_, String>(3)?))
+        })
+        .unwrap();
+    rows.map(|row| {
+        let (kind, name, table, sql) = row.unwrap();
+        let sql = sql.replace("IF NOT EXISTS ", "");
+        (
+            kind,
+            name,
+            table,
+            sql.split_whitespace().collect::<Vec<_>>().join(" "),
+        )
+    })
+    .collect()
 }
 
 fn stored_version(conn: &rusqlite::Connection) -> String {
@@ -152,6 +185,17 @@ fn a_version_1_file_keeps_every_row_and_every_dedupe_answer() {
     );
     let report = postroom::admin::check(&conn, true).unwrap();
     assert!(report.is_ok(), "{report:?}");
+    let waiting: Vec<String> = column(&conn, "SELECT message_id FROM app_waiting ORDER BY 1");
+    assert_eq!(waiting, ["dead", "failed"]);
+    // The same tables, indexes and triggers as a file created at version 2.
+    let fresh = dir.path().join("fresh.db");
+    Postroom::builder()
+        .workers(0)
+        .open(&fresh)
+        .unwrap()
+        .shutdown(Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(schema_objects(&conn), schema_objects(&raw(&fresh)));
     // The old table is gone, the new one has no UNIQUE constraint of its own.
     assert_eq!(
         count(
