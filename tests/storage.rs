@@ -406,10 +406,14 @@ fn the_wal_stays_bounded_while_writes_never_stop() {
         assert_eq!(receipt, postroom::Receipt::Accepted);
         largest = largest.max(std::fs::metadata(&wal).map_or(0, |m| m.len()));
     }
-    // The writer copies back inline at 8,000 frames at the latest.
+    // The writer copies back inline from 8,000 frames, but SQLite runs one
+    // checkpoint at a time: while the checkpointer's own pass runs, the
+    // writer's is refused and the WAL grows by what is written meanwhile
+    // (10,548 frames seen once in CI on a loaded 2-core machine). Twice the
+    // inline threshold still fails without copy-back (over 30,000 frames).
     let frame = 4096 + 24;
     assert!(
-        largest <= 9_000 * frame,
+        largest <= 16_000 * frame,
         "the WAL grew to {largest} bytes ({} frames)",
         largest / frame
     );
