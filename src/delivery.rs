@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
 use crate::handler::{Cause, Handler, Tx};
-use crate::inbox::{self, Key, Record, Status};
+use crate::inbox::{self, Found, Key, Record, Status};
 use crate::inflight::{Inflight, InflightLog};
 use crate::message::{Failure, Message, Outcome};
 
@@ -43,18 +43,18 @@ pub(crate) fn deliver(
         source: &msg.source,
         message_id: &msg.id,
     };
-    let seen = inbox::seen(conn, key).map_err(|e| Error::sqlite("look up inbox key", e))?;
-    let row = match seen {
-        Some(seen) if seen.completed_duplicate(hash) => return Ok(Outcome::Duplicate),
-        Some(seen) => inbox::row(conn, seen.inbox_id, key)
-            .map_err(|e| Error::sqlite("look up inbox row", e))?,
-        None => None,
-    };
+    let found =
+        match inbox::find(conn, key, hash).map_err(|e| Error::sqlite("look up inbox row", e))? {
+            Some(Found::CompletedDuplicate) => return Ok(Outcome::Duplicate),
+            Some(Found::Row { id, row }) => Some((id, row)),
+            None => None,
+        };
+    let row_id = found.as_ref().map(|(id, _)| *id);
     // The row's incarnation: a new row gets `now` as its received_at.
-    let received_at = row.as_ref().map_or(now, |r| r.received_at);
-    let prior_attempts = match row {
+    let received_at = found.as_ref().map_or(now, |(_, r)| r.received_at);
+    let prior_attempts = match found {
         None => 0,
-        Some(row) if row.payload_hash != *hash => {
+        Some((_, row)) if row.payload_hash != *hash => {
             let conflict_id = inbox::quarantine(conn, consumer, msg, &row.payload_hash, hash, now)
                 .map_err(|e| Error::sqlite("quarantine conflicting delivery", e))?;
             log::warn!(
@@ -65,7 +65,7 @@ pub(crate) fn deliver(
             );
             return Ok(Outcome::Conflict { conflict_id });
         }
-        Some(row) => match row.status {
+        Some((id, row)) => match row.status {
             Status::Completed | Status::Dead => {
                 return Ok(settled(row).expect("completed and dead are settled"))
             }
@@ -78,7 +78,7 @@ pub(crate) fn deliver(
                 let error = row.last_error.unwrap_or_default();
                 if row.attempts >= env.config.max_attempts {
                     let error = inbox::exhausted(row.attempts, env.config.max_attempts, &error);
-                    inbox::mark_dead(conn, key, &error, now)
+                    inbox::mark_dead(conn, id, &error, now)
                         .map_err(|e| Error::sqlite("dead-letter inbox row", e))?;
                     return Ok(Outcome::Dead {
                         attempts: row.attempts,
@@ -96,15 +96,15 @@ pub(crate) fn deliver(
             }
         },
     };
-    attempt(
-        env,
+    let at = Attempt {
         consumer,
-        handler,
         msg,
         hash,
-        prior_attempts,
+        attempt: prior_attempts.saturating_add(1),
         received_at,
-    )
+        row_id,
+    };
+    attempt(env, handler, at)
 }
 
 /// The final answer for a row whose fate is decided (completed or dead, so
@@ -121,33 +121,23 @@ pub(crate) fn settled(row: inbox::Row) -> Option<Outcome> {
 }
 
 /// Runs the handler once (inline delivery), and records the result.
-fn attempt(
-    env: &mut Env<'_>,
-    consumer: &str,
-    handler: &dyn Handler,
-    msg: &Message,
-    hash: &[u8; 32],
-    prior_attempts: u32,
-    received_at: i64,
-) -> Result<Outcome> {
-    let attempt = prior_attempts.saturating_add(1);
-    let attempt_ref = Attempt {
+fn attempt(env: &mut Env<'_>, handler: &dyn Handler, at: Attempt<'_>) -> Result<Outcome> {
+    let Attempt {
         consumer,
         msg,
         hash,
-        attempt,
-        received_at,
-    };
+        ..
+    } = at;
     // The in-flight marker counts this attempt if the process dies in it.
     env.log
-        .begin(consumer, msg, hash, prior_attempts)
+        .begin(consumer, msg, hash, at.attempt - 1)
         .map_err(|e| Error::io("write in-flight marker", e))?;
-    let result = run_user_step(env, attempt_ref, |tx| handler.handle(tx, msg));
+    let result = run_user_step(env, at, |tx| handler.handle(tx, msg));
     let cleared = env.log.end();
     let result = result?;
     cleared.map_err(|e| Error::io("clear in-flight marker", e))?;
     failpoint::hit("deliver.after_handler")?;
-    let outcome = finish(env, attempt_ref, result)?;
+    let outcome = finish(env, at, result)?;
     failpoint::hit("deliver.after_record")?;
     Ok(outcome)
 }
@@ -162,6 +152,8 @@ pub(crate) struct Attempt<'a> {
     pub attempt: u32,
     /// The inbox row's `received_at` (see [`Cause`]).
     pub received_at: i64,
+    /// The inbox row's id; `None` when this attempt's result inserts it.
+    pub row_id: Option<i64>,
 }
 
 /// Runs user code for `at` in its own savepoint, guarded and with panics
@@ -218,23 +210,13 @@ pub(crate) fn finish(
     let Attempt {
         consumer,
         msg,
-        hash,
         attempt,
         ..
     } = at;
     let config = env.config;
     let now = env.now_ms;
     let Some(failure) = failure else {
-        record(
-            env,
-            consumer,
-            msg,
-            hash,
-            Status::Completed,
-            attempt,
-            None,
-            None,
-        )?;
+        record(env, at, Status::Completed, None, None)?;
         return Ok(Outcome::Processed { attempts: attempt });
     };
     let (reason, rejected, after) = match failure {
@@ -244,16 +226,7 @@ pub(crate) fn finish(
         Failure::Reject { reason } => (reason, true, None),
     };
     if rejected || attempt >= config.max_attempts {
-        record(
-            env,
-            consumer,
-            msg,
-            hash,
-            Status::Dead,
-            attempt,
-            Some(&reason),
-            None,
-        )?;
+        record(env, at, Status::Dead, Some(&reason), None)?;
         log::warn!(
             "consumer {consumer:?}: message {}/{} dead after {attempt} attempt(s): {reason}",
             msg.source,
@@ -267,16 +240,7 @@ pub(crate) fn finish(
     let delay =
         after.unwrap_or_else(|| config.retry.delay(attempt, jitter(consumer, msg, attempt)));
     let next = now.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
-    record(
-        env,
-        consumer,
-        msg,
-        hash,
-        Status::Failed,
-        attempt,
-        Some(&reason),
-        Some(next),
-    )?;
+    record(env, at, Status::Failed, Some(&reason), Some(next))?;
     Ok(Outcome::Failed {
         attempts: attempt,
         error: reason,
@@ -284,26 +248,31 @@ pub(crate) fn finish(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Records `at`'s result in its row.
 fn record(
     env: &Env<'_>,
-    consumer: &str,
-    msg: &Message,
-    hash: &[u8; 32],
+    at: Attempt<'_>,
     status: Status,
-    attempts: u32,
     last_error: Option<&str>,
     next_attempt_at: Option<i64>,
 ) -> Result<()> {
     let rec = Record {
         status,
-        attempts,
+        attempts: at.attempt,
         last_error,
         next_attempt_at,
         keep_payload: status != Status::Completed || env.config.keep_payloads,
     };
-    inbox::record(env.conn, consumer, msg, hash, rec, env.now_ms)
-        .map_err(|e| Error::sqlite("record inbox row", e))
+    inbox::record(
+        env.conn,
+        at.row_id,
+        at.consumer,
+        at.msg,
+        at.hash,
+        rec,
+        env.now_ms,
+    )
+    .map_err(|e| Error::sqlite("record inbox row", e))
 }
 
 /// Counts the attempt of a handler that was running when its process died,
@@ -321,15 +290,20 @@ pub(crate) fn recover_inflight(
         source: &msg.source,
         message_id: &msg.id,
     };
-    let row = inbox::lookup(conn, key).map_err(|e| Error::sqlite("look up inbox row", e))?;
-    let committed = row.is_some_and(|r| {
-        r.payload_hash != inflight.hash
-            || r.attempts > inflight.prior_attempts
-            || matches!(r.status, Status::Completed | Status::Dead)
-    });
-    if committed {
-        return Ok(None);
-    }
+    let row_id = match inbox::find(conn, key, &inflight.hash)
+        .map_err(|e| Error::sqlite("look up inbox row", e))?
+    {
+        None => None,
+        Some(Found::Row { id, row })
+            if row.payload_hash == inflight.hash
+                && row.attempts <= inflight.prior_attempts
+                && !matches!(row.status, Status::Completed | Status::Dead) =>
+        {
+            Some(id)
+        }
+        // The attempt committed after all (or the row moved on).
+        Some(_) => return Ok(None),
+    };
     let attempt = inflight.prior_attempts.saturating_add(1);
     let error = format!("process died while the handler was running (attempt {attempt})");
     let status = if attempt >= config.max_attempts {
@@ -344,8 +318,16 @@ pub(crate) fn recover_inflight(
         next_attempt_at: (status == Status::Failed).then_some(now_ms),
         keep_payload: true,
     };
-    inbox::record(conn, &inflight.consumer, msg, &inflight.hash, rec, now_ms)
-        .map_err(|e| Error::sqlite("record crashed attempt", e))?;
+    inbox::record(
+        conn,
+        row_id,
+        &inflight.consumer,
+        msg,
+        &inflight.hash,
+        rec,
+        now_ms,
+    )
+    .map_err(|e| Error::sqlite("record crashed attempt", e))?;
     log::warn!(
         "consumer {:?}: message {}/{}: {error}; now {status}",
         inflight.consumer,

@@ -797,13 +797,9 @@ fn settled(conn: &Connection, consumer: &str, msg: &Message, hash: &[u8; 32]) ->
         source: &msg.source,
         message_id: &msg.id,
     };
-    let seen = inbox::seen(conn, key).ok()??;
-    if seen.completed_duplicate(hash) {
-        return Some(Outcome::Duplicate);
+    match inbox::find(conn, key, hash).ok()?? {
+        inbox::Found::CompletedDuplicate => Some(Outcome::Duplicate),
+        inbox::Found::Row { row, .. } if row.payload_hash == *hash => delivery::settled(row),
+        inbox::Found::Row { .. } => None,
     }
-    let row = inbox::row(conn, seen.inbox_id, key).ok()??;
-    if row.payload_hash != *hash {
-        return None;
-    }
-    delivery::settled(row)
 }

@@ -100,58 +100,47 @@ pub(crate) struct Row {
     pub received_at: i64,
 }
 
-/// What the key table holds for a stored message.
+/// A stored message, as a delivery with digest `hash` finds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Seen {
-    pub inbox_id: i64,
-    /// The first 16 bytes of the stored payload digest.
-    pub digest: Vec<u8>,
-    pub completed: bool,
+pub(crate) enum Found {
+    /// Completed with this payload: a duplicate, answered from the key
+    /// table alone (its 16-byte digest prefix; schema.sql says why that
+    /// is enough).
+    CompletedDuplicate,
+    /// Anything else: the row and its id.
+    Row { id: i64, row: Row },
 }
 
-impl Seen {
-    /// Whether `hash` is the stored payload's digest (compared on the 16
-    /// bytes the key table keeps; schema.sql says why that is enough).
-    pub fn same_payload(&self, hash: &[u8; 32]) -> bool {
-        self.digest.as_slice() == &hash[..16]
-    }
-
-    /// Whether a delivery with digest `hash` is a duplicate of a completed
-    /// message: answered without reading the inbox row.
-    pub fn completed_duplicate(&self, hash: &[u8; 32]) -> bool {
-        self.completed && self.same_payload(hash)
-    }
-}
-
-/// The key table's entry for `key`: one B-tree descent.
-pub(crate) fn seen(conn: &Connection, key: Key<'_>) -> rusqlite::Result<Option<Seen>> {
-    conn.prepare_cached(
-        "SELECT inbox_id, digest, completed FROM postroom_inbox_keys
-         WHERE consumer = ?1 AND source = ?2 AND message_id = ?3",
-    )?
-    .query_row(params![key.consumer, key.source, key.message_id], |r| {
-        Ok(Seen {
-            inbox_id: r.get(0)?,
-            digest: r.get(1)?,
-            completed: r.get(2)?,
+/// Finds the message stored under `key`: one descent into the key table,
+/// and a read of the row by id unless that answers it.
+pub(crate) fn find(
+    conn: &Connection,
+    key: Key<'_>,
+    hash: &[u8; 32],
+) -> rusqlite::Result<Option<Found>> {
+    let entry: Option<(i64, Vec<u8>, bool)> = conn
+        .prepare_cached(
+            "SELECT inbox_id, digest, completed FROM postroom_inbox_keys
+             WHERE consumer = ?1 AND source = ?2 AND message_id = ?3",
+        )?
+        .query_row(params![key.consumer, key.source, key.message_id], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
         })
-    })
-    .optional()
-}
-
-/// The stored row with `key`, if any.
-pub(crate) fn lookup(conn: &Connection, key: Key<'_>) -> rusqlite::Result<Option<Row>> {
-    match seen(conn, key)? {
-        Some(seen) => row(conn, seen.inbox_id, key),
-        None => Ok(None),
+        .optional()?;
+    let Some((id, digest, completed)) = entry else {
+        return Ok(None);
+    };
+    if completed && digest.as_slice() == &hash[..16] {
+        return Ok(Some(Found::CompletedDuplicate));
     }
+    Ok(row(conn, id, key)?.map(|row| Found::Row { id, row }))
 }
 
-/// The inbox row `seen` pointed to, if it still holds `key`. Outside a
-/// transaction, `seen` and this read see different snapshots, and a row id
-/// can be reused once the newest row is deleted: the key check makes a
+/// The inbox row the key table pointed to, if it still holds `key`.
+/// Outside a transaction the two reads see different snapshots, and a row
+/// id can be reused once the newest row is deleted: the key check makes a
 /// stale id read as "not found" rather than as another message's row.
-pub(crate) fn row(conn: &Connection, inbox_id: i64, key: Key<'_>) -> rusqlite::Result<Option<Row>> {
+fn row(conn: &Connection, inbox_id: i64, key: Key<'_>) -> rusqlite::Result<Option<Row>> {
     conn.prepare_cached(
         "SELECT status, payload_hash, attempts, last_error, next_attempt_at, lease_until,
                 received_at
@@ -234,11 +223,12 @@ pub(crate) struct Record<'a> {
     pub keep_payload: bool,
 }
 
-/// Writes the result of an attempt: inserts the row on first sight, or
-/// updates the existing one. Clears any lease. The payload digest and
-/// `received_at` of an existing row are never changed.
+/// Writes the result of an attempt: inserts the row on first sight
+/// (`row_id` is `None`), or updates row `row_id`. Clears any lease. The
+/// payload digest and `received_at` of an existing row are never changed.
 pub(crate) fn record(
     conn: &Connection,
+    row_id: Option<i64>,
     consumer: &str,
     msg: &Message,
     hash: &[u8; 32],
@@ -247,18 +237,15 @@ pub(crate) fn record(
 ) -> rusqlite::Result<()> {
     let payload = rec.keep_payload.then_some(msg.payload.as_slice());
     let processed_at = (rec.status == Status::Completed).then_some(now_ms);
-    let updated = conn
-        .prepare_cached(
-            "UPDATE postroom_inbox SET status = ?4, payload = ?5, attempts = ?6,
-                 last_error = ?7, updated_at = ?8, next_attempt_at = ?9, processed_at = ?10,
+    if let Some(id) = row_id {
+        conn.prepare_cached(
+            "UPDATE postroom_inbox SET status = ?2, payload = ?3, attempts = ?4,
+                 last_error = ?5, updated_at = ?6, next_attempt_at = ?7, processed_at = ?8,
                  lease_until = NULL, lease_token = NULL
-             WHERE id = (SELECT inbox_id FROM postroom_inbox_keys
-                         WHERE consumer = ?1 AND source = ?2 AND message_id = ?3)",
+             WHERE id = ?1",
         )?
         .execute(params![
-            consumer,
-            msg.source,
-            msg.id,
+            id,
             rec.status,
             payload,
             rec.attempts,
@@ -267,7 +254,6 @@ pub(crate) fn record(
             rec.next_attempt_at,
             processed_at,
         ])?;
-    if updated > 0 {
         return Ok(());
     }
     conn.prepare_cached(
@@ -299,27 +285,20 @@ pub(crate) fn exhausted(attempts: u32, max_attempts: u32, last_error: &str) -> S
     format!("attempts exhausted ({attempts} of {max_attempts}); last error: {last_error}")
 }
 
-/// Marks a stored row dead without running anything (its attempts were
+/// Marks row `row_id` dead without running anything (its attempts were
 /// already used up). Keeps the stored payload.
 pub(crate) fn mark_dead(
     conn: &Connection,
-    key: Key<'_>,
+    row_id: i64,
     error: &str,
     now_ms: i64,
 ) -> rusqlite::Result<()> {
     conn.prepare_cached(
-        "UPDATE postroom_inbox SET status = 'dead', last_error = ?4, updated_at = ?5,
+        "UPDATE postroom_inbox SET status = 'dead', last_error = ?2, updated_at = ?3,
              next_attempt_at = NULL, lease_until = NULL, lease_token = NULL
-         WHERE id = (SELECT inbox_id FROM postroom_inbox_keys
-                     WHERE consumer = ?1 AND source = ?2 AND message_id = ?3)",
+         WHERE id = ?1",
     )?
-    .execute(params![
-        key.consumer,
-        key.source,
-        key.message_id,
-        error,
-        now_ms
-    ])?;
+    .execute(params![row_id, error, now_ms])?;
     Ok(())
 }
 

@@ -11,7 +11,7 @@
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use crate::inbox;
+use crate::inbox::{self, Found};
 use crate::message::{Headers, Message, Receipt};
 use crate::outbox::headers_json;
 
@@ -29,45 +29,43 @@ pub(crate) fn receive(
         source: &msg.source,
         message_id: &msg.id,
     };
-    let Some(seen) = inbox::seen(conn, key)? else {
-        conn.prepare_cached(
-            "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
-                 payload_hash, headers, ordering_key, attempts, received_at, updated_at,
-                 next_attempt_at, queued)
-             VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6, ?7, 0, ?8, ?8, ?8, 1)",
-        )?
-        .execute(params![
-            consumer,
-            msg.source,
-            msg.id,
-            msg.payload,
-            hash.as_slice(),
-            headers_json(&msg.headers),
-            msg.ordering_key,
-            now_ms,
-        ])?;
-        return Ok(Receipt::Accepted);
+    let row_id = match inbox::find(conn, key, hash)? {
+        None => {
+            conn.prepare_cached(
+                "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
+                     payload_hash, headers, ordering_key, attempts, received_at, updated_at,
+                     next_attempt_at, queued)
+                 VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6, ?7, 0, ?8, ?8, ?8, 1)",
+            )?
+            .execute(params![
+                consumer,
+                msg.source,
+                msg.id,
+                msg.payload,
+                hash.as_slice(),
+                headers_json(&msg.headers),
+                msg.ordering_key,
+                now_ms,
+            ])?;
+            return Ok(Receipt::Accepted);
+        }
+        Some(Found::CompletedDuplicate) => return Ok(Receipt::Duplicate),
+        Some(Found::Row { row, .. }) if row.payload_hash != *hash => {
+            let conflict_id =
+                inbox::quarantine(conn, consumer, msg, &row.payload_hash, hash, now_ms)?;
+            return Ok(Receipt::Conflict { conflict_id });
+        }
+        Some(Found::Row { id, .. }) => id,
     };
-    if seen.completed_duplicate(hash) {
-        return Ok(Receipt::Duplicate);
-    }
-    let stored: Vec<u8> = conn
-        .prepare_cached("SELECT payload_hash FROM postroom_inbox WHERE id = ?1")?
-        .query_row([seen.inbox_id], |r| r.get(0))?;
-    if stored.as_slice() == hash.as_slice() {
-        // The caller will ack this receipt, so the workers must own the
-        // message from now on even if an inline delivery left it unfinished
-        // (its broker will not redeliver an acked message).
-        conn.prepare_cached(
-            "UPDATE postroom_inbox SET queued = 1
-             WHERE id = ?1 AND queued = 0 AND status IN ('pending', 'failed')",
-        )?
-        .execute([seen.inbox_id])?;
-        return Ok(Receipt::Duplicate);
-    }
-    let stored: [u8; 32] = stored.try_into().unwrap_or([0; 32]);
-    let conflict_id = inbox::quarantine(conn, consumer, msg, &stored, hash, now_ms)?;
-    Ok(Receipt::Conflict { conflict_id })
+    // The caller will ack this receipt, so the workers must own the message
+    // from now on even if an inline delivery left it unfinished (its broker
+    // will not redeliver an acked message).
+    conn.prepare_cached(
+        "UPDATE postroom_inbox SET queued = 1
+         WHERE id = ?1 AND queued = 0 AND status IN ('pending', 'failed')",
+    )?
+    .execute([row_id])?;
+    Ok(Receipt::Duplicate)
 }
 
 /// A row claimed for processing.

@@ -317,5 +317,6 @@ fn attempt_of(claim: &Claimed) -> Attempt<'_> {
         hash: &claim.hash,
         attempt: claim.attempt,
         received_at: claim.received_at,
+        row_id: Some(claim.row_id),
     }
 }

@@ -568,19 +568,17 @@ impl WriterState {
                     reason: "the transaction was rolled back mid-batch".into(),
                 }));
             }
-            match (alone, result.is_err()) {
-                (true, true) => {
+            if alone {
+                if result.is_err() {
                     // Nothing to commit; the job answers with its own error.
                     exec(ctx.conn, "ROLLBACK")?;
                     return Ok(false);
                 }
-                (true, false) => {}
-                (false, failed) => {
-                    if failed {
-                        exec(ctx.conn, "ROLLBACK TO postroom_job")?;
-                    }
-                    exec(ctx.conn, "RELEASE postroom_job")?;
+            } else {
+                if result.is_err() {
+                    exec(ctx.conn, "ROLLBACK TO postroom_job")?;
                 }
+                exec(ctx.conn, "RELEASE postroom_job")?;
             }
         }
         failpoint::hit("writer.before_commit")?;
