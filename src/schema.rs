@@ -162,7 +162,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
 }
 
 /// The triggers that keep `postroom_inbox_keys` in step with the inbox.
-pub(crate) const KEY_TRIGGERS: [&str; 4] = [
+const KEY_TRIGGERS: [&str; 4] = [
     "postroom_inbox_key_insert",
     "postroom_inbox_key_status",
     "postroom_inbox_key_delete",
