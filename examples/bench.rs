@@ -1966,6 +1966,15 @@ fn retention(
     }
     let (after, _) = engine::counters(&room)?;
     m.group = Some(engine::delta(before, after));
+    // Since open (the warm-up included): what the checkpointer's paused
+    // passes cost the callers, who cannot commit while one runs.
+    let stats = room.stats()?;
+    m.notes.push(format!(
+        "{} paused checkpoint passes held writes {:.1} s in all, {:.1} ms at most",
+        thousands(stats.wal_checkpoints),
+        stats.wal_paused.as_secs_f64(),
+        stats.wal_paused_max.as_secs_f64() * 1000.0
+    ));
     engine::close(room, &mut m.notes)
 }
 

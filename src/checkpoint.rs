@@ -35,7 +35,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 use rusqlite::{Connection, OpenFlags};
@@ -126,9 +126,16 @@ impl Checkpointer {
             }
         }
         let force = frames >= FORCE_PAGES;
-        let paused = self
-            .writer
-            .with_writes_paused(force, || checkpoint(conn, "PASSIVE"));
+        let paused = self.writer.with_writes_paused(force, || {
+            let started = Instant::now();
+            let pass = checkpoint(conn, "PASSIVE");
+            let held = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+            self.counters.paused_us.fetch_add(held, Ordering::Relaxed);
+            self.counters
+                .paused_max_us
+                .fetch_max(held, Ordering::Relaxed);
+            pass
+        });
         if paused.is_some() {
             self.counters.checkpoints.fetch_add(1, Ordering::Relaxed);
             // Wakes sent while this ran asked for what was just done.

@@ -526,6 +526,9 @@ impl Postroom {
         stats.jobs_committed = self.counters.jobs.load(Ordering::Relaxed);
         stats.wal_checkpoints = self.counters.checkpoints.load(Ordering::Relaxed);
         stats.wal_checkpoints_inline = self.counters.inline_checkpoints.load(Ordering::Relaxed);
+        stats.wal_paused = Duration::from_micros(self.counters.paused_us.load(Ordering::Relaxed));
+        stats.wal_paused_max =
+            Duration::from_micros(self.counters.paused_max_us.load(Ordering::Relaxed));
         Ok(stats)
     }
 

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::time::Duration;
 
 use rusqlite::Connection;
 
@@ -92,6 +93,11 @@ pub struct Stats {
     /// checkpointer was far behind (or gone). Growing: the disk cannot
     /// keep up, or a long read holds the WAL.
     pub wal_checkpoints_inline: u64,
+    /// How long the checkpointer's paused passes held writes, in all, since
+    /// the engine was opened: the time no commit could start for it.
+    pub wal_paused: Duration,
+    /// The longest of those passes.
+    pub wal_paused_max: Duration,
 }
 
 /// Reads the counts. Cost: one pass over the inbox's status column.

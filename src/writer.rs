@@ -428,6 +428,10 @@ pub(crate) struct Counters {
     pub checkpoints: AtomicU64,
     /// Checkpoints the writer made itself, the checkpointer being behind.
     pub inline_checkpoints: AtomicU64,
+    /// Microseconds the checkpointer's paused passes held writes: in all,
+    /// and the longest.
+    pub paused_us: AtomicU64,
+    pub paused_max_us: AtomicU64,
 }
 
 /// The write connection and what running a batch on it needs.

@@ -424,6 +424,12 @@ fn the_wal_stays_bounded_while_writes_never_stop() {
         stats.wal_checkpoints >= 1,
         "the checkpointer never completed a pass: {stats:?}"
     );
+    // Each of those passes held writes for some time, which is counted.
+    assert!(
+        stats.wal_paused_max > std::time::Duration::ZERO
+            && stats.wal_paused >= stats.wal_paused_max,
+        "paused time not counted: {stats:?}"
+    );
     drop(room);
     let conn = raw(&path);
     assert_eq!(count(&conn, "SELECT count(*) FROM postroom_inbox"), 6000);
