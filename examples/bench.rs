@@ -1964,11 +1964,12 @@ fn retention(
     } else {
         m.run = engine::drive(&room, 1, seed, count, Some(cap), expect, None)?;
     }
-    let (after, _) = engine::counters(&room)?;
-    m.group = Some(engine::delta(before, after));
-    // Since open (the warm-up included): what the checkpointer's paused
-    // passes cost the callers, who cannot commit while one runs.
+    // One `stats()` (it scans the inbox) for the group counters and, since
+    // open (the warm-up included), what the checkpointer's paused passes
+    // cost the callers, who cannot commit while one runs.
     let stats = room.stats()?;
+    let after = (stats.batches_committed, stats.jobs_committed);
+    m.group = Some(engine::delta(before, after));
     m.notes.push(format!(
         "{} paused checkpoint passes held writes {:.1} s in all, {:.1} ms at most",
         thousands(stats.wal_checkpoints),

@@ -172,19 +172,17 @@ const KEY_TRIGGERS: [&str; 4] = [
 /// Those of [`KEY_TRIGGERS`] the file lacks. Without them, dedupe answers
 /// would come from a table nothing keeps up to date.
 pub(crate) fn missing_triggers(conn: &Connection) -> rusqlite::Result<Vec<&'static str>> {
-    let mut missing = Vec::new();
-    for name in KEY_TRIGGERS {
-        let found: bool = conn.query_row(
-            "SELECT count(*) > 0 FROM sqlite_master
-             WHERE type = 'trigger' AND name = ?1 AND tbl_name = 'postroom_inbox'",
-            [name],
-            |r| r.get(0),
-        )?;
-        if !found {
-            missing.push(name);
-        }
-    }
-    Ok(missing)
+    let present = conn
+        .prepare(
+            "SELECT name FROM sqlite_master
+             WHERE type = 'trigger' AND tbl_name = 'postroom_inbox'",
+        )?
+        .query_map([], |r| r.get::<_, String>(0))?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    Ok(KEY_TRIGGERS
+        .into_iter()
+        .filter(|name| !present.iter().any(|p| p == name))
+        .collect())
 }
 
 /// Version 1 to 2: the inbox's key moves from a UNIQUE constraint on the
