@@ -45,6 +45,7 @@ use crate::inbox::{self, Status};
 use crate::message::Headers;
 use crate::outbox::{self, OutboxMessage};
 use crate::queue::{self, DeadLetter};
+use crate::retired;
 use crate::schema;
 use crate::stats;
 
@@ -64,10 +65,11 @@ pub const MAX_FINDINGS: usize = 100;
 
 /// The tables postroom's schema creates; a file without all of them is not
 /// a postroom database.
-const TABLES: [&str; 5] = [
+const TABLES: [&str; 6] = [
     "postroom_meta",
     "postroom_inbox",
     "postroom_inbox_keys",
+    "postroom_retired_keys",
     "postroom_outbox",
     "postroom_conflicts",
 ];
@@ -1075,6 +1077,9 @@ pub struct CleanupSummary {
     pub dry_run: bool,
     /// Completed inbox rows deleted (or that would be).
     pub inbox_deleted: u64,
+    /// Their key entries deleted, after the rows, in key order (0 for a
+    /// dry run): as many, plus any an interrupted pass left.
+    pub keys_deleted: u64,
     /// Sent outbox rows deleted (or that would be).
     pub outbox_deleted: u64,
     /// Write transactions used (0 for a dry run).
@@ -1101,6 +1106,7 @@ pub fn cleanup(
         cutoff_ms: cutoff,
         dry_run,
         inbox_deleted: 0,
+        keys_deleted: 0,
         outbox_deleted: 0,
         transactions: 0,
     };
@@ -1132,22 +1138,49 @@ pub fn cleanup(
         ("delete expired outbox rows", outbox::delete_sent),
     ];
     for (i, (op, delete)) in passes.into_iter().enumerate() {
+        let mut since_drain = 0;
         loop {
             let started = Instant::now();
             let n = write(conn, op, |c| delete(c, cutoff, CLEANUP_BATCH))?;
             summary.transactions += 1;
             if i == 0 {
                 summary.inbox_deleted += n as u64;
+                since_drain += n;
+                // The deleted rows' key entries, in key order (retired.rs),
+                // every READ_LIMIT rows and at the end: none are left.
+                if n < CLEANUP_BATCH || since_drain >= retired::READ_LIMIT {
+                    since_drain = 0;
+                    summary.keys_deleted += drain_retired(conn, &mut summary.transactions)?;
+                }
             } else {
                 summary.outbox_deleted += n as u64;
             }
             if n < CLEANUP_BATCH {
                 break;
             }
-            std::thread::sleep(started.elapsed().max(Duration::from_millis(1)));
+            pause_after(started);
         }
     }
     Ok(summary)
+}
+
+/// Lets a running engine's writer have the lock at least half of the time.
+fn pause_after(started: Instant) {
+    std::thread::sleep(started.elapsed().max(Duration::from_millis(1)));
+}
+
+/// [`cleanup`]'s share of `retired::drain`, counting its transactions.
+fn drain_retired(conn: &Connection, transactions: &mut u64) -> Result<u64> {
+    retired::drain(
+        || retired::read(conn, retired::READ_LIMIT).map_err(sql("read retired keys")),
+        |batch| {
+            let started = Instant::now();
+            let n = write(conn, "delete retired keys", |c| retired::apply(c, &batch))?;
+            *transactions += 1;
+            pause_after(started);
+            Ok(n)
+        },
+    )
 }
 
 // ---------------------------------------------------------------- check

@@ -43,12 +43,14 @@ pub(crate) fn deliver(
         source: &msg.source,
         message_id: &msg.id,
     };
-    let found =
-        match inbox::find(conn, key, hash).map_err(|e| Error::sqlite("look up inbox row", e))? {
-            Some(Found::CompletedDuplicate) => return Ok(Outcome::Duplicate),
-            Some(Found::Row { id, row }) => Some((id, row)),
-            None => None,
-        };
+    let found = match inbox::find_live(conn, key, hash)
+        .map_err(|e| Error::sqlite("look up inbox row", e))?
+    {
+        Some(Found::CompletedDuplicate) => return Ok(Outcome::Duplicate),
+        Some(Found::Row { id, row }) => Some((id, row)),
+        // (find_live answers a retired entry as None.)
+        None | Some(Found::Retired) => None,
+    };
     let row_id = found.as_ref().map(|(id, _)| *id);
     // The row's incarnation: a new row gets `now` as its received_at.
     let received_at = found.as_ref().map_or(now, |(_, r)| r.received_at);
@@ -290,10 +292,11 @@ pub(crate) fn recover_inflight(
         source: &msg.source,
         message_id: &msg.id,
     };
-    let row_id = match inbox::find(conn, key, &inflight.hash)
+    let row_id = match inbox::find_live(conn, key, &inflight.hash)
         .map_err(|e| Error::sqlite("look up inbox row", e))?
     {
-        None => None,
+        // (find_live answers a retired entry as None.)
+        None | Some(Found::Retired) => None,
         Some(Found::Row { id, row })
             if row.payload_hash == inflight.hash
                 && row.attempts <= inflight.prior_attempts

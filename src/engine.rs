@@ -319,8 +319,9 @@ impl Postroom {
         threads.timers_stop = Some(stop_tx);
         let s = Arc::clone(shared);
         let stop = stop_rx.clone();
+        let readers = self.readers.clone();
         threads.reaper = Some(spawn("postroom-reaper".into(), move || {
-            reaper::reap(s, stop)
+            reaper::reap(s, readers, stop)
         })?);
         let checkpointer = checkpoint::Checkpointer {
             db: shared.path.clone(),
@@ -587,7 +588,7 @@ impl Postroom {
     /// Runs a reaper pass now: expired leases, then retention.
     pub fn cleanup(&self) -> Result<CleanupReport> {
         self.check_caller()?;
-        reaper::run_once(&self.shared)
+        reaper::run_once(&self.shared, &self.readers)
     }
 
     /// Stops the engine: no new work is accepted, the dispatcher stops
@@ -803,6 +804,6 @@ fn settled(conn: &Connection, consumer: &str, msg: &Message, hash: &[u8; 32]) ->
     match inbox::find(conn, key, hash).ok()?? {
         inbox::Found::CompletedDuplicate => Some(Outcome::Duplicate),
         inbox::Found::Row { row, .. } if row.payload_hash == *hash => delivery::settled(row),
-        inbox::Found::Row { .. } => None,
+        inbox::Found::Row { .. } | inbox::Found::Retired => None,
     }
 }

@@ -29,6 +29,7 @@ pub const FAILPOINTS: &[&str] = &[
     "dispatch.after_claim",
     "relay.after_send",
     "reaper.retention",
+    "reaper.retired_keys",
 ];
 
 #[cfg(not(feature = "failpoints"))]

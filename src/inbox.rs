@@ -109,6 +109,11 @@ pub(crate) enum Found {
     CompletedDuplicate,
     /// Anything else: the row and its id.
     Row { id: i64, row: Row },
+    /// A completed key entry whose row retention deleted, waiting to be
+    /// deleted itself (schema.sql, `postroom_retired_keys`), met with
+    /// another payload: the message is forgotten. Writers call
+    /// [`find_live`], which drops the entry and answers `None` instead.
+    Retired,
 }
 
 /// Finds the message stored under `key`: one descent into the key table,
@@ -133,7 +138,32 @@ pub(crate) fn find(
     if completed && digest.as_slice() == &hash[..16] {
         return Ok(Some(Found::CompletedDuplicate));
     }
-    Ok(row(conn, id, key)?.map(|row| Found::Row { id, row }))
+    Ok(match row(conn, id, key)? {
+        Some(row) => Some(Found::Row { id, row }),
+        None if completed => Some(Found::Retired),
+        None => None,
+    })
+}
+
+/// [`find`] for a write transaction about to store the message if it is
+/// new: a retired entry is deleted (its key would refuse the new row) and
+/// the message is new.
+pub(crate) fn find_live(
+    conn: &Connection,
+    key: Key<'_>,
+    hash: &[u8; 32],
+) -> rusqlite::Result<Option<Found>> {
+    match find(conn, key, hash)? {
+        Some(Found::Retired) => {
+            conn.prepare_cached(
+                "DELETE FROM postroom_inbox_keys
+                 WHERE consumer = ?1 AND source = ?2 AND message_id = ?3 AND completed = 1",
+            )?
+            .execute(params![key.consumer, key.source, key.message_id])?;
+            Ok(None)
+        }
+        found => Ok(found),
+    }
 }
 
 /// The inbox row the key table pointed to, if it still holds `key`.
@@ -169,8 +199,8 @@ fn row(conn: &Connection, inbox_id: i64, key: Key<'_>) -> rusqlite::Result<Optio
 
 /// Calls `found(table, id, what)` for every break of the key table's
 /// invariant (schema.sql): an inbox row whose entry is missing or
-/// disagrees with it, and an entry whose inbox row does not exist (`id` is
-/// then the entry's `inbox_id`).
+/// disagrees with it, and an entry whose inbox row does not exist that is
+/// not a retired completed key (`id` is then the entry's `inbox_id`).
 pub(crate) fn key_mismatches(
     conn: &Connection,
     mut found: impl FnMut(&'static str, i64, &'static str),
@@ -199,6 +229,9 @@ pub(crate) fn key_mismatches(
          WHERE NOT EXISTS (SELECT 1 FROM postroom_inbox i
                            WHERE i.id = k.inbox_id AND i.consumer = k.consumer
                              AND i.source = k.source AND i.message_id = k.message_id)
+           AND (k.completed = 0
+                OR (k.consumer, k.source, k.message_id) NOT IN
+                   (SELECT consumer, source, message_id FROM postroom_retired_keys))
          ORDER BY k.inbox_id",
     )?;
     let mut rows = stmt.query([])?;
@@ -206,7 +239,7 @@ pub(crate) fn key_mismatches(
         found(
             "postroom_inbox_keys",
             r.get(0)?,
-            "entry without its inbox row",
+            "entry without its inbox row (and not a retired key waiting for retention)",
         );
     }
     Ok(())

@@ -100,6 +100,7 @@ mod outbox;
 mod queue;
 mod reaper;
 mod relay;
+mod retired;
 mod schema;
 #[cfg(feature = "sim")]
 pub mod sim;

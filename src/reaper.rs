@@ -5,17 +5,21 @@
 //! Retention deletes in small batches, each a background writer job: it
 //! runs only when no caller's job is waiting (or after being put off for
 //! 25 ms), in a transaction of its own, so a million-row cleanup never holds
-//! a delivery up for more than one batch.
+//! a delivery up for more than one batch. The deleted rows' key entries
+//! follow every [`retired::READ_LIMIT`] rows and at the end of the pass, in
+//! key order (`retired.rs`): a pass leaves none behind.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
+use r2d2_sqlite::SqliteConnectionManager;
 
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::outbox;
 use crate::queue;
+use crate::retired;
 use crate::workers::{LeaseState, Shared};
 
 /// Rows deleted per writer job: a few milliseconds of work, the longest a
@@ -30,21 +34,28 @@ pub struct CleanupReport {
     pub leases_expired: u64,
     /// Completed inbox rows deleted by retention.
     pub inbox_deleted: u64,
+    /// Their key entries deleted (in key order, after the rows): the same
+    /// number, unless some were left by an earlier pass cut short, or
+    /// taken over by a new delivery of the key.
+    pub keys_deleted: u64,
     /// Dead letters deleted by `dead_retention`.
     pub dead_deleted: u64,
     /// Sent outbox rows deleted by retention.
     pub outbox_deleted: u64,
 }
 
+/// The engine's read connections.
+pub(crate) type Readers = r2d2::Pool<SqliteConnectionManager>;
+
 /// The reaper thread's body: a pass every `reaper_interval` until `stop`
 /// disconnects.
-pub(crate) fn reap(shared: Arc<Shared>, stop: Receiver<()>) {
+pub(crate) fn reap(shared: Arc<Shared>, readers: Readers, stop: Receiver<()>) {
     loop {
         match stop.recv_timeout(shared.config.reaper_interval) {
             Err(RecvTimeoutError::Timeout) => {}
             Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
         }
-        match run_once(&shared) {
+        match run_once(&shared, &readers) {
             Ok(report) if report != CleanupReport::default() => {
                 log::debug!("postroom reaper: {report:?}")
             }
@@ -56,7 +67,7 @@ pub(crate) fn reap(shared: Arc<Shared>, stop: Receiver<()>) {
 }
 
 /// One pass: expired leases, then retention.
-pub(crate) fn run_once(shared: &Shared) -> Result<CleanupReport> {
+pub(crate) fn run_once(shared: &Shared, readers: &Readers) -> Result<CleanupReport> {
     let mut report = CleanupReport {
         leases_expired: expire_leases(shared)?,
         ..CleanupReport::default()
@@ -65,12 +76,50 @@ pub(crate) fn run_once(shared: &Shared) -> Result<CleanupReport> {
         shared.wake();
     }
     let retention = shared.config.retention;
-    report.inbox_deleted = delete_in_batches(shared, retention, queue::delete_completed)?;
-    report.outbox_deleted = delete_in_batches(shared, retention, outbox::delete_sent)?;
+    loop {
+        let (deleted, done) = delete_in_batches(
+            shared,
+            retention,
+            queue::delete_completed,
+            retired::READ_LIMIT as u64,
+        )?;
+        report.inbox_deleted += deleted;
+        report.keys_deleted += drain_retired(shared, readers)?;
+        if done {
+            break;
+        }
+    }
+    report.outbox_deleted = delete_in_batches(shared, retention, outbox::delete_sent, u64::MAX)?.0;
     if let Some(dead_retention) = shared.config.dead_retention {
-        report.dead_deleted = delete_in_batches(shared, dead_retention, queue::delete_dead)?;
+        report.dead_deleted =
+            delete_in_batches(shared, dead_retention, queue::delete_dead, u64::MAX)?.0;
     }
     Ok(report)
+}
+
+/// Deletes the key entries of deleted rows (`retired.rs`): reads on a read
+/// connection, deletes in background writer jobs.
+fn drain_retired(shared: &Shared, readers: &Readers) -> Result<u64> {
+    retired::drain(
+        || {
+            failpoint::hit("reaper.retired_keys")?;
+            let conn = readers.get().map_err(|e| Error::Io {
+                op: "get read connection",
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            retired::read(&conn, retired::READ_LIMIT)
+                .map_err(|e| Error::sqlite("read retired keys", e))
+        },
+        |batch| {
+            if shared.stopping.load(std::sync::atomic::Ordering::Acquire) {
+                return Err(Error::Closed);
+            }
+            failpoint::hit("reaper.retired_keys")?;
+            shared.writer.submit_background(move |w| {
+                retired::apply(w.conn, &batch).map_err(|e| Error::sqlite("delete retired keys", e))
+            })
+        },
+    )
 }
 
 fn expire_leases(shared: &Shared) -> Result<u64> {
@@ -105,11 +154,15 @@ fn expire_leases(shared: &Shared) -> Result<u64> {
     })
 }
 
+/// Deletes what `delete` finds past `keep_for`, a batch per writer job,
+/// until none is left (returns `(deleted, true)`) or at least `max` rows
+/// were deleted (`(deleted, false)`).
 fn delete_in_batches(
     shared: &Shared,
     keep_for: Duration,
     delete: fn(&rusqlite::Connection, i64, usize) -> rusqlite::Result<usize>,
-) -> Result<u64> {
+    max: u64,
+) -> Result<(u64, bool)> {
     let keep_ms = i64::try_from(keep_for.as_millis()).unwrap_or(i64::MAX);
     let cutoff = shared.clock.now_ms().saturating_sub(keep_ms);
     let mut total = 0u64;
@@ -120,7 +173,10 @@ fn delete_in_batches(
         })?;
         total += deleted as u64;
         if deleted < RETENTION_BATCH || shared.stopping.load(std::sync::atomic::Ordering::Acquire) {
-            return Ok(total);
+            return Ok((total, true));
+        }
+        if total >= max {
+            return Ok((total, false));
         }
     }
 }

@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::failpoint;
 
 /// The newest schema version this library knows.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// The schema, applied in one transaction to a database without one.
 pub const SCHEMA_SQL: &str = include_str!("../schema.sql");
@@ -140,32 +140,25 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             )
             .map_err(|e| Error::sqlite("record schema version", e))?;
         }
-        Some(1) => migrate_v1(&tx)?,
+        Some(1) => {
+            migrate_v1(&tx)?;
+            migrate_v2(&tx)?;
+        }
+        Some(2) => migrate_v2(&tx)?,
         // Each step above takes the file from `found` to `found + 1`.
         Some(found) => check_version(found)?,
     }
-    if let Some(name) = missing_triggers(&tx)
-        .map_err(|e| Error::sqlite("read schema", e))?
-        .first()
-    {
-        return Err(Error::invalid(
-            "database",
-            format!(
-                "trigger {name} is missing: postroom's dedupe depends on it, and the key table \
-                 may no longer match the inbox; the file was changed outside postroom \
-                 (run `postroom check`)"
-            ),
-        ));
-    }
+    refuse_missing_triggers(&tx, &[])?;
     failpoint::hit("schema.migrate")?;
     tx.commit().map_err(|e| Error::sqlite("commit schema", e))
 }
 
 /// The triggers that keep `postroom_inbox_keys` in step with the inbox.
-const KEY_TRIGGERS: [&str; 4] = [
+const KEY_TRIGGERS: [&str; 5] = [
     "postroom_inbox_key_insert",
     "postroom_inbox_key_status",
     "postroom_inbox_key_delete",
+    "postroom_inbox_key_retire",
     "postroom_inbox_key_fixed",
 ];
 
@@ -183,6 +176,23 @@ pub(crate) fn missing_triggers(conn: &Connection) -> rusqlite::Result<Vec<&'stat
         .into_iter()
         .filter(|name| !present.iter().any(|p| p == name))
         .collect())
+}
+
+/// Refuses a file missing one of [`KEY_TRIGGERS`], other than those in
+/// `not_yet` (added by the migration under way).
+fn refuse_missing_triggers(conn: &Connection, not_yet: &[&str]) -> Result<()> {
+    let missing = missing_triggers(conn).map_err(|e| Error::sqlite("read schema", e))?;
+    match missing.iter().find(|name| !not_yet.contains(name)) {
+        None => Ok(()),
+        Some(name) => Err(Error::invalid(
+            "database",
+            format!(
+                "trigger {name} is missing: postroom's dedupe depends on it, and the key table \
+                 may no longer match the inbox; the file was changed outside postroom \
+                 (run `postroom check`)"
+            ),
+        )),
+    }
 }
 
 /// Version 1 to 2: the inbox's key moves from a UNIQUE constraint on the
@@ -225,6 +235,20 @@ fn migrate_v1(tx: &Connection) -> Result<()> {
         )
     })
     .map_err(|e| Error::sqlite("migrate schema 1 to 2", e))
+}
+
+/// Version 2 to 3: deleting a completed row no longer deletes its key entry
+/// at once but notes the key in `postroom_retired_keys` (schema.sql says
+/// why). Replaces one trigger and adds a table: no row is touched.
+fn migrate_v2(tx: &Connection) -> Result<()> {
+    log::info!("postroom: migrating schema 2 to 3");
+    refuse_missing_triggers(tx, &["postroom_inbox_key_retire"])?;
+    tx.execute_batch("DROP TRIGGER postroom_inbox_key_delete;")
+        .and_then(|()| tx.execute_batch(SCHEMA_SQL))
+        .and_then(|()| {
+            tx.execute_batch("UPDATE postroom_meta SET value = '3' WHERE key = 'schema_version';")
+        })
+        .map_err(|e| Error::sqlite("migrate schema 2 to 3", e))
 }
 
 /// `Ok` for the schema version this build writes; an error for a newer one

@@ -14,6 +14,7 @@
 //! and compare outcomes and the whole inbox after every step. The seeded
 //! form runs as an ordinary test; `fuzz/` feeds `run_bytes` to libFuzzer.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,6 +34,7 @@ use crate::message::{Failure, Message, Outcome, Outgoing, Receipt};
 use crate::outbox;
 use crate::queue;
 use crate::relay::{self, SendResult};
+use crate::retired;
 use crate::schema;
 use crate::workers;
 
@@ -101,6 +103,10 @@ pub enum Op {
     Cleanup {
         /// Milliseconds.
         retention_ms: u32,
+        /// Whether the pass gets as far as deleting the key entries of
+        /// the rows it deleted (and of any an earlier pass left); false is
+        /// a pass cut short after its rows.
+        keys: bool,
     },
     /// The process dies between operations, then re-opens.
     CrashReopen,
@@ -480,14 +486,32 @@ impl Machine {
         Ok(n)
     }
 
-    /// Retention of completed inbox rows older than `retention_ms`.
-    pub fn cleanup(&mut self, retention_ms: u32) -> SimResult<usize> {
+    /// Retention of completed inbox rows older than `retention_ms`, then,
+    /// with `keys`, of the key entries deleted rows left (`retired.rs`).
+    /// Returns rows deleted.
+    pub fn cleanup(&mut self, retention_ms: u32, keys: bool) -> SimResult<usize> {
         let cutoff = self.now_ms - i64::from(retention_ms);
-        self.in_tx(move |m| {
-            queue::delete_completed(m.conn(), cutoff, usize::MAX)
-                .map_err(|e| crate::Error::sqlite("cleanup", e))
-        })
-        .map(Option::unwrap_or_default)
+        let rows = self
+            .in_tx(move |m| {
+                queue::delete_completed(m.conn(), cutoff, usize::MAX)
+                    .map_err(|e| crate::Error::sqlite("cleanup", e))
+            })?
+            .unwrap_or_default();
+        if keys {
+            let m = RefCell::new(self);
+            retired::drain(
+                || retired::read(m.borrow().conn(), retired::READ_LIMIT).map_err(err),
+                |batch| {
+                    m.borrow_mut()
+                        .in_tx(move |m| {
+                            retired::apply(m.conn(), &batch)
+                                .map_err(|e| crate::Error::sqlite("retired keys", e))
+                        })
+                        .map(Option::unwrap_or_default)
+                },
+            )?;
+        }
+        Ok(rows)
     }
 
     /// The process dies between operations and re-opens.
@@ -542,6 +566,9 @@ struct Entry {
 #[derive(Debug, Default)]
 struct Model {
     entries: BTreeMap<(String, String), Entry>,
+    /// Completed messages whose rows retention deleted and whose key
+    /// entries a pass cut short left behind, with their payload variant.
+    retired: BTreeMap<(String, String), u8>,
     applied: BTreeMap<(String, String), u32>,
     created: u64,
 }
@@ -735,6 +762,7 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
             let consumer = CONSUMERS[usize::from(*consumer) % 2];
             let key = Model::key(consumer, *id);
             let expected: Option<Outcome> = match model.entries.get(&key).cloned() {
+                None if model.retired.get(&key) == Some(variant) => Some(Outcome::Duplicate),
                 Some(e) if e.variant != *variant => Some(Outcome::Conflict { conflict_id: 0 }),
                 Some(e) => match e.status {
                     Status::Completed => Some(Outcome::Duplicate),
@@ -759,6 +787,8 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                     }
                 },
                 None => {
+                    // A retired key with another payload: forgotten, new.
+                    model.retired.remove(&key);
                     model.create(&key, *variant, now, false).attempts = 1;
                     model.attempt(&key, *plan, now)
                 }
@@ -772,6 +802,9 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                 (Some(Outcome::Conflict { .. }), Some(Outcome::Conflict { .. })) => {
                     stats.conflicts += 1
                 }
+                // A retired key's duplicate: no row, nothing more to compare.
+                (Some(Outcome::Duplicate), Some(Outcome::Duplicate))
+                    if !model.entries.contains_key(&key) => {}
                 (Some(real), Some(expected)) => {
                     let entry = model.entries.get_mut(&key).expect("entry");
                     let ok = match (&real, &expected) {
@@ -815,7 +848,9 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
             for &(id, variant) in msgs {
                 let key = Model::key(consumer, id);
                 expected.push(match model.entries.get(&key) {
+                    None if model.retired.get(&key) == Some(&variant) => Receipt::Duplicate,
                     None => {
+                        model.retired.remove(&key);
                         model.create(&key, variant, now, true);
                         Receipt::Accepted
                     }
@@ -918,13 +953,22 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
         Op::Relay { fail_every } => {
             m.relay(*fail_every)?;
         }
-        Op::Cleanup { retention_ms } => {
+        Op::Cleanup { retention_ms, keys } => {
             let cutoff = now - i64::from(*retention_ms);
             let before = model.entries.len();
-            model.entries.retain(|_, e| {
-                !(e.status == Status::Completed && e.processed_at.is_some_and(|at| at < cutoff))
+            let retired = &mut model.retired;
+            model.entries.retain(|key, e| {
+                let expired =
+                    e.status == Status::Completed && e.processed_at.is_some_and(|at| at < cutoff);
+                if expired {
+                    retired.insert(key.clone(), e.variant);
+                }
+                !expired
             });
-            let n = m.cleanup(*retention_ms)?;
+            if *keys {
+                retired.clear();
+            }
+            let n = m.cleanup(*retention_ms, *keys)?;
             if n != before - model.entries.len() {
                 return Err(format!(
                     "cleanup deleted {n}, model expected {}",
@@ -950,6 +994,19 @@ fn check(m: &Machine, model: &Model) -> SimResult<()> {
     .map_err(|e| format!("check inbox keys: {e}"))?;
     if !broken.is_empty() {
         return Err(format!("key table: {}", broken.join("; ")));
+    }
+    let retired = m.effects(
+        "SELECT consumer, message_id, 1 FROM postroom_inbox_keys k
+         WHERE NOT EXISTS (SELECT 1 FROM postroom_inbox i
+                           WHERE i.id = k.inbox_id AND i.consumer = k.consumer
+                             AND i.source = k.source AND i.message_id = k.message_id)",
+    )?;
+    if !retired.keys().eq(model.retired.keys()) {
+        return Err(format!(
+            "retired key entries {:?}, model {:?}",
+            retired.keys().collect::<Vec<_>>(),
+            model.retired
+        ));
     }
     let inbox = m.inbox()?;
     if inbox.len() != model.entries.len() {
@@ -1065,6 +1122,7 @@ fn op(c: &mut dyn Choices) -> Op {
         },
         92..=95 => Op::Cleanup {
             retention_ms: [0, 500, 5_000][c.below(3) as usize],
+            keys: c.below(3) != 0,
         },
         _ => Op::CrashReopen,
     }
