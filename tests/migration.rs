@@ -1,7 +1,7 @@
-//! Schema migrations: a file written under schema version 1 (its DDL kept in
-//! `tests/fixtures/schema_v1.sql`) opens under version 2 with every row
-//! intact, gives the same dedupe answers as before, and a process killed in
-//! the middle of the migration leaves the file exactly as it was.
+//! Schema migrations: a file written under schema version 1 or 2 (their DDL
+//! kept in `tests/fixtures/`) opens under the current version with every
+//! row intact, gives the same dedupe answers as before, and a process
+//! killed in the middle of the migration leaves the file exactly as it was.
 
 mod common;
 
@@ -15,6 +15,7 @@ use postroom::{handler_fn, Failure, Message, Outcome, Postroom, Receipt, Status}
 use rusqlite::params;
 
 const SCHEMA_V1: &str = include_str!("fixtures/schema_v1.sql");
+const SCHEMA_V2: &str = include_str!("fixtures/schema_v2.sql");
 
 /// Every column of every inbox row, in id order, as text.
 const DUMP_INBOX: &str = "SELECT id || '|' || consumer || '|' || source || '|' || message_id
@@ -38,10 +39,15 @@ fn digest(payload: &str) -> Vec<u8> {
 ///
 /// Returns the inbox dump.
 fn write_v1(path: &Path, extra: u32) -> Vec<String> {
+    write_old(path, SCHEMA_V1, 1, extra)
+}
+
+/// The same messages under schema `version`, created by `ddl`.
+fn write_old(path: &Path, ddl: &str, version: u32, extra: u32) -> Vec<String> {
     let mut conn = rusqlite::Connection::open(path).unwrap();
     conn.pragma_update(None, "journal_mode", "WAL").unwrap();
     let tx = conn.transaction().unwrap();
-    tx.execute_batch(SCHEMA_V1).unwrap();
+    tx.execute_batch(ddl).unwrap();
     tx.execute_batch(common::DOMAIN_SQL).unwrap();
     // An application's view over the inbox, which must survive the rebuild.
     tx.execute_batch(
@@ -50,8 +56,8 @@ fn write_v1(path: &Path, extra: u32) -> Vec<String> {
     )
     .unwrap();
     tx.execute(
-        "INSERT INTO postroom_meta (key, value) VALUES ('schema_version', '1')",
-        [],
+        "INSERT INTO postroom_meta (key, value) VALUES ('schema_version', ?1)",
+        [version.to_string()],
     )
     .unwrap();
     let insert = "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
@@ -310,4 +316,89 @@ fn the_cli_asks_for_a_version_1_file_to_be_migrated_and_changes_nothing() {
     let conn = raw(&db);
     assert_eq!(stored_version(&conn), "1");
     assert_eq!(column::<Vec<String>>(&conn, DUMP_INBOX), before);
+}
+
+#[test]
+fn a_version_2_file_keeps_every_row_and_key_and_retention_notes_its_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("v2.db");
+    let before = write_old(&db, SCHEMA_V2, 2, 300);
+    let conn = raw(&db);
+    const DUMP_KEYS: &str = "SELECT consumer || '|' || source || '|' || message_id || '|'
+            || inbox_id || '|' || hex(digest) || '|' || completed
+        FROM postroom_inbox_keys ORDER BY 1";
+    let keys_before: Vec<String> = column(&conn, DUMP_KEYS);
+    assert_eq!(keys_before.len(), before.len());
+    let runs = Arc::new(AtomicU32::new(0));
+    let room = open(&db, &runs);
+
+    assert_eq!(stored_version(&conn), postroom::SCHEMA_VERSION.to_string());
+    assert_eq!(column::<Vec<String>>(&conn, DUMP_INBOX), before);
+    assert_eq!(column::<Vec<String>>(&conn, DUMP_KEYS), keys_before);
+    let fresh = dir.path().join("fresh.db");
+    Postroom::builder()
+        .workers(0)
+        .open(&fresh)
+        .unwrap()
+        .shutdown(Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(schema_objects(&conn), schema_objects(&raw(&fresh)));
+    assert_eq!(
+        room.deliver("orders", Message::new("shop", "done-7", "done-7"))
+            .unwrap(),
+        Outcome::Duplicate
+    );
+
+    // The 300 completed rows are long past retention: deleting them notes
+    // their keys, and the same pass deletes the entries.
+    let report = room.cleanup().unwrap();
+    assert_eq!((report.inbox_deleted, report.keys_deleted), (300, 300));
+    assert_eq!(
+        count(&conn, "SELECT count(*) FROM postroom_inbox_keys"),
+        before.len() as i64 - 300
+    );
+    assert_eq!(
+        count(&conn, "SELECT count(*) FROM postroom_retired_keys"),
+        0
+    );
+    assert_eq!(
+        room.deliver("orders", Message::new("shop", "done-7", "done-7"))
+            .unwrap(),
+        Outcome::Processed { attempts: 1 },
+        "forgotten after retention"
+    );
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    let report = postroom::admin::check(&conn, true).unwrap();
+    assert!(report.is_ok(), "{report:?}");
+}
+
+/// The migration replaces the delete trigger; a version 2 file that lost
+/// it may have key entries without rows, and is refused as at any open.
+#[test]
+fn a_version_2_file_missing_its_delete_trigger_is_refused_and_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("v2.db");
+    let before = write_old(&db, SCHEMA_V2, 2, 3);
+    let conn = raw(&db);
+    conn.execute_batch("DROP TRIGGER postroom_inbox_key_delete")
+        .unwrap();
+    let err = Postroom::builder()
+        .workers(0)
+        .open(&db)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("trigger postroom_inbox_key_delete is missing"),
+        "{err}"
+    );
+    assert_eq!(stored_version(&conn), "2");
+    assert_eq!(column::<Vec<String>>(&conn, DUMP_INBOX), before);
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM sqlite_master WHERE name = 'postroom_retired_keys'"
+        ),
+        0
+    );
 }

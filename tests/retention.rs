@@ -1,0 +1,325 @@
+//! Retention's key entries (schema 3): deleting a completed row notes its
+//! key in `postroom_retired_keys`; the entry itself is deleted later, in key
+//! order, by the rest of the pass. Until then it answers its own payload
+//! as a duplicate, takes another as a new message, and `check` accepts it
+//! only with its note. A pass killed part-way is finished by the next.
+
+mod common;
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use postroom::{handler_fn, Failure, Message, Outcome, Postroom, Receipt};
+use rusqlite::Connection;
+
+#[test]
+#[ignore = "entry point for child processes of the retention tests"]
+fn child_main() {
+    let Some((role, db)) = child_role() else {
+        return;
+    };
+    match role.as_str() {
+        // Armed by the parent to die inside the pass.
+        "cleanup" => {
+            let room = Postroom::builder()
+                .workers(0)
+                .reaper_interval(Duration::from_secs(3600))
+                .open(&db)
+                .unwrap();
+            report("OPENED");
+            let _ = room.cleanup();
+            report("CLEANED");
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// An engine whose consumer `orders` counts its handler runs.
+fn open(db: &Path, runs: &Arc<AtomicU32>) -> Postroom {
+    let runs = Arc::clone(runs);
+    let room = Postroom::builder()
+        .workers(1)
+        .poll_interval(Duration::from_millis(5))
+        .reaper_interval(Duration::from_secs(3600))
+        .consumer(
+            "orders",
+            handler_fn(move |tx, msg: &Message| -> Result<(), Failure> {
+                runs.fetch_add(1, Ordering::SeqCst);
+                apply(tx, msg)
+            }),
+        )
+        .open(db)
+        .unwrap();
+    create_domain(&room);
+    room
+}
+
+fn msg(id: &str, payload: &str) -> Message {
+    Message::new("shop", id, payload.to_owned())
+}
+
+/// Key entries, notes, and key entries whose row is gone.
+fn key_counts(conn: &Connection) -> (i64, i64, i64) {
+    (
+        count(conn, "SELECT count(*) FROM postroom_inbox_keys"),
+        count(conn, "SELECT count(*) FROM postroom_retired_keys"),
+        count(
+            conn,
+            "SELECT count(*) FROM postroom_inbox_keys k
+             WHERE NOT EXISTS (SELECT 1 FROM postroom_inbox i WHERE i.id = k.inbox_id
+                                 AND i.message_id = k.message_id)",
+        ),
+    )
+}
+
+fn check_ok(conn: &Connection) {
+    let report = postroom::admin::check(conn, false).unwrap();
+    assert!(report.is_ok(), "{report:?}");
+}
+
+#[test]
+fn a_pass_deletes_the_rows_key_entries_and_leaves_no_note() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("r.db");
+    let runs = Arc::new(AtomicU32::new(0));
+    let room = open(&db, &runs);
+    for i in 0..300 {
+        let m = msg(&format!("m{i}"), "x");
+        assert_eq!(
+            room.deliver("orders", m).unwrap(),
+            Outcome::Processed { attempts: 1 }
+        );
+    }
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    let conn = raw(&db);
+    // Half of them completed long ago.
+    conn.execute(
+        "UPDATE postroom_inbox SET processed_at = 1000 WHERE CAST(substr(message_id, 2) AS INT) % 2 = 0",
+        [],
+    )
+    .unwrap();
+
+    let room = open(&db, &runs);
+    let report = room.cleanup().unwrap();
+    assert_eq!((report.inbox_deleted, report.keys_deleted), (150, 150));
+    assert_eq!(key_counts(&conn), (150, 0, 0));
+    check_ok(&conn);
+    // Forgotten: processed again. Kept: still a duplicate.
+    assert_eq!(
+        room.deliver("orders", msg("m0", "x")).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    assert_eq!(
+        room.deliver("orders", msg("m1", "x")).unwrap(),
+        Outcome::Duplicate
+    );
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(applied_count(&conn, "m0"), 2);
+    assert_eq!(applied_count(&conn, "m1"), 1);
+}
+
+/// Rows deleted by hand SQL are noted like retention's; until a pass
+/// deletes their entries, the same payload is a duplicate and another
+/// payload a new message, inline and queued alike.
+#[test]
+fn a_retired_key_answers_its_payload_as_a_duplicate_and_another_as_new() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("r.db");
+    let runs = Arc::new(AtomicU32::new(0));
+    let room = open(&db, &runs);
+    for id in ["a", "b", "c", "d"] {
+        room.deliver("orders", msg(id, id)).unwrap();
+    }
+    let conn = raw(&db);
+    conn.execute(
+        "DELETE FROM postroom_inbox WHERE message_id IN ('a', 'b', 'c', 'd')",
+        [],
+    )
+    .unwrap();
+    assert_eq!(key_counts(&conn), (4, 4, 4));
+    check_ok(&conn);
+
+    assert_eq!(
+        room.deliver("orders", msg("a", "a")).unwrap(),
+        Outcome::Duplicate
+    );
+    assert_eq!(
+        room.receive("orders", msg("b", "b")).unwrap(),
+        Receipt::Duplicate
+    );
+    assert_eq!(
+        room.deliver("orders", msg("c", "changed")).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    assert_eq!(
+        room.receive("orders", msg("d", "changed")).unwrap(),
+        Receipt::Accepted
+    );
+    eventually(|| applied_count(&conn, "d") == 2);
+    assert_eq!(runs.load(Ordering::SeqCst), 4 + 2);
+    // c and d have rows again; a and b are still retired.
+    assert_eq!(key_counts(&conn), (4, 4, 2));
+    check_ok(&conn);
+
+    let report = room.cleanup().unwrap();
+    assert_eq!((report.inbox_deleted, report.keys_deleted), (0, 2));
+    assert_eq!(key_counts(&conn), (2, 0, 0));
+    check_ok(&conn);
+    assert_eq!(
+        room.deliver("orders", msg("a", "a")).unwrap(),
+        Outcome::Processed { attempts: 1 },
+        "forgotten once its entry is gone"
+    );
+    assert_eq!(
+        room.deliver("orders", msg("c", "changed")).unwrap(),
+        Outcome::Duplicate
+    );
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}
+
+/// A pass killed after deleting an entry but before clearing its note
+/// leaves the note; the key may then be delivered anew and its row may
+/// even reuse the old row id. The next pass must keep that live entry.
+#[test]
+fn a_stale_note_never_deletes_a_live_key_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("r.db");
+    let runs = Arc::new(AtomicU32::new(0));
+    let room = open(&db, &runs);
+    for id in ["a", "b", "c"] {
+        room.deliver("orders", msg(id, id)).unwrap();
+    }
+    let conn = raw(&db);
+    let old_id = count(
+        &conn,
+        "SELECT id FROM postroom_inbox WHERE message_id = 'c'",
+    );
+    conn.execute_batch(
+        "DELETE FROM postroom_inbox WHERE message_id = 'c';
+         DELETE FROM postroom_inbox_keys WHERE message_id = 'c';",
+    )
+    .unwrap();
+    assert_eq!(key_counts(&conn), (2, 1, 0));
+    assert_eq!(
+        room.deliver("orders", msg("c", "c")).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT id FROM postroom_inbox WHERE message_id = 'c'"
+        ),
+        old_id,
+        "the newest row's id is reused"
+    );
+
+    let report = room.cleanup().unwrap();
+    assert_eq!(report.keys_deleted, 0);
+    assert_eq!(key_counts(&conn), (3, 0, 0));
+    check_ok(&conn);
+    assert_eq!(
+        room.deliver("orders", msg("c", "c")).unwrap(),
+        Outcome::Duplicate
+    );
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(applied_count(&conn, "c"), 2);
+}
+
+/// `check` accepts an entry without its row only while its note says why.
+#[test]
+fn check_reports_a_retired_entry_without_its_note() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("r.db");
+    let runs = Arc::new(AtomicU32::new(0));
+    let room = open(&db, &runs);
+    for id in ["a", "b"] {
+        room.deliver("orders", msg(id, id)).unwrap();
+    }
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    let conn = raw(&db);
+    conn.execute("DELETE FROM postroom_inbox WHERE message_id = 'a'", [])
+        .unwrap();
+    check_ok(&conn);
+    conn.execute("DELETE FROM postroom_retired_keys", [])
+        .unwrap();
+    let report = postroom::admin::check(&conn, false).unwrap();
+    let found: Vec<_> = report
+        .violations
+        .iter()
+        .map(|f| (f.kind.to_string(), f.table))
+        .collect();
+    assert_eq!(
+        found,
+        [("key_table".to_string(), "postroom_inbox_keys")],
+        "{report:?}"
+    );
+}
+
+fn eventually(mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "timed out");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A pass of more rows than a drain reads at once drains part-way, after
+/// exactly `READ_LIMIT` rows; killed there, it leaves every entry, each
+/// deleted row's noted. The next pass finishes the job.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_pass_killed_mid_drain_is_finished_by_the_next() {
+    const ROWS: i64 = 140_000;
+    const READ_LIMIT: i64 = 131_072;
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("r.db");
+    Postroom::builder()
+        .workers(0)
+        .open(&db)
+        .unwrap()
+        .shutdown(Duration::from_secs(10))
+        .unwrap();
+    let conn = raw(&db);
+    // Random ids, so key order is not row order; all completed long ago.
+    conn.execute(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1)
+         INSERT INTO postroom_inbox (consumer, source, message_id, status, payload_hash,
+             attempts, received_at, updated_at, processed_at)
+         SELECT 'orders', 'shop', lower(hex(randomblob(16))), 'completed', zeroblob(32),
+             1, 1000, 1000, 1000 FROM n",
+        [ROWS],
+    )
+    .unwrap();
+    // Hit 1: the first drain's read; hit 2: its first write, not made.
+    let mut child = spawn_child(
+        "cleanup",
+        &db,
+        &[(
+            "POSTROOM_FAILPOINTS",
+            "reaper.retired_keys=abort@2".to_string(),
+        )],
+    );
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the child was to die mid-pass");
+    assert_eq!(
+        count(&conn, "SELECT count(*) FROM postroom_inbox"),
+        ROWS - READ_LIMIT,
+        "the drain starts once READ_LIMIT rows are deleted"
+    );
+    assert_eq!(key_counts(&conn), (ROWS, READ_LIMIT, READ_LIMIT));
+    check_ok(&conn);
+
+    let runs = Arc::new(AtomicU32::new(0));
+    let room = open(&db, &runs);
+    let report = room.cleanup().unwrap();
+    assert_eq!(
+        (report.inbox_deleted, report.keys_deleted),
+        ((ROWS - READ_LIMIT) as u64, ROWS as u64)
+    );
+    assert_eq!(key_counts(&conn), (0, 0, 0));
+    check_ok(&conn);
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}
