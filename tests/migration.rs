@@ -385,8 +385,8 @@ fn a_version_2_file_missing_its_delete_trigger_is_refused_and_left_alone() {
     let err = Postroom::builder()
         .workers(0)
         .open(&db)
-        .err()
-        .expect("refused")
+        .map(drop)
+        .expect_err("refused")
         .to_string();
     assert!(
         err.contains("trigger postroom_inbox_key_delete is missing"),
