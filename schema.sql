@@ -94,8 +94,9 @@ CREATE TABLE IF NOT EXISTS postroom_inbox_keys (
 -- An entry waiting here is still a completed key: a redelivery with its
 -- payload is answered as a duplicate, one with another payload finds no
 -- row and is taken as a new message (the entry is dropped first). Both
--- answers are allowed once retention has passed, and every retention pass
--- (reaper or `postroom cleanup`) ends with none waiting.
+-- answers are allowed once retention has passed. A retention pass (reaper
+-- or `postroom cleanup`) that runs to its end leaves none waiting; one cut
+-- short (shutdown, crash, error) leaves them to the next.
 --
 -- AUTOINCREMENT: `seq` is never reused, so clearing `seq <= n` after
 -- reading up to n cannot clear a key appended since.

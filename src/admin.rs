@@ -1044,9 +1044,12 @@ pub fn conflicts_show(conn: &Connection, id: i64) -> Result<Option<ConflictDetai
         let stored = conn
             .query_row(
                 &format!(
+                    // The key too: a retired entry's inbox_id may since
+                    // have been reused by another message's row.
                     "SELECT {ENTRY_COLUMNS}, payload FROM postroom_inbox
                      WHERE id = (SELECT inbox_id FROM postroom_inbox_keys
-                                 WHERE consumer = ?1 AND source = ?2 AND message_id = ?3)"
+                                 WHERE consumer = ?1 AND source = ?2 AND message_id = ?3)
+                       AND consumer = ?1 AND source = ?2 AND message_id = ?3"
                 ),
                 params![
                     detail.entry.consumer,
@@ -1078,7 +1081,8 @@ pub struct CleanupSummary {
     /// Completed inbox rows deleted (or that would be).
     pub inbox_deleted: u64,
     /// Their key entries deleted, after the rows, in key order (0 for a
-    /// dry run): as many, plus any an interrupted pass left.
+    /// dry run): as many, plus any an interrupted pass left; fewer if the
+    /// engine's reaper deleted some first.
     pub keys_deleted: u64,
     /// Sent outbox rows deleted (or that would be).
     pub outbox_deleted: u64,
@@ -1172,7 +1176,7 @@ fn pause_after(started: Instant) {
 /// [`cleanup`]'s share of `retired::drain`, counting its transactions.
 fn drain_retired(conn: &Connection, transactions: &mut u64) -> Result<u64> {
     retired::drain(
-        || retired::read(conn, retired::READ_LIMIT).map_err(sql("read retired keys")),
+        || retired::read(conn).map_err(sql("read retired keys")),
         |batch| {
             let started = Instant::now();
             let n = write(conn, "delete retired keys", |c| retired::apply(c, &batch))?;
@@ -1475,7 +1479,8 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
                ON k.consumer = o.cause_consumer AND k.source = o.cause_source
               AND k.message_id = o.cause_message_id
              LEFT JOIN postroom_inbox i
-               ON i.id = k.inbox_id AND i.received_at <= o.created_at
+               ON i.id = k.inbox_id AND i.consumer = k.consumer AND i.source = k.source
+              AND i.message_id = k.message_id AND i.received_at <= o.created_at
              ORDER BY o.seq",
         )
         .map_err(&op)?;

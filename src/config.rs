@@ -398,7 +398,10 @@ impl Builder {
     }
 
     /// How long completed inbox rows are kept: the dedupe horizon. A
-    /// message redelivered after its row was deleted is processed again.
+    /// message redelivered after the reaper pass that deleted its row is
+    /// processed again. (During that pass, until its key entry follows the
+    /// row, or until the next pass if that one was cut short, a redelivery
+    /// with the same payload is still a duplicate.)
     /// Default: 7 days.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.config.retention = retention;

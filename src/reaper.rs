@@ -7,7 +7,8 @@
 //! 25 ms), in a transaction of its own, so a million-row cleanup never holds
 //! a delivery up for more than one batch. The deleted rows' key entries
 //! follow every [`retired::READ_LIMIT`] rows and at the end of the pass, in
-//! key order (`retired.rs`): a pass leaves none behind.
+//! key order (`retired.rs`): a pass that runs to its end leaves none
+//! behind.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,9 +35,10 @@ pub struct CleanupReport {
     pub leases_expired: u64,
     /// Completed inbox rows deleted by retention.
     pub inbox_deleted: u64,
-    /// Their key entries deleted (in key order, after the rows): the same
-    /// number, unless some were left by an earlier pass cut short, or
-    /// taken over by a new delivery of the key.
+    /// Their key entries deleted (in key order, after the rows): as many,
+    /// plus any an earlier pass cut short left; fewer if a new delivery of
+    /// the key took an entry over, or another process's pass deleted it
+    /// first.
     pub keys_deleted: u64,
     /// Dead letters deleted by `dead_retention`.
     pub dead_deleted: u64,
@@ -107,8 +109,7 @@ fn drain_retired(shared: &Shared, readers: &Readers) -> Result<u64> {
                 op: "get read connection",
                 source: std::io::Error::other(e.to_string()),
             })?;
-            retired::read(&conn, retired::READ_LIMIT)
-                .map_err(|e| Error::sqlite("read retired keys", e))
+            retired::read(&conn).map_err(|e| Error::sqlite("read retired keys", e))
         },
         |batch| {
             if shared.stopping.load(std::sync::atomic::Ordering::Acquire) {

@@ -500,7 +500,7 @@ impl Machine {
         if keys {
             let m = RefCell::new(self);
             retired::drain(
-                || retired::read(m.borrow().conn(), retired::READ_LIMIT).map_err(err),
+                || retired::read(m.borrow().conn()).map_err(err),
                 |batch| {
                     m.borrow_mut()
                         .in_tx(move |m| {

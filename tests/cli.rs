@@ -684,8 +684,8 @@ fn cleanup_dry_run_counts_and_the_real_run_deletes_only_expired_rows_in_batches(
     assert_eq!(real["inbox_deleted"], 300);
     assert_eq!(real["outbox_deleted"], 300);
     assert_eq!(real["keys_deleted"], 300);
-    // 256 + 44 rows per table, then 256 + 44 inbox key entries, each batch
-    // its own transaction.
+    // 256 + 44 rows per table, then the 300 inbox key entries, then their
+    // notes, each batch its own transaction.
     assert_eq!(real["transactions"], 6);
     assert_eq!(snapshot(&conn), (3, 2));
     assert_eq!(

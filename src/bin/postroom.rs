@@ -462,7 +462,13 @@ fn run(cli: &Cli, out: &mut String) -> Result<u8, Failed> {
                     fmt_age(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX)),
                 );
                 if !s.dry_run {
-                    let _ = writeln!(out, "{} transaction(s)", s.transactions);
+                    let _ = writeln!(
+                        out,
+                        "{} inbox key entr{} deleted after the rows, {} transaction(s)",
+                        s.keys_deleted,
+                        if s.keys_deleted == 1 { "y" } else { "ies" },
+                        s.transactions
+                    );
                 }
             }
         }
