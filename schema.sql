@@ -89,7 +89,9 @@ CREATE TABLE IF NOT EXISTS postroom_inbox_keys (
 -- retention wrote to the WAL (277 pages per 256 rows at a million rows).
 -- Appending here is sequential; retention then deletes up to 131,072 of
 -- these key entries at a time in key order, when their neighbours share
--- leaves, and clears the rows it read (`retired.rs`).
+-- leaves, and clears the rows it read (`retired.rs`). At a million rows
+-- that writes 68 pages per 256 rows in all: 22.7 for the rows, 41.7 for
+-- their entries, 4.0 for the notes (277 with the entries deleted at once).
 --
 -- An entry waiting here is still a completed key: a redelivery with its
 -- payload is answered as a duplicate, one with another payload finds no
