@@ -158,6 +158,16 @@ fn open(path: &Path, runs: &Arc<AtomicU32>) -> Postroom {
         .unwrap()
 }
 
+/// Opens `path` with no workers (creating or migrating it) and shuts down.
+fn open_once(path: &Path) {
+    Postroom::builder()
+        .workers(0)
+        .open(path)
+        .unwrap()
+        .shutdown(Duration::from_secs(10))
+        .unwrap();
+}
+
 #[test]
 #[ignore = "entry point for child processes of the migration tests"]
 fn child_main() {
@@ -179,8 +189,8 @@ fn a_version_1_file_keeps_every_row_and_every_dedupe_answer() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("v1.db");
     let before = write_v1(&db, 300);
-    let runs = Arc::new(AtomicU32::new(0));
-    let room = open(&db, &runs);
+    // Without workers first: they would claim `queued` while the dump is read.
+    open_once(&db);
 
     let conn = raw(&db);
     assert_eq!(stored_version(&conn), postroom::SCHEMA_VERSION.to_string());
@@ -195,12 +205,7 @@ fn a_version_1_file_keeps_every_row_and_every_dedupe_answer() {
     assert_eq!(waiting, ["dead", "failed"]);
     // The same tables, indexes and triggers as a file created at version 2.
     let fresh = dir.path().join("fresh.db");
-    Postroom::builder()
-        .workers(0)
-        .open(&fresh)
-        .unwrap()
-        .shutdown(Duration::from_secs(10))
-        .unwrap();
+    open_once(&fresh);
     assert_eq!(schema_objects(&conn), schema_objects(&raw(&fresh)));
     // The old table is gone, the new one has no UNIQUE constraint of its own.
     assert_eq!(
@@ -211,6 +216,8 @@ fn a_version_1_file_keeps_every_row_and_every_dedupe_answer() {
         ),
         0
     );
+    let runs = Arc::new(AtomicU32::new(0));
+    let room = open(&db, &runs);
 
     // A completed message: its redelivery is a duplicate, a different
     // payload under its id a conflict; the handler runs for neither.
@@ -298,8 +305,7 @@ fn a_process_killed_mid_migration_leaves_the_version_1_file_as_it_was() {
     drop(conn);
 
     // The next open migrates it.
-    let runs = Arc::new(AtomicU32::new(0));
-    open(&db, &runs).shutdown(Duration::from_secs(10)).unwrap();
+    open_once(&db);
     let conn = raw(&db);
     assert_eq!(stored_version(&conn), postroom::SCHEMA_VERSION.to_string());
     assert_eq!(column::<Vec<String>>(&conn, DUMP_INBOX), before);
@@ -329,20 +335,16 @@ fn a_version_2_file_keeps_every_row_and_key_and_retention_notes_its_keys() {
         FROM postroom_inbox_keys ORDER BY 1";
     let keys_before: Vec<String> = column(&conn, DUMP_KEYS);
     assert_eq!(keys_before.len(), before.len());
-    let runs = Arc::new(AtomicU32::new(0));
-    let room = open(&db, &runs);
+    open_once(&db);
 
     assert_eq!(stored_version(&conn), postroom::SCHEMA_VERSION.to_string());
     assert_eq!(column::<Vec<String>>(&conn, DUMP_INBOX), before);
     assert_eq!(column::<Vec<String>>(&conn, DUMP_KEYS), keys_before);
     let fresh = dir.path().join("fresh.db");
-    Postroom::builder()
-        .workers(0)
-        .open(&fresh)
-        .unwrap()
-        .shutdown(Duration::from_secs(10))
-        .unwrap();
+    open_once(&fresh);
     assert_eq!(schema_objects(&conn), schema_objects(&raw(&fresh)));
+    let runs = Arc::new(AtomicU32::new(0));
+    let room = open(&db, &runs);
     assert_eq!(
         room.deliver("orders", Message::new("shop", "done-7", "done-7"))
             .unwrap(),
