@@ -1136,36 +1136,61 @@ pub fn cleanup(
             Ok(summary)
         });
     }
-    type Delete = fn(&Connection, i64, usize) -> rusqlite::Result<usize>;
-    let passes: [(&'static str, Delete); 2] = [
-        ("delete expired inbox rows", queue::delete_completed),
-        ("delete expired outbox rows", outbox::delete_sent),
-    ];
-    for (i, (op, delete)) in passes.into_iter().enumerate() {
-        let mut since_drain = 0;
-        loop {
-            let started = Instant::now();
-            let n = write(conn, op, |c| delete(c, cutoff, CLEANUP_BATCH))?;
-            summary.transactions += 1;
-            if i == 0 {
-                summary.inbox_deleted += n as u64;
-                since_drain += n;
-                // The deleted rows' key entries, in key order (retired.rs),
-                // every READ_LIMIT rows and at the end: none are left.
-                if n < CLEANUP_BATCH || since_drain >= retired::READ_LIMIT {
-                    since_drain = 0;
-                    summary.keys_deleted += drain_retired(conn, &mut summary.transactions)?;
-                }
-            } else {
-                summary.outbox_deleted += n as u64;
-            }
-            if n < CLEANUP_BATCH {
-                break;
-            }
-            pause_after(started);
+    // Both closures count transactions.
+    let transactions = std::cell::Cell::new(0);
+    (summary.inbox_deleted, summary.keys_deleted) = retired::retire(
+        |max| {
+            let op = "delete expired inbox rows";
+            delete_in_batches(
+                conn,
+                op,
+                queue::delete_completed,
+                cutoff,
+                max,
+                &transactions,
+            )
+        },
+        || drain_retired(conn, &transactions),
+    )?;
+    let op = "delete expired outbox rows";
+    summary.outbox_deleted = delete_in_batches(
+        conn,
+        op,
+        outbox::delete_sent,
+        cutoff,
+        u64::MAX,
+        &transactions,
+    )?
+    .0;
+    summary.transactions = transactions.get();
+    Ok(summary)
+}
+
+/// Deletes what `delete` finds before `cutoff`, [`CLEANUP_BATCH`] rows per
+/// transaction, until none is left (`(deleted, true)`) or at least `max`
+/// were deleted (`(deleted, false)`).
+fn delete_in_batches(
+    conn: &Connection,
+    op: &'static str,
+    delete: fn(&Connection, i64, usize) -> rusqlite::Result<usize>,
+    cutoff: i64,
+    max: u64,
+    transactions: &std::cell::Cell<u64>,
+) -> Result<(u64, bool)> {
+    let mut total = 0;
+    loop {
+        let started = Instant::now();
+        let n = write(conn, op, |c| delete(c, cutoff, CLEANUP_BATCH))?;
+        transactions.set(transactions.get() + 1);
+        total += n as u64;
+        if n < CLEANUP_BATCH {
+            return Ok((total, true));
+        }
+        pause_after(started);
+        if total >= max {
+            return Ok((total, false));
         }
     }
-    Ok(summary)
 }
 
 /// Lets a running engine's writer have the lock at least half of the time.
@@ -1174,13 +1199,13 @@ fn pause_after(started: Instant) {
 }
 
 /// [`cleanup`]'s share of `retired::drain`, counting its transactions.
-fn drain_retired(conn: &Connection, transactions: &mut u64) -> Result<u64> {
+fn drain_retired(conn: &Connection, transactions: &std::cell::Cell<u64>) -> Result<u64> {
     retired::drain(
         || retired::read(conn).map_err(sql("read retired keys")),
         |batch| {
             let started = Instant::now();
             let n = write(conn, "delete retired keys", |c| retired::apply(c, &batch))?;
-            *transactions += 1;
+            transactions.set(transactions.get() + 1);
             pause_after(started);
             Ok(n)
         },

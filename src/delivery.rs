@@ -48,8 +48,7 @@ pub(crate) fn deliver(
     {
         Some(Found::CompletedDuplicate) => return Ok(Outcome::Duplicate),
         Some(Found::Row { id, row }) => Some((id, row)),
-        // (find_live answers a retired entry as None.)
-        None | Some(Found::Retired) => None,
+        None => None,
     };
     let row_id = found.as_ref().map(|(id, _)| *id);
     // The row's incarnation: a new row gets `now` as its received_at.
@@ -295,8 +294,7 @@ pub(crate) fn recover_inflight(
     let row_id = match inbox::find_live(conn, key, &inflight.hash)
         .map_err(|e| Error::sqlite("look up inbox row", e))?
     {
-        // (find_live answers a retired entry as None.)
-        None | Some(Found::Retired) => None,
+        None => None,
         Some(Found::Row { id, row })
             if row.payload_hash == inflight.hash
                 && row.attempts <= inflight.prior_attempts

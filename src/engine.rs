@@ -130,7 +130,7 @@ impl ShutdownReport {
 pub struct Postroom {
     control: Arc<Control>,
     shared: Arc<Shared>,
-    readers: r2d2::Pool<SqliteConnectionManager>,
+    readers: Readers,
     counters: Arc<Counters>,
 }
 
@@ -606,10 +606,7 @@ impl Postroom {
         if self.control.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
-        self.readers.get().map_err(|e| Error::Io {
-            op: "get read connection",
-            source: std::io::Error::other(e.to_string()),
-        })
+        read_connection(&self.readers)
     }
 
     fn check_caller(&self) -> Result<()> {
@@ -790,6 +787,19 @@ pub(crate) fn recover_after_crash(
     recovered
 }
 
+/// The engine's read connections (`query_only`).
+pub(crate) type Readers = r2d2::Pool<SqliteConnectionManager>;
+
+/// A read connection from the pool; the pool's error as an I/O error.
+pub(crate) fn read_connection(
+    readers: &Readers,
+) -> Result<r2d2::PooledConnection<SqliteConnectionManager>> {
+    readers.get().map_err(|e| Error::Io {
+        op: "get read connection",
+        source: std::io::Error::other(e.to_string()),
+    })
+}
+
 /// The answer for a message whose fate is already committed: completed, or
 /// dead, with the same payload digest. Those states are final (only an
 /// operator's redrive leaves `dead`, and a redelivery racing a redrive may
@@ -804,6 +814,6 @@ fn settled(conn: &Connection, consumer: &str, msg: &Message, hash: &[u8; 32]) ->
     match inbox::find(conn, key, hash).ok()?? {
         inbox::Found::CompletedDuplicate => Some(Outcome::Duplicate),
         inbox::Found::Row { row, .. } if row.payload_hash == *hash => delivery::settled(row),
-        inbox::Found::Row { .. } | inbox::Found::Retired => None,
+        inbox::Found::Row { .. } => None,
     }
 }

@@ -109,20 +109,55 @@ pub(crate) enum Found {
     CompletedDuplicate,
     /// Anything else: the row and its id.
     Row { id: i64, row: Row },
-    /// A completed key entry whose row retention deleted, waiting to be
+}
+
+/// What the key table holds for a key, as [`lookup`] reads it.
+enum Entry {
+    None,
+    Found(Found),
+    /// A completed entry whose row retention deleted, waiting to be
     /// deleted itself (schema.sql, `postroom_retired_keys`), met with
-    /// another payload: the message is forgotten. Writers call
-    /// [`find_live`], which drops the entry and answers `None` instead.
+    /// another payload: the message is forgotten.
     Retired,
 }
 
 /// Finds the message stored under `key`: one descent into the key table,
-/// and a read of the row by id unless that answers it.
+/// and a read of the row by id unless that answers it. A retired entry
+/// met with another payload is `None`, as after its deletion.
 pub(crate) fn find(
     conn: &Connection,
     key: Key<'_>,
     hash: &[u8; 32],
 ) -> rusqlite::Result<Option<Found>> {
+    Ok(match lookup(conn, key, hash)? {
+        Entry::Found(found) => Some(found),
+        Entry::None | Entry::Retired => None,
+    })
+}
+
+/// [`find`] for a write transaction about to store the message if it is
+/// new: a retired entry is deleted first (its key would refuse the new
+/// row).
+pub(crate) fn find_live(
+    conn: &Connection,
+    key: Key<'_>,
+    hash: &[u8; 32],
+) -> rusqlite::Result<Option<Found>> {
+    Ok(match lookup(conn, key, hash)? {
+        Entry::Found(found) => Some(found),
+        Entry::None => None,
+        Entry::Retired => {
+            conn.prepare_cached(
+                "DELETE FROM postroom_inbox_keys
+                 WHERE consumer = ?1 AND source = ?2 AND message_id = ?3 AND completed = 1",
+            )?
+            .execute(params![key.consumer, key.source, key.message_id])?;
+            None
+        }
+    })
+}
+
+fn lookup(conn: &Connection, key: Key<'_>, hash: &[u8; 32]) -> rusqlite::Result<Entry> {
     let entry: Option<(i64, Vec<u8>, bool)> = conn
         .prepare_cached(
             "SELECT inbox_id, digest, completed FROM postroom_inbox_keys
@@ -133,37 +168,16 @@ pub(crate) fn find(
         })
         .optional()?;
     let Some((id, digest, completed)) = entry else {
-        return Ok(None);
+        return Ok(Entry::None);
     };
     if completed && digest.as_slice() == &hash[..16] {
-        return Ok(Some(Found::CompletedDuplicate));
+        return Ok(Entry::Found(Found::CompletedDuplicate));
     }
     Ok(match row(conn, id, key)? {
-        Some(row) => Some(Found::Row { id, row }),
-        None if completed => Some(Found::Retired),
-        None => None,
+        Some(row) => Entry::Found(Found::Row { id, row }),
+        None if completed => Entry::Retired,
+        None => Entry::None,
     })
-}
-
-/// [`find`] for a write transaction about to store the message if it is
-/// new: a retired entry is deleted (its key would refuse the new row) and
-/// the message is new.
-pub(crate) fn find_live(
-    conn: &Connection,
-    key: Key<'_>,
-    hash: &[u8; 32],
-) -> rusqlite::Result<Option<Found>> {
-    match find(conn, key, hash)? {
-        Some(Found::Retired) => {
-            conn.prepare_cached(
-                "DELETE FROM postroom_inbox_keys
-                 WHERE consumer = ?1 AND source = ?2 AND message_id = ?3 AND completed = 1",
-            )?
-            .execute(params![key.consumer, key.source, key.message_id])?;
-            Ok(None)
-        }
-        found => Ok(found),
-    }
 }
 
 /// The inbox row the key table pointed to, if it still holds `key`.

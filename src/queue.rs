@@ -30,8 +30,7 @@ pub(crate) fn receive(
         message_id: &msg.id,
     };
     let row_id = match inbox::find_live(conn, key, hash)? {
-        // (find_live answers a retired entry as None.)
-        None | Some(Found::Retired) => {
+        None => {
             conn.prepare_cached(
                 "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
                      payload_hash, headers, ordering_key, attempts, received_at, updated_at,

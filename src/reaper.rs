@@ -6,16 +6,15 @@
 //! runs only when no caller's job is waiting (or after being put off for
 //! 25 ms), in a transaction of its own, so a million-row cleanup never holds
 //! a delivery up for more than one batch. The deleted rows' key entries
-//! follow every [`retired::READ_LIMIT`] rows and at the end of the pass, in
-//! key order (`retired.rs`): a pass that runs to its end leaves none
-//! behind.
+//! follow in key order, during and at the end of the pass
+//! ([`retired::retire`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use r2d2_sqlite::SqliteConnectionManager;
 
+use crate::engine::{read_connection, Readers};
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::outbox;
@@ -46,9 +45,6 @@ pub struct CleanupReport {
     pub outbox_deleted: u64,
 }
 
-/// The engine's read connections.
-pub(crate) type Readers = r2d2::Pool<SqliteConnectionManager>;
-
 /// The reaper thread's body: a pass every `reaper_interval` until `stop`
 /// disconnects.
 pub(crate) fn reap(shared: Arc<Shared>, readers: Readers, stop: Receiver<()>) {
@@ -78,19 +74,10 @@ pub(crate) fn run_once(shared: &Shared, readers: &Readers) -> Result<CleanupRepo
         shared.wake();
     }
     let retention = shared.config.retention;
-    loop {
-        let (deleted, done) = delete_in_batches(
-            shared,
-            retention,
-            queue::delete_completed,
-            retired::READ_LIMIT as u64,
-        )?;
-        report.inbox_deleted += deleted;
-        report.keys_deleted += drain_retired(shared, readers)?;
-        if done {
-            break;
-        }
-    }
+    (report.inbox_deleted, report.keys_deleted) = retired::retire(
+        |max| delete_in_batches(shared, retention, queue::delete_completed, max),
+        || drain_retired(shared, readers),
+    )?;
     report.outbox_deleted = delete_in_batches(shared, retention, outbox::delete_sent, u64::MAX)?.0;
     if let Some(dead_retention) = shared.config.dead_retention {
         report.dead_deleted =
@@ -105,11 +92,8 @@ fn drain_retired(shared: &Shared, readers: &Readers) -> Result<u64> {
     retired::drain(
         || {
             failpoint::hit("reaper.retired_keys")?;
-            let conn = readers.get().map_err(|e| Error::Io {
-                op: "get read connection",
-                source: std::io::Error::other(e.to_string()),
-            })?;
-            retired::read(&conn).map_err(|e| Error::sqlite("read retired keys", e))
+            retired::read(&*read_connection(readers)?)
+                .map_err(|e| Error::sqlite("read retired keys", e))
         },
         |batch| {
             if shared.stopping.load(std::sync::atomic::Ordering::Acquire) {

@@ -12,11 +12,12 @@ use std::cmp::Ordering;
 
 use rusqlite::{params, Connection};
 
-/// Retired keys read, sorted and deleted per round. The more at once, the
+/// Retired keys read, sorted and deleted per round, and completed rows
+/// deleted between drains. The more at once, the
 /// more of them share a leaf of the key table: at a million keys, deleting
 /// 256 in key order wrote 208 WAL pages with 10,240 pending and 54 with
 /// 102,400; deleted with their rows, one by one, about 258.
-pub(crate) const READ_LIMIT: usize = 131_072;
+const READ_LIMIT: usize = 131_072;
 
 /// Bytes of key text read per round at most: with [`READ_LIMIT`], what
 /// bounds a drain's memory, about 14 MiB (6 MiB of per-key overhead, 8 of
@@ -157,6 +158,27 @@ pub(crate) fn apply(conn: &Connection, batch: &Batch) -> rusqlite::Result<usize>
                      ORDER BY seq LIMIT ?2)",
             )?
             .execute(params![through, CLEAR_BATCH as i64]),
+    }
+}
+
+/// Retention of completed inbox rows and, after them, their key entries:
+/// `delete(max)` deletes expired rows until none is left (answering
+/// `(deleted, true)`) or at least `max` were (`(deleted, false)`), and
+/// `drain` deletes the entries, every [`READ_LIMIT`] rows (one read's
+/// worth) and at the end, so a pass that runs to its end leaves none.
+/// Returns rows and entries deleted.
+pub(crate) fn retire<E>(
+    mut delete: impl FnMut(u64) -> Result<(u64, bool), E>,
+    mut drain: impl FnMut() -> Result<u64, E>,
+) -> Result<(u64, u64), E> {
+    let (mut rows, mut entries) = (0, 0);
+    loop {
+        let (deleted, done) = delete(READ_LIMIT as u64)?;
+        rows += deleted;
+        entries += drain()?;
+        if done {
+            return Ok((rows, entries));
+        }
     }
 }
 
