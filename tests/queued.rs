@@ -15,15 +15,6 @@ use postroom::{
     Tx,
 };
 
-/// Polls until `f` is true, or fails after `secs`.
-fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        thread::sleep(Duration::from_millis(5));
-    }
-}
-
 fn completed(room: &Postroom, consumer: &str) -> u64 {
     room.stats()
         .unwrap()

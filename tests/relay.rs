@@ -15,14 +15,6 @@ use postroom::{
     Postroom, SendResult,
 };
 
-fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        thread::sleep(Duration::from_millis(5));
-    }
-}
-
 /// The domain write alone (the shared `apply` also publishes).
 fn record(tx: &mut postroom::Tx<'_>, msg: &Message) -> Result<(), postroom::Failure> {
     tx.execute(

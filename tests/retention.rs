@@ -57,6 +57,42 @@ fn open(db: &Path, runs: &Arc<AtomicU32>) -> Postroom {
     room
 }
 
+/// A running engine (see [`open`]) in a temporary directory, each of `ids`
+/// delivered inline with its id as payload, and a raw connection.
+struct Fixture {
+    runs: Arc<AtomicU32>,
+    room: Postroom,
+    conn: Connection,
+    /// Last: deleted after the rest is dropped.
+    _dir: tempfile::TempDir,
+}
+
+fn fixture(ids: &[&str]) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("r.db");
+    let runs = Arc::new(AtomicU32::new(0));
+    let room = open(&db, &runs);
+    for id in ids {
+        room.deliver("orders", msg(id, id)).unwrap();
+    }
+    Fixture {
+        conn: raw(&db),
+        _dir: dir,
+        runs,
+        room,
+    }
+}
+
+/// The inbox row id of message `id`.
+fn row_id(conn: &Connection, id: &str) -> i64 {
+    conn.query_row(
+        "SELECT id FROM postroom_inbox WHERE message_id = ?1",
+        [id],
+        |r| r.get(0),
+    )
+    .unwrap()
+}
+
 fn msg(id: &str, payload: &str) -> Message {
     Message::new("shop", id, payload.to_owned())
 }
@@ -126,14 +162,12 @@ fn a_pass_deletes_the_rows_key_entries_and_leaves_no_note() {
 /// payload a new message, inline and queued alike.
 #[test]
 fn a_retired_key_answers_its_payload_as_a_duplicate_and_another_as_new() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("r.db");
-    let runs = Arc::new(AtomicU32::new(0));
-    let room = open(&db, &runs);
-    for id in ["a", "b", "c", "d"] {
-        room.deliver("orders", msg(id, id)).unwrap();
-    }
-    let conn = raw(&db);
+    let Fixture {
+        runs,
+        room,
+        conn,
+        _dir,
+    } = fixture(&["a", "b", "c", "d"]);
     conn.execute(
         "DELETE FROM postroom_inbox WHERE message_id IN ('a', 'b', 'c', 'd')",
         [],
@@ -158,7 +192,7 @@ fn a_retired_key_answers_its_payload_as_a_duplicate_and_another_as_new() {
         room.receive("orders", msg("d", "changed")).unwrap(),
         Receipt::Accepted
     );
-    eventually(|| applied_count(&conn, "d") == 2);
+    eventually(20, "d processed again", || applied_count(&conn, "d") == 2);
     assert_eq!(runs.load(Ordering::SeqCst), 4 + 2);
     // c and d have rows again; a and b are still retired.
     assert_eq!(key_counts(&conn), (4, 4, 2));
@@ -185,18 +219,10 @@ fn a_retired_key_answers_its_payload_as_a_duplicate_and_another_as_new() {
 /// even reuse the old row id. The next pass must keep that live entry.
 #[test]
 fn a_stale_note_never_deletes_a_live_key_entry() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("r.db");
-    let runs = Arc::new(AtomicU32::new(0));
-    let room = open(&db, &runs);
-    for id in ["a", "b", "c"] {
-        room.deliver("orders", msg(id, id)).unwrap();
-    }
-    let conn = raw(&db);
-    let old_id = count(
-        &conn,
-        "SELECT id FROM postroom_inbox WHERE message_id = 'c'",
-    );
+    let Fixture {
+        room, conn, _dir, ..
+    } = fixture(&["a", "b", "c"]);
+    let old_id = row_id(&conn, "c");
     conn.execute_batch(
         "DELETE FROM postroom_inbox WHERE message_id = 'c';
          DELETE FROM postroom_inbox_keys WHERE message_id = 'c';",
@@ -207,14 +233,7 @@ fn a_stale_note_never_deletes_a_live_key_entry() {
         room.deliver("orders", msg("c", "c")).unwrap(),
         Outcome::Processed { attempts: 1 }
     );
-    assert_eq!(
-        count(
-            &conn,
-            "SELECT id FROM postroom_inbox WHERE message_id = 'c'"
-        ),
-        old_id,
-        "the newest row's id is reused"
-    );
+    assert_eq!(row_id(&conn, "c"), old_id, "the newest row's id is reused");
 
     let report = room.cleanup().unwrap();
     assert_eq!(report.keys_deleted, 0);
@@ -231,15 +250,10 @@ fn a_stale_note_never_deletes_a_live_key_entry() {
 /// `check` accepts an entry without its row only while its note says why.
 #[test]
 fn check_reports_a_retired_entry_without_its_note() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("r.db");
-    let runs = Arc::new(AtomicU32::new(0));
-    let room = open(&db, &runs);
-    for id in ["a", "b"] {
-        room.deliver("orders", msg(id, id)).unwrap();
-    }
+    let Fixture {
+        room, conn, _dir, ..
+    } = fixture(&["a", "b"]);
     room.shutdown(Duration::from_secs(10)).unwrap();
-    let conn = raw(&db);
     conn.execute("DELETE FROM postroom_inbox WHERE message_id = 'a'", [])
         .unwrap();
     check_ok(&conn);
@@ -256,14 +270,6 @@ fn check_reports_a_retired_entry_without_its_note() {
         [("key_table".to_string(), "postroom_inbox_keys")],
         "{report:?}"
     );
-}
-
-fn eventually(mut done: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !done() {
-        assert!(std::time::Instant::now() < deadline, "timed out");
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// A pass of more rows than a drain reads at once drains part-way, after
@@ -341,29 +347,14 @@ fn a_pass_killed_mid_drain_is_finished_by_the_next() {
 /// once its note is cleared, for good).
 #[test]
 fn a_retired_entry_whose_row_id_another_key_took_is_deleted() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("r.db");
-    let runs = Arc::new(AtomicU32::new(0));
-    let room = open(&db, &runs);
-    for id in ["a", "b", "c"] {
-        room.deliver("orders", msg(id, id)).unwrap();
-    }
-    let conn = raw(&db);
-    let old_id = count(
-        &conn,
-        "SELECT id FROM postroom_inbox WHERE message_id = 'c'",
-    );
+    let Fixture {
+        room, conn, _dir, ..
+    } = fixture(&["a", "b", "c"]);
+    let old_id = row_id(&conn, "c");
     conn.execute("DELETE FROM postroom_inbox WHERE message_id = 'c'", [])
         .unwrap();
     room.deliver("orders", msg("z", "z")).unwrap();
-    assert_eq!(
-        count(
-            &conn,
-            "SELECT id FROM postroom_inbox WHERE message_id = 'z'"
-        ),
-        old_id,
-        "z took c's row id"
-    );
+    assert_eq!(row_id(&conn, "z"), old_id, "z took c's row id");
     assert_eq!(key_counts(&conn), (4, 1, 1));
 
     let report = room.cleanup().unwrap();
@@ -378,35 +369,22 @@ fn a_retired_entry_whose_row_id_another_key_took_is_deleted() {
 /// rather than the other message.
 #[test]
 fn a_conflicts_stored_row_is_not_taken_from_a_reused_row_id() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("r.db");
-    let runs = Arc::new(AtomicU32::new(0));
-    let room = open(&db, &runs);
-    room.deliver("orders", msg("a", "a")).unwrap();
+    let Fixture {
+        room, conn, _dir, ..
+    } = fixture(&["a"]);
     let Outcome::Conflict { conflict_id } = room.deliver("orders", msg("a", "other")).unwrap()
     else {
         panic!("a conflict")
     };
-    let conn = raw(&db);
     let shown = postroom::admin::conflicts_show(&conn, conflict_id)
         .unwrap()
         .unwrap();
     assert_eq!(shown.stored.map(|s| s.message_id).as_deref(), Some("a"));
-    let old_id = count(
-        &conn,
-        "SELECT id FROM postroom_inbox WHERE message_id = 'a'",
-    );
+    let old_id = row_id(&conn, "a");
     conn.execute("DELETE FROM postroom_inbox WHERE message_id = 'a'", [])
         .unwrap();
     room.deliver("orders", msg("b", "b")).unwrap();
-    assert_eq!(
-        count(
-            &conn,
-            "SELECT id FROM postroom_inbox WHERE message_id = 'b'"
-        ),
-        old_id,
-        "b took a's row id"
-    );
+    assert_eq!(row_id(&conn, "b"), old_id, "b took a's row id");
     let shown = postroom::admin::conflicts_show(&conn, conflict_id)
         .unwrap()
         .unwrap();

@@ -67,17 +67,6 @@ fn stray_workers_left(max_batch: usize, workers: usize) -> usize {
     worker_threads() - before
 }
 
-fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
-    let end = std::time::Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(
-            std::time::Instant::now() < end,
-            "timed out waiting for {what}"
-        );
-        thread::sleep(Duration::from_millis(5));
-    }
-}
-
 #[test]
 fn stray_submitters_after_close_are_answered_not_blocked() {
     let _ = raw; // keep common's helpers linked

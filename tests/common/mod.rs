@@ -234,3 +234,16 @@ pub fn check_effects(
     }
     checked
 }
+
+/// Waits until `f` holds, polling every 5 ms; fails after `secs` seconds,
+/// naming `what`.
+pub fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while !f() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
