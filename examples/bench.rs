@@ -123,7 +123,12 @@
 //! * `notes`: the average group-commit size (jobs_committed /
 //!   batches_committed from `stats()`) for engine rows, and per row what
 //!   else it measured (commits per message, rows deleted per second, relay
-//!   latency from `deliver()` returning).
+//!   latency from `deliver()` returning). The `deliver …`, duplicate storm
+//!   and retention rows give the CPU used in their timed phase, in cores
+//!   (CPU seconds per wall second, out of `nproc`): the whole process
+//!   (user + system, the harness's callers included) and the engine's
+//!   writer thread alone. A writer near 1.0 is the serial limit; a process
+//!   well under `nproc` with a writer well under 1.0 is waiting on the disk.
 //!
 //! Below the notes, the goals of issue #6, judged on this run's figures:
 //! ratios to the floors, absolute bounds (judged only at full size), and
@@ -693,6 +698,9 @@ struct Run {
     messages: u64,
     elapsed: Duration,
     latencies: Vec<Duration>,
+    /// CPU the process, and the engine's writer thread, used in the phase
+    /// (the deliver rows).
+    cpu: Option<cpu::Used>,
 }
 
 #[derive(Default)]
@@ -751,6 +759,11 @@ struct Row {
     vs: Option<String>,
     ratio: Option<f64>,
     avg_group: Option<f64>,
+    /// CPU used over the timed phase, in cores (CPU seconds per second):
+    /// the whole process (the harness's callers included), and the
+    /// engine's writer thread alone. Deliver rows only.
+    cpu_cores: Option<f64>,
+    writer_cores: Option<f64>,
     batches_committed: Option<u64>,
     jobs_committed: Option<u64>,
     /// Commits per message, for queued rows (claims and completions).
@@ -784,6 +797,68 @@ mod mem {
     /// gets its own peak rather than the run's.
     pub fn reset_peak() -> bool {
         std::fs::write("/proc/self/clear_refs", "5").is_ok()
+    }
+}
+
+mod cpu {
+    use std::time::Duration;
+
+    /// /proc's clock ticks per second (`USER_HZ`, 100 on Linux whatever
+    /// the kernel's own tick rate).
+    const TICKS_PER_S: u64 = 100;
+    /// The writer thread's name, as /proc shows it (15 bytes at most).
+    const WRITER: &str = "postroom-writer";
+
+    /// CPU time used so far.
+    #[derive(Clone, Copy, Default)]
+    pub struct Used {
+        /// The whole process, threads that ended included.
+        pub process: Duration,
+        /// The engine's writer thread (its scheduler run time).
+        pub writer: Duration,
+    }
+
+    impl Used {
+        pub fn since(self, before: Used) -> Used {
+            Used {
+                process: self.process.saturating_sub(before.process),
+                writer: self.writer.saturating_sub(before.writer),
+            }
+        }
+
+        pub fn plus(self, other: Used) -> Used {
+            Used {
+                process: self.process + other.process,
+                writer: self.writer + other.writer,
+            }
+        }
+    }
+
+    /// User plus system time of the process (/proc/self/stat), and the run
+    /// time of the writer thread (/proc/self/task/*/schedstat, in ns).
+    /// `None` where /proc is missing or unreadable.
+    pub fn now() -> Option<Used> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // Fields after the command name, which is in parentheses and may
+        // hold spaces: utime and stime are the 12th and 13th.
+        let fields: Vec<&str> = stat[stat.rfind(')')? + 2..].split(' ').collect();
+        let ticks: u64 =
+            fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        let mut writer = Duration::ZERO;
+        for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            if comm.trim_end() == WRITER {
+                let schedstat =
+                    std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
+                if let Some(ns) = schedstat.split(' ').next().and_then(|n| n.parse().ok()) {
+                    writer += Duration::from_nanos(ns);
+                }
+            }
+        }
+        Some(Used {
+            process: Duration::from_millis(ticks * 1000 / TICKS_PER_S),
+            writer,
+        })
     }
 }
 
@@ -962,6 +1037,7 @@ mod floor {
             messages: i,
             elapsed: start.elapsed(),
             latencies,
+            cpu: None,
         })
     }
 
@@ -998,6 +1074,7 @@ mod floor {
             messages: i,
             elapsed: start.elapsed(),
             latencies,
+            cpu: None,
         })
     }
 
@@ -1058,6 +1135,7 @@ mod floor {
             messages: done,
             elapsed: start.elapsed(),
             latencies: Vec::new(),
+            cpu: None,
         })
     }
 }
@@ -1193,6 +1271,7 @@ mod engine {
             messages: i,
             elapsed: start.elapsed(),
             latencies,
+            cpu: None,
         })
     }
 
@@ -1261,6 +1340,7 @@ mod engine {
             messages: i,
             elapsed: start.elapsed(),
             latencies: after_call,
+            cpu: None,
         };
         Ok((run, after_return))
     }
@@ -1284,6 +1364,7 @@ mod engine {
             messages: i,
             elapsed: start.elapsed(),
             latencies,
+            cpu: None,
         })
     }
 
@@ -1330,6 +1411,7 @@ mod engine {
         progress: Option<&str>,
     ) -> Res<Run> {
         let next = AtomicU64::new(0);
+        let cpu_before = cpu::now();
         let start = Instant::now();
         let tenth = (count / 10).max(1);
         let per_caller = usize::try_from(count / callers as u64 + 1).unwrap_or(0);
@@ -1365,6 +1447,7 @@ mod engine {
                 .collect::<Vec<_>>()
         });
         let elapsed = start.elapsed();
+        let cpu = cpu_before.zip(cpu::now()).map(|(a, b)| b.since(a));
         let mut latencies = Vec::new();
         for lat in per_thread {
             latencies.extend(lat?);
@@ -1373,6 +1456,7 @@ mod engine {
             messages: latencies.len() as u64,
             elapsed,
             latencies,
+            cpu,
         })
     }
 
@@ -1803,6 +1887,7 @@ fn queued_drain(
         messages: done,
         elapsed,
         latencies: Vec::new(),
+        cpu: None,
     };
     if let Some(before) = before {
         let stats = room.stats()?;
@@ -1890,6 +1975,7 @@ fn relay_drain(
         messages: handed.min(total) - from.min(total),
         elapsed,
         latencies: Vec::new(),
+        cpu: None,
     };
     // stats() scans the inbox too: on a prefilled database, count the
     // outbox alone.
@@ -2003,6 +2089,7 @@ fn backlog(s: &Scenario, plan: &Plan, path: &Path, m: &mut Measured) -> Res<()> 
         messages: done,
         elapsed,
         latencies: Vec::new(),
+        cpu: None,
     };
     m.rise_kib = mem::status_kib("VmHWM")
         .zip(resident)
@@ -2026,6 +2113,10 @@ impl Measured {
         self.run.messages += pass.run.messages;
         self.run.elapsed += pass.run.elapsed;
         self.run.latencies.extend(pass.run.latencies);
+        self.run.cpu = match (self.run.cpu, pass.run.cpu) {
+            (Some(a), Some(b)) => Some(a.plus(b)),
+            (a, b) => a.or(b),
+        };
         self.after_return.extend(pass.after_return);
         self.deleted = match (self.deleted, pass.deleted) {
             (Some(a), Some(b)) => Some((a.0 + b.0, a.1 + b.1)),
@@ -2121,6 +2212,16 @@ fn row_of(s: &Scenario, mut m: Measured, peak: Option<u64>, delta: Option<i64>) 
             .group
             .filter(|&(b, _)| b > 0)
             .map(|(b, j)| j as f64 / b as f64),
+        cpu_cores: m
+            .run
+            .cpu
+            .filter(|_| secs > 0.0)
+            .map(|c| c.process.as_secs_f64() / secs),
+        writer_cores: m
+            .run
+            .cpu
+            .filter(|_| secs > 0.0)
+            .map(|c| c.writer.as_secs_f64() / secs),
         batches_committed: m.group.map(|g| g.0),
         jobs_committed: m.group.map(|g| g.1),
         commits_per_msg: m
@@ -2175,6 +2276,9 @@ fn row_notes(r: &Row) -> String {
             "group {g:.1} ({} commits{per})",
             thousands(r.batches_committed.unwrap_or(0))
         ));
+    }
+    if let (Some(all), Some(writer)) = (r.cpu_cores, r.writer_cores) {
+        parts.push(format!("CPU {all:.2} cores (writer {writer:.2})"));
     }
     if let (Some(n), Some(rate)) = (r.deleted_rows, r.deleted_per_s) {
         parts.push(format!(
