@@ -127,8 +127,8 @@
 //!   and retention rows give the CPU used in their timed phase, in cores
 //!   (CPU seconds per wall second, out of `nproc`): the whole process
 //!   (user + system, the harness's callers included) and the engine's
-//!   writer thread alone. A writer near 1.0 is the serial limit; a process
-//!   well under `nproc` with a writer well under 1.0 is waiting on the disk.
+//!   writer thread alone. A writer near 1.0 is the serial limit; below it,
+//!   the writer also waits: on its commits' fsyncs, or for callers' jobs.
 //!
 //! Below the notes, the goals of issue #6, judged on this run's figures:
 //! ratios to the floors, absolute bounds (judged only at full size), and
@@ -699,7 +699,7 @@ struct Run {
     elapsed: Duration,
     latencies: Vec<Duration>,
     /// CPU the process, and the engine's writer thread, used in the phase
-    /// (the deliver rows).
+    /// (the rows that deliver: `deliver …`, duplicate storm, retention).
     cpu: Option<cpu::Used>,
 }
 
@@ -761,7 +761,7 @@ struct Row {
     avg_group: Option<f64>,
     /// CPU used over the timed phase, in cores (CPU seconds per second):
     /// the whole process (the harness's callers included), and the
-    /// engine's writer thread alone. Deliver rows only.
+    /// engine's writer thread alone. Rows that deliver only.
     cpu_cores: Option<f64>,
     writer_cores: Option<f64>,
     batches_committed: Option<u64>,
@@ -814,22 +814,26 @@ mod cpu {
     pub struct Used {
         /// The whole process, threads that ended included.
         pub process: Duration,
-        /// The engine's writer thread (its scheduler run time).
-        pub writer: Duration,
+        /// The engine's writer thread (its scheduler run time); `None`
+        /// when no such thread (or no schedstat) was found.
+        pub writer: Option<Duration>,
     }
 
     impl Used {
         pub fn since(self, before: Used) -> Used {
             Used {
                 process: self.process.saturating_sub(before.process),
-                writer: self.writer.saturating_sub(before.writer),
+                writer: self
+                    .writer
+                    .zip(before.writer)
+                    .map(|(now, then)| now.saturating_sub(then)),
             }
         }
 
         pub fn plus(self, other: Used) -> Used {
             Used {
                 process: self.process + other.process,
-                writer: self.writer + other.writer,
+                writer: self.writer.zip(other.writer).map(|(a, b)| a + b),
             }
         }
     }
@@ -844,14 +848,14 @@ mod cpu {
         let fields: Vec<&str> = stat[stat.rfind(')')? + 2..].split(' ').collect();
         let ticks: u64 =
             fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-        let mut writer = Duration::ZERO;
+        let mut writer = None;
         for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
             let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
             if comm.trim_end() == WRITER {
                 let schedstat =
                     std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
                 if let Some(ns) = schedstat.split(' ').next().and_then(|n| n.parse().ok()) {
-                    writer += Duration::from_nanos(ns);
+                    *writer.get_or_insert(Duration::ZERO) += Duration::from_nanos(ns);
                 }
             }
         }
@@ -1347,6 +1351,7 @@ mod engine {
 
     /// One caller delivering fresh messages of `seed` until `stop` is set.
     pub fn deliver_until(room: &Postroom, seed: u64, stop: &AtomicBool) -> Res<Run> {
+        let cpu_before = cpu::now();
         let start = Instant::now();
         let mut latencies = Vec::new();
         let mut i = 0;
@@ -1360,11 +1365,12 @@ mod engine {
             }
             i += 1;
         }
+        let elapsed = start.elapsed();
         Ok(Run {
             messages: i,
-            elapsed: start.elapsed(),
+            elapsed,
             latencies,
-            cpu: None,
+            cpu: cpu_before.zip(cpu::now()).map(|(a, b)| b.since(a)),
         })
     }
 
@@ -2221,7 +2227,8 @@ fn row_of(s: &Scenario, mut m: Measured, peak: Option<u64>, delta: Option<i64>) 
             .run
             .cpu
             .filter(|_| secs > 0.0)
-            .map(|c| c.writer.as_secs_f64() / secs),
+            .and_then(|c| c.writer)
+            .map(|w| w.as_secs_f64() / secs),
         batches_committed: m.group.map(|g| g.0),
         jobs_committed: m.group.map(|g| g.1),
         commits_per_msg: m
@@ -2277,8 +2284,11 @@ fn row_notes(r: &Row) -> String {
             thousands(r.batches_committed.unwrap_or(0))
         ));
     }
-    if let (Some(all), Some(writer)) = (r.cpu_cores, r.writer_cores) {
-        parts.push(format!("CPU {all:.2} cores (writer {writer:.2})"));
+    if let Some(all) = r.cpu_cores {
+        let writer = r
+            .writer_cores
+            .map_or_else(String::new, |w| format!(" (writer {w:.2})"));
+        parts.push(format!("CPU {all:.2} cores{writer}"));
     }
     if let (Some(n), Some(rate)) = (r.deleted_rows, r.deleted_per_s) {
         parts.push(format!(
