@@ -108,6 +108,13 @@ pub enum Op {
         /// a pass cut short after its rows.
         keys: bool,
     },
+    /// A drain's read of the retired keys (`retired::read`), whose
+    /// deletions land only at the next [`Op::ApplyRetired`], other
+    /// operations in between: the race its "still retired" guard is for.
+    ReadRetired,
+    /// Deletes (and clears the notes of) what the last
+    /// [`Op::ReadRetired`] read; nothing if no read is pending.
+    ApplyRetired,
     /// The process dies between operations, then re-opens.
     CrashReopen,
 }
@@ -201,6 +208,9 @@ pub struct Machine {
     crashing: Arc<AtomicBool>,
     marker: Option<Inflight>,
     started_claim: Option<i64>,
+    /// What [`Op::ReadRetired`] read, until [`Op::ApplyRetired`]; kept
+    /// across a crash, as another process's stale read would be.
+    read_retired: Option<retired::Retired>,
     now_ms: i64,
     next_token: i64,
 }
@@ -252,6 +262,7 @@ impl Machine {
             crashing,
             marker: None,
             started_claim: None,
+            read_retired: None,
             now_ms: 1_000_000,
             next_token: 1,
         };
@@ -501,17 +512,32 @@ impl Machine {
             let m = RefCell::new(self);
             retired::drain(
                 || retired::read(m.borrow().conn()).map_err(err),
-                |batch| {
-                    m.borrow_mut()
-                        .in_tx(move |m| {
-                            retired::apply(m.conn(), &batch)
-                                .map_err(|e| crate::Error::sqlite("retired keys", e))
-                        })
-                        .map(Option::unwrap_or_default)
-                },
+                |batch| m.borrow_mut().write_retired(batch),
             )?;
         }
         Ok(rows)
+    }
+
+    /// The first half of a drain: reads the retired keys, for
+    /// [`Machine::apply_retired`] to delete later.
+    pub fn read_retired(&mut self) -> SimResult<()> {
+        self.read_retired = retired::read(self.conn()).map_err(err)?;
+        Ok(())
+    }
+
+    /// The second half: deletes the key entries the last read found (those
+    /// still retired) and clears its notes. Returns entries deleted.
+    pub fn apply_retired(&mut self) -> SimResult<u64> {
+        let mut read = self.read_retired.take();
+        retired::drain(|| Ok(read.take()), |batch| self.write_retired(batch))
+    }
+
+    /// One batch of a drain, in its own transaction.
+    fn write_retired(&mut self, batch: retired::Batch) -> SimResult<usize> {
+        self.in_tx(move |m| {
+            retired::apply(m.conn(), &batch).map_err(|e| crate::Error::sqlite("retired keys", e))
+        })
+        .map(Option::unwrap_or_default)
     }
 
     /// The process dies between operations and re-opens.
@@ -569,6 +595,8 @@ struct Model {
     /// Completed messages whose rows retention deleted and whose key
     /// entries a pass cut short left behind, with their payload variant.
     retired: BTreeMap<(String, String), u8>,
+    /// The retired keys when the pending [`Op::ReadRetired`] ran.
+    read_retired: Option<Vec<(String, String)>>,
     applied: BTreeMap<(String, String), u32>,
     created: u64,
 }
@@ -587,6 +615,9 @@ pub struct RunStats {
     pub conflicts: u64,
     /// Messages dead-lettered.
     pub dead: u64,
+    /// Retired keys a drain read and that were delivered anew (a live row
+    /// again) before its deletions landed: entries the guard had to keep.
+    pub stale_reads: u64,
 }
 
 impl Model {
@@ -976,6 +1007,26 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                 ));
             }
         }
+        Op::ReadRetired => {
+            m.read_retired()?;
+            model.read_retired = Some(model.retired.keys().cloned().collect());
+        }
+        Op::ApplyRetired => {
+            let real = m.apply_retired()?;
+            let mut expected = 0;
+            for key in model.read_retired.take().unwrap_or_default() {
+                if model.retired.remove(&key).is_some() {
+                    expected += 1;
+                } else if model.entries.contains_key(&key) {
+                    stats.stale_reads += 1;
+                }
+            }
+            if real != expected {
+                return Err(format!(
+                    "a split drain deleted {real} key entries, model expected {expected}"
+                ));
+            }
+        }
         Op::CrashReopen => {
             stats.crashes += 1;
             m.crash_reopen()?;
@@ -1113,9 +1164,11 @@ fn op(c: &mut dyn Choices) -> Op {
             limit: 1 + c.below(4) as u8,
             plans: (0..1 + c.below(3)).map(|_| plan(c)).collect(),
         },
-        65..=79 => Op::Advance {
+        65..=75 => Op::Advance {
             ms: [10, 60, 150, 400, 1_500][c.below(5) as usize],
         },
+        76..=77 => Op::ReadRetired,
+        78..=79 => Op::ApplyRetired,
         80..=83 => Op::Reap,
         84..=91 => Op::Relay {
             fail_every: c.below(4) as u8,
