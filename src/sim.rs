@@ -15,7 +15,7 @@
 //! form runs as an ordinary test; `fuzz/` feeds `run_bytes` to libFuzzer.
 
 use std::cell::RefCell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -595,8 +595,14 @@ struct Model {
     /// Completed messages whose rows retention deleted and whose key
     /// entries a pass cut short left behind, with their payload variant.
     retired: BTreeMap<(String, String), u8>,
-    /// The retired keys when the pending [`Op::ReadRetired`] ran.
-    read_retired: Option<Vec<(String, String)>>,
+    /// The notes of `postroom_retired_keys`, in `seq` order: one per
+    /// completed row retention deleted, until a drain clears it. A note
+    /// outlives its key's retirement when the key is delivered anew.
+    notes: Vec<(u64, (String, String))>,
+    next_note: u64,
+    /// What the pending [`Op::ReadRetired`] read: the noted keys, and the
+    /// last note's `seq` (what its clear goes up to).
+    read_retired: Option<(BTreeSet<(String, String)>, u64)>,
     applied: BTreeMap<(String, String), u32>,
     created: u64,
 }
@@ -615,9 +621,9 @@ pub struct RunStats {
     pub conflicts: u64,
     /// Messages dead-lettered.
     pub dead: u64,
-    /// Retired keys a drain read and that were delivered anew (a live row
-    /// again) before its deletions landed: entries the guard had to keep.
-    pub stale_reads: u64,
+    /// Keys a split drain read that had an inbox row again (delivered
+    /// anew) when its deletions landed: their entries stayed.
+    pub live_at_apply: u64,
 }
 
 impl Model {
@@ -987,17 +993,21 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
         Op::Cleanup { retention_ms, keys } => {
             let cutoff = now - i64::from(*retention_ms);
             let before = model.entries.len();
-            let retired = &mut model.retired;
+            let (retired, notes) = (&mut model.retired, &mut model.notes);
+            let next_note = &mut model.next_note;
             model.entries.retain(|key, e| {
                 let expired =
                     e.status == Status::Completed && e.processed_at.is_some_and(|at| at < cutoff);
                 if expired {
                     retired.insert(key.clone(), e.variant);
+                    *next_note += 1;
+                    notes.push((*next_note, key.clone()));
                 }
                 !expired
             });
             if *keys {
                 retired.clear();
+                notes.clear();
             }
             let n = m.cleanup(*retention_ms, *keys)?;
             if n != before - model.entries.len() {
@@ -1009,17 +1019,23 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
         }
         Op::ReadRetired => {
             m.read_retired()?;
-            model.read_retired = Some(model.retired.keys().cloned().collect());
+            model.read_retired = model.notes.last().map(|&(last, _)| {
+                let keys = model.notes.iter().map(|(_, key)| key.clone()).collect();
+                (keys, last)
+            });
         }
         Op::ApplyRetired => {
             let real = m.apply_retired()?;
             let mut expected = 0;
-            for key in model.read_retired.take().unwrap_or_default() {
-                if model.retired.remove(&key).is_some() {
-                    expected += 1;
-                } else if model.entries.contains_key(&key) {
-                    stats.stale_reads += 1;
+            if let Some((keys, last)) = model.read_retired.take() {
+                for key in keys {
+                    if model.retired.remove(&key).is_some() {
+                        expected += 1;
+                    } else if model.entries.contains_key(&key) {
+                        stats.live_at_apply += 1;
+                    }
                 }
+                model.notes.retain(|&(seq, _)| seq > last);
             }
             if real != expected {
                 return Err(format!(

@@ -1,8 +1,8 @@
 //! Model-based test: seeded sequences of deliver / receive / duplicate /
 //! conflicting payload / handler fail, reject, panic, crash / crash and
-//! re-open / clock / reap / relay / cleanup (also a drain split around other
-//! operations), each step checked against a
-//! reference model (`postroom::sim`). Needs `--features sim`.
+//! re-open / clock / reap / relay / cleanup / a drain split around other
+//! operations, each step checked against a reference model
+//! (`postroom::sim`). Needs `--features sim`.
 //!
 //! `POSTROOM_MODEL_SEQUENCES` (default 2000) and `POSTROOM_MODEL_LEN`
 //! (default 40) size the run; `POSTROOM_SEED` replays one sequence.
@@ -46,7 +46,7 @@ fn seeded_sequences_match_the_model() {
                 crashes += stats.crashes;
                 conflicts += stats.conflicts;
                 dead += stats.dead;
-                stale += stats.stale_reads;
+                stale += stats.live_at_apply;
             }
             Err(e) => panic!("POSTROOM_SEED={seed} POSTROOM_MODEL_LEN={len}: {e}"),
         }
@@ -66,7 +66,9 @@ fn seeded_sequences_match_the_model() {
 /// A drain reads a retired key; the key is delivered again with another
 /// payload (a live row) before the drain's deletions land: the entry now
 /// belongs to the live row and must stay. Fails if the deletion does not
-/// check for a row of its key at the entry's `inbox_id`.
+/// check for an inbox row at the entry's `inbox_id` (here the new row takes
+/// the old id; `a_retired_entry_whose_row_id_another_key_took_is_deleted`
+/// in tests/retention.rs covers an id another key took).
 #[test]
 fn a_key_delivered_anew_after_a_drains_read_keeps_its_entry() {
     use sim::{Op, Plan};
@@ -94,7 +96,47 @@ fn a_key_delivered_anew_after_a_drains_read_keeps_its_entry() {
     let dir = tempfile::tempdir().unwrap();
     let stats = sim::run(dir.path(), &ops).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(stats.processed, 2, "the first delivery and the new one ran");
-    assert_eq!(stats.stale_reads, 1, "the race happened");
+    assert_eq!(stats.live_at_apply, 1, "the race happened");
+}
+
+/// A drain reads a note its key has outlived (the key was delivered anew);
+/// before the deletions land, the key retires again. Its entry is retired
+/// now, so the deletion takes it, and the note the second retirement wrote
+/// (after the read) stays for the next drain.
+#[test]
+fn a_stale_note_read_before_its_key_retires_again_deletes_the_entry() {
+    use sim::{Op, Plan};
+    let deliver = |variant| Op::Deliver {
+        consumer: 0,
+        id: 1,
+        variant,
+        plan: Plan::Ok,
+    };
+    let cut_short = Op::Cleanup {
+        retention_ms: 0,
+        keys: false,
+    };
+    let ops = [
+        deliver(0),
+        Op::Advance { ms: 10 },
+        cut_short.clone(),
+        // Delivered anew: its first note is stale from here on.
+        deliver(1),
+        Op::ReadRetired,
+        Op::Advance { ms: 10 },
+        cut_short,
+        Op::ApplyRetired,
+        // The entry is gone: the same payload is new again.
+        deliver(1),
+        Op::Advance { ms: 10 },
+        Op::Cleanup {
+            retention_ms: 0,
+            keys: true,
+        },
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let stats = sim::run(dir.path(), &ops).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(stats.processed, 3);
 }
 
 /// A drain reads the retired keys; another key is retired after the read.
