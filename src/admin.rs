@@ -35,7 +35,7 @@ use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rusqlite::{
-    params, Connection, OpenFlags, OptionalExtension, Transaction, TransactionBehavior,
+    params, Connection, ErrorCode, OpenFlags, OptionalExtension, Transaction, TransactionBehavior,
 };
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
@@ -193,19 +193,51 @@ fn snapshot<T>(conn: &Connection, f: impl FnOnce() -> Result<T>) -> Result<T> {
     Ok(out)
 }
 
+/// How often a mutation tries again for the write lock while another
+/// writer holds it. SQLite's own busy handler backs off to 100 ms between
+/// tries, and an engine that commits back to back leaves the lock free only
+/// for moments in between: against one thread delivering in a loop (debug
+/// build), `BEGIN IMMEDIATE` waited up to 3.3 s of its 5 s that way, and at
+/// most 50 ms trying every millisecond. A CLI write that timed out so hung
+/// a CI run (its test, since fixed, waited for a load thread it never
+/// stopped).
+const WRITE_LOCK_RETRY: Duration = Duration::from_millis(1);
+
 /// Runs `f` in its own `BEGIN IMMEDIATE` transaction: it waits (up to the
-/// busy timeout) for the engine's writer, then holds the write lock only
-/// for `f`. Rolled back when `f` fails.
+/// busy timeout, trying every [`WRITE_LOCK_RETRY`]) for the engine's
+/// writer, then holds the write lock only for `f`. Rolled back when `f`
+/// fails.
 fn write<T>(
     conn: &Connection,
     op: &'static str,
     f: impl FnOnce(&Connection) -> rusqlite::Result<T>,
 ) -> Result<T> {
-    let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)
-        .map_err(|e| Error::sqlite(op, e))?;
+    let tx = begin_immediate(conn).map_err(|e| Error::sqlite(op, e))?;
     let out = f(&tx).map_err(|e| Error::sqlite(op, e))?;
     tx.commit().map_err(|e| Error::sqlite(op, e))?;
     Ok(out)
+}
+
+/// `BEGIN IMMEDIATE`, tried every [`WRITE_LOCK_RETRY`] until the
+/// connection's busy timeout has passed; the timeout is set back after.
+fn begin_immediate(conn: &Connection) -> rusqlite::Result<Transaction<'_>> {
+    let timeout_ms: i64 = conn.pragma_query_value(None, "busy_timeout", |r| r.get(0))?;
+    let timeout = Duration::from_millis(u64::try_from(timeout_ms).unwrap_or(0));
+    let deadline = Instant::now() + timeout;
+    conn.busy_timeout(Duration::ZERO)?;
+    let begun = loop {
+        match Transaction::new_unchecked(conn, TransactionBehavior::Immediate) {
+            Err(e)
+                if e.sqlite_error_code() == Some(ErrorCode::DatabaseBusy)
+                    && Instant::now() < deadline =>
+            {
+                std::thread::sleep(WRITE_LOCK_RETRY)
+            }
+            begun => break begun,
+        }
+    };
+    conn.busy_timeout(timeout)?;
+    begun
 }
 
 fn sql(op: &'static str) -> impl Fn(rusqlite::Error) -> Error {

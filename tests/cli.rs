@@ -3,6 +3,8 @@
 //! every bad-file case, mutations the engine then acts on, and a run while
 //! the engine still has the database open.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -451,10 +453,13 @@ fn redrive_while_the_engine_runs_is_processed_by_its_workers() {
             }
             n
         });
+        // A CLI write that timed out under this load once hung a CI run
+        // here: the failed assertion never stopped the load.
+        let stopping = common::SetOnDrop(&stop);
         let run = cli_ok(&path, &["dead", "redrive", &id.to_string(), "--json"], 0).json();
         let cleanup = cli_ok(&path, &["cleanup", "--retention-secs", "3600", "--json"], 0).json();
         assert_eq!(cleanup["inbox_deleted"], 0);
-        stop.store(true, Ordering::SeqCst);
+        drop(stopping);
         (run, load.join().unwrap())
     });
     assert_eq!(run["done"], true);

@@ -471,9 +471,9 @@ fn retention_deletes_old_rows_without_stalling_deliveries() {
     let stop = std::sync::atomic::AtomicBool::new(false);
     let (during, report, took) = thread::scope(|s| {
         let cleaner = s.spawn(|| {
+            let _stop = SetOnDrop(&stop);
             let started = Instant::now();
             let report = room.cleanup().unwrap();
-            stop.store(true, Ordering::SeqCst);
             (report, started.elapsed())
         });
         let during = deliver_for(&|_| stop.load(Ordering::SeqCst));

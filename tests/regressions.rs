@@ -239,3 +239,51 @@ mod redrive_order {
         );
     }
 }
+
+/// An operator's write (`admin::cleanup`, as `postroom cleanup` runs it)
+/// while the application delivers back to back. SQLite's own busy handler
+/// tries for the write lock at intervals growing to 100 ms and can miss
+/// every moment the engine's writer leaves it free: an outside `BEGIN
+/// IMMEDIATE` waited up to 3.3 s that way, and a CLI write in tests/cli.rs
+/// timed out in a CI run. With a 1 s busy timeout, every one of 20 writes
+/// must get through.
+#[test]
+fn admin_writes_get_the_lock_while_the_engine_commits_back_to_back() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("busy.db");
+    let room = fast().consumer("c", handler_fn(apply)).open(&path).unwrap();
+    create_domain(&room);
+    let stop = AtomicBool::new(false);
+    let delivered = AtomicU64::new(0);
+    thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::SeqCst) {
+                let n = delivered.load(Ordering::SeqCst);
+                let msg = Message::new("load", format!("l-{n}"), "x");
+                room.deliver("c", msg).unwrap();
+                delivered.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        let _stop = SetOnDrop(&stop);
+        eventually(10, "the load to run", || {
+            delivered.load(Ordering::SeqCst) >= 50
+        });
+        let conn = postroom::admin::open_with_timeout(&path, true, Duration::from_secs(1)).unwrap();
+        for i in 0..20 {
+            let before = delivered.load(Ordering::SeqCst);
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis() as i64;
+            if let Err(e) = postroom::admin::cleanup(&conn, now, Duration::from_secs(3600), false) {
+                panic!("write {i} while the engine delivers: {e}");
+            }
+            // The engine kept delivering: the write shared the lock.
+            eventually(10, "the load to go on", || {
+                delivered.load(Ordering::SeqCst) > before + 10
+            });
+        }
+    });
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}

@@ -247,3 +247,14 @@ pub fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
+
+/// Sets the flag when dropped: a thread that loops until it is set stops
+/// however the code holding this ends, a failed assertion included, so the
+/// failure fails the test instead of leaving a scope waiting forever.
+pub struct SetOnDrop<'a>(pub &'a std::sync::atomic::AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
