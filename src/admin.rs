@@ -219,10 +219,15 @@ fn write<T>(
 }
 
 /// `BEGIN IMMEDIATE`, tried every [`WRITE_LOCK_RETRY`] until the
-/// connection's busy timeout has passed; the timeout is set back after.
+/// connection's busy timeout has passed; the timeout is set back after. A
+/// connection without one (none set, or a busy handler of the caller's
+/// own, which reads as 0) is left as it is: one try, through its handler.
 fn begin_immediate(conn: &Connection) -> rusqlite::Result<Transaction<'_>> {
     let timeout_ms: i64 = conn.pragma_query_value(None, "busy_timeout", |r| r.get(0))?;
     let timeout = Duration::from_millis(u64::try_from(timeout_ms).unwrap_or(0));
+    if timeout.is_zero() {
+        return Transaction::new_unchecked(conn, TransactionBehavior::Immediate);
+    }
     let deadline = Instant::now() + timeout;
     conn.busy_timeout(Duration::ZERO)?;
     let begun = loop {

@@ -272,10 +272,7 @@ fn admin_writes_get_the_lock_while_the_engine_commits_back_to_back() {
         let conn = postroom::admin::open_with_timeout(&path, true, Duration::from_secs(1)).unwrap();
         for i in 0..20 {
             let before = delivered.load(Ordering::SeqCst);
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_millis() as i64;
+            let now = postroom::admin::now_ms();
             if let Err(e) = postroom::admin::cleanup(&conn, now, Duration::from_secs(3600), false) {
                 panic!("write {i} while the engine delivers: {e}");
             }
