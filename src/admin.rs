@@ -198,9 +198,7 @@ fn snapshot<T>(conn: &Connection, f: impl FnOnce() -> Result<T>) -> Result<T> {
 /// tries, and an engine that commits back to back leaves the lock free only
 /// for moments in between: against one thread delivering in a loop (debug
 /// build), `BEGIN IMMEDIATE` waited up to 3.3 s of its 5 s that way, and at
-/// most 50 ms trying every millisecond. A CLI write that timed out so hung
-/// a CI run (its test, since fixed, waited for a load thread it never
-/// stopped).
+/// most 50 ms trying every millisecond.
 const WRITE_LOCK_RETRY: Duration = Duration::from_millis(1);
 
 /// Runs `f` in its own `BEGIN IMMEDIATE` transaction: it waits (up to the
