@@ -219,7 +219,7 @@ fn a_handler_that_aborts_the_process_is_dead_lettered_after_max_attempts() {
     for run in 0..10 {
         let mut child = spawn_child("crash-loop", &db, &[]);
         let lines = lines_of(&mut child);
-        let status = child.wait().unwrap();
+        let status = wait_or_kill(&mut child, 120, "crash-loop child");
         let said: Vec<String> = lines.iter().collect();
         if status.success() {
             finished = Some(said);

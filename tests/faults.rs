@@ -156,20 +156,14 @@ fn run_cell(cell: &Cell) -> (Checked, Checked, String) {
             .collect::<Vec<String>>()
     });
     // A hung child is a failure too: give it a minute, then kill and fail.
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > Duration::from_secs(60) {
-            child.kill().unwrap();
-            panic!(
-                "{}={}@{} seed {}: child hung",
-                cell.failpoint, cell.action, cell.nth, cell.seed
-            );
-        }
-        thread::sleep(Duration::from_millis(5));
-    };
+    let status = wait_or_kill(
+        &mut child,
+        60,
+        &format!(
+            "{}={}@{} seed {}",
+            cell.failpoint, cell.action, cell.nth, cell.seed
+        ),
+    );
     let lines = reader.join().unwrap();
     let how = match status.signal() {
         Some(6) => "aborted".to_string(),
@@ -195,11 +189,16 @@ fn run_cell(cell: &Cell) -> (Checked, Checked, String) {
     // Recovery: re-open both, redeliver everything sent, let it all drain.
     let b = open_b(&b_path(&db)).expect("B re-opens");
     let a = open_a(&db, &b).expect("A re-opens");
+    let deadline = Instant::now() + Duration::from_secs(60);
     for id in &sent[0] {
         loop {
             match a.deliver("inline", Message::new("s", id.clone(), id.clone())) {
                 Ok(o) if o.should_ack() => break,
-                Ok(_) => thread::sleep(Duration::from_millis(2)),
+                // A row stuck after recovery must fail the cell, not hang it.
+                Ok(o) => {
+                    assert!(Instant::now() < deadline, "{id} never ackable: {o:?}");
+                    thread::sleep(Duration::from_millis(2))
+                }
                 Err(e) => panic!("redelivery of {id}: {e}"),
             }
         }

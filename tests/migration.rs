@@ -294,7 +294,7 @@ fn a_process_killed_mid_migration_leaves_the_version_1_file_as_it_was() {
         &db,
         &[("POSTROOM_FAILPOINTS", "schema.migrate=abort@1".to_string())],
     );
-    let status = child.wait().unwrap();
+    let status = wait_or_kill(&mut child, 120, "child dying mid-migration");
     assert!(!status.success(), "the child was to die mid-migration");
 
     let conn = raw(&db);

@@ -244,7 +244,14 @@ fn two_services_chained_through_inbox_sinks_apply_each_effect_once() {
         let a = Arc::clone(&a);
         thread::spawn(move || {
             let mut sink = InboxSink::new(a, "acceptances").inline();
+            // Until B's relay has been quiet for 2 s; one that never goes
+            // quiet fails the test rather than hanging it.
+            let deadline = std::time::Instant::now() + Duration::from_secs(120);
             while let Ok(m) = b_rx.recv_timeout(Duration::from_secs(2)) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "B's relay never went quiet"
+                );
                 // Re-send everything twice: at-least-once on this hop too.
                 for _ in 0..2 {
                     let r = postroom::Sink::send(&mut sink, std::slice::from_ref(&m));

@@ -311,7 +311,7 @@ fn a_pass_killed_mid_drain_is_finished_by_the_next() {
                 format!("reaper.retired_keys=abort@{abort_at}"),
             )],
         );
-        let status = child.wait().unwrap();
+        let status = wait_or_kill(&mut child, 300, "child dying mid-pass");
         assert!(!status.success(), "the child was to die mid-pass");
         assert_eq!(
             count(&conn, "SELECT count(*) FROM postroom_inbox"),

@@ -258,3 +258,20 @@ impl Drop for SetOnDrop<'_> {
         self.0.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 }
+
+/// Waits for `child` to exit. One still running after `secs` seconds is
+/// killed and the test fails, naming `what`, instead of waiting forever.
+pub fn wait_or_kill(child: &mut Child, secs: u64, what: &str) -> std::process::ExitStatus {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        if let Some(status) = child.try_wait().expect("wait for child") {
+            return status;
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what}: the child still ran after {secs} s; killed");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
