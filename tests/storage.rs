@@ -49,14 +49,34 @@ fn child_main() {
     }
 }
 
+/// Waits for the child to print `wanted`; a child that ends first, or
+/// says nothing for two minutes (killed then), fails the test.
 fn wait_line(child: &mut std::process::Child, wanted: &str) {
     let out = child.stdout.take().unwrap();
-    let mut lines = BufReader::new(out).lines();
-    loop {
-        match lines.next() {
-            Some(Ok(line)) if line == wanted => return,
-            Some(Ok(_)) => continue,
-            other => panic!("child ended before {wanted:?}: {other:?}"),
+    let (tx, rx) = std::sync::mpsc::channel();
+    let expected = wanted.to_owned();
+    thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            match line {
+                Ok(line) if line == expected => {
+                    let _ = tx.send(Ok(()));
+                    return;
+                }
+                Ok(_) => continue,
+                Err(e) => {
+                    let _ = tx.send(Err(e.to_string()));
+                    return;
+                }
+            }
+        }
+        let _ = tx.send(Err("end of output".to_owned()));
+    });
+    match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => panic!("child ended before {wanted:?}: {e}"),
+        Err(_) => {
+            let _ = child.kill();
+            panic!("no {wanted:?} from the child in 120 s; killed");
         }
     }
 }

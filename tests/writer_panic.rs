@@ -72,10 +72,10 @@ fn a_caller_told_closed_is_not_committed_later() {
     countdown.store(1, SeqCst);
     let r = Arc::clone(&room);
     let victim = thread::spawn(move || r.transaction(|_| Ok(())));
-    t1.join().unwrap().unwrap();
+    join_within(t1, 60, "the slow leader").unwrap();
     eprintln!(
         "job the writer thread panicked in: {:?}",
-        victim.join().unwrap()
+        join_within(victim, 60, "the caller queued behind it")
     );
 
     // 2. A caller that finds the lock taken queues, and is told Closed.
@@ -90,7 +90,7 @@ fn a_caller_told_closed_is_not_committed_later() {
         Ok(())
     });
     eprintln!("queued caller told {told:?} after {:?}", started.elapsed());
-    t4.join().unwrap().unwrap();
+    join_within(t4, 60, "the second slow leader").unwrap();
 
     // 3. The engine still takes work from callers that lead...
     let later = room.transaction(|_| Ok(()));
@@ -146,9 +146,9 @@ fn duplicate_is_not_answered_from_an_uncommitted_batch() {
     // m1's job reads the clock first (call 1), t3's job second (call 2: panic).
     countdown.store(2, SeqCst);
 
-    t1.join().unwrap().unwrap();
-    let first = t2.join().unwrap();
-    let third = t3.join().unwrap();
+    join_within(t1, 60, "the slow leader").unwrap();
+    let first = join_within(t2, 60, "m1's first delivery");
+    let third = join_within(t3, 60, "t3");
     eprintln!("first delivery of m1: {first:?}; t3: {third:?}");
     assert!(
         first.is_err(),

@@ -275,3 +275,18 @@ pub fn wait_or_kill(child: &mut Child, secs: u64, what: &str) -> std::process::E
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
+
+/// Joins `thread`, failing the test (naming `what`) if it has not finished
+/// within `secs` seconds, instead of waiting forever for a call that never
+/// returns.
+pub fn join_within<T>(thread: std::thread::JoinHandle<T>, secs: u64, what: &str) -> T {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while !thread.is_finished() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: still running after {secs} s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    thread.join().expect("the thread panicked")
+}
