@@ -810,7 +810,7 @@ mod cpu {
     const WRITER: &str = "postroom-writer";
 
     /// CPU time used so far.
-    #[derive(Clone, Copy, Default)]
+    #[derive(Clone, Copy)]
     pub struct Used {
         /// The whole process, threads that ended included.
         pub process: Duration,

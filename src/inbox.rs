@@ -121,6 +121,17 @@ enum Entry {
     Retired,
 }
 
+impl Entry {
+    /// What the callers see: a retired entry is no message, as after its
+    /// deletion.
+    fn found(self) -> Option<Found> {
+        match self {
+            Entry::Found(found) => Some(found),
+            Entry::None | Entry::Retired => None,
+        }
+    }
+}
+
 /// Finds the message stored under `key`: one descent into the key table,
 /// and a read of the row by id unless that answers it. A retired entry
 /// met with another payload is `None`, as after its deletion.
@@ -129,10 +140,7 @@ pub(crate) fn find(
     key: Key<'_>,
     hash: &[u8; 32],
 ) -> rusqlite::Result<Option<Found>> {
-    Ok(match lookup(conn, key, hash)? {
-        Entry::Found(found) => Some(found),
-        Entry::None | Entry::Retired => None,
-    })
+    Ok(lookup(conn, key, hash)?.found())
 }
 
 /// [`find`] for a write transaction about to store the message if it is
@@ -143,18 +151,15 @@ pub(crate) fn find_live(
     key: Key<'_>,
     hash: &[u8; 32],
 ) -> rusqlite::Result<Option<Found>> {
-    Ok(match lookup(conn, key, hash)? {
-        Entry::Found(found) => Some(found),
-        Entry::None => None,
-        Entry::Retired => {
-            conn.prepare_cached(
-                "DELETE FROM postroom_inbox_keys
-                 WHERE consumer = ?1 AND source = ?2 AND message_id = ?3 AND completed = 1",
-            )?
-            .execute(params![key.consumer, key.source, key.message_id])?;
-            None
-        }
-    })
+    let entry = lookup(conn, key, hash)?;
+    if let Entry::Retired = entry {
+        conn.prepare_cached(
+            "DELETE FROM postroom_inbox_keys
+             WHERE consumer = ?1 AND source = ?2 AND message_id = ?3 AND completed = 1",
+        )?
+        .execute(params![key.consumer, key.source, key.message_id])?;
+    }
+    Ok(entry.found())
 }
 
 fn lookup(conn: &Connection, key: Key<'_>, hash: &[u8; 32]) -> rusqlite::Result<Entry> {

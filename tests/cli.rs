@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use postroom::{
     handler_fn, sink_fn, Durability, Failure, ManualClock, Message, OutboxMessage, Outcome,
@@ -17,6 +17,8 @@ use postroom::{
 };
 use rusqlite::{params, Connection};
 use serde_json::Value;
+
+use common::{count, eventually, raw, SetOnDrop};
 
 const BIN: &str = env!("CARGO_BIN_EXE_postroom");
 
@@ -58,27 +60,6 @@ fn cli_ok(db: &Path, args: &[&str], code: i32) -> Run {
         run.code, run.stdout, run.stderr
     );
     run
-}
-
-fn raw(path: &Path) -> Connection {
-    let conn = Connection::open(path).unwrap();
-    conn.busy_timeout(Duration::from_secs(10)).unwrap();
-    conn
-}
-
-fn count(conn: &Connection, sql: &str) -> i64 {
-    conn.query_row(sql, [], |r| r.get(0)).unwrap()
-}
-
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn create_domain(room: &Postroom) {
@@ -167,7 +148,7 @@ fn populated(dir: &Path) -> PathBuf {
         )
         .unwrap();
     assert!(matches!(outcome, Outcome::Conflict { .. }), "{outcome:?}");
-    eventually("the relay to settle the outbox", || {
+    eventually(20, "the relay to settle the outbox", || {
         let s = room.stats().unwrap();
         s.outbox.pending == 0 && s.outbox.sent == 2 && s.outbox.dead == 1
     });
@@ -455,7 +436,7 @@ fn redrive_while_the_engine_runs_is_processed_by_its_workers() {
         });
         // A CLI write that timed out under this load once hung a CI run
         // here: the failed assertion never stopped the load.
-        let stopping = common::SetOnDrop(&stop);
+        let stopping = SetOnDrop(&stop);
         let run = cli_ok(&path, &["dead", "redrive", &id.to_string(), "--json"], 0).json();
         let cleanup = cli_ok(&path, &["cleanup", "--retention-secs", "3600", "--json"], 0).json();
         assert_eq!(cleanup["inbox_deleted"], 0);
@@ -464,9 +445,11 @@ fn redrive_while_the_engine_runs_is_processed_by_its_workers() {
     });
     assert_eq!(run["done"], true);
     assert_eq!(run["table"], "inbox");
-    eventually("the engine's workers to process the redriven row", || {
-        room.stats().unwrap().inbox["orders"].completed == 2 + delivered
-    });
+    eventually(
+        20,
+        "the engine's workers to process the redriven row",
+        || room.stats().unwrap().inbox["orders"].completed == 2 + delivered,
+    );
     let conn = raw(&path);
     assert_eq!(
         count(
@@ -577,7 +560,7 @@ fn an_outbox_redrive_is_sent_by_the_engines_relay() {
         .open(&db)
         .unwrap();
     assert_eq!(rx.recv_timeout(Duration::from_secs(20)).unwrap(), "refused");
-    eventually("the redriven row to be marked sent", || {
+    eventually(20, "the redriven row to be marked sent", || {
         room.stats().unwrap().outbox.sent == 3
     });
     room.shutdown(Duration::from_secs(10)).unwrap();
@@ -644,7 +627,7 @@ fn cleanup_dry_run_counts_and_the_real_run_deletes_only_expired_rows_in_batches(
     }
     room.deliver("strict", Message::new("shop", "old-dead", "x"))
         .unwrap();
-    eventually("old outbox rows sent", || {
+    eventually(20, "old outbox rows sent", || {
         room.stats().unwrap().outbox.sent == 300
     });
     clock.set(now);
@@ -652,7 +635,7 @@ fn cleanup_dry_run_counts_and_the_real_run_deletes_only_expired_rows_in_batches(
         room.deliver("orders", Message::new("shop", format!("new-{i}"), "x"))
             .unwrap();
     }
-    eventually("new outbox rows sent", || {
+    eventually(20, "new outbox rows sent", || {
         room.stats().unwrap().outbox.sent == 302
     });
     room.shutdown(Duration::from_secs(10)).unwrap();

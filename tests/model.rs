@@ -7,7 +7,7 @@
 //! `POSTROOM_MODEL_SEQUENCES` (default 2000) and `POSTROOM_MODEL_LEN`
 //! (default 40) size the run; `POSTROOM_SEED` replays one sequence.
 
-use postroom::sim;
+use postroom::sim::{self, Op, Plan};
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -63,6 +63,32 @@ fn seeded_sequences_match_the_model() {
     );
 }
 
+/// Inline delivery of message `id`, payload `variant`, that succeeds.
+fn deliver(id: u8, variant: u8) -> Op {
+    Op::Deliver {
+        consumer: 0,
+        id,
+        variant,
+        plan: Plan::Ok,
+    }
+}
+
+/// Retention with a zero horizon, past every row processed before: a pass
+/// that deletes its key entries (`keys`), or one cut short after the rows
+/// (their keys retired, the entries kept).
+fn cleanup(keys: bool) -> Op {
+    Op::Cleanup {
+        retention_ms: 0,
+        keys,
+    }
+}
+
+/// Runs a fixed sequence, every step checked against the model.
+fn run_fixed(ops: &[Op]) -> sim::RunStats {
+    let dir = tempfile::tempdir().unwrap();
+    sim::run(dir.path(), ops).unwrap_or_else(|e| panic!("{e}"))
+}
+
 /// A drain reads a retired key; the key is delivered again with another
 /// payload (a live row) before the drain's deletions land: the entry now
 /// belongs to the live row and must stay. Fails if the deletion does not
@@ -71,30 +97,17 @@ fn seeded_sequences_match_the_model() {
 /// in tests/retention.rs covers an id another key took).
 #[test]
 fn a_key_delivered_anew_after_a_drains_read_keeps_its_entry() {
-    use sim::{Op, Plan};
-    let deliver = |variant| Op::Deliver {
-        consumer: 0,
-        id: 1,
-        variant,
-        plan: Plan::Ok,
-    };
-    let ops = [
-        deliver(0),
+    let stats = run_fixed(&[
+        deliver(1, 0),
         Op::Advance { ms: 10 },
-        // Cut short after the rows: the key is retired, its entry kept.
-        Op::Cleanup {
-            retention_ms: 0,
-            keys: false,
-        },
+        cleanup(false),
         Op::ReadRetired,
         // Another payload under a retired key is a new message.
-        deliver(1),
+        deliver(1, 1),
         Op::ApplyRetired,
         // Its row is still there, and the same payload is a duplicate.
-        deliver(1),
-    ];
-    let dir = tempfile::tempdir().unwrap();
-    let stats = sim::run(dir.path(), &ops).unwrap_or_else(|e| panic!("{e}"));
+        deliver(1, 1),
+    ]);
     assert_eq!(stats.processed, 2, "the first delivery and the new one ran");
     assert_eq!(stats.live_at_apply, 1, "the race happened");
 }
@@ -105,37 +118,21 @@ fn a_key_delivered_anew_after_a_drains_read_keeps_its_entry() {
 /// (after the read) stays for the next drain.
 #[test]
 fn a_stale_note_read_before_its_key_retires_again_deletes_the_entry() {
-    use sim::{Op, Plan};
-    let deliver = |variant| Op::Deliver {
-        consumer: 0,
-        id: 1,
-        variant,
-        plan: Plan::Ok,
-    };
-    let cut_short = Op::Cleanup {
-        retention_ms: 0,
-        keys: false,
-    };
-    let ops = [
-        deliver(0),
+    let stats = run_fixed(&[
+        deliver(1, 0),
         Op::Advance { ms: 10 },
-        cut_short.clone(),
+        cleanup(false),
         // Delivered anew: its first note is stale from here on.
-        deliver(1),
+        deliver(1, 1),
         Op::ReadRetired,
         Op::Advance { ms: 10 },
-        cut_short,
+        cleanup(false),
         Op::ApplyRetired,
         // The entry is gone: the same payload is new again.
-        deliver(1),
+        deliver(1, 1),
         Op::Advance { ms: 10 },
-        Op::Cleanup {
-            retention_ms: 0,
-            keys: true,
-        },
-    ];
-    let dir = tempfile::tempdir().unwrap();
-    let stats = sim::run(dir.path(), &ops).unwrap_or_else(|e| panic!("{e}"));
+        cleanup(true),
+    ]);
     assert_eq!(stats.processed, 3);
 }
 
@@ -145,37 +142,21 @@ fn a_stale_note_read_before_its_key_retires_again_deletes_the_entry() {
 /// bounded by the read's last `seq`.
 #[test]
 fn a_drain_clears_only_the_notes_it_read() {
-    use sim::{Op, Plan};
-    let deliver = |id| Op::Deliver {
-        consumer: 0,
-        id,
-        variant: 0,
-        plan: Plan::Ok,
-    };
-    let cut_short = Op::Cleanup {
-        retention_ms: 0,
-        keys: false,
-    };
-    let ops = [
-        deliver(1),
+    let stats = run_fixed(&[
+        deliver(1, 0),
         Op::Advance { ms: 10 },
-        cut_short.clone(),
+        cleanup(false),
         Op::ReadRetired,
-        deliver(2),
+        deliver(2, 0),
         Op::Advance { ms: 10 },
-        cut_short,
+        cleanup(false),
         Op::ApplyRetired,
         // The first key's entry is gone: new again. The second is still
         // retired: a duplicate.
-        deliver(1),
-        deliver(2),
+        deliver(1, 0),
+        deliver(2, 0),
         Op::Advance { ms: 10 },
-        Op::Cleanup {
-            retention_ms: 0,
-            keys: true,
-        },
-    ];
-    let dir = tempfile::tempdir().unwrap();
-    let stats = sim::run(dir.path(), &ops).unwrap_or_else(|e| panic!("{e}"));
+        cleanup(true),
+    ]);
     assert_eq!(stats.processed, 3, "1, 2, then 1 again as new");
 }

@@ -93,6 +93,17 @@ fn row_id(conn: &Connection, id: &str) -> i64 {
     .unwrap()
 }
 
+/// Deletes `from`'s inbox row behind the engine's back, then delivers `to`,
+/// whose new row takes the freed id (SQLite gives a new row the highest id
+/// plus one).
+fn reuse_row_id(room: &Postroom, conn: &Connection, from: &str, to: &str) {
+    let old_id = row_id(conn, from);
+    conn.execute("DELETE FROM postroom_inbox WHERE message_id = ?1", [from])
+        .unwrap();
+    room.deliver("orders", msg(to, to)).unwrap();
+    assert_eq!(row_id(conn, to), old_id, "{to} took {from}'s row id");
+}
+
 fn msg(id: &str, payload: &str) -> Message {
     Message::new("shop", id, payload.to_owned())
 }
@@ -350,11 +361,7 @@ fn a_retired_entry_whose_row_id_another_key_took_is_deleted() {
     let Fixture {
         room, conn, _dir, ..
     } = fixture(&["a", "b", "c"]);
-    let old_id = row_id(&conn, "c");
-    conn.execute("DELETE FROM postroom_inbox WHERE message_id = 'c'", [])
-        .unwrap();
-    room.deliver("orders", msg("z", "z")).unwrap();
-    assert_eq!(row_id(&conn, "z"), old_id, "z took c's row id");
+    reuse_row_id(&room, &conn, "c", "z");
     assert_eq!(key_counts(&conn), (4, 1, 1));
 
     let report = room.cleanup().unwrap();
@@ -380,11 +387,7 @@ fn a_conflicts_stored_row_is_not_taken_from_a_reused_row_id() {
         .unwrap()
         .unwrap();
     assert_eq!(shown.stored.map(|s| s.message_id).as_deref(), Some("a"));
-    let old_id = row_id(&conn, "a");
-    conn.execute("DELETE FROM postroom_inbox WHERE message_id = 'a'", [])
-        .unwrap();
-    room.deliver("orders", msg("b", "b")).unwrap();
-    assert_eq!(row_id(&conn, "b"), old_id, "b took a's row id");
+    reuse_row_id(&room, &conn, "a", "b");
     let shown = postroom::admin::conflicts_show(&conn, conflict_id)
         .unwrap()
         .unwrap();
