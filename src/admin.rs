@@ -40,6 +40,7 @@ use rusqlite::{
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
 
+use crate::counts;
 use crate::error::{Error, Result};
 use crate::inbox::{self, Status};
 use crate::message::Headers;
@@ -433,8 +434,8 @@ pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
 
         let mut stmt = conn
             .prepare(
-                "SELECT consumer, attempts, count(*) FROM postroom_inbox
-                 GROUP BY consumer, attempts ORDER BY consumer, attempts",
+                "SELECT consumer, attempts, sum(n) FROM postroom_counts WHERE tbl = 'inbox'
+                 GROUP BY consumer, attempts HAVING sum(n) <> 0 ORDER BY consumer, attempts",
             )
             .map_err(sql("read attempts"))?;
         let rows = stmt
@@ -1272,6 +1273,10 @@ pub enum FindingKind {
     /// A `processing` row whose lease has passed. Not a violation: the
     /// reaper, or the engine's next open, retries it.
     ExpiredLease,
+    /// `postroom_counts` disagrees with the rows, or a trigger that keeps
+    /// it is missing: stats, `postroom status` and metrics report wrong
+    /// numbers (dedupe and delivery do not read it).
+    Counts,
 }
 
 impl fmt::Display for FindingKind {
@@ -1283,6 +1288,7 @@ impl fmt::Display for FindingKind {
             FindingKind::CauseNotCompleted => "cause_not_completed",
             FindingKind::KeyTable => "key_table",
             FindingKind::ExpiredLease => "expired_lease",
+            FindingKind::Counts => "counts",
         })
     }
 }
@@ -1363,6 +1369,8 @@ impl CheckReport {
 ///   completed row — rows deleted by retention are fine;
 /// * every inbox row has its entry in the key table, only they do, and the
 ///   triggers that keep it so exist (a missing one is reported with id 0);
+/// * `postroom_counts` holds exactly the number of rows of each table per
+///   consumer, status and attempts, and its triggers exist;
 /// * `processing` rows whose lease has passed are reported as warnings:
 ///   the reaper or the engine's next open recovers them.
 ///
@@ -1409,12 +1417,25 @@ pub fn check(conn: &Connection, full: bool) -> Result<CheckReport> {
 }
 
 fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Result<()> {
-    for name in schema::missing_triggers(conn).map_err(sql("check inbox keys"))? {
+    for name in schema::missing_triggers(conn).map_err(sql("check triggers"))? {
+        let (kind, table) = if name.contains("_count_") {
+            (FindingKind::Counts, "postroom_counts")
+        } else {
+            (FindingKind::KeyTable, "postroom_inbox")
+        };
         report.violation(Finding {
-            kind: FindingKind::KeyTable,
-            table: "postroom_inbox",
+            kind,
+            table,
             id: 0,
             detail: format!("trigger {name} is missing"),
+        });
+    }
+    for m in counts::mismatches(conn).map_err(sql("check counts"))? {
+        report.violation(Finding {
+            kind: FindingKind::Counts,
+            table: "postroom_counts",
+            id: 0,
+            detail: m.to_string(),
         });
     }
     inbox::key_mismatches(conn, |table, id, what| {

@@ -86,6 +86,7 @@ pub mod admin;
 mod checkpoint;
 mod clock;
 mod config;
+mod counts;
 mod delivery;
 mod engine;
 mod error;
