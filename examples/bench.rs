@@ -26,7 +26,9 @@
 //! time cap, whichever comes first (exceptions below: the drains, the
 //! cleanup row, the backlog row). Each floor and the engine rows compared with it run next
 //! to each other, in alternating order from pass to pass. `--only TEXT`
-//! runs just the groups with a scenario whose name contains TEXT. The rows,
+//! runs just the groups with a scenario whose name contains TEXT (ends
+//! with it, when TEXT ends with `$`: `--only "1 caller FULL$"` leaves out
+//! the `@1M` and `@5M` groups). The rows,
 //! in run order:
 //!
 //! * `deliver …` rows drive the engine (`Postroom::deliver` from 1 or 8
@@ -2742,7 +2744,11 @@ fn bench(opts: &Options, args: &[String]) -> Res<bool> {
     let cache = Cache::new();
     let mut groups = scenarios(&plan);
     if let Some(only) = &opts.only {
-        groups.retain(|g| g.iter().any(|s| s.name.contains(only.as_str())));
+        let matches = |name: &str| match only.strip_suffix('$') {
+            Some(end) => name.ends_with(end),
+            None => name.contains(only.as_str()),
+        };
+        groups.retain(|g| g.iter().any(|s| matches(&s.name)));
     }
     let total = groups.iter().map(Vec::len).sum::<usize>() * plan.passes as usize;
     let mut tallies: Vec<Vec<Tally>> = groups

@@ -368,8 +368,11 @@ pub struct StatusReport {
 
 /// Counts by status per consumer, oldest unfinished message and attempts
 /// histogram per consumer, outbox backlog and its oldest row, conflicts,
-/// and file sizes. One read transaction; a few passes over the inbox's
-/// indexes. `path` is the database file (for the sizes).
+/// and file sizes. One read transaction, in proportion to the backlog, not
+/// to the inbox: the counts and the histogram come from `postroom_counts`,
+/// the oldest unfinished message and expired leases from partial indexes
+/// holding only unfinished and leased rows. `path` is the database file
+/// (for the sizes).
 pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
     let now = now_ms();
     snapshot(conn, || {

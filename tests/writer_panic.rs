@@ -82,22 +82,25 @@ fn a_caller_told_closed_is_not_committed_later() {
     let t4 = slow_leader(&room);
     thread::sleep(Duration::from_millis(100));
     let started = Instant::now();
-    let told = room.transaction(|tx| {
-        tx.execute(
-            "INSERT INTO applied (consumer, message_id) VALUES ('tx', 'x5')",
-            [],
-        )?;
-        Ok(())
+    let r = Arc::clone(&room);
+    let told = within(60, "the queued caller", move || {
+        r.transaction(|tx| {
+            tx.execute(
+                "INSERT INTO applied (consumer, message_id) VALUES ('tx', 'x5')",
+                [],
+            )?;
+            Ok(())
+        })
     });
     eprintln!("queued caller told {told:?} after {:?}", started.elapsed());
     join_within(t4, 60, "the second slow leader").unwrap();
 
     // 3. The engine still takes work from callers that lead...
-    let later = room.transaction(|_| Ok(()));
-    eprintln!(
-        "next leader: {later:?}; cleanup(): {:?}",
-        room.cleanup().map(|_| ())
-    );
+    let r = Arc::clone(&room);
+    let (later, cleanup) = within(60, "the next leader and cleanup()", move || {
+        (r.transaction(|_| Ok(())), r.cleanup().map(|_| ()))
+    });
+    eprintln!("next leader: {later:?}; cleanup(): {cleanup:?}");
     let x5 = applied_count(&raw(&path), "x5");
     eprintln!("rows of the transaction that was told {told:?}: {x5}");
     assert!(
@@ -156,12 +159,16 @@ fn duplicate_is_not_answered_from_an_uncommitted_batch() {
     );
 
     // The broker redelivers m1 (it was never acknowledged).
-    let again = room.deliver("c", Message::new("s", "m1", "x"));
+    let r = Arc::clone(&room);
+    let again = within(60, "m1's redelivery", move || {
+        r.deliver("c", Message::new("s", "m1", "x"))
+    });
     let committed_now = applied_count(&raw(&path), "m1");
     eprintln!("redelivery of m1: {again:?}; m1 effects committed: {committed_now}");
 
     // Any later batch rolls the leftover transaction back.
-    let _ = room.transaction(|_| Ok(()));
+    let r = Arc::clone(&room);
+    let _ = within(60, "the next batch", move || r.transaction(|_| Ok(())));
     let committed_later = applied_count(&raw(&path), "m1");
     let row = inbox_row(&raw(&path), "c", "s", "m1");
     eprintln!("after the next batch: m1 effects {committed_later}, inbox row {row:?}");

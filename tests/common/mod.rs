@@ -290,3 +290,14 @@ pub fn join_within<T>(thread: std::thread::JoinHandle<T>, secs: u64, what: &str)
     }
     thread.join().expect("the thread panicked")
 }
+
+/// Runs `f` on a thread of its own and fails the test if it has not
+/// returned within `secs`: an engine call that never answers fails the test
+/// instead of hanging it.
+pub fn within<T: Send + 'static>(
+    secs: u64,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    join_within(std::thread::spawn(f), secs, what)
+}
