@@ -1,4 +1,4 @@
--- postroom schema, version 4.
+-- postroom schema, version 3.
 --
 -- Applied in one transaction when a database is opened for the first time.
 -- Every statement is `IF NOT EXISTS`: the migration from version 1 renames
@@ -181,13 +181,6 @@ CREATE INDEX IF NOT EXISTS postroom_inbox_done
     ON postroom_inbox (processed_at)
     WHERE status = 'completed';
 
--- What is not done yet, for the age of each consumer's oldest (`postroom
--- status`, metrics). A message completed by the insert that stores it (an
--- inline delivery's first attempt) never enters it.
-CREATE INDEX IF NOT EXISTS postroom_inbox_unfinished
-    ON postroom_inbox (consumer, received_at)
-    WHERE status IN ('pending', 'processing', 'failed');
-
 -- Outgoing messages, committed in the same transaction as the handler that
 -- published them. `seq` is commit order; `message_id` is stable across re-sends
 -- so a downstream inbox can deduplicate.
@@ -242,77 +235,3 @@ CREATE TABLE IF NOT EXISTS postroom_conflicts (
     deliveries    INTEGER NOT NULL DEFAULT 1,
     UNIQUE (consumer, source, message_id, payload_hash)
 );
-
--- How many rows each table holds per consumer, status and attempts, kept by
--- the triggers below in the transaction that changes the rows, so that
--- `stats()`, `postroom status` and metrics read a few rows here instead of
--- scanning the inbox (a million rows: 0.76 s, and a read transaction that
--- long keeps the checkpointer from restarting the WAL). The outbox's rows
--- count under consumer '' with attempts 0.
---
--- Invariant (checked by `postroom check`): `n` equals the number of rows of
--- `tbl` with that consumer, status and attempts; rows whose n fell to 0
--- stay. Statements on the two tables must not use INSERT OR REPLACE: a
--- REPLACE deletes without firing the delete trigger.
-CREATE TABLE IF NOT EXISTS postroom_counts (
-    tbl      TEXT    NOT NULL CHECK (tbl IN ('inbox', 'outbox')),
-    consumer TEXT    NOT NULL,
-    status   TEXT    NOT NULL,
-    attempts INTEGER NOT NULL,
-    n        INTEGER NOT NULL,
-    PRIMARY KEY (tbl, consumer, status, attempts)
-) WITHOUT ROWID;
-
-CREATE TRIGGER IF NOT EXISTS postroom_inbox_count_insert
-AFTER INSERT ON postroom_inbox
-BEGIN
-    INSERT INTO postroom_counts (tbl, consumer, status, attempts, n)
-    VALUES ('inbox', NEW.consumer, NEW.status, NEW.attempts, 1)
-    ON CONFLICT DO UPDATE SET n = n + 1;
-END;
-
-CREATE TRIGGER IF NOT EXISTS postroom_inbox_count_update
-AFTER UPDATE OF status, attempts ON postroom_inbox
-WHEN OLD.status IS NOT NEW.status OR OLD.attempts IS NOT NEW.attempts
-BEGIN
-    UPDATE postroom_counts SET n = n - 1
-    WHERE tbl = 'inbox' AND consumer = OLD.consumer AND status = OLD.status
-      AND attempts = OLD.attempts;
-    INSERT INTO postroom_counts (tbl, consumer, status, attempts, n)
-    VALUES ('inbox', NEW.consumer, NEW.status, NEW.attempts, 1)
-    ON CONFLICT DO UPDATE SET n = n + 1;
-END;
-
-CREATE TRIGGER IF NOT EXISTS postroom_inbox_count_delete
-AFTER DELETE ON postroom_inbox
-BEGIN
-    UPDATE postroom_counts SET n = n - 1
-    WHERE tbl = 'inbox' AND consumer = OLD.consumer AND status = OLD.status
-      AND attempts = OLD.attempts;
-END;
-
-CREATE TRIGGER IF NOT EXISTS postroom_outbox_count_insert
-AFTER INSERT ON postroom_outbox
-BEGIN
-    INSERT INTO postroom_counts (tbl, consumer, status, attempts, n)
-    VALUES ('outbox', '', NEW.status, 0, 1)
-    ON CONFLICT DO UPDATE SET n = n + 1;
-END;
-
-CREATE TRIGGER IF NOT EXISTS postroom_outbox_count_update
-AFTER UPDATE OF status ON postroom_outbox
-WHEN OLD.status IS NOT NEW.status
-BEGIN
-    UPDATE postroom_counts SET n = n - 1
-    WHERE tbl = 'outbox' AND consumer = '' AND status = OLD.status AND attempts = 0;
-    INSERT INTO postroom_counts (tbl, consumer, status, attempts, n)
-    VALUES ('outbox', '', NEW.status, 0, 1)
-    ON CONFLICT DO UPDATE SET n = n + 1;
-END;
-
-CREATE TRIGGER IF NOT EXISTS postroom_outbox_count_delete
-AFTER DELETE ON postroom_outbox
-BEGIN
-    UPDATE postroom_counts SET n = n - 1
-    WHERE tbl = 'outbox' AND consumer = '' AND status = OLD.status AND attempts = 0;
-END;

@@ -40,7 +40,6 @@ use rusqlite::{
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
 
-use crate::counts;
 use crate::error::{Error, Result};
 use crate::inbox::{self, Status};
 use crate::message::Headers;
@@ -368,11 +367,10 @@ pub struct StatusReport {
 
 /// Counts by status per consumer, oldest unfinished message and attempts
 /// histogram per consumer, outbox backlog and its oldest row, conflicts,
-/// and file sizes. One read transaction, in proportion to the backlog, not
-/// to the inbox: the counts and the histogram come from `postroom_counts`,
-/// the oldest unfinished message and expired leases from partial indexes
-/// holding only unfinished and leased rows. `path` is the database file
-/// (for the sizes).
+/// and file sizes. One read transaction making four passes over the inbox:
+/// 0.76 s at a million rows, 4.2 s at five million (page cache warm, 2-core
+/// VM), during which the checkpointer cannot restart the WAL past the read.
+/// `path` is the database file (for the sizes).
 pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
     let now = now_ms();
     snapshot(conn, || {
@@ -437,8 +435,8 @@ pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
 
         let mut stmt = conn
             .prepare(
-                "SELECT consumer, attempts, sum(n) FROM postroom_counts WHERE tbl = 'inbox'
-                 GROUP BY consumer, attempts HAVING sum(n) <> 0 ORDER BY consumer, attempts",
+                "SELECT consumer, attempts, count(*) FROM postroom_inbox
+                 GROUP BY consumer, attempts ORDER BY consumer, attempts",
             )
             .map_err(sql("read attempts"))?;
         let rows = stmt
@@ -1276,10 +1274,6 @@ pub enum FindingKind {
     /// A `processing` row whose lease has passed. Not a violation: the
     /// reaper, or the engine's next open, retries it.
     ExpiredLease,
-    /// `postroom_counts` disagrees with the rows, or a trigger that keeps
-    /// it is missing: stats, `postroom status` and metrics report wrong
-    /// numbers (dedupe and delivery do not read it).
-    Counts,
 }
 
 impl fmt::Display for FindingKind {
@@ -1291,7 +1285,6 @@ impl fmt::Display for FindingKind {
             FindingKind::CauseNotCompleted => "cause_not_completed",
             FindingKind::KeyTable => "key_table",
             FindingKind::ExpiredLease => "expired_lease",
-            FindingKind::Counts => "counts",
         })
     }
 }
@@ -1372,8 +1365,6 @@ impl CheckReport {
 ///   completed row — rows deleted by retention are fine;
 /// * every inbox row has its entry in the key table, only they do, and the
 ///   triggers that keep it so exist (a missing one is reported with id 0);
-/// * `postroom_counts` holds exactly the number of rows of each table per
-///   consumer, status and attempts, and its triggers exist;
 /// * `processing` rows whose lease has passed are reported as warnings:
 ///   the reaper or the engine's next open recovers them.
 ///
@@ -1420,25 +1411,12 @@ pub fn check(conn: &Connection, full: bool) -> Result<CheckReport> {
 }
 
 fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Result<()> {
-    for name in schema::missing_triggers(conn).map_err(sql("check triggers"))? {
-        let (kind, table) = if name.contains("_count_") {
-            (FindingKind::Counts, "postroom_counts")
-        } else {
-            (FindingKind::KeyTable, "postroom_inbox")
-        };
+    for name in schema::missing_triggers(conn).map_err(sql("check inbox keys"))? {
         report.violation(Finding {
-            kind,
-            table,
+            kind: FindingKind::KeyTable,
+            table: "postroom_inbox",
             id: 0,
             detail: format!("trigger {name} is missing"),
-        });
-    }
-    for m in counts::mismatches(conn).map_err(sql("check counts"))? {
-        report.violation(Finding {
-            kind: FindingKind::Counts,
-            table: "postroom_counts",
-            id: 0,
-            detail: m.to_string(),
         });
     }
     inbox::key_mismatches(conn, |table, id, what| {

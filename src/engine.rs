@@ -520,8 +520,11 @@ impl Postroom {
 
     /// Counts per status per consumer, outbox backlog, conflicts and file
     /// sizes, read through the read pool (it does not wait for the writer).
-    /// Cheap at any size: the counts come from a table the schema's
-    /// triggers keep, not from a pass over the rows.
+    ///
+    /// Cost: one pass over the inbox and one over the outbox, in proportion
+    /// to the rows retained (0.4–0.6 s at a million inbox rows, 2.6–2.9 s at
+    /// five million, page cache warm), and the WAL cannot be restarted past
+    /// the read while it runs. Poll it every few seconds at most at that size.
     pub fn stats(&self) -> Result<Stats> {
         let conn = self.reader()?;
         let mut stats = stats::read(&conn, &self.shared.path)?;

@@ -86,7 +86,6 @@ pub mod admin;
 mod checkpoint;
 mod clock;
 mod config;
-mod counts;
 mod delivery;
 mod engine;
 mod error;

@@ -8,12 +8,11 @@ use std::path::Path;
 use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
 
 use crate::config::Config;
-use crate::counts;
 use crate::error::{Error, Result};
 use crate::failpoint;
 
 /// The newest schema version this library knows.
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// The schema, applied in one transaction to a database without one.
 pub const SCHEMA_SQL: &str = include_str!("../schema.sql");
@@ -144,13 +143,8 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
         Some(1) => {
             migrate_v1(&tx)?;
             migrate_v2(&tx)?;
-            migrate_v3(&tx)?;
         }
-        Some(2) => {
-            migrate_v2(&tx)?;
-            migrate_v3(&tx)?;
-        }
-        Some(3) => migrate_v3(&tx)?,
+        Some(2) => migrate_v2(&tx)?,
         // Each step above takes the file from `found` to `found + 1`.
         Some(found) => check_version(found)?,
     }
@@ -168,36 +162,23 @@ const KEY_TRIGGERS: [&str; 5] = [
     "postroom_inbox_key_fixed",
 ];
 
-/// The triggers that keep `postroom_counts` in step with the inbox and the
-/// outbox (schema version 4).
-const COUNT_TRIGGERS: [&str; 6] = [
-    "postroom_inbox_count_insert",
-    "postroom_inbox_count_update",
-    "postroom_inbox_count_delete",
-    "postroom_outbox_count_insert",
-    "postroom_outbox_count_update",
-    "postroom_outbox_count_delete",
-];
-
-/// Those of [`KEY_TRIGGERS`] and [`COUNT_TRIGGERS`] the file lacks. Without
-/// them, dedupe answers and counts would come from tables nothing keeps up
-/// to date.
+/// Those of [`KEY_TRIGGERS`] the file lacks. Without them, dedupe answers
+/// would come from a table nothing keeps up to date.
 pub(crate) fn missing_triggers(conn: &Connection) -> rusqlite::Result<Vec<&'static str>> {
     let present = conn
         .prepare(
             "SELECT name FROM sqlite_master
-             WHERE type = 'trigger' AND tbl_name IN ('postroom_inbox', 'postroom_outbox')",
+             WHERE type = 'trigger' AND tbl_name = 'postroom_inbox'",
         )?
         .query_map([], |r| r.get::<_, String>(0))?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     Ok(KEY_TRIGGERS
         .into_iter()
-        .chain(COUNT_TRIGGERS)
         .filter(|name| !present.iter().any(|p| p == name))
         .collect())
 }
 
-/// Refuses a file missing one of the triggers, other than those in
+/// Refuses a file missing one of [`KEY_TRIGGERS`], other than those in
 /// `not_yet` (added by the migration under way).
 fn refuse_missing_triggers(conn: &Connection, not_yet: &[&str]) -> Result<()> {
     let missing = missing_triggers(conn).map_err(|e| Error::sqlite("read schema", e))?;
@@ -206,9 +187,9 @@ fn refuse_missing_triggers(conn: &Connection, not_yet: &[&str]) -> Result<()> {
         Some(name) => Err(Error::invalid(
             "database",
             format!(
-                "trigger {name} is missing: postroom's dedupe or its counts depend on it, and \
-                 the table it keeps may no longer match the rows; the file was changed outside \
-                 postroom (run `postroom check`)"
+                "trigger {name} is missing: postroom's dedupe depends on it, and the key table \
+                 may no longer match the inbox; the file was changed outside postroom \
+                 (run `postroom check`)"
             ),
         )),
     }
@@ -261,32 +242,13 @@ fn migrate_v1(tx: &Connection) -> Result<()> {
 /// why). Replaces one trigger and adds a table: no row is touched.
 fn migrate_v2(tx: &Connection) -> Result<()> {
     log::info!("postroom: migrating schema 2 to 3");
-    let not_yet: Vec<&str> = ["postroom_inbox_key_retire"]
-        .into_iter()
-        .chain(COUNT_TRIGGERS)
-        .collect();
-    refuse_missing_triggers(tx, &not_yet)?;
+    refuse_missing_triggers(tx, &["postroom_inbox_key_retire"])?;
     tx.execute_batch("DROP TRIGGER postroom_inbox_key_delete;")
         .and_then(|()| tx.execute_batch(SCHEMA_SQL))
         .and_then(|()| {
             tx.execute_batch("UPDATE postroom_meta SET value = '3' WHERE key = 'schema_version';")
         })
         .map_err(|e| Error::sqlite("migrate schema 2 to 3", e))
-}
-
-/// Version 3 to 4: row counts kept by triggers (`postroom_counts`) and an
-/// index of unfinished messages, so that stats and `postroom status` stop
-/// scanning the inbox. Counts the rows once and builds the index: one pass
-/// over the inbox each, in proportion to it, once.
-fn migrate_v3(tx: &Connection) -> Result<()> {
-    log::info!("postroom: migrating schema 3 to 4");
-    refuse_missing_triggers(tx, &COUNT_TRIGGERS)?;
-    tx.execute_batch(SCHEMA_SQL)
-        .and_then(|()| counts::recount(tx))
-        .and_then(|()| {
-            tx.execute_batch("UPDATE postroom_meta SET value = '4' WHERE key = 'schema_version';")
-        })
-        .map_err(|e| Error::sqlite("migrate schema 3 to 4", e))
 }
 
 /// `Ok` for the schema version this build writes; an error for a newer one

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use rusqlite::{Connection, OptionalExtension};
+use rusqlite::Connection;
 
 use crate::error::{Error, Result};
 use crate::inbox::Status;
@@ -73,7 +73,7 @@ pub struct Stats {
     pub inbox: BTreeMap<String, StatusCounts>,
     /// Outbox rows by status.
     pub outbox: OutboxCounts,
-    /// `created_at` of the first pending outbox row in commit order, in unix ms.
+    /// `created_at` of the oldest pending outbox row, in unix ms.
     pub oldest_pending_outbox_ms: Option<i64>,
     /// Rows in `postroom_conflicts`.
     pub conflicts: u64,
@@ -100,15 +100,13 @@ pub struct Stats {
     pub wal_paused_max: Duration,
 }
 
-/// Reads the counts from `postroom_counts` (a few rows per consumer) and the
-/// first pending outbox row: no pass over either table.
+/// Reads the counts. Cost: one pass over the inbox's status column.
 pub(crate) fn read(conn: &Connection, db_path: &Path) -> Result<Stats> {
     let sql = |e| Error::sqlite("read stats", e);
     let mut stats = Stats::default();
     let mut stmt = conn
         .prepare_cached(
-            "SELECT consumer, status, sum(n) FROM postroom_counts WHERE tbl = 'inbox'
-             GROUP BY consumer, status HAVING sum(n) <> 0",
+            "SELECT consumer, status, count(*) FROM postroom_inbox GROUP BY consumer, status",
         )
         .map_err(sql)?;
     let mut rows = stmt.query([]).map_err(sql)?;
@@ -119,9 +117,7 @@ pub(crate) fn read(conn: &Connection, db_path: &Path) -> Result<Stats> {
         *stats.inbox.entry(consumer).or_default().slot(status) += n;
     }
     let mut stmt = conn
-        .prepare_cached(
-            "SELECT status, sum(n) FROM postroom_counts WHERE tbl = 'outbox' GROUP BY status",
-        )
+        .prepare_cached("SELECT status, count(*) FROM postroom_outbox GROUP BY status")
         .map_err(sql)?;
     let mut rows = stmt.query([]).map_err(sql)?;
     while let Some(row) = rows.next().map_err(sql)? {
@@ -136,12 +132,10 @@ pub(crate) fn read(conn: &Connection, db_path: &Path) -> Result<Stats> {
     }
     stats.oldest_pending_outbox_ms = conn
         .query_row(
-            "SELECT created_at FROM postroom_outbox WHERE status = 'pending'
-             ORDER BY seq LIMIT 1",
+            "SELECT min(created_at) FROM postroom_outbox WHERE status = 'pending'",
             [],
             |r| r.get(0),
         )
-        .optional()
         .map_err(sql)?;
     stats.conflicts = count(
         conn.query_row("SELECT count(*) FROM postroom_conflicts", [], |r| r.get(0))

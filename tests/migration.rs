@@ -1,4 +1,4 @@
-//! Schema migrations: a file written under schema version 1, 2 or 3 (their DDL
+//! Schema migrations: a file written under schema version 1 or 2 (their DDL
 //! kept in `tests/fixtures/`) opens under the current version with every
 //! row intact, gives the same dedupe answers as before, and a process
 //! killed in the middle of the migration leaves the file exactly as it was.
@@ -16,7 +16,6 @@ use rusqlite::params;
 
 const SCHEMA_V1: &str = include_str!("fixtures/schema_v1.sql");
 const SCHEMA_V2: &str = include_str!("fixtures/schema_v2.sql");
-const SCHEMA_V3: &str = include_str!("fixtures/schema_v3.sql");
 
 /// Every column of every inbox row, in id order, as text.
 const DUMP_INBOX: &str = "SELECT id || '|' || consumer || '|' || source || '|' || message_id
@@ -403,126 +402,6 @@ fn a_version_2_file_missing_its_delete_trigger_is_refused_and_left_alone() {
         count(
             &conn,
             "SELECT count(*) FROM sqlite_master WHERE name = 'postroom_retired_keys'"
-        ),
-        0
-    );
-}
-
-/// Version 4 counts rows through triggers instead of scanning them: the
-/// migration counts what a version 3 file holds, and from then on the
-/// triggers keep the counts as the engine changes the rows.
-#[test]
-fn a_version_3_file_gets_its_rows_counted_and_stats_read_the_counts() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("v3.db");
-    let before = write_old(&db, SCHEMA_V3, 3, 300);
-    let conn = raw(&db);
-    // Outbox rows of each status, as version 3 stored them.
-    for (seq, status) in [(1, "sent"), (2, "sent"), (3, "dead"), (4, "pending")] {
-        conn.execute(
-            "INSERT INTO postroom_outbox (seq, message_id, topic, payload, status, attempts,
-                 last_error, created_at, next_attempt_at, sent_at)
-             VALUES (?1, 'out-' || ?1, 't', x'00', ?2, 1, 'e', 1000 + ?1, 1000, 1000)",
-            params![seq, status],
-        )
-        .unwrap();
-    }
-    open_once(&db);
-
-    assert_migrated(dir.path(), &conn, &before);
-    let report = postroom::admin::check(&conn, true).unwrap();
-    assert!(report.is_ok(), "{report:?}");
-    let status = postroom::admin::status(&conn, &db).unwrap();
-    let orders = &status.consumers[0];
-    assert_eq!(
-        (
-            orders.pending,
-            orders.processing,
-            orders.completed,
-            orders.failed,
-            orders.dead
-        ),
-        (1, 0, 300, 1, 1)
-    );
-    let buckets: Vec<(u32, u64)> = orders
-        .attempts
-        .iter()
-        .map(|b| (b.attempts, b.rows))
-        .collect();
-    assert_eq!(buckets, [(0, 1), (1, 301), (5, 1)]);
-    assert_eq!(orders.oldest_pending_ms, Some(1000));
-    assert_eq!(
-        (
-            status.outbox.pending,
-            status.outbox.sent,
-            status.outbox.dead
-        ),
-        (1, 2, 1)
-    );
-    assert_eq!(status.outbox.oldest_pending_ms, Some(1004));
-
-    // The engine's changes move the counts: the failed message completes
-    // (attempt 2), the queued one completes, a new one comes in, retention
-    // deletes the 300 old completed rows.
-    let runs = Arc::new(AtomicU32::new(0));
-    let room = open(&db, &runs);
-    assert_eq!(
-        room.deliver("orders", Message::new("shop", "failed", "failed"))
-            .unwrap(),
-        Outcome::Processed { attempts: 2 }
-    );
-    room.deliver("orders", Message::new("shop", "new", "new"))
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while applied_count(&conn, "queued") == 0 {
-        assert!(Instant::now() < deadline, "queued message never processed");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert_eq!(room.cleanup().unwrap().inbox_deleted, 300);
-    let stats = room.stats().unwrap();
-    let orders = &stats.inbox["orders"];
-    assert_eq!(
-        (
-            orders.pending,
-            orders.processing,
-            orders.completed,
-            orders.failed,
-            orders.dead
-        ),
-        (0, 0, 3, 0, 1),
-        "failed, queued and new completed; dead stays"
-    );
-    room.shutdown(Duration::from_secs(10)).unwrap();
-    let report = postroom::admin::check(&conn, true).unwrap();
-    assert!(report.is_ok(), "{report:?}");
-}
-
-/// A version 3 file that lost a key trigger is refused by the migration to
-/// version 4, as at any open, and left alone.
-#[test]
-fn a_version_3_file_missing_a_key_trigger_is_refused_and_left_alone() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("v3.db");
-    let before = write_old(&db, SCHEMA_V3, 3, 3);
-    let conn = raw(&db);
-    conn.execute_batch("DROP TRIGGER postroom_inbox_key_retire")
-        .unwrap();
-    let err = Postroom::builder()
-        .workers(0)
-        .open(&db)
-        .map(drop)
-        .expect_err("refused")
-        .to_string();
-    assert!(
-        err.contains("trigger postroom_inbox_key_retire is missing"),
-        "{err}"
-    );
-    assert_eq!(stored_version(&conn), "3");
-    assert_eq!(column::<Vec<String>>(&conn, DUMP_INBOX), before);
-    assert_eq!(
-        count(
-            &conn,
-            "SELECT count(*) FROM sqlite_master WHERE name = 'postroom_counts'"
         ),
         0
     );
