@@ -90,7 +90,7 @@ pub fn inbox_row(conn: &Connection, consumer: &str, source: &str, id: &str) -> O
 }
 
 /// SQLite's `integrity_check` and postroom's own invariants (key table,
-/// counts, status fields, digests, causes) hold; warnings are allowed.
+/// status fields, digests, causes) hold; warnings are allowed.
 pub fn integrity_ok(conn: &Connection) {
     let report = postroom::admin::check(conn, true).unwrap();
     assert!(report.is_ok(), "{report:#?}");
