@@ -62,6 +62,12 @@ fn cli_ok(db: &Path, args: &[&str], code: i32) -> Run {
     run
 }
 
+/// `postroom check` finds nothing broken (warnings allowed).
+fn check_clean(db: &Path) {
+    let report = cli_ok(db, &["check", "--json"], 0).json();
+    assert_eq!(report["violations_total"], 0, "{report}");
+}
+
 fn create_domain(room: &Postroom) {
     room.transaction(|tx| {
         tx.execute_batch("CREATE TABLE IF NOT EXISTS applied (message_id TEXT NOT NULL)")?;
@@ -474,6 +480,7 @@ fn redrive_while_the_engine_runs_is_processed_by_its_workers() {
         Err(postroom::Error::AlreadyOpen { .. })
     ));
     room.shutdown(Duration::from_secs(10)).unwrap();
+    check_clean(&path);
 }
 
 #[test]
@@ -527,6 +534,7 @@ fn discard_completes_a_dead_letter_without_effects_and_deletes_a_dead_outbox_row
         Outcome::Duplicate
     );
     room.shutdown(Duration::from_secs(10)).unwrap();
+    check_clean(&db);
 }
 
 #[test]
@@ -564,6 +572,7 @@ fn an_outbox_redrive_is_sent_by_the_engines_relay() {
         room.stats().unwrap().outbox.sent == 3
     });
     room.shutdown(Duration::from_secs(10)).unwrap();
+    check_clean(&db);
 }
 
 #[test]
