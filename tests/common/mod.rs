@@ -235,17 +235,23 @@ pub fn check_effects(
     checked
 }
 
-/// Waits until `f` holds, polling every 5 ms; fails after `secs` seconds,
-/// naming `what`.
-pub fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
+/// Polls `f` every 5 ms until it holds (true) or `secs` seconds have
+/// passed (false).
+fn poll_until(secs: u64, mut f: impl FnMut() -> bool) -> bool {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
     while !f() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
+    true
+}
+
+/// Waits until `f` holds, polling every 5 ms; fails after `secs` seconds,
+/// naming `what`.
+pub fn eventually(secs: u64, what: &str, f: impl FnMut() -> bool) {
+    assert!(poll_until(secs, f), "timed out waiting for {what}");
 }
 
 /// Sets the flag when dropped: a thread that loops until it is set stops
@@ -262,32 +268,26 @@ impl Drop for SetOnDrop<'_> {
 /// Waits for `child` to exit. One still running after `secs` seconds is
 /// killed and the test fails, naming `what`, instead of waiting forever.
 pub fn wait_or_kill(child: &mut Child, secs: u64, what: &str) -> std::process::ExitStatus {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-    loop {
-        if let Some(status) = child.try_wait().expect("wait for child") {
-            return status;
-        }
-        if std::time::Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{what}: the child still ran after {secs} s; killed");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(5));
+    let mut status = None;
+    if !poll_until(secs, || {
+        status = child.try_wait().expect("wait for child");
+        status.is_some()
+    }) {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("{what}: the child still ran after {secs} s; killed");
     }
+    status.expect("polled until the child exited")
 }
 
 /// Joins `thread`, failing the test (naming `what`) if it has not finished
 /// within `secs` seconds, instead of waiting forever for a call that never
 /// returns.
 pub fn join_within<T>(thread: std::thread::JoinHandle<T>, secs: u64, what: &str) -> T {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-    while !thread.is_finished() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what}: still running after {secs} s"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    assert!(
+        poll_until(secs, || thread.is_finished()),
+        "{what}: still running after {secs} s"
+    );
     thread.join().expect("the thread panicked")
 }
 
