@@ -40,11 +40,18 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 use rusqlite::{Connection, OpenFlags};
 
-use crate::config::Config;
+use crate::config::{Config, Durability};
 use crate::writer::{Counters, WriterHandle};
 
 /// How often the WAL size is looked at.
 const TICK: Duration = Duration::from_millis(100);
+/// At `Durability::Normal` commits are not fsynced: a copy-back syncs the
+/// WAL first, and without one a slow trickle of commits (which never
+/// reaches the writer's 1000-frame hook) would stay unsynced for as long
+/// as it lasts — hours of acknowledged messages on a device that receives
+/// one a minute, all lost to one power cut. So at most this long after a
+/// commit, a passive pass syncs it.
+pub(crate) const NORMAL_SYNC: Duration = Duration::from_secs(1);
 /// Passes made while commits go on before the paused one: each copies
 /// what the commits added during the previous, so the paused pass (which
 /// callers wait for) has little left.
@@ -84,6 +91,9 @@ impl Checkpointer {
         };
         let wal = wal_path(&self.db);
         let mut last_batches = self.counters.batches.load(Ordering::Relaxed);
+        // Batches committed when a pass last synced the WAL, and when.
+        let mut synced_batches = last_batches;
+        let mut synced_at = Instant::now();
         let never = crossbeam_channel::never();
         let mut wake = &self.wake;
         loop {
@@ -95,6 +105,8 @@ impl Checkpointer {
                         wake = &never;
                     } else {
                         self.copy_back(&conn);
+                        synced_batches = self.counters.batches.load(Ordering::Relaxed);
+                        synced_at = Instant::now();
                     }
                     continue;
                 }
@@ -103,6 +115,15 @@ impl Checkpointer {
             let batches = self.counters.batches.load(Ordering::Relaxed);
             let idle = batches == last_batches;
             last_batches = batches;
+            if self.config.durability == Durability::Normal
+                && batches != synced_batches
+                && synced_at.elapsed() >= NORMAL_SYNC
+            {
+                // A passive pass syncs the WAL before it copies anything.
+                checkpoint(&conn, "PASSIVE");
+                synced_batches = batches;
+                synced_at = Instant::now();
+            }
             let size = std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
             if size <= self.config.checkpoint_wal_bytes {
                 continue;
