@@ -26,6 +26,9 @@
 //! than that saved (one caller, one run each: 3,827 to 2,996 msgs/s, p99
 //! 453 µs to 1.47 ms; retention p99 up ~2 ms); not kept.
 //!
+//! At `Durability::Normal` commits are not fsynced, so this thread is also
+//! what bounds a power cut's loss: see [`NORMAL_SYNC`].
+//!
 //! The restart reuses the WAL's space but never shrinks the file, which
 //! after a burst (or a retention pass) can stay large. This thread
 //! truncates it too — only when the engine has been idle for a tick and a
