@@ -53,8 +53,16 @@ const TICK: Duration = Duration::from_millis(100);
 /// reaches the writer's 1000-frame hook) would stay unsynced for as long
 /// as it lasts — hours of acknowledged messages on a device that receives
 /// one a minute, all lost to one power cut. So at most this long after a
-/// commit, a passive pass syncs it.
+/// commit, this thread fsyncs the WAL file. A plain fsync, not a passive
+/// checkpoint: that also synced it, but held up the hook's copy-backs (one
+/// checkpoint at a time) and let the WAL outgrow its bound in
+/// `the_wal_stays_bounded_while_writes_never_stop`.
 pub(crate) const NORMAL_SYNC: Duration = Duration::from_secs(1);
+/// Above this many commits per tick the writer's hook copies the WAL back
+/// (syncing it) within about a second anyway (every commit writes several
+/// frames), and a pass of this thread's own would only hold up those
+/// copy-backs: SQLite runs one checkpoint at a time.
+const TRICKLE_BATCHES: u64 = 10;
 /// Passes made while commits go on before the paused one: each copies
 /// what the commits added during the previous, so the paused pass (which
 /// callers wait for) has little left.
@@ -117,13 +125,14 @@ impl Checkpointer {
             }
             let batches = self.counters.batches.load(Ordering::Relaxed);
             let idle = batches == last_batches;
+            let trickle = batches - last_batches <= TRICKLE_BATCHES;
             last_batches = batches;
             if self.config.durability == Durability::Normal
+                && trickle
                 && batches != synced_batches
                 && synced_at.elapsed() >= NORMAL_SYNC
             {
-                // A passive pass syncs the WAL before it copies anything.
-                checkpoint(&conn, "PASSIVE");
+                sync_wal(&wal);
                 synced_batches = batches;
                 synced_at = Instant::now();
             }
@@ -164,6 +173,19 @@ impl Checkpointer {
             self.counters.checkpoints.fetch_add(1, Ordering::Relaxed);
             // Wakes sent while this ran asked for what was just done.
             while self.wake.try_recv().is_ok() {}
+        }
+    }
+}
+
+/// Fsyncs the WAL file: every frame written so far is on disk, and a torn
+/// commit that was being written meanwhile is what recovery already drops
+/// (checksums). Its own descriptor: SQLite keeps no locks on the `-wal`
+/// file, so opening and closing one disturbs nothing.
+fn sync_wal(wal: &Path) {
+    let synced = std::fs::File::open(wal).and_then(|file| file.sync_data());
+    if let Err(e) = synced {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            log::warn!("postroom checkpointer: WAL fsync failed: {e}");
         }
     }
 }
