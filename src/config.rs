@@ -34,11 +34,11 @@ pub enum Durability {
     #[default]
     Full,
     /// `synchronous=NORMAL`: commits survive a process crash but the last
-    /// ones may be lost on power loss: they are fsynced by the next
-    /// checkpoint, and the checkpointer makes one at most about a second
-    /// after a commit (sooner under load), so a power cut loses about the
-    /// last second of acknowledged commits. Several times faster for one
-    /// caller at a time.
+    /// ones may be lost on power loss: the WAL is fsynced by checkpoints
+    /// (under load, every few milliseconds) and otherwise by the
+    /// checkpointer at most about a second after a commit, so a power cut
+    /// loses about the last second of acknowledged commits. Several times
+    /// faster for one caller at a time.
     Normal,
 }
 
