@@ -57,7 +57,7 @@ const TICK: Duration = Duration::from_millis(100);
 /// checkpoint: that also synced it, but held up the hook's copy-backs (one
 /// checkpoint at a time) and let the WAL outgrow its bound in
 /// `the_wal_stays_bounded_while_writes_never_stop`.
-pub(crate) const NORMAL_SYNC: Duration = Duration::from_secs(1);
+const NORMAL_SYNC: Duration = Duration::from_secs(1);
 /// Above this many commits per tick the writer's hook copies the WAL back
 /// (syncing it) within about a second anyway (every commit writes several
 /// frames), and a pass of this thread's own would only hold up those

@@ -358,9 +358,11 @@ fn files_are_created_private() {
     let (room, _) = counting_room(&path);
     room.deliver("c", Message::new("b", "m", "x")).unwrap();
     for suffix in ["", "-wal", "-shm", "-postroom"] {
-        let mut p = path.as_os_str().to_owned();
-        p.push(suffix);
-        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        let mode = std::fs::metadata(with_suffix(&path, suffix))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
         assert_eq!(mode, 0o600, "{suffix}: {mode:o}");
     }
 }

@@ -9,11 +9,8 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
-use std::process::Child;
-use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
@@ -42,39 +39,6 @@ fn child_main() {
         "relay" => child_relay(&db),
         "queued-poison" => child_queued_poison(&db),
         other => panic!("unknown child role {other}"),
-    }
-}
-
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok()?.parse().ok()
-}
-
-/// Reads the child's stdout on a thread: every line, in order.
-fn lines_of(child: &mut Child) -> mpsc::Receiver<String> {
-    let stdout = child.stdout.take().expect("piped stdout");
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    rx
-}
-
-fn wait_for(lines: &mpsc::Receiver<String>, wanted: &str) -> Vec<String> {
-    let mut seen = Vec::new();
-    loop {
-        match lines.recv_timeout(Duration::from_secs(60)) {
-            Ok(line) if line == wanted => return seen,
-            Ok(line) => seen.push(line),
-            Err(e) => panic!(
-                "child never said {wanted:?} ({e}); its last lines: {:?}",
-                &seen[seen.len().saturating_sub(5)..]
-            ),
-        }
     }
 }
 
@@ -110,7 +74,7 @@ fn kill_randomly(
         acked.extend(
             lines
                 .iter()
-                .filter_map(|line| line.strip_prefix("ACK ").map(str::to_owned)),
+                .filter_map(|(_, line)| line.strip_prefix("ACK ").map(str::to_owned)),
         );
     }
     acked
@@ -220,7 +184,7 @@ fn a_handler_that_aborts_the_process_is_dead_lettered_after_max_attempts() {
         let mut child = spawn_child("crash-loop", &db, &[]);
         let lines = lines_of(&mut child);
         let status = wait_or_kill(&mut child, 120, "crash-loop child");
-        let said: Vec<String> = lines.iter().collect();
+        let said: Vec<String> = lines.iter().map(|(_, line)| line).collect();
         if status.success() {
             finished = Some(said);
             break;

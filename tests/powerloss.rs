@@ -27,11 +27,10 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{mpsc, OnceLock};
+use std::sync::OnceLock;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -55,10 +54,6 @@ fn child_main() {
         "trickle" => child_trickle(&db),
         other => panic!("unknown child role {other}"),
     }
-}
-
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok()?.parse().ok()
 }
 
 fn durability() -> Durability {
@@ -95,12 +90,6 @@ struct Disk {
     dbs: Vec<PathBuf>,
     /// Where the shim says it loaded, or why it gave up.
     log: PathBuf,
-}
-
-fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
-    let mut name = path.as_os_str().to_owned();
-    name.push(suffix);
-    PathBuf::from(name)
 }
 
 impl Disk {
@@ -259,27 +248,11 @@ fn power_cycles(
         child_env.push(("POSTROOM_SEED", rng.next_u64().to_string()));
         let mut child = Running(spawn_child(role, &disk.dbs[0], &child_env));
         let pid = child.0.id();
-        let stdout = child.0.stdout.take().expect("piped stdout");
-        let (tx, lines) = mpsc::channel();
-        let reader = thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send((Instant::now(), line)).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = lines_of(&mut child.0);
         let shim_said = || std::fs::read_to_string(&disk.log).unwrap_or_default();
-        loop {
-            match lines.recv_timeout(Duration::from_secs(60)) {
-                Ok((_, line)) if line == "READY" => break,
-                Ok(_) => {}
-                Err(e) => panic!(
-                    "{role} cut {cut}: the child never said READY ({e}); the shim's log: {}",
-                    shim_said()
-                ),
-            }
-        }
+        wait_for_or(&lines, "READY", || {
+            format!("({role} cut {cut}; the shim's log: {})", shim_said())
+        });
         thread::sleep(Duration::from_millis(
             run_ms.start + rng.below(run_ms.end - run_ms.start),
         ));
@@ -297,9 +270,9 @@ fn power_cycles(
             "{role} cut {cut}: {status:?}; the shim's log: {}",
             shim_said()
         );
-        join_within(reader, 60, "the child's stdout reader");
         let mut checkpoints = 0;
-        for (at, line) in lines.try_iter() {
+        // Ends with the dead child's stdout.
+        for (at, line) in lines.iter() {
             if let Some(id) = line.strip_prefix("SEND ") {
                 said.sent.insert(id.to_owned());
             } else if let Some(id) = line.strip_prefix("ACK ") {
@@ -378,36 +351,48 @@ fn stream_message(id: &str) -> Message {
     Message::new("s", id.to_owned(), format!("payload of {id}"))
 }
 
-/// Says `SEND id` before each delivery ([`pick_id`]) and `ACK id` once it
-/// may be acknowledged.
 fn child_stream(db: &Path) {
+    deliver_forever(&stream_room(db), 'm');
+}
+
+/// Delivers to consumer `c` until killed, saying `SEND id` before each
+/// delivery ([`pick_id`]) and `ACK id` once it may be acknowledged.
+fn deliver_forever(room: &Postroom, prefix: char) {
     let seed = env_u64("POSTROOM_SEED").unwrap();
     let mut rng = Rng::new(seed);
-    let room = stream_room(db);
     report("READY");
     let mut sent: Vec<String> = Vec::new();
     for n in 0..1_000_000u64 {
-        let id = pick_id(&mut rng, &format!("m{seed:x}"), n, &sent);
+        let id = pick_id(&mut rng, &format!("{prefix}{seed:x}"), n, &sent);
         report(&format!("SEND {id}"));
         let outcome = room.deliver("c", stream_message(&id)).unwrap();
         assert!(outcome.should_ack(), "{id}: {outcome:?}");
         report(&format!("ACK {id}"));
         sent.push(id);
-        pause_and_report(&room, n);
+        pause_and_report(room, n);
     }
 }
 
-/// How many times each id was applied, by the `applied` table.
-fn applied_counts(conn: &rusqlite::Connection) -> BTreeMap<String, i64> {
-    let mut stmt = conn
-        .prepare("SELECT message_id, count(*) FROM applied GROUP BY message_id")
-        .unwrap();
+/// The rows of a two-column query, first column as the key.
+fn map_of<V: rusqlite::types::FromSql>(
+    conn: &rusqlite::Connection,
+    sql: &str,
+) -> BTreeMap<String, V> {
+    let mut stmt = conn.prepare(sql).unwrap();
     let rows = stmt
         .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
         .unwrap()
         .map(Result::unwrap)
         .collect();
     rows
+}
+
+/// How many times each id was applied, by the `applied` table.
+fn applied_counts(conn: &rusqlite::Connection) -> BTreeMap<String, i64> {
+    map_of(
+        conn,
+        "SELECT message_id, count(*) FROM applied GROUP BY message_id",
+    )
 }
 
 /// A fresh database with the domain table, closed cleanly.
@@ -601,15 +586,10 @@ fn child_queued(db: &Path) {
 
 /// The ids `consumer` has an inbox row for, whatever its status.
 fn stored(conn: &rusqlite::Connection, consumer: &str) -> BTreeSet<String> {
-    let mut stmt = conn
-        .prepare("SELECT message_id FROM postroom_inbox WHERE consumer = ?1")
-        .unwrap();
-    let ids = stmt
-        .query_map([consumer], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
-    ids
+    column(
+        conn,
+        &format!("SELECT message_id FROM postroom_inbox WHERE consumer = '{consumer}'"),
+    )
 }
 
 /// Waits (at most two minutes) until `conn`'s inbox has nothing left to do.
@@ -718,34 +698,16 @@ fn upstream(db: &Path, b: &Arc<Postroom>) -> Postroom {
 }
 
 fn child_relay(db: &Path) {
-    let seed = env_u64("POSTROOM_SEED").unwrap();
-    let mut rng = Rng::new(seed);
     let b = downstream(&b_path(db));
-    let a = upstream(db, &b);
-    report("READY");
-    let mut sent: Vec<String> = Vec::new();
-    for n in 0..1_000_000u64 {
-        let id = pick_id(&mut rng, &format!("r{seed:x}"), n, &sent);
-        report(&format!("SEND {id}"));
-        let outcome = a.deliver("c", stream_message(&id)).unwrap();
-        assert!(outcome.should_ack(), "{id}: {outcome:?}");
-        report(&format!("ACK {id}"));
-        sent.push(id);
-        pause_and_report(&a, n);
-    }
+    deliver_forever(&upstream(db, &b), 'r');
 }
 
 /// A's outbox: (message id, sent?).
 fn outbox(conn: &rusqlite::Connection) -> BTreeMap<String, bool> {
-    let mut stmt = conn
-        .prepare("SELECT message_id, status = 'sent' FROM postroom_outbox")
-        .unwrap();
-    let rows = stmt
-        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
-    rows
+    map_of(
+        conn,
+        "SELECT message_id, status = 'sent' FROM postroom_outbox",
+    )
 }
 
 /// Checks the two files against each other after a cut: B stored only

@@ -334,8 +334,7 @@ fn a_damaged_wal_never_hands_a_wrong_payload_to_a_handler() {
     wait_line(&mut child, "STORED");
     child.kill().unwrap();
     child.wait().unwrap();
-    let mut wal = path.as_os_str().to_owned();
-    wal.push("-wal");
+    let wal = with_suffix(&path, "-wal");
     let mut bytes = std::fs::read(&wal).unwrap();
     assert!(
         bytes.len() > 64 * 1024,

@@ -153,6 +153,64 @@ pub fn spawn_child(role: &str, db: &Path, env: &[(&str, String)]) -> Child {
     cmd.spawn().expect("spawn child process")
 }
 
+/// `path` with `suffix` appended to its file name: `app.db` → `app.db-wal`.
+pub fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(suffix);
+    PathBuf::from(name)
+}
+
+/// A numeric setting from the environment (kill counts, seeds).
+pub fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok()?.parse().ok()
+}
+
+/// Reads the child's stdout on a thread: every line, in order, with the
+/// moment it was read. The channel ends when the child's stdout does.
+pub fn lines_of(child: &mut Child) -> std::sync::mpsc::Receiver<(std::time::Instant, String)> {
+    use std::io::BufRead;
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send((std::time::Instant::now(), line)).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits (at most a minute) for the child to say `wanted`; returns the
+/// lines before it.
+pub fn wait_for(
+    lines: &std::sync::mpsc::Receiver<(std::time::Instant, String)>,
+    wanted: &str,
+) -> Vec<String> {
+    wait_for_or(lines, wanted, String::new)
+}
+
+/// [`wait_for`], whose failure also says what `context` returns then.
+pub fn wait_for_or(
+    lines: &std::sync::mpsc::Receiver<(std::time::Instant, String)>,
+    wanted: &str,
+    context: impl Fn() -> String,
+) -> Vec<String> {
+    let mut seen = Vec::new();
+    loop {
+        match lines.recv_timeout(std::time::Duration::from_secs(60)) {
+            Ok((_, line)) if line == wanted => return seen,
+            Ok((_, line)) => seen.push(line),
+            Err(e) => panic!(
+                "child never said {wanted:?} ({e}); its last lines: {:?} {}",
+                &seen[seen.len().saturating_sub(5)..],
+                context()
+            ),
+        }
+    }
+}
+
 /// The role and database a child was started with, if this process is one.
 pub fn child_role() -> Option<(String, PathBuf)> {
     let role = std::env::var("POSTROOM_CHILD").ok()?;
