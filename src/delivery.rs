@@ -131,7 +131,7 @@ fn attempt(env: &mut Env<'_>, handler: &dyn Handler, at: Attempt<'_>) -> Result<
     } = at;
     // The in-flight marker counts this attempt if the process dies in it.
     env.log
-        .begin(consumer, msg, hash, at.attempt - 1)
+        .begin(consumer, msg, hash, at.attempt - 1, env.now_ms)
         .map_err(|e| Error::io("write in-flight marker", e))?;
     let result = run_user_step(env, at, |tx| handler.handle(tx, msg));
     let cleared = env.log.end();
@@ -294,6 +294,20 @@ pub(crate) fn recover_inflight(
     let row_id = match inbox::find_live(conn, key, &inflight.hash)
         .map_err(|e| Error::sqlite("look up inbox row", e))?
     {
+        // No row: the attempt never committed, or it did and retention has
+        // deleted its row since, leaving a stale marker (power loss). Only
+        // a marker older than retention can be the second.
+        None if older_than_retention(config, now_ms, inflight.at_ms) => {
+            log::info!(
+                "consumer {:?}: message {}/{}: in-flight marker from {} ms ago ignored: \
+                 older than retention, with no row left to tell whether it committed",
+                inflight.consumer,
+                msg.source,
+                msg.id,
+                now_ms.saturating_sub(inflight.at_ms)
+            );
+            return Ok(None);
+        }
         None => None,
         Some(Found::Row { id, row })
             if row.payload_hash == inflight.hash
@@ -347,6 +361,16 @@ pub(crate) fn recover_inflight(
             retry_after: Duration::ZERO,
         }
     }))
+}
+
+/// True when a row stored or updated at `at_ms` may have been deleted by
+/// retention (of completed rows, or of dead ones) by `now_ms`.
+fn older_than_retention(config: &Config, now_ms: i64, at_ms: i64) -> bool {
+    let horizon = config
+        .dead_retention
+        .map_or(config.retention, |dead| dead.min(config.retention));
+    let horizon = i64::try_from(horizon.as_millis()).unwrap_or(i64::MAX);
+    now_ms.saturating_sub(at_ms) > horizon
 }
 
 /// The error for a transaction SQLite rolled back while user code ran: the
@@ -513,6 +537,20 @@ mod tests {
     }
 
     #[test]
+    fn a_marker_is_as_old_as_retention_allows_whichever_deletes_first() {
+        let mut config = Config::default();
+        let week = i64::try_from(config.retention.as_millis()).unwrap();
+        assert!(!older_than_retention(&config, week, 0));
+        assert!(older_than_retention(&config, week + 1, 0));
+        // A clock set back reads as a fresh marker: counted, never dropped.
+        assert!(!older_than_retention(&config, 0, week * 2));
+        config.dead_retention = Some(Duration::from_secs(1));
+        assert!(older_than_retention(&config, 1_001, 0));
+        config.dead_retention = Some(config.retention * 2);
+        assert!(!older_than_retention(&config, week, 0));
+    }
+
+    #[test]
     fn recovery_counts_only_attempts_that_did_not_commit() {
         let f = fixture();
         let msg = Message::new("s", "m", "p");
@@ -522,6 +560,7 @@ mod tests {
             msg: msg.clone(),
             hash,
             prior_attempts,
+            at_ms: 10,
         };
         // Died on the first attempt: a failed row appears, due at once.
         let rec = recover_inflight(&f.conn, &f.config, 10, &inflight(0)).unwrap();
@@ -542,8 +581,7 @@ mod tests {
         // Retention deleted the completed row; its key entry stays (noted
         // retired) until the drain deletes it, and answers for it: a marker
         // left stale by a power cut (markers are written without fsync) is
-        // still seen as committed. (Once the drain has deleted the entry
-        // too, nothing is left to tell: see the power-loss notes.)
+        // still seen as committed.
         f.conn
             .execute("DELETE FROM postroom_inbox WHERE message_id = 'm'", [])
             .unwrap();
@@ -551,6 +589,34 @@ mod tests {
             recover_inflight(&f.conn, &f.config, 30, &inflight(0)).unwrap(),
             None
         );
+        // Once the drain has deleted the entry too, only the marker's age
+        // tells: retention deletes a row at the earliest `retention` after
+        // its attempt, so a marker that much older is the stale one ...
+        f.conn
+            .execute("DELETE FROM postroom_inbox_keys WHERE message_id = 'm'", [])
+            .unwrap();
+        let retention = i64::try_from(f.config.retention.as_millis()).unwrap();
+        let later = 10 + retention + 1;
+        assert_eq!(
+            recover_inflight(&f.conn, &f.config, later, &inflight(0)).unwrap(),
+            None
+        );
+        assert_eq!(
+            f.conn
+                .query_row("SELECT count(*) FROM postroom_inbox", [], |r| r
+                    .get::<_, i64>(0))
+                .unwrap(),
+            0
+        );
+        // ... and a younger one is an attempt that never committed.
+        let rec = recover_inflight(&f.conn, &f.config, later - 1, &inflight(0)).unwrap();
+        assert!(
+            matches!(rec, Some(Outcome::Failed { attempts: 1, .. })),
+            "{rec:?}"
+        );
+        f.conn
+            .execute("DELETE FROM postroom_inbox WHERE message_id = 'm'", [])
+            .unwrap();
 
         // Up to max_attempts (3) deaths, then dead with the payload.
         let other = Message::new("s", "x", "q");
@@ -561,6 +627,7 @@ mod tests {
                 msg: other.clone(),
                 hash,
                 prior_attempts: prior,
+                at_ms: 30,
             };
             let outcome = recover_inflight(&f.conn, &f.config, 30, &rec)
                 .unwrap()

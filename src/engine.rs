@@ -23,7 +23,7 @@ use crate::failpoint;
 use crate::guard::UserCodeGuard;
 use crate::handler::Tx;
 use crate::inbox;
-use crate::inflight::{ClaimSlot, EngineFile, Inflight};
+use crate::inflight::{ClaimSlot, EngineFile, Inflight, StartedClaim};
 use crate::message::{Failure, Message, Outcome, Receipt};
 use crate::outbox::{self, OutboxMessage};
 use crate::queue::{self, DeadLetter};
@@ -736,14 +736,14 @@ fn recover(
 /// attempt of an inline handler it died in (see [`crate::inflight`]), and
 /// rows it left `processing` (nothing else can hold them: the caller holds
 /// the engine lock). Of those, claims whose user code was running
-/// (`started`) become due again with their attempt counted; the others
-/// only waited, and are handed back uncounted.
+/// (`started`, under the same lease token) become due again with their
+/// attempt counted; the others only waited, and are handed back uncounted.
 pub(crate) fn recover_after_crash(
     conn: &rusqlite::Connection,
     config: &Config,
     now: i64,
     inflight: Option<&Inflight>,
-    started: &[i64],
+    started: &[StartedClaim],
 ) -> Result<()> {
     exec(conn, "BEGIN IMMEDIATE")?;
     let recovered = (|| {
@@ -752,7 +752,9 @@ pub(crate) fn recover_after_crash(
         }
         let abandoned = queue::leased(conn).map_err(|e| Error::sqlite("read leases", e))?;
         for row in &abandoned {
-            if started.contains(&row.row_id) {
+            let ran =
+                |claim: &StartedClaim| claim.row_id == row.row_id && Some(claim.token) == row.token;
+            if started.iter().any(ran) {
                 queue::expire(
                     conn,
                     row.row_id,
@@ -820,5 +822,50 @@ fn settled(conn: &Connection, consumer: &str, msg: &Message, hash: &[u8; 32]) ->
         inbox::Found::CompletedDuplicate => Some(Outcome::Duplicate),
         inbox::Found::Row { row, .. } if row.payload_hash == *hash => delivery::settled(row),
         inbox::Found::Row { .. } => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A claim slot left stale by a power cut names an earlier lease of the
+    /// row: only the lease it names counts an attempt.
+    #[test]
+    fn recovery_counts_a_started_claim_only_under_its_own_lease() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let config = Config::default();
+        crate::schema::create_private(&path).unwrap();
+        let mut conn = crate::schema::open_writer(&path, &config).unwrap();
+        crate::schema::migrate(&mut conn).unwrap();
+        let msg = Message::new("s", "m", "p");
+        let hash = *blake3::hash(msg.payload()).as_bytes();
+        let status = |conn: &Connection| -> (String, u32) {
+            conn.query_row("SELECT status, attempts FROM postroom_inbox", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .unwrap()
+        };
+        queue::receive(&conn, "c", &msg, &hash, 0).unwrap();
+        let claim = |conn: &Connection, token| {
+            let claimed = queue::claim(conn, "c", 1, 0, 60_000, token, 5).unwrap();
+            assert_eq!(claimed.len(), 1);
+            claimed[0].row_id
+        };
+        let row_id = claim(&conn, 7);
+        assert_eq!(status(&conn), ("processing".into(), 1));
+
+        // The slot names lease 3 (an earlier, finished attempt): the
+        // current lease only waited, and is handed back uncounted.
+        let stale = [StartedClaim { row_id, token: 3 }];
+        recover_after_crash(&conn, &config, 10, None, &stale).unwrap();
+        assert_eq!(status(&conn), ("pending".into(), 0));
+
+        // The slot names the current lease: its user code ran, counted.
+        claim(&conn, 8);
+        let ran = [StartedClaim { row_id, token: 8 }];
+        recover_after_crash(&conn, &config, 20, None, &ran).unwrap();
+        assert_eq!(status(&conn), ("failed".into(), 1));
     }
 }

@@ -12,9 +12,17 @@
 //! and after `max_attempts` of them the message is dead-lettered instead of
 //! crash-looping the application.
 //!
-//! Invariant: a marker is valid only if its checksum matches, so a torn or
-//! stale-after-power-loss write is ignored rather than misread. After power
-//! loss a stale marker can at worst count one extra attempt.
+//! Invariant: a marker is valid only if its checksum matches, so a torn
+//! write is ignored rather than misread. After power loss the file can hold
+//! a stale marker (one the kernel wrote back while that handler ran, whose
+//! attempt then committed). Recovery tells those apart by the database:
+//! an attempt that committed left its row with that many attempts, or
+//! completed. The one thing it cannot tell by the database is a committed
+//! attempt whose row retention has since deleted; so the marker carries
+//! the batch's clock, and recovery ignores a marker with no row that is
+//! older than retention (see `delivery::recover_inflight`). Recovery clears
+//! the file and syncs it, so a marker or claim slot of an earlier process
+//! cannot come back with a later power cut.
 //!
 //! Queued work has its attempt counted when it is claimed, so after a crash
 //! recovery must tell claims whose user code was running (counted: that
@@ -34,7 +42,9 @@ use crate::error::{Error, Result};
 use crate::message::Message;
 use crate::outbox::headers_json;
 
-const MAGIC: &[u8; 8] = b"PRMINFL1";
+/// Version 2 added the batch's clock; a version-1 marker left by an older
+/// release is ignored (at most one attempt goes uncounted on upgrade).
+const MAGIC: &[u8; 8] = b"PRMINFL2";
 /// Where the inline marker starts; the claim slots come before it.
 const RECORD_OFFSET: u64 = 4096;
 const SLOT_BYTES: u64 = 32;
@@ -53,6 +63,7 @@ pub(crate) trait InflightLog {
         msg: &Message,
         hash: &[u8; 32],
         prior_attempts: u32,
+        at_ms: i64,
     ) -> io::Result<()>;
     /// Called as soon as the handler has returned (or panicked).
     fn end(&mut self) -> io::Result<()>;
@@ -64,7 +75,7 @@ pub(crate) trait InflightLog {
 pub(crate) struct NoInflightLog;
 
 impl InflightLog for NoInflightLog {
-    fn begin(&mut self, _: &str, _: &Message, _: &[u8; 32], _: u32) -> io::Result<()> {
+    fn begin(&mut self, _: &str, _: &Message, _: &[u8; 32], _: u32, _: i64) -> io::Result<()> {
         Ok(())
     }
     fn end(&mut self) -> io::Result<()> {
@@ -79,6 +90,17 @@ pub(crate) struct Inflight {
     pub msg: Message,
     pub hash: [u8; 32],
     pub prior_attempts: u32,
+    /// The batch's clock (the engine's `now`) when the handler started.
+    pub at_ms: i64,
+}
+
+/// A claim whose user code was running when its process died.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StartedClaim {
+    pub row_id: i64,
+    /// The lease token it ran under: a slot left stale by a power cut names
+    /// an earlier lease of the row, and must not count the current one.
+    pub token: i64,
 }
 
 /// The locked engine file. Dropping it releases the lock.
@@ -134,15 +156,17 @@ impl EngineFile {
         Ok(decode(&bytes))
     }
 
-    /// Invalidates the marker and every claim slot.
+    /// Invalidates the marker and every claim slot, durably: one fsync per
+    /// engine open, so a power cut cannot bring back what recovery dealt with.
     pub fn clear(&mut self) -> io::Result<()> {
         self.file
-            .write_all_at(&[0u8; RECORD_OFFSET as usize + 8], 0)
+            .write_all_at(&[0u8; RECORD_OFFSET as usize + 8], 0)?;
+        self.file.sync_data()
     }
 
-    /// Row ids of the claims whose user code was running when the previous
-    /// process died (valid slots only).
-    pub fn started_claims(&self) -> io::Result<Vec<i64>> {
+    /// The claims whose user code was running when the previous process
+    /// died (valid slots only).
+    pub fn started_claims(&self) -> io::Result<Vec<StartedClaim>> {
         let len = self.file.metadata()?.len();
         let mut table = vec![0u8; RECORD_OFFSET.min(len) as usize];
         self.file.read_exact_at(&mut table, 0)?;
@@ -169,8 +193,9 @@ impl InflightLog for EngineFile {
         msg: &Message,
         hash: &[u8; 32],
         prior_attempts: u32,
+        at_ms: i64,
     ) -> io::Result<()> {
-        encode(&mut self.buf, consumer, msg, hash, prior_attempts);
+        encode(&mut self.buf, consumer, msg, hash, prior_attempts, at_ms);
         self.file.write_all_at(&self.buf, RECORD_OFFSET)
     }
 
@@ -230,13 +255,13 @@ fn encode_slot(row_id: i64, token: i64) -> [u8; SLOT_BYTES as usize] {
     slot
 }
 
-fn decode_slot(slot: &[u8]) -> Option<i64> {
+fn decode_slot(slot: &[u8]) -> Option<StartedClaim> {
     if &slot[..8] != SLOT_MAGIC {
         return None;
     }
     let row_id = i64::from_le_bytes(slot[8..16].try_into().ok()?);
     let token = i64::from_le_bytes(slot[16..24].try_into().ok()?);
-    (slot[24..32] == slot_check(row_id, token)).then_some(row_id)
+    (slot[24..32] == slot_check(row_id, token)).then_some(StartedClaim { row_id, token })
 }
 
 fn put_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
@@ -244,12 +269,20 @@ fn put_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
     buf.extend_from_slice(bytes);
 }
 
-fn encode(buf: &mut Vec<u8>, consumer: &str, msg: &Message, hash: &[u8; 32], prior: u32) {
+fn encode(
+    buf: &mut Vec<u8>,
+    consumer: &str,
+    msg: &Message,
+    hash: &[u8; 32],
+    prior: u32,
+    at_ms: i64,
+) {
     buf.clear();
     buf.extend_from_slice(MAGIC);
     buf.extend_from_slice(&[0; 4]); // body length, filled in below
     let body_start = buf.len();
     buf.extend_from_slice(&prior.to_le_bytes());
+    buf.extend_from_slice(&at_ms.to_le_bytes());
     buf.extend_from_slice(hash);
     put_bytes(buf, consumer.as_bytes());
     put_bytes(buf, msg.source.as_bytes());
@@ -306,6 +339,7 @@ fn decode(bytes: &[u8]) -> Option<Inflight> {
     }
     let mut b = Cursor(body);
     let prior_attempts = b.u32()?;
+    let at_ms = i64::from_le_bytes(b.take(8)?.try_into().ok()?);
     let hash: [u8; 32] = b.take(32)?.try_into().ok()?;
     let consumer = b.string()?;
     let source = b.string()?;
@@ -332,6 +366,7 @@ fn decode(bytes: &[u8]) -> Option<Inflight> {
         },
         hash,
         prior_attempts,
+        at_ms,
     })
 }
 
@@ -346,9 +381,10 @@ mod tests {
             .with_ordering_key("k");
         let hash = *blake3::hash(msg.payload()).as_bytes();
         let mut buf = Vec::new();
-        encode(&mut buf, "c", &msg, &hash, 3);
+        encode(&mut buf, "c", &msg, &hash, 3, -5);
         let back = decode(&buf).expect("valid marker");
         assert_eq!(back.consumer, "c");
+        assert_eq!(back.at_ms, -5);
         assert_eq!(back.msg, msg);
         assert_eq!(back.prior_attempts, 3);
         assert_eq!(back.hash, hash);
@@ -377,14 +413,18 @@ mod tests {
         let mut file = EngineFile::lock(&dir.path().join("x.db")).unwrap();
         let msg = Message::new("s", "m", vec![9u8; 10_000]);
         let hash = *blake3::hash(msg.payload()).as_bytes();
-        InflightLog::begin(&mut file, "c", &msg, &hash, 0).unwrap();
+        InflightLog::begin(&mut file, "c", &msg, &hash, 0, 1).unwrap();
         let mut worker = file.slot(3).unwrap();
         worker.started(42, 7).unwrap();
         ClaimMarks::started(&mut file, 41, 7).unwrap();
-        assert_eq!(file.started_claims().unwrap(), vec![41, 42]);
+        let claim = |row_id, token| StartedClaim { row_id, token };
+        assert_eq!(
+            file.started_claims().unwrap(),
+            vec![claim(41, 7), claim(42, 7)]
+        );
         assert_eq!(file.read().unwrap().unwrap().msg, msg);
         worker.finished().unwrap();
-        assert_eq!(file.started_claims().unwrap(), vec![41]);
+        assert_eq!(file.started_claims().unwrap(), vec![claim(41, 7)]);
         file.clear().unwrap();
         assert!(file.started_claims().unwrap().is_empty());
         assert!(file.read().unwrap().is_none());

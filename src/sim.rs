@@ -29,7 +29,7 @@ use crate::engine::recover_after_crash;
 use crate::guard::UserCodeGuard;
 use crate::handler::{Handler, Tx};
 use crate::inbox::Status;
-use crate::inflight::{ClaimMarks, Inflight, InflightLog};
+use crate::inflight::{ClaimMarks, Inflight, InflightLog, StartedClaim};
 use crate::message::{Failure, Message, Outcome, Outgoing, Receipt};
 use crate::outbox;
 use crate::queue;
@@ -161,12 +161,14 @@ impl InflightLog for SimLog<'_> {
         msg: &Message,
         hash: &[u8; 32],
         prior_attempts: u32,
+        at_ms: i64,
     ) -> std::io::Result<()> {
         *self.marker = Some(Inflight {
             consumer: consumer.to_owned(),
             msg: msg.clone(),
             hash: *hash,
             prior_attempts,
+            at_ms,
         });
         Ok(())
     }
@@ -181,13 +183,13 @@ impl InflightLog for SimLog<'_> {
 /// The claim marks of a simulated process: the claim whose user code runs,
 /// kept across a simulated crash like the engine file's slots.
 struct SimClaims<'a> {
-    started: &'a mut Option<i64>,
+    started: &'a mut Option<StartedClaim>,
     crashing: &'a AtomicBool,
 }
 
 impl ClaimMarks for SimClaims<'_> {
-    fn started(&mut self, row_id: i64, _token: i64) -> std::io::Result<()> {
-        *self.started = Some(row_id);
+    fn started(&mut self, row_id: i64, token: i64) -> std::io::Result<()> {
+        *self.started = Some(StartedClaim { row_id, token });
         Ok(())
     }
     fn finished(&mut self) -> std::io::Result<()> {
@@ -207,7 +209,7 @@ pub struct Machine {
     plan: Arc<Mutex<Plan>>,
     crashing: Arc<AtomicBool>,
     marker: Option<Inflight>,
-    started_claim: Option<i64>,
+    started_claim: Option<StartedClaim>,
     /// What [`Op::ReadRetired`] read, until [`Op::ApplyRetired`]; kept
     /// across a crash, as another process's stale read would be.
     read_retired: Option<retired::Retired>,
@@ -279,7 +281,7 @@ impl Machine {
             "CREATE TABLE IF NOT EXISTS sim_effects (consumer TEXT NOT NULL, message_id TEXT NOT NULL)",
         )
         .map_err(err)?;
-        let started: Vec<i64> = self.started_claim.into_iter().collect();
+        let started: Vec<StartedClaim> = self.started_claim.into_iter().collect();
         recover_after_crash(
             &conn,
             &self.config,
