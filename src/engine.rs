@@ -16,7 +16,7 @@ use rusqlite::{Connection, OpenFlags};
 
 use crate::checkpoint;
 use crate::clock::Clock;
-use crate::config::{Builder, Config, ConsumerKind};
+use crate::config::{Builder, Config, ConsumerKind, Durability};
 use crate::delivery::{self, exec, panic_message, Env};
 use crate::error::{Error, Result};
 use crate::failpoint;
@@ -726,7 +726,16 @@ fn recover(
     let started = engine_file
         .started_claims()
         .map_err(|e| Error::io("read claim marks", e))?;
+    // The clear below is durable, so what it stands for must be too: at
+    // `Normal` a power cut could otherwise keep the cleared file and lose
+    // the recovery, and with it the attempt the marker counted.
+    let set_sync = |mode| {
+        conn.pragma_update(None, "synchronous", mode)
+            .map_err(|e| Error::sqlite("set synchronous", e))
+    };
+    set_sync(Durability::Full.pragma())?;
     recover_after_crash(conn, config, clock.now_ms(), inflight.as_ref(), &started)?;
+    set_sync(config.durability.pragma())?;
     engine_file
         .clear()
         .map_err(|e| Error::io("clear in-flight marker", e))
