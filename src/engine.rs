@@ -774,7 +774,7 @@ pub(crate) fn recover_after_crash(
                 )
                 .map(drop)
             } else if let Some(token) = row.token {
-                queue::release(conn, row.row_id, token).map(drop)
+                queue::release(conn, row.row_id, token, None).map(drop)
             } else {
                 queue::expire(
                     conn,

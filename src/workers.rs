@@ -169,29 +169,69 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
 pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>, mut slot: ClaimSlot) {
     while let Ok(claim) = claims.recv() {
         let (row_id, token) = (claim.row_id, claim.token);
-        if shared.stopping.load(Ordering::Acquire) {
-            let result = shared.writer.submit(move |w| {
-                queue::release(w.conn, row_id, token).map_err(|e| Error::sqlite("release claim", e))
-            });
-            if let Err(e) = result {
-                log::warn!("postroom worker: releasing row {row_id}: {e}; recovered at next open");
+        // Whether the row is no longer this claim's: finished, handed back,
+        // or taken over. Otherwise its lease stays on the monotonic clock
+        // for the reaper.
+        let settled = if shared.stopping.load(Ordering::Acquire) {
+            match release(&shared, row_id, token, false) {
+                Ok(()) => true,
+                Err(e) => {
+                    log::warn!(
+                        "postroom worker: releasing row {row_id}: {e}; recovered at next open"
+                    );
+                    false
+                }
             }
         } else {
             match process(&shared, claim, &mut slot) {
-                Ok(Some(outcome)) => log::debug!("postroom worker: row {row_id}: {outcome:?}"),
-                Ok(None) => log::warn!(
-                    "postroom worker: row {row_id}: lease lost (expired and claimed again); \
-                     this attempt's result was discarded"
-                ),
-                Err(e) => log::error!(
-                    "postroom worker: row {row_id}: {e}; retried once its lease expires"
-                ),
+                Ok(Some(outcome)) => {
+                    log::debug!("postroom worker: row {row_id}: {outcome:?}");
+                    true
+                }
+                Ok(None) => {
+                    log::warn!(
+                        "postroom worker: row {row_id}: lease lost (expired and claimed again); \
+                         this attempt's result was discarded"
+                    );
+                    true
+                }
+                // The storage failed (or the engine is closing), not the
+                // message: like a `deliver` that fails so, it counts no
+                // attempt. Left to expire, the lease would count one per
+                // span of the failure, and dead-letter the message.
+                Err(e) => match release(&shared, row_id, token, true) {
+                    Ok(()) => {
+                        log::warn!("postroom worker: row {row_id}: {e}; handed back uncounted");
+                        true
+                    }
+                    Err(again) => {
+                        log::error!(
+                            "postroom worker: row {row_id}: {e}; handing it back failed too \
+                             ({again}); retried once its lease expires"
+                        );
+                        false
+                    }
+                },
             }
+        };
+        if settled {
+            shared.leases.remove(row_id, Some(token));
         }
-        shared.leases.remove(row_id, Some(token));
         shared.in_flight.fetch_sub(1, Ordering::AcqRel);
         shared.wake();
     }
+}
+
+/// Hands a claim back uncounted. `later`: due again after the first retry
+/// delay, so a storage failure that lasts does not spin the claim loop.
+fn release(shared: &Shared, row_id: i64, token: i64, later: bool) -> Result<()> {
+    let delay = i64::try_from(shared.config.retry.initial.as_millis()).unwrap_or(i64::MAX);
+    shared.writer.submit(move |w| {
+        let due_at = later.then(|| w.clock.now_ms().saturating_add(delay));
+        queue::release(w.conn, row_id, token, due_at)
+            .map(drop)
+            .map_err(|e| Error::sqlite("release claim", e))
+    })
 }
 
 /// Runs one claimed row. `Ok(None)`: the lease was lost, nothing recorded.

@@ -471,6 +471,62 @@ fn writes_after_sqlite_rolled_back_by_itself_are_not_committed() {
     assert_eq!(count(&conn, "SELECT count(*) FROM postroom_outbox"), 1);
 }
 
+/// Queued work that a full disk fails is the storage's fault, not the
+/// message's: the claim is handed back uncounted, as a failed `deliver`
+/// counts no attempt. (Left to expire, each lease counted an attempt, and
+/// the message went dead, "lease expired", after `max_attempts` leases.)
+#[test]
+fn queued_work_failing_on_a_full_disk_uses_up_no_attempts() {
+    let dir = tempfile::tempdir().unwrap();
+    let runs = Arc::new(AtomicU32::new(0));
+    let r = Arc::clone(&runs);
+    let room = Postroom::builder()
+        .max_attempts(3)
+        .lease(Duration::from_millis(200))
+        .reaper_interval(Duration::from_millis(20))
+        .poll_interval(Duration::from_millis(10))
+        .backoff(Duration::from_millis(5), Duration::from_millis(20))
+        .consumer(
+            "c",
+            handler_fn(move |tx, msg| {
+                r.fetch_add(1, Ordering::SeqCst);
+                tx.execute(
+                    "INSERT INTO applied (consumer, message_id, payload) VALUES ('c', ?1, ?2)",
+                    rusqlite::params![msg.id(), vec![0u8; 200_000]],
+                )?;
+                Ok(())
+            }),
+        )
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    create_domain(&room);
+    tighten_quota(&room);
+    room.receive("c", Message::new("b", "m", "small")).unwrap();
+    let conn = raw(room.path());
+    let row = || -> (String, u32) {
+        conn.query_row(
+            "SELECT status, attempts FROM postroom_inbox WHERE message_id = 'm'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap()
+    };
+    // Several lease spans of a full disk (a dead row ends the wait early).
+    eventually(30, "the handler to run 5 times", || {
+        runs.load(Ordering::SeqCst) >= 5 || row().0 == "dead"
+    });
+    std::thread::sleep(Duration::from_millis(600));
+    let (status, attempts) = row();
+    assert!(
+        status != "dead" && attempts <= 1,
+        "a full disk used up attempts: {status}, {attempts} attempt(s)"
+    );
+    lift_quota(&room);
+    eventually(30, "the message to complete", || row().0 == "completed");
+    assert_eq!(row().1, 1, "only the attempt that succeeded counts");
+    assert_eq!(applied_count(&conn, "m"), 1);
+}
+
 /// Storage errors in a `transaction` closure, or in a handler that panics
 /// on them, are reported as retryable storage errors, not as bugs.
 #[test]
