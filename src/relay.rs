@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use rusqlite::{Connection, OpenFlags};
 
-use crate::config::Config;
+use crate::checkpoint;
+use crate::config::{Config, Durability};
 use crate::delivery::panic_message;
 use crate::engine::Postroom;
 use crate::error::{Error, Result};
@@ -329,6 +330,7 @@ pub(crate) fn relay(
             return;
         }
     };
+    let wal = checkpoint::wal_path(&shared.path);
     let mut stop_at: Option<Instant> = None;
     loop {
         if stop_at.is_some_and(|at| Instant::now() >= at) {
@@ -352,6 +354,18 @@ pub(crate) fn relay(
                 default(shared.config.relay_poll) => {}
             }
             continue;
+        }
+        // At `Normal` the batch's commits may not be on disk yet (the relay
+        // is woken at COMMIT). Nothing may leave the process that a power
+        // cut could still take back: the sink would keep an effect this
+        // database lost, and the message's redelivery would publish it again
+        // under a new id. So the WAL is synced first: one fsync per batch.
+        if shared.config.durability == Durability::Normal {
+            if let Err(e) = checkpoint::sync_wal(&wal) {
+                log::warn!("postroom relay: WAL fsync failed: {e}; batch held back");
+                std::thread::sleep(shared.config.relay_poll.min(Duration::from_secs(1)));
+                continue;
+            }
         }
         let results =
             panic::catch_unwind(AssertUnwindSafe(|| sink.send(&batch))).unwrap_or_else(|panic| {
