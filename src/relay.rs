@@ -323,11 +323,25 @@ pub(crate) fn relay(
     wake: Receiver<()>,
     stop: Receiver<StopAt>,
 ) {
-    let conn = match open_reader(&shared.path, shared.config.busy_timeout) {
-        Ok(conn) => conn,
-        Err(e) => {
-            log::error!("postroom relay: cannot open the database: {e}; outbox not relayed");
-            return;
+    // Keeps trying (out of file descriptors, say): giving up would leave
+    // the outbox unrelayed for the life of the process, with no error
+    // anywhere but the log.
+    let mut pause = Duration::from_millis(100);
+    let conn = loop {
+        let opened = failpoint::hit("relay.open").and_then(|()| {
+            open_reader(&shared.path, shared.config.busy_timeout)
+                .map_err(|e| Error::sqlite("open relay connection", e))
+        });
+        match opened {
+            Ok(conn) => break conn,
+            Err(e) => {
+                log::error!("postroom relay: cannot open the database: {e}; again in {pause:?}");
+                match stop.recv_timeout(pause) {
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+                    _ => return,
+                }
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
         }
     };
     let wal = checkpoint::wal_path(&shared.path);

@@ -31,8 +31,53 @@ fn child_main() {
         return;
     };
     report("");
-    assert_eq!(role, "matrix");
-    run_workload(&db);
+    match role.as_str() {
+        "matrix" => run_workload(&db),
+        "relay_open" => relay_after_failed_opens(&db),
+        other => panic!("unknown child role {other}"),
+    }
+}
+
+/// A relay whose first connection attempts fail (`relay.open` armed by the
+/// parent) still relays: it keeps trying instead of giving up for the life
+/// of the process.
+fn relay_after_failed_opens(db: &Path) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    let room = Postroom::builder()
+        .sink(postroom::sink_fn(move |m| {
+            let _ = tx.lock().unwrap().send(m.id.clone());
+            postroom::SendResult::Sent
+        }))
+        .open(db)
+        .unwrap();
+    room.transaction(|tx| {
+        tx.publish(postroom::Outgoing::new("t", "x"))?;
+        Ok(())
+    })
+    .unwrap();
+    // The relay's first open fails; it tries again 100 ms later.
+    match rx.recv_timeout(Duration::from_secs(20)) {
+        Ok(_) => report("RELAYED"),
+        Err(_) => report("NOT RELAYED"),
+    }
+    room.shutdown(Duration::from_secs(5)).unwrap();
+}
+
+#[test]
+fn a_relay_that_cannot_open_its_connection_keeps_trying() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("a.db");
+    let mut child = spawn_child(
+        "relay_open",
+        &db,
+        &[("POSTROOM_FAILPOINTS", "relay.open=error@1".to_owned())],
+    );
+    let lines = lines_of(&mut child);
+    let before = wait_for(&lines, "RELAYED");
+    assert!(!before.contains(&"NOT RELAYED".to_owned()), "{before:?}");
+    let status = wait_or_kill(&mut child, 30, "relay_open child");
+    assert!(status.success(), "{status:?}");
 }
 
 fn b_path(db: &Path) -> PathBuf {
