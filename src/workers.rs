@@ -195,10 +195,16 @@ pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>, mut slot: Cla
                     );
                     true
                 }
-                // The storage failed (or the engine is closing), not the
-                // message: like a `deliver` that fails so, it counts no
-                // attempt. Left to expire, the lease would count one per
-                // span of the failure, and dead-letter the message.
+                Err(Error::Closed) => {
+                    log::warn!(
+                        "postroom worker: row {row_id}: engine closed; recovered at next open"
+                    );
+                    false
+                }
+                // The storage failed, not the message: like a `deliver`
+                // that fails so, it counts no attempt. Left to expire, the
+                // lease would count one per span of the failure, and
+                // dead-letter the message.
                 Err(e) => match release(&shared, row_id, token, true) {
                     Ok(()) => {
                         log::warn!("postroom worker: row {row_id}: {e}; handed back uncounted");
