@@ -39,8 +39,8 @@ pub enum Durability {
     /// checkpointer at most about a second after a commit, so a power cut
     /// loses about the last second of acknowledged commits. Several times
     /// faster for one caller at a time. The relay fsyncs the WAL before
-    /// each batch it hands to the sink, so nothing leaves the process that
-    /// a power cut could still take back.
+    /// each batch it hands to the sink, so the sink never gets a row that a
+    /// power cut could still take back.
     Normal,
 }
 

@@ -761,6 +761,11 @@ pub(crate) fn recover_after_crash(
         }
         let abandoned = queue::leased(conn).map_err(|e| Error::sqlite("read leases", e))?;
         for row in &abandoned {
+            // Tokens restart at 1 in every process, so a slot and a lease
+            // may only be compared if both come from the same process: the
+            // previous one. They do: the recovery before it committed at
+            // FULL and then fsynced the cleared slots (`recover`), so neither
+            // an older slot nor an older lease survives a power cut.
             let ran =
                 |claim: &StartedClaim| claim.row_id == row.row_id && Some(claim.token) == row.token;
             if started.iter().any(ran) {

@@ -370,14 +370,19 @@ pub(crate) fn relay(
             continue;
         }
         // At `Normal` the batch's commits may not be on disk yet (the relay
-        // is woken at COMMIT). Nothing may leave the process that a power
-        // cut could still take back: the sink would keep an effect this
-        // database lost, and the message's redelivery would publish it again
-        // under a new id. So the WAL is synced first: one fsync per batch.
+        // is woken at COMMIT). The sink must not get a row a power cut could
+        // still take back: it would keep an effect this database lost, and
+        // the message's redelivery would publish it again under a new id.
+        // So the WAL is synced first: one fsync per batch.
         if shared.config.durability == Durability::Normal {
             if let Err(e) = checkpoint::sync_wal(&wal) {
                 log::warn!("postroom relay: WAL fsync failed: {e}; batch held back");
-                std::thread::sleep(shared.config.relay_poll.min(Duration::from_secs(1)));
+                // Waits on the stop, so a failing disk cannot hang shutdown.
+                match stop.recv_timeout(shared.config.relay_poll.min(Duration::from_secs(1))) {
+                    Ok(at) if stop_at.is_none() => stop_at = Some(at),
+                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+                    _ => {}
+                }
                 continue;
             }
         }

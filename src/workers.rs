@@ -169,6 +169,12 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
 pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>, mut slot: ClaimSlot) {
     while let Ok(claim) = claims.recv() {
         let (row_id, token) = (claim.row_id, claim.token);
+        // A transactional step that fails leaves no trace; an effectful
+        // one's external call has happened (see the Err arm below).
+        let transactional = shared
+            .consumers
+            .get(&claim.consumer)
+            .is_some_and(|c| matches!(c.kind, ConsumerKind::Transactional(_)));
         // Whether the row is no longer this claim's: finished, handed back,
         // or taken over. Otherwise its lease stays on the monotonic clock
         // for the reaper.
@@ -201,23 +207,34 @@ pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>, mut slot: Cla
                     );
                     false
                 }
-                // The storage failed, not the message: like a `deliver`
-                // that fails so, it counts no attempt. Left to expire, the
-                // lease would count one per span of the failure, and
-                // dead-letter the message.
-                Err(e) => match release(&shared, row_id, token, true) {
-                    Ok(()) => {
-                        log::warn!("postroom worker: row {row_id}: {e}; handed back uncounted");
-                        true
+                // The storage failed (disk full, busy, a failed commit),
+                // not the message, and the step left no trace: like a
+                // `deliver` that fails so, it counts no attempt. Left to
+                // expire, the lease would count one per span of the
+                // failure, and dead-letter the message. Anything else, or
+                // an effectful step whose external call has happened, is
+                // counted as before: its lease expires.
+                Err(e) if e.is_retryable() && transactional => {
+                    match release(&shared, row_id, token, true) {
+                        Ok(()) => {
+                            log::warn!("postroom worker: row {row_id}: {e}; handed back uncounted");
+                            true
+                        }
+                        Err(again) => {
+                            log::error!(
+                                "postroom worker: row {row_id}: {e}; handing it back failed \
+                                 too ({again}); retried once its lease expires"
+                            );
+                            false
+                        }
                     }
-                    Err(again) => {
-                        log::error!(
-                            "postroom worker: row {row_id}: {e}; handing it back failed too \
-                             ({again}); retried once its lease expires"
-                        );
-                        false
-                    }
-                },
+                }
+                Err(e) => {
+                    log::error!(
+                        "postroom worker: row {row_id}: {e}; retried once its lease expires"
+                    );
+                    false
+                }
             }
         };
         if settled {
@@ -229,9 +246,12 @@ pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>, mut slot: Cla
 }
 
 /// Hands a claim back uncounted. `later`: due again after the first retry
-/// delay, so a storage failure that lasts does not spin the claim loop.
+/// delay (at least the poll interval), so a storage failure that lasts
+/// does not spin the claim loop.
 fn release(shared: &Shared, row_id: i64, token: i64, later: bool) -> Result<()> {
-    let delay = i64::try_from(shared.config.retry.initial.as_millis()).unwrap_or(i64::MAX);
+    let config = &shared.config;
+    let delay = config.retry.initial.max(config.poll_interval);
+    let delay = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
     shared.writer.submit(move |w| {
         let due_at = later.then(|| w.clock.now_ms().saturating_add(delay));
         queue::release(w.conn, row_id, token, due_at)

@@ -475,6 +475,8 @@ fn writes_after_sqlite_rolled_back_by_itself_are_not_committed() {
 /// message's: the claim is handed back uncounted, as a failed `deliver`
 /// counts no attempt. (Left to expire, each lease counted an attempt, and
 /// the message went dead, "lease expired", after `max_attempts` leases.)
+/// The lease is long enough that no stall of a loaded machine expires one
+/// while a claim is being handed back.
 #[test]
 fn queued_work_failing_on_a_full_disk_uses_up_no_attempts() {
     let dir = tempfile::tempdir().unwrap();
@@ -482,7 +484,7 @@ fn queued_work_failing_on_a_full_disk_uses_up_no_attempts() {
     let r = Arc::clone(&runs);
     let room = Postroom::builder()
         .max_attempts(3)
-        .lease(Duration::from_millis(200))
+        .lease(Duration::from_secs(2))
         .reaper_interval(Duration::from_millis(20))
         .poll_interval(Duration::from_millis(10))
         .backoff(Duration::from_millis(5), Duration::from_millis(20))

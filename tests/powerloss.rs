@@ -759,7 +759,7 @@ fn relay_consistent(a: &Path, b: &Path, context: &str) -> (usize, usize) {
 /// only rows A kept, and every row A kept as sent.
 #[test]
 fn at_normal_durability_the_relay_hands_over_only_what_a_power_cut_keeps() {
-    let cuts = env_u64("POSTROOM_POWER_CUTS").map_or(20, |n| n / 2);
+    let cuts = env_u64("POSTROOM_POWER_CUTS").map_or(20, |n| (n / 2).max(1));
     let seed = seed();
     eprintln!("power cuts, relay from a Normal upstream: {cuts} cuts, POSTROOM_SEED={seed}");
     let dir = tempfile::tempdir().unwrap();
