@@ -40,6 +40,7 @@ use rusqlite::{
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
 
+use crate::clock;
 use crate::error::{Error, Result};
 use crate::inbox::{self, Status};
 use crate::message::Headers;
@@ -78,7 +79,7 @@ const TABLES: [&str; 6] = [
 pub fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .map(clock::millis)
         .unwrap_or(0)
 }
 
@@ -1141,7 +1142,7 @@ pub fn cleanup(
     retention: Duration,
     dry_run: bool,
 ) -> Result<CleanupSummary> {
-    let keep = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+    let keep = clock::millis(retention);
     let cutoff = now_ms.saturating_sub(keep);
     let mut summary = CleanupSummary {
         cutoff_ms: cutoff,

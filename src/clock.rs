@@ -13,6 +13,12 @@ pub trait Clock: Send + Sync + 'static {
     fn now_ms(&self) -> i64;
 }
 
+/// A duration in the milliseconds stored timestamps use, saturating (a
+/// duration past `i64::MAX` ms is "never").
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
 /// The system's wall clock.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SystemClock;
@@ -21,7 +27,7 @@ impl Clock for SystemClock {
     fn now_ms(&self) -> i64 {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+            .map(millis)
             .unwrap_or(0)
     }
 }
@@ -46,8 +52,7 @@ impl ManualClock {
 
     /// Moves the clock forward.
     pub fn advance(&self, by: Duration) {
-        let ms = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
-        self.0.fetch_add(ms, Ordering::SeqCst);
+        self.0.fetch_add(millis(by), Ordering::SeqCst);
     }
 
     /// Sets the clock to `ms`.

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use rusqlite::{Connection, ErrorCode};
 
+use crate::clock;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::failpoint;
@@ -240,7 +241,7 @@ pub(crate) fn finish(
     }
     let delay =
         after.unwrap_or_else(|| config.retry.delay(attempt, jitter(consumer, msg, attempt)));
-    let next = now.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+    let next = now.saturating_add(clock::millis(delay));
     record(env, at, Status::Failed, Some(&reason), Some(next))?;
     Ok(Outcome::Failed {
         attempts: attempt,
@@ -369,8 +370,7 @@ fn older_than_retention(config: &Config, now_ms: i64, at_ms: i64) -> bool {
     let horizon = config
         .dead_retention
         .map_or(config.retention, |dead| dead.min(config.retention));
-    let horizon = i64::try_from(horizon.as_millis()).unwrap_or(i64::MAX);
-    now_ms.saturating_sub(at_ms) > horizon
+    now_ms.saturating_sub(at_ms) > clock::millis(horizon)
 }
 
 /// The error for a transaction SQLite rolled back while user code ran: the
@@ -539,7 +539,7 @@ mod tests {
     #[test]
     fn a_marker_is_as_old_as_retention_allows_whichever_deletes_first() {
         let mut config = Config::default();
-        let week = i64::try_from(config.retention.as_millis()).unwrap();
+        let week = clock::millis(config.retention);
         assert!(!older_than_retention(&config, week, 0));
         assert!(older_than_retention(&config, week + 1, 0));
         // A clock set back reads as a fresh marker: counted, never dropped.
@@ -562,61 +562,45 @@ mod tests {
             prior_attempts,
             at_ms: 10,
         };
+        let recover =
+            |now, prior| recover_inflight(&f.conn, &f.config, now, &inflight(prior)).unwrap();
+        let exec = |sql| {
+            f.conn.execute(sql, []).unwrap();
+        };
         // Died on the first attempt: a failed row appears, due at once.
-        let rec = recover_inflight(&f.conn, &f.config, 10, &inflight(0)).unwrap();
+        let rec = recover(10, 0);
         assert!(matches!(rec, Some(Outcome::Failed { attempts: 1, .. })));
         // Running the same recovery again (a crash during recovery) is a no-op.
-        assert_eq!(
-            recover_inflight(&f.conn, &f.config, 10, &inflight(0)).unwrap(),
-            None
-        );
+        assert_eq!(recover(10, 0), None);
         // The second attempt committed: the marker is stale, nothing counted.
         let ok = failing_until(1);
         assert_eq!(f.deliver(10, &ok, &msg), Outcome::Processed { attempts: 2 });
-        assert_eq!(
-            recover_inflight(&f.conn, &f.config, 20, &inflight(1)).unwrap(),
-            None
-        );
+        assert_eq!(recover(20, 1), None);
 
         // Retention deleted the completed row; its key entry stays (noted
         // retired) until the drain deletes it, and answers for it: a marker
         // left stale by a power cut (markers are written without fsync) is
         // still seen as committed.
-        f.conn
-            .execute("DELETE FROM postroom_inbox WHERE message_id = 'm'", [])
-            .unwrap();
-        assert_eq!(
-            recover_inflight(&f.conn, &f.config, 30, &inflight(0)).unwrap(),
-            None
-        );
+        exec("DELETE FROM postroom_inbox WHERE message_id = 'm'");
+        assert_eq!(recover(30, 0), None);
         // Once the drain has deleted the entry too, only the marker's age
         // tells: retention deletes a row at the earliest `retention` after
         // its attempt, so a marker that much older is the stale one ...
-        f.conn
-            .execute("DELETE FROM postroom_inbox_keys WHERE message_id = 'm'", [])
+        exec("DELETE FROM postroom_inbox_keys WHERE message_id = 'm'");
+        let later = 10 + clock::millis(f.config.retention) + 1;
+        assert_eq!(recover(later, 0), None);
+        let rows: i64 = f
+            .conn
+            .query_row("SELECT count(*) FROM postroom_inbox", [], |r| r.get(0))
             .unwrap();
-        let retention = i64::try_from(f.config.retention.as_millis()).unwrap();
-        let later = 10 + retention + 1;
-        assert_eq!(
-            recover_inflight(&f.conn, &f.config, later, &inflight(0)).unwrap(),
-            None
-        );
-        assert_eq!(
-            f.conn
-                .query_row("SELECT count(*) FROM postroom_inbox", [], |r| r
-                    .get::<_, i64>(0))
-                .unwrap(),
-            0
-        );
+        assert_eq!(rows, 0);
         // ... and a younger one is an attempt that never committed.
-        let rec = recover_inflight(&f.conn, &f.config, later - 1, &inflight(0)).unwrap();
+        let rec = recover(later - 1, 0);
         assert!(
             matches!(rec, Some(Outcome::Failed { attempts: 1, .. })),
             "{rec:?}"
         );
-        f.conn
-            .execute("DELETE FROM postroom_inbox WHERE message_id = 'm'", [])
-            .unwrap();
+        exec("DELETE FROM postroom_inbox WHERE message_id = 'm'");
 
         // Up to max_attempts (3) deaths, then dead with the payload.
         let other = Message::new("s", "x", "q");

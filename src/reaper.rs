@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
+use crate::clock;
 use crate::engine::{read_connection, Readers};
 use crate::error::{Error, Result};
 use crate::failpoint;
@@ -148,7 +149,7 @@ fn delete_in_batches(
     delete: fn(&rusqlite::Connection, i64, usize) -> rusqlite::Result<usize>,
     max: u64,
 ) -> Result<(u64, bool)> {
-    let keep_ms = i64::try_from(keep_for.as_millis()).unwrap_or(i64::MAX);
+    let keep_ms = clock::millis(keep_for);
     let cutoff = shared.clock.now_ms().saturating_sub(keep_ms);
     let mut total = 0u64;
     loop {

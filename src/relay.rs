@@ -25,6 +25,7 @@ use crossbeam_channel::{Receiver, Sender};
 use rusqlite::{Connection, OpenFlags};
 
 use crate::checkpoint;
+use crate::clock;
 use crate::config::{Config, Durability};
 use crate::delivery::panic_message;
 use crate::engine::Postroom;
@@ -377,11 +378,8 @@ pub(crate) fn relay(
         if shared.config.durability == Durability::Normal {
             if let Err(e) = checkpoint::sync_wal(&wal) {
                 log::warn!("postroom relay: WAL fsync failed: {e}; batch held back");
-                // Waits on the stop, so a failing disk cannot hang shutdown.
-                match stop.recv_timeout(shared.config.relay_poll.min(Duration::from_secs(1))) {
-                    Ok(at) if stop_at.is_none() => stop_at = Some(at),
-                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
-                    _ => {}
+                if !pause_after_failure(&shared, &stop, &mut stop_at) {
+                    return;
                 }
                 continue;
             }
@@ -402,9 +400,11 @@ pub(crate) fn relay(
             Err(Error::Closed) => return,
             Err(e) => {
                 // Nothing marked: the rows are handed over again (at least
-                // once), after a pause so a failing disk is not hammered.
+                // once), after a pause.
                 log::warn!("postroom relay: recording results: {e}");
-                std::thread::sleep(shared.config.relay_poll.min(Duration::from_secs(1)));
+                if !pause_after_failure(&shared, &stop, &mut stop_at) {
+                    return;
+                }
             }
         }
         if stop_at.is_some() && !progress {
@@ -415,6 +415,24 @@ pub(crate) fn relay(
                 stop_at = Some(at);
             }
         }
+    }
+}
+
+/// Pauses after a failure, so a failing disk is not hammered, taking a stop
+/// that arrives meanwhile (a failing disk must not hang shutdown). False
+/// when the engine is gone.
+fn pause_after_failure(
+    shared: &Shared,
+    stop: &Receiver<StopAt>,
+    stop_at: &mut Option<Instant>,
+) -> bool {
+    match stop.recv_timeout(shared.config.relay_poll.min(Duration::from_secs(1))) {
+        Ok(at) => {
+            stop_at.get_or_insert(at);
+            true
+        }
+        Err(crossbeam_channel::RecvTimeoutError::Timeout) => true,
+        Err(crossbeam_channel::RecvTimeoutError::Disconnected) => false,
     }
 }
 
@@ -451,7 +469,7 @@ pub(crate) fn record_results(
                 let attempt = msg.attempts.saturating_add(1);
                 let delay =
                     after.unwrap_or_else(|| config.retry.delay(attempt, jitter(msg.seq, attempt)));
-                let next = now.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+                let next = now.saturating_add(clock::millis(delay));
                 outbox::mark_failed(conn, msg.seq, &reason, next, config.max_attempts, false)
                     .map_err(sql)?;
                 if let Some(key) = msg.key.as_deref() {

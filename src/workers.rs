@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::clock::Clock;
+use crate::clock::{self, Clock};
 use crate::config::{Config, ConsumerKind};
 use crate::delivery::{finish, panic_message, run_user_step, Attempt, Env};
 use crate::error::{Error, Result};
@@ -107,7 +107,7 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
     let mut names: Vec<String> = shared.consumers.keys().cloned().collect();
     names.sort();
     let lease = shared.config.lease;
-    let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
+    let lease_ms = clock::millis(lease);
     while !shared.stopping.load(Ordering::Acquire) {
         let free = shared
             .config
@@ -169,15 +169,6 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
 pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>, mut slot: ClaimSlot) {
     while let Ok(claim) = claims.recv() {
         let (row_id, token) = (claim.row_id, claim.token);
-        // A transactional step that fails leaves no trace; an effectful
-        // one's external call has happened (see the Err arm below).
-        let transactional = shared
-            .consumers
-            .get(&claim.consumer)
-            .is_some_and(|c| matches!(c.kind, ConsumerKind::Transactional(_)));
-        // Whether the row is no longer this claim's: finished, handed back,
-        // or taken over. Otherwise its lease stays on the monotonic clock
-        // for the reaper.
         let settled = if shared.stopping.load(Ordering::Acquire) {
             match release(&shared, row_id, token, false) {
                 Ok(()) => true,
@@ -189,54 +180,10 @@ pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>, mut slot: Cla
                 }
             }
         } else {
-            match process(&shared, claim, &mut slot) {
-                Ok(Some(outcome)) => {
-                    log::debug!("postroom worker: row {row_id}: {outcome:?}");
-                    true
-                }
-                Ok(None) => {
-                    log::warn!(
-                        "postroom worker: row {row_id}: lease lost (expired and claimed again); \
-                         this attempt's result was discarded"
-                    );
-                    true
-                }
-                Err(Error::Closed) => {
-                    log::warn!(
-                        "postroom worker: row {row_id}: engine closed; recovered at next open"
-                    );
-                    false
-                }
-                // The storage failed (disk full, busy, a failed commit),
-                // not the message, and the step left no trace: like a
-                // `deliver` that fails so, it counts no attempt. Left to
-                // expire, the lease would count one per span of the
-                // failure, and dead-letter the message. Anything else, or
-                // an effectful step whose external call has happened, is
-                // counted as before: its lease expires.
-                Err(e) if e.is_retryable() && transactional => {
-                    match release(&shared, row_id, token, true) {
-                        Ok(()) => {
-                            log::warn!("postroom worker: row {row_id}: {e}; handed back uncounted");
-                            true
-                        }
-                        Err(again) => {
-                            log::error!(
-                                "postroom worker: row {row_id}: {e}; handing it back failed \
-                                 too ({again}); retried once its lease expires"
-                            );
-                            false
-                        }
-                    }
-                }
-                Err(e) => {
-                    log::error!(
-                        "postroom worker: row {row_id}: {e}; retried once its lease expires"
-                    );
-                    false
-                }
-            }
+            run(&shared, claim, &mut slot)
         };
+        // A row not settled keeps its lease on the monotonic clock, for
+        // the reaper.
         if settled {
             shared.leases.remove(row_id, Some(token));
         }
@@ -245,13 +192,67 @@ pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>, mut slot: Cla
     }
 }
 
+/// Runs a claim; true when the row is no longer the claim's (finished,
+/// handed back, or taken over).
+fn run(shared: &Shared, claim: Claimed, slot: &mut ClaimSlot) -> bool {
+    let (row_id, token) = (claim.row_id, claim.token);
+    let Some(consumer) = shared.consumers.get(&claim.consumer) else {
+        log::error!(
+            "postroom worker: row {row_id}: no consumer {:?}; retried once its lease expires",
+            claim.consumer
+        );
+        return false;
+    };
+    match process(shared, consumer, claim, slot) {
+        Ok(Some(outcome)) => {
+            log::debug!("postroom worker: row {row_id}: {outcome:?}");
+            true
+        }
+        Ok(None) => {
+            log::warn!(
+                "postroom worker: row {row_id}: lease lost (expired and claimed again); \
+                 this attempt's result was discarded"
+            );
+            true
+        }
+        Err(Error::Closed) => {
+            log::warn!("postroom worker: row {row_id}: engine closed; recovered at next open");
+            false
+        }
+        // The storage failed (disk full, busy, a failed commit), not the
+        // message, and a transactional step leaves no trace: like a
+        // `deliver` that fails so, it counts no attempt. Left to expire, the
+        // lease would count one per span of the failure, and dead-letter the
+        // message. Anything else, or an effectful step whose external call
+        // has happened, is counted as before: its lease expires.
+        Err(e) if e.is_retryable() && matches!(consumer.kind, ConsumerKind::Transactional(_)) => {
+            match release(shared, row_id, token, true) {
+                Ok(()) => {
+                    log::warn!("postroom worker: row {row_id}: {e}; handed back uncounted");
+                    true
+                }
+                Err(again) => {
+                    log::error!(
+                        "postroom worker: row {row_id}: {e}; handing it back failed too \
+                         ({again}); retried once its lease expires"
+                    );
+                    false
+                }
+            }
+        }
+        Err(e) => {
+            log::error!("postroom worker: row {row_id}: {e}; retried once its lease expires");
+            false
+        }
+    }
+}
+
 /// Hands a claim back uncounted. `later`: due again after the first retry
 /// delay (at least the poll interval), so a storage failure that lasts
 /// does not spin the claim loop.
 fn release(shared: &Shared, row_id: i64, token: i64, later: bool) -> Result<()> {
     let config = &shared.config;
-    let delay = config.retry.initial.max(config.poll_interval);
-    let delay = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+    let delay = clock::millis(config.retry.initial.max(config.poll_interval));
     shared.writer.submit(move |w| {
         let due_at = later.then(|| w.clock.now_ms().saturating_add(delay));
         queue::release(w.conn, row_id, token, due_at)
@@ -261,12 +262,12 @@ fn release(shared: &Shared, row_id: i64, token: i64, later: bool) -> Result<()> 
 }
 
 /// Runs one claimed row. `Ok(None)`: the lease was lost, nothing recorded.
-fn process(shared: &Shared, claim: Claimed, slot: &mut ClaimSlot) -> Result<Option<Outcome>> {
-    let Some(consumer) = shared.consumers.get(&claim.consumer) else {
-        return Err(Error::UnknownConsumer {
-            consumer: claim.consumer,
-        });
-    };
+fn process(
+    shared: &Shared,
+    consumer: &Consumer,
+    claim: Claimed,
+    slot: &mut ClaimSlot,
+) -> Result<Option<Outcome>> {
     match &consumer.kind {
         ConsumerKind::Transactional(handler) => {
             let handler = Arc::clone(handler);

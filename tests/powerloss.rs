@@ -680,6 +680,15 @@ fn b_path(db: &Path) -> PathBuf {
     db.with_file_name("b.db")
 }
 
+/// A's and B's files in `dir`, cut together.
+fn two_services(dir: &Path) -> (PathBuf, PathBuf, Disk) {
+    let a = prepared_db(dir, "a.db");
+    let b = prepared_db(dir, "b.db");
+    assert_eq!(b, b_path(&a));
+    let disk = Disk::new(&[&a, &b]);
+    (a, b, disk)
+}
+
 /// Service B: records each message it gets; publishes nothing.
 fn downstream(db: &Path) -> Arc<Postroom> {
     let room = base()
@@ -763,9 +772,7 @@ fn at_normal_durability_the_relay_hands_over_only_what_a_power_cut_keeps() {
     let seed = seed();
     eprintln!("power cuts, relay from a Normal upstream: {cuts} cuts, POSTROOM_SEED={seed}");
     let dir = tempfile::tempdir().unwrap();
-    let a = prepared_db(dir.path(), "a.db");
-    let b = prepared_db(dir.path(), "b.db");
-    let disk = Disk::new(&[&a, &b]);
+    let (_, _, disk) = two_services(dir.path());
     let mut rng = Rng::new(seed);
     let (mut sent_at_cuts, mut lost_in_a) = (0, 0);
     power_cycles(
@@ -798,10 +805,7 @@ fn power_cuts_around_the_relay_lose_nothing_between_two_databases() {
     let seed = seed();
     eprintln!("power cuts, relay: {cuts} cuts, POSTROOM_SEED={seed}");
     let dir = tempfile::tempdir().unwrap();
-    let a = prepared_db(dir.path(), "a.db");
-    let b = prepared_db(dir.path(), "b.db");
-    assert_eq!(b, b_path(&a));
-    let disk = Disk::new(&[&a, &b]);
+    let (a, b, disk) = two_services(dir.path());
     let mut rng = Rng::new(seed);
     let mut sent_at_cuts = 0;
     let said = power_cycles(
