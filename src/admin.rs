@@ -968,10 +968,15 @@ pub fn redrive_outbox(conn: &Connection, seq: i64, now_ms: i64) -> Result<bool> 
     })
 }
 
-/// Deletes the dead outbox row `seq`: it will not be sent. Returns false
-/// (changing nothing) when it is not a dead outbox row.
-pub fn discard_outbox(conn: &Connection, seq: i64) -> Result<bool> {
-    write(conn, "discard outbox row", |c| outbox::discard(c, seq))
+/// Gives up on the dead outbox row `seq`: it will not be sent. As
+/// [`Postroom::discard_outbox`](crate::Postroom::discard_outbox): marked
+/// `sent` without being handed over (payload dropped, reason kept), deleted
+/// later by retention. Returns false (changing nothing) when it is not a
+/// dead outbox row.
+pub fn discard_outbox(conn: &Connection, seq: i64, now_ms: i64) -> Result<bool> {
+    write(conn, "discard outbox row", |c| {
+        outbox::discard(c, seq, now_ms)
+    })
 }
 
 // ---------------------------------------------------------------- conflicts
@@ -1130,7 +1135,8 @@ pub struct CleanupSummary {
 
 /// Applies retention as the engine's reaper does: completed inbox rows
 /// processed, and sent outbox rows sent, before `now_ms - retention`.
-/// Dead letters, pending and failed rows are never touched.
+/// Dead letters, pending and failed rows are never touched, nor the newest
+/// row of each table (so no row id or `seq` is given out twice).
 ///
 /// With `dry_run`, only counts (read-only). Otherwise deletes
 /// [`CLEANUP_BATCH`] rows per `BEGIN IMMEDIATE` transaction, pausing
@@ -1157,7 +1163,8 @@ pub fn cleanup(
             summary.inbox_deleted = count(
                 conn.query_row(
                     "SELECT count(*) FROM postroom_inbox
-                     WHERE status = 'completed' AND processed_at < ?1",
+                     WHERE status = 'completed' AND processed_at < ?1
+                       AND id < (SELECT max(id) FROM postroom_inbox)",
                     [cutoff],
                     |r| r.get(0),
                 )
@@ -1165,7 +1172,8 @@ pub fn cleanup(
             );
             summary.outbox_deleted = count(
                 conn.query_row(
-                    "SELECT count(*) FROM postroom_outbox WHERE status = 'sent' AND sent_at < ?1",
+                    "SELECT count(*) FROM postroom_outbox WHERE status = 'sent' AND sent_at < ?1
+                       AND seq < (SELECT max(seq) FROM postroom_outbox)",
                     [cutoff],
                     |r| r.get(0),
                 )

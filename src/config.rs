@@ -406,7 +406,9 @@ impl Builder {
     /// message redelivered after the reaper pass that deleted its row is
     /// processed again. (During that pass, until its key entry follows the
     /// row, or until the next pass if that one was cut short, a redelivery
-    /// with the same payload is still a duplicate.)
+    /// with the same payload is still a duplicate.) Sent outbox rows are
+    /// kept as long. The newest row of each table is kept whatever its age,
+    /// so no row id or `seq` is ever given out twice.
     /// Default: 7 days.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.config.retention = retention;

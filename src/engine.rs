@@ -584,10 +584,15 @@ impl Postroom {
         })
     }
 
-    /// Deletes a dead outbox message: it will not be sent. Returns false
-    /// when there is no dead outbox message with that seq.
+    /// Gives up on a dead outbox message: it will not be sent. It is marked
+    /// `sent` without being handed over (payload dropped, `last_error` says
+    /// "discarded by operator"), and retention deletes it like any sent
+    /// row; its `seq` is never given out again. Returns false when there is
+    /// no dead outbox message with that seq.
     pub fn discard_outbox(&self, seq: i64) -> Result<bool> {
-        self.submit(move |w| outbox::discard(w.conn, seq).map_err(|e| Error::sqlite("discard", e)))
+        self.submit(move |w| {
+            outbox::discard(w.conn, seq, w.clock.now_ms()).map_err(|e| Error::sqlite("discard", e))
+        })
     }
 
     /// Runs a reaper pass now: expired leases, then retention.

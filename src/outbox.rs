@@ -220,7 +220,9 @@ pub(crate) fn mark_failed(
     Ok(())
 }
 
-/// Deletes up to `limit` sent rows sent before `cutoff_ms`.
+/// Deletes up to `limit` sent rows sent before `cutoff_ms`, never the
+/// newest row (see `queue::delete_completed`): a `seq` is never given out
+/// twice by retention.
 pub(crate) fn delete_sent(
     conn: &Connection,
     cutoff_ms: i64,
@@ -228,7 +230,8 @@ pub(crate) fn delete_sent(
 ) -> rusqlite::Result<usize> {
     conn.prepare_cached(
         "DELETE FROM postroom_outbox WHERE seq IN (
-             SELECT seq FROM postroom_outbox WHERE status = 'sent' AND sent_at < ?1 LIMIT ?2)",
+             SELECT seq FROM postroom_outbox WHERE status = 'sent' AND sent_at < ?1
+               AND seq < (SELECT max(seq) FROM postroom_outbox) LIMIT ?2)",
     )?
     .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
 }
@@ -256,10 +259,19 @@ pub(crate) fn redrive(conn: &Connection, seq: i64, now_ms: i64) -> rusqlite::Res
     Ok(n == 1)
 }
 
-/// Deletes a dead outbox row: it will not be sent.
-pub(crate) fn discard(conn: &Connection, seq: i64) -> rusqlite::Result<bool> {
+/// Gives up on a dead outbox row: it becomes `sent` without being handed
+/// over (payload dropped, the reason kept in `last_error`), and retention
+/// removes it like any sent row. Deleting it at once could give its `seq`
+/// out again when it is the newest row (see [`delete_sent`]). Returns false
+/// when `seq` is not a dead outbox row.
+pub(crate) fn discard(conn: &Connection, seq: i64, now_ms: i64) -> rusqlite::Result<bool> {
     let n = conn
-        .prepare_cached("DELETE FROM postroom_outbox WHERE seq = ?1 AND status = 'dead'")?
-        .execute([seq])?;
+        .prepare_cached(
+            "UPDATE postroom_outbox
+             SET status = 'sent', payload = x'', sent_at = ?2, next_attempt_at = ?2,
+                 last_error = 'discarded by operator; last error: ' || coalesce(last_error, '')
+             WHERE seq = ?1 AND status = 'dead'",
+        )?
+        .execute(params![seq, now_ms])?;
     Ok(n == 1)
 }

@@ -264,6 +264,11 @@ pub(crate) fn expire(
 }
 
 /// Deletes up to `limit` completed rows processed before `cutoff_ms`.
+///
+/// Retention never deletes the newest row of a table, whatever its age:
+/// SQLite gives a new row the highest id plus one, so deleting the newest
+/// rows would give their ids out again (this and [`delete_dead`];
+/// `outbox::delete_sent` keeps the newest `seq` the same way).
 pub(crate) fn delete_completed(
     conn: &Connection,
     cutoff_ms: i64,
@@ -272,7 +277,8 @@ pub(crate) fn delete_completed(
     conn.prepare_cached(
         "DELETE FROM postroom_inbox WHERE id IN (
              SELECT id FROM postroom_inbox
-             WHERE status = 'completed' AND processed_at < ?1 LIMIT ?2)",
+             WHERE status = 'completed' AND processed_at < ?1
+               AND id < (SELECT max(id) FROM postroom_inbox) LIMIT ?2)",
     )?
     .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
 }
@@ -286,7 +292,8 @@ pub(crate) fn delete_dead(
     conn.prepare_cached(
         "DELETE FROM postroom_inbox WHERE id IN (
              SELECT id FROM postroom_inbox
-             WHERE status = 'dead' AND updated_at < ?1 LIMIT ?2)",
+             WHERE status = 'dead' AND updated_at < ?1
+               AND id < (SELECT max(id) FROM postroom_inbox) LIMIT ?2)",
     )?
     .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
 }

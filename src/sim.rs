@@ -997,9 +997,12 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
             let before = model.entries.len();
             let (retired, notes) = (&mut model.retired, &mut model.notes);
             let next_note = &mut model.next_note;
+            // Retention keeps the newest row, whatever its age.
+            let newest = model.entries.values().map(|e| e.order).max();
             model.entries.retain(|key, e| {
-                let expired =
-                    e.status == Status::Completed && e.processed_at.is_some_and(|at| at < cutoff);
+                let expired = e.status == Status::Completed
+                    && e.processed_at.is_some_and(|at| at < cutoff)
+                    && Some(e.order) != newest;
                 if expired {
                     retired.insert(key.clone(), e.variant);
                     *next_note += 1;

@@ -92,13 +92,17 @@ fn run_fixed(ops: &[Op]) -> sim::RunStats {
 /// A drain reads a retired key; the key is delivered again with another
 /// payload (a live row) before the drain's deletions land: the entry now
 /// belongs to the live row and must stay. Fails if the deletion does not
-/// check for an inbox row at the entry's `inbox_id` (here the new row takes
-/// the old id; `a_retired_entry_whose_row_id_another_key_took_is_deleted`
-/// in tests/retention.rs covers an id another key took).
+/// check for an inbox row at the entry's `inbox_id`
+/// (`a_retired_entry_whose_row_id_another_key_took_is_deleted` in
+/// tests/retention.rs covers an id another key took).
+///
+/// Retention keeps the newest row: each sequence below delivers another
+/// message (8, 9) after the ones it retires.
 #[test]
 fn a_key_delivered_anew_after_a_drains_read_keeps_its_entry() {
     let stats = run_fixed(&[
         deliver(1, 0),
+        deliver(9, 0),
         Op::Advance { ms: 10 },
         cleanup(false),
         Op::ReadRetired,
@@ -108,7 +112,7 @@ fn a_key_delivered_anew_after_a_drains_read_keeps_its_entry() {
         // Its row is still there, and the same payload is a duplicate.
         deliver(1, 1),
     ]);
-    assert_eq!(stats.processed, 2, "the first delivery and the new one ran");
+    assert_eq!(stats.processed, 3, "1, 9, and 1 anew ran");
     assert_eq!(stats.live_at_apply, 1, "the race happened");
 }
 
@@ -120,10 +124,12 @@ fn a_key_delivered_anew_after_a_drains_read_keeps_its_entry() {
 fn a_stale_note_read_before_its_key_retires_again_deletes_the_entry() {
     let stats = run_fixed(&[
         deliver(1, 0),
+        deliver(9, 0),
         Op::Advance { ms: 10 },
         cleanup(false),
         // Delivered anew: its first note is stale from here on.
         deliver(1, 1),
+        deliver(8, 0),
         Op::ReadRetired,
         Op::Advance { ms: 10 },
         cleanup(false),
@@ -133,7 +139,7 @@ fn a_stale_note_read_before_its_key_retires_again_deletes_the_entry() {
         Op::Advance { ms: 10 },
         cleanup(true),
     ]);
-    assert_eq!(stats.processed, 3);
+    assert_eq!(stats.processed, 5, "1, 9, 1 anew, 8, and 1 anew again");
 }
 
 /// A drain reads the retired keys; another key is retired after the read.
@@ -144,10 +150,12 @@ fn a_stale_note_read_before_its_key_retires_again_deletes_the_entry() {
 fn a_drain_clears_only_the_notes_it_read() {
     let stats = run_fixed(&[
         deliver(1, 0),
+        deliver(9, 0),
         Op::Advance { ms: 10 },
         cleanup(false),
         Op::ReadRetired,
         deliver(2, 0),
+        deliver(8, 0),
         Op::Advance { ms: 10 },
         cleanup(false),
         Op::ApplyRetired,
@@ -158,5 +166,5 @@ fn a_drain_clears_only_the_notes_it_read() {
         Op::Advance { ms: 10 },
         cleanup(true),
     ]);
-    assert_eq!(stats.processed, 3, "1, 2, then 1 again as new");
+    assert_eq!(stats.processed, 5, "1, 9, 2, 8, then 1 again as new");
 }

@@ -343,11 +343,15 @@ fn a_pass_killed_mid_drain_is_finished_by_the_next() {
         let runs = Arc::new(AtomicU32::new(0));
         let room = open(&db, &runs);
         let report = room.cleanup().unwrap();
+        // All but the newest row, which retention keeps.
         assert_eq!(
             (report.inbox_deleted, report.keys_deleted),
-            ((ROWS - READ_LIMIT) as u64, (ROWS - entries_deleted) as u64)
+            (
+                (ROWS - READ_LIMIT - 1) as u64,
+                (ROWS - entries_deleted - 1) as u64
+            )
         );
-        assert_eq!(key_counts(&conn), (0, 0, 0));
+        assert_eq!(key_counts(&conn), (1, 0, 0));
         check_ok(&conn);
         room.shutdown(Duration::from_secs(10)).unwrap();
     }
@@ -392,5 +396,118 @@ fn a_conflicts_stored_row_is_not_taken_from_a_reused_row_id() {
         .unwrap()
         .unwrap();
     assert!(shown.stored.is_none(), "{:?}", shown.stored);
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}
+
+/// A device idle past retention: every row delivered, sent and then deleted
+/// by retention. New rows must not take old numbers — a downstream that
+/// keeps the last `seq` it saw per key would drop them as stale, and an
+/// operator's note "inbox row 3" would name another message. Retention
+/// keeps the newest row of each table, whatever its age; so does
+/// `dead_retention` (a dead letter may be the newest inbox row); and an
+/// operator's discard of a dead outbox row marks it instead of deleting it.
+#[test]
+fn retention_and_discards_never_give_a_row_number_out_twice() {
+    const HOUR: Duration = Duration::from_secs(3600);
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("r.db");
+    let clock = postroom::ManualClock::new(1_800_000_000_000);
+    let (sent, seqs) = crossbeam_channel::unbounded();
+    let room = Postroom::builder()
+        .workers(0)
+        .max_attempts(1)
+        .reaper_interval(HOUR)
+        .retention(HOUR)
+        .dead_retention(Some(HOUR))
+        .relay_poll(Duration::from_millis(20))
+        .clock(clock.clone())
+        .consumer(
+            "orders",
+            handler_fn(|tx, msg: &Message| -> Result<(), Failure> {
+                if msg.payload() == b"poison" {
+                    return Err(Failure::reject("poison"));
+                }
+                apply(tx, msg)
+            }),
+        )
+        .sink(postroom::sink_fn(move |m| {
+            if m.payload == b"x" {
+                return postroom::SendResult::Dead {
+                    reason: "refused".into(),
+                };
+            }
+            sent.send(m.seq).unwrap();
+            postroom::SendResult::Sent
+        }))
+        .open(&db)
+        .unwrap();
+    create_domain(&room);
+    let conn = raw(&db);
+    let next_seq = || seqs.recv_timeout(Duration::from_secs(10)).unwrap();
+
+    let mut handed_over = Vec::new();
+    for id in ["a", "b", "c"] {
+        room.deliver("orders", msg(id, id)).unwrap();
+        handed_over.push(next_seq());
+    }
+    eventually(10, "all marked sent", || {
+        room.stats().unwrap().outbox.sent == 3
+    });
+    clock.advance(2 * HOUR);
+    let report = room.cleanup().unwrap();
+    assert_eq!((report.inbox_deleted, report.outbox_deleted), (2, 2));
+    assert_eq!(row_id(&conn, "c"), 3, "the newest inbox row is kept");
+
+    room.deliver("orders", msg("d", "d")).unwrap();
+    handed_over.push(next_seq());
+    assert!(
+        row_id(&conn, "d") > 3,
+        "d took row id {}",
+        row_id(&conn, "d")
+    );
+    assert!(
+        handed_over.windows(2).all(|w| w[0] < w[1]),
+        "seq went back: {handed_over:?}"
+    );
+
+    // A dead letter as the newest row, past dead_retention.
+    assert!(matches!(
+        room.deliver("orders", msg("p", "poison")).unwrap(),
+        Outcome::Dead { .. }
+    ));
+    let poison = row_id(&conn, "p");
+    clock.advance(2 * HOUR);
+    let report = room.cleanup().unwrap();
+    assert_eq!(
+        (report.inbox_deleted, report.dead_deleted),
+        (2, 0),
+        "c and d deleted, the dead letter kept as the newest row"
+    );
+    room.deliver("orders", msg("e", "e")).unwrap();
+    assert!(
+        row_id(&conn, "e") > poison,
+        "e took the dead letter's row id"
+    );
+    handed_over.push(next_seq());
+
+    // An operator discards the newest outbox row, dead, after retention
+    // deleted every row below it.
+    room.deliver("orders", msg("x", "x")).unwrap();
+    eventually(10, "x's outbox row dead", || {
+        room.stats().unwrap().outbox.dead == 1
+    });
+    let refused = room.outbox_dead_letters(1).unwrap()[0].seq;
+    clock.advance(2 * HOUR);
+    assert!(room.cleanup().unwrap().outbox_deleted > 0);
+    assert!(room.discard_outbox(refused).unwrap());
+    assert!(!room.discard_outbox(refused).unwrap(), "discarded once");
+    assert!(room.outbox_dead_letters(10).unwrap().is_empty());
+    room.deliver("orders", msg("f", "f")).unwrap();
+    handed_over.push(next_seq());
+    assert!(
+        *handed_over.last().unwrap() > refused,
+        "f's outbox row took the discarded row's seq {refused}: {handed_over:?}"
+    );
+    check_ok(&conn);
     room.shutdown(Duration::from_secs(10)).unwrap();
 }

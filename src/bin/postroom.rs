@@ -172,7 +172,7 @@ enum DeadCommand {
         /// Inbox row id (or outbox seq with --outbox)
         id: i64,
     },
-    /// Give up on a dead letter (inbox: completed without effects; outbox: deleted)
+    /// Give up on a dead letter (inbox: completed without effects; outbox: marked sent, never sent)
     Discard {
         /// ID is an outbox seq instead of an inbox row id
         #[arg(long)]
@@ -379,7 +379,7 @@ fn run(cli: &Cli, out: &mut String) -> Result<u8, Failed> {
         Command::Dead(DeadCommand::Discard { outbox, id }) => {
             let conn = open(cli, true)?;
             let done = if *outbox {
-                admin::discard_outbox(&conn, *id)?
+                admin::discard_outbox(&conn, *id, admin::now_ms())?
             } else {
                 admin::discard(&conn, *id, admin::now_ms())?
             };
@@ -387,7 +387,7 @@ fn run(cli: &Cli, out: &mut String) -> Result<u8, Failed> {
                 return Err(not_a_dead_letter(&conn, *outbox, *id));
             }
             let what = if *outbox {
-                format!("outbox row {id} discarded: deleted, it will not be sent")
+                format!("outbox row {id} discarded: marked sent without being sent, retention deletes it")
             } else {
                 format!(
                     "inbox row {id} discarded: completed without effects, a redelivery is a \
