@@ -1,4 +1,4 @@
--- postroom schema, version 3.
+-- postroom schema, version 4.
 --
 -- Applied in one transaction when a database is opened for the first time.
 -- Every statement is `IF NOT EXISTS`: the migration from version 1 renames
@@ -221,8 +221,16 @@ CREATE INDEX IF NOT EXISTS postroom_outbox_sent
 -- not. The stored message is never touched; the newcomer is kept here whole.
 -- A redelivery of the same conflicting payload bumps `deliveries` instead of
 -- adding a row, so a broker that keeps redelivering cannot grow this table.
+-- Rows leave only by `conflict_retention` (last seen before it) or an
+-- operator's `conflicts discard`.
+--
+-- AUTOINCREMENT: the id is told to the caller (`Outcome::Conflict`) and may
+-- be logged; a deleted conflict's id must not name a later one. Conflicts
+-- are rare, so the sqlite_sequence update this costs each insert does not
+-- matter (the inbox and outbox keep their numbers another way: retention
+-- never deletes their newest row).
 CREATE TABLE IF NOT EXISTS postroom_conflicts (
-    id            INTEGER PRIMARY KEY,
+    id            INTEGER PRIMARY KEY AUTOINCREMENT,
     consumer      TEXT    NOT NULL,
     source        TEXT    NOT NULL,
     message_id    TEXT    NOT NULL,
@@ -235,3 +243,7 @@ CREATE TABLE IF NOT EXISTS postroom_conflicts (
     deliveries    INTEGER NOT NULL DEFAULT 1,
     UNIQUE (consumer, source, message_id, payload_hash)
 );
+
+-- What conflict_retention deletes.
+CREATE INDEX IF NOT EXISTS postroom_conflicts_seen
+    ON postroom_conflicts (last_seen_at);

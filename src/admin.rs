@@ -511,7 +511,7 @@ fn seconds(ms: Option<i64>) -> String {
 /// | `postroom_inbox_attempts` | `consumer`, `attempts` | gauge (rows per attempts count) |
 /// | `postroom_outbox_messages` | `status` | gauge |
 /// | `postroom_outbox_oldest_pending_seconds` | | gauge |
-/// | `postroom_conflicts_total` | | counter (postroom never deletes conflicts) |
+/// | `postroom_conflicts` | | gauge (rows; `conflict_retention` and `conflicts discard` delete them) |
 /// | `postroom_db_bytes`, `postroom_wal_bytes` | | gauge |
 /// | `postroom_schema_version` | | gauge |
 pub fn prometheus(report: &StatusReport) -> String {
@@ -586,8 +586,8 @@ pub fn prometheus(report: &StatusReport) -> String {
             seconds(report.outbox.oldest_pending_age_ms),
         ),
         (
-            "postroom_conflicts_total",
-            "counter",
+            "postroom_conflicts",
+            "gauge",
             "Quarantined deliveries (same id, different payload) in postroom_conflicts.",
             report.conflicts.to_string(),
         ),
@@ -1109,6 +1109,14 @@ pub fn conflicts_show(conn: &Connection, id: i64) -> Result<Option<ConflictDetai
         }
         Ok(Some(detail))
     })
+}
+
+/// Deletes the conflict `id`, its payload with it: an operator looked at it
+/// and is done. Returns false (changing nothing) when there is none. Its id
+/// is never given to a later conflict; a redelivery of the same payload is
+/// quarantined anew. One `BEGIN IMMEDIATE` transaction.
+pub fn conflicts_discard(conn: &Connection, id: i64) -> Result<bool> {
+    write(conn, "discard conflict", |c| inbox::discard_conflict(c, id))
 }
 
 // ---------------------------------------------------------------- cleanup

@@ -97,6 +97,7 @@ pub(crate) struct Config {
     pub reaper_interval: Duration,
     pub retention: Duration,
     pub dead_retention: Option<Duration>,
+    pub conflict_retention: Option<Duration>,
     pub checkpoint_wal_bytes: u64,
     pub relay_batch: usize,
     pub relay_poll: Duration,
@@ -124,6 +125,7 @@ impl Default for Config {
             reaper_interval: Duration::from_secs(5),
             retention: Duration::from_secs(7 * 24 * 3600),
             dead_retention: None,
+            conflict_retention: None,
             checkpoint_wal_bytes: 4 * 1024 * 1024,
             relay_batch: 100,
             relay_poll: Duration::from_secs(1),
@@ -419,6 +421,17 @@ impl Builder {
     /// dead letters are kept until redriven or discarded.
     pub fn dead_retention(mut self, retention: Option<Duration>) -> Self {
         self.config.dead_retention = retention;
+        self
+    }
+
+    /// Delete quarantined deliveries (`postroom_conflicts`) this long after
+    /// they were last seen. Default: `None`, they are kept until an
+    /// operator discards them (`postroom conflicts discard`,
+    /// [`admin::conflicts_discard`](crate::admin::conflicts_discard)). Each
+    /// keeps its whole payload: set this where a sender reusing ids could
+    /// fill the disk. A conflict's id is never given out again.
+    pub fn conflict_retention(mut self, retention: Option<Duration>) -> Self {
+        self.config.conflict_retention = retention;
         self
     }
 

@@ -358,6 +358,30 @@ pub(crate) fn mark_dead(
     Ok(())
 }
 
+/// Deletes up to `limit` quarantined deliveries last seen before
+/// `cutoff_ms` (`conflict_retention`).
+pub(crate) fn delete_conflicts(
+    conn: &Connection,
+    cutoff_ms: i64,
+    limit: usize,
+) -> rusqlite::Result<usize> {
+    conn.prepare_cached(
+        "DELETE FROM postroom_conflicts WHERE id IN (
+             SELECT id FROM postroom_conflicts WHERE last_seen_at < ?1 LIMIT ?2)",
+    )?
+    .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
+}
+
+/// Deletes the quarantined delivery `id` (an operator looked at it).
+/// Returns false when there is none. Its id is not given out again
+/// (`AUTOINCREMENT`); a redelivery of its payload is quarantined anew.
+pub(crate) fn discard_conflict(conn: &Connection, id: i64) -> rusqlite::Result<bool> {
+    let n = conn
+        .prepare_cached("DELETE FROM postroom_conflicts WHERE id = ?1")?
+        .execute([id])?;
+    Ok(n == 1)
+}
+
 /// Quarantines a delivery whose payload digest differs from the stored
 /// one. Returns the conflict row's id; a repeat of the same conflicting
 /// payload bumps its counter instead of adding a row.

@@ -1,6 +1,6 @@
 //! The reaper: on a timer, recovers expired leases and deletes what
 //! retention allows: completed inbox rows, sent outbox rows, and dead
-//! letters when configured. (The WAL is the checkpointer's job.)
+//! letters and conflicts when configured. (The WAL is the checkpointer's job.)
 //!
 //! Retention deletes in small batches, each a background writer job: it
 //! runs only when no caller's job is waiting (or after being put off for
@@ -18,6 +18,7 @@ use crate::clock;
 use crate::engine::{read_connection, Readers};
 use crate::error::{Error, Result};
 use crate::failpoint;
+use crate::inbox;
 use crate::outbox;
 use crate::queue;
 use crate::retired;
@@ -44,6 +45,8 @@ pub struct CleanupReport {
     pub dead_deleted: u64,
     /// Sent outbox rows deleted by retention.
     pub outbox_deleted: u64,
+    /// Quarantined deliveries deleted by `conflict_retention`.
+    pub conflicts_deleted: u64,
 }
 
 /// The reaper thread's body: a pass every `reaper_interval` until `stop`
@@ -83,6 +86,15 @@ pub(crate) fn run_once(shared: &Shared, readers: &Readers) -> Result<CleanupRepo
     if let Some(dead_retention) = shared.config.dead_retention {
         report.dead_deleted =
             delete_in_batches(shared, dead_retention, queue::delete_dead, u64::MAX)?.0;
+    }
+    if let Some(conflict_retention) = shared.config.conflict_retention {
+        report.conflicts_deleted = delete_in_batches(
+            shared,
+            conflict_retention,
+            inbox::delete_conflicts,
+            u64::MAX,
+        )?
+        .0;
     }
     Ok(report)
 }

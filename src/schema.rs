@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::failpoint;
 
 /// The newest schema version this library knows.
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 /// The schema, applied in one transaction to a database without one.
 pub const SCHEMA_SQL: &str = include_str!("../schema.sql");
@@ -143,8 +143,13 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
         Some(1) => {
             migrate_v1(&tx)?;
             migrate_v2(&tx)?;
+            migrate_v3(&tx)?;
         }
-        Some(2) => migrate_v2(&tx)?,
+        Some(2) => {
+            migrate_v2(&tx)?;
+            migrate_v3(&tx)?;
+        }
+        Some(3) => migrate_v3(&tx)?,
         // Each step above takes the file from `found` to `found + 1`.
         Some(found) => check_version(found)?,
     }
@@ -249,6 +254,37 @@ fn migrate_v2(tx: &Connection) -> Result<()> {
             tx.execute_batch("UPDATE postroom_meta SET value = '3' WHERE key = 'schema_version';")
         })
         .map_err(|e| Error::sqlite("migrate schema 2 to 3", e))
+}
+
+/// Version 3 to 4: `postroom_conflicts` can be pruned (`conflict_retention`,
+/// `conflicts discard`), so its ids become `AUTOINCREMENT` (never given out
+/// again) and it gets an index on `last_seen_at`. SQLite cannot add
+/// `AUTOINCREMENT` to a table, so the conflicts table (rarely more than a
+/// handful of rows) is rebuilt as `migrate_v1` rebuilt the inbox; copying
+/// its rows with their ids starts the sequence past the largest. (From
+/// version 1 or 2 the earlier steps' run of the schema already put the new
+/// index on the old table: it is dropped with it, by name, first.)
+fn migrate_v3(tx: &Connection) -> Result<()> {
+    log::info!("postroom: migrating schema 3 to 4");
+    tx.execute_batch(
+        "PRAGMA legacy_alter_table = ON;
+         ALTER TABLE postroom_conflicts RENAME TO postroom_conflicts_v3;
+         PRAGMA legacy_alter_table = OFF;
+         DROP INDEX IF EXISTS postroom_conflicts_seen;",
+    )
+    .and_then(|()| tx.execute_batch(SCHEMA_SQL))
+    .and_then(|()| {
+        tx.execute_batch(
+            "INSERT INTO postroom_conflicts (id, consumer, source, message_id, stored_hash,
+                 payload_hash, payload, headers, first_seen_at, last_seen_at, deliveries)
+             SELECT id, consumer, source, message_id, stored_hash, payload_hash, payload,
+                 headers, first_seen_at, last_seen_at, deliveries
+             FROM postroom_conflicts_v3 ORDER BY id;
+             DROP TABLE postroom_conflicts_v3;
+             UPDATE postroom_meta SET value = '4' WHERE key = 'schema_version';",
+        )
+    })
+    .map_err(|e| Error::sqlite("migrate schema 3 to 4", e))
 }
 
 /// `Ok` for the schema version this build writes; an error for a newer one

@@ -576,7 +576,7 @@ fn an_outbox_redrive_is_sent_by_the_engines_relay() {
 }
 
 #[test]
-fn conflicts_list_and_show_put_the_quarantined_payload_beside_the_stored_one() {
+fn conflicts_list_show_and_discard() {
     let dir = tempfile::tempdir().unwrap();
     let db = populated(dir.path());
 
@@ -608,6 +608,20 @@ fn conflicts_list_and_show_put_the_quarantined_payload_beside_the_stored_one() {
     assert!(human.contains("\"amount\": 999"), "{human}");
     assert!(human.contains("stored row"), "{human}");
     cli_ok(&db, &["conflicts", "show", "777"], 5);
+
+    // Discarded: gone with its payload, once.
+    let done = cli_ok(&db, &["conflicts", "discard", &id, "--json"], 0).json();
+    assert_eq!(
+        (&done["action"], &done["table"], &done["done"]),
+        (&"discard".into(), &"conflicts".into(), &true.into())
+    );
+    assert_eq!(
+        cli_ok(&db, &["conflicts", "list", "--json"], 0).json(),
+        serde_json::json!([])
+    );
+    cli_ok(&db, &["conflicts", "show", &id], 5);
+    cli_ok(&db, &["conflicts", "discard", &id], 5);
+    check_clean(&db);
 }
 
 #[test]
@@ -806,8 +820,8 @@ fn metrics_prints_prometheus_text_with_help_and_type_for_every_family() {
         "postroom_inbox_messages{consumer=\"strict\",status=\"pending\"} 0",
         "postroom_outbox_messages{status=\"sent\"} 2",
         "postroom_outbox_messages{status=\"dead\"} 1",
-        "postroom_conflicts_total 1",
-        "# TYPE postroom_conflicts_total counter",
+        "postroom_conflicts 1",
+        "# TYPE postroom_conflicts gauge",
         "postroom_oldest_pending_seconds{consumer=\"orders\"} 0.000",
         "postroom_inbox_attempts{consumer=\"orders\",attempts=\"1\"} 3",
         "postroom_outbox_oldest_pending_seconds 0.000",

@@ -349,6 +349,62 @@ fn a_panicking_handler_is_a_counted_retryable_failure_and_the_engine_carries_on(
     assert_eq!(applied_count(&conn, "q"), 1);
 }
 
+/// Quarantined deliveries do not pile up for ever: `conflict_retention`
+/// deletes those last seen before it, an operator can discard one, and
+/// neither gives a conflict id out again (a caller logged it).
+#[test]
+fn conflicts_expire_or_are_discarded_without_reusing_ids() {
+    const MINUTE: Duration = Duration::from_secs(60);
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let room = open(
+        &dir,
+        Postroom::builder()
+            .clock(clock.clone())
+            .reaper_interval(Duration::from_secs(3600))
+            .conflict_retention(Some(60 * MINUTE))
+            .consumer("c", handler_fn(apply)),
+    );
+    let conn = raw(room.path());
+    let conflict = |id: &str| match room.deliver("c", Message::new("b", id, "2")).unwrap() {
+        Outcome::Conflict { conflict_id } => conflict_id,
+        other => panic!("{other:?}"),
+    };
+    let listed = || {
+        postroom::admin::conflicts_list(&conn, 10)
+            .unwrap()
+            .into_iter()
+            .map(|c| c.id)
+            .collect::<Vec<_>>()
+    };
+    for id in ["a", "b", "c", "d"] {
+        room.deliver("c", Message::new("b", id, "1")).unwrap();
+    }
+    let a = conflict("a");
+    let b = conflict("b");
+    clock.advance(30 * MINUTE);
+    assert_eq!(conflict("b"), b, "seen again: last seen now");
+    clock.advance(45 * MINUTE);
+    let report = room.cleanup().unwrap();
+    assert_eq!(report.conflicts_deleted, 1);
+    assert_eq!(listed(), [b], "a, last seen 75 minutes ago, is gone");
+
+    assert!(postroom::admin::conflicts_discard(&conn, b).unwrap());
+    assert!(!postroom::admin::conflicts_discard(&conn, b).unwrap());
+    assert!(listed().is_empty());
+    let c = conflict("c");
+    assert!(c > b, "conflict id {c} given out again (a = {a}, b = {b})");
+    clock.advance(120 * MINUTE);
+    assert_eq!(room.cleanup().unwrap().conflicts_deleted, 1);
+    assert!(conflict("d") > c);
+    assert_eq!(
+        room.deliver("c", Message::new("b", "a", "1")).unwrap(),
+        Outcome::Duplicate,
+        "the stored messages are untouched"
+    );
+    assert!(postroom::admin::check(&conn, false).unwrap().is_ok());
+}
+
 /// Same id, different payload: the stored message is untouched, the new
 /// delivery quarantined whole, the caller told and allowed to ack.
 #[test]

@@ -1,4 +1,4 @@
-//! Schema migrations: a file written under schema version 1 or 2 (their DDL
+//! Schema migrations: a file written under schema version 1, 2 or 3 (their DDL
 //! kept in `tests/fixtures/`) opens under the current version with every
 //! row intact, gives the same dedupe answers as before, and a process
 //! killed in the middle of the migration leaves the file exactly as it was.
@@ -16,6 +16,7 @@ use rusqlite::params;
 
 const SCHEMA_V1: &str = include_str!("fixtures/schema_v1.sql");
 const SCHEMA_V2: &str = include_str!("fixtures/schema_v2.sql");
+const SCHEMA_V3: &str = include_str!("fixtures/schema_v3.sql");
 
 /// Every column of every inbox row, in id order, as text.
 const DUMP_INBOX: &str = "SELECT id || '|' || consumer || '|' || source || '|' || message_id
@@ -370,6 +371,63 @@ fn a_version_2_file_keeps_every_row_and_key_and_retention_notes_its_keys() {
             .unwrap(),
         Outcome::Processed { attempts: 1 },
         "forgotten after retention"
+    );
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    let report = postroom::admin::check(&conn, true).unwrap();
+    assert!(report.is_ok(), "{report:?}");
+}
+
+/// Version 3 to 4 rebuilds the conflicts table with `AUTOINCREMENT` ids
+/// and an index for `conflict_retention`: its rows keep their ids and
+/// contents, and a new conflict's id follows the largest one even after
+/// that one is discarded.
+#[test]
+fn a_version_3_file_keeps_its_conflicts_and_never_reuses_their_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("v3.db");
+    let before = write_old(&db, SCHEMA_V3, 3, 3);
+    let conn = raw(&db);
+    for (id, message_id, payload, headers, seen) in [
+        (5, "done-0", "other-0", None, (1000, 2000)),
+        (9, "done-1", "other-1", Some(r#"{"h":"v"}"#), (1500, 1500)),
+    ] {
+        conn.execute(
+            "INSERT INTO postroom_conflicts (id, consumer, source, message_id, stored_hash,
+                 payload_hash, payload, headers, first_seen_at, last_seen_at, deliveries)
+             VALUES (?1, 'orders', 'shop', ?2, ?3, ?4, ?5, ?6, ?7, ?8, 3)",
+            params![
+                id,
+                message_id,
+                digest(message_id),
+                digest(payload),
+                payload.as_bytes(),
+                headers,
+                seen.0,
+                seen.1
+            ],
+        )
+        .unwrap();
+    }
+    const DUMP_CONFLICTS: &str = "SELECT id || '|' || consumer || '|' || source || '|'
+            || message_id || '|' || hex(stored_hash) || '|' || hex(payload_hash) || '|'
+            || quote(payload) || '|' || quote(headers) || '|' || first_seen_at || '|'
+            || last_seen_at || '|' || deliveries
+        FROM postroom_conflicts ORDER BY id";
+    let conflicts_before: Vec<String> = column(&conn, DUMP_CONFLICTS);
+    open_once(&db);
+
+    assert_migrated(dir.path(), &conn, &before);
+    assert_eq!(
+        column::<Vec<String>>(&conn, DUMP_CONFLICTS),
+        conflicts_before
+    );
+    assert!(postroom::admin::conflicts_discard(&conn, 9).unwrap());
+    let runs = Arc::new(AtomicU32::new(0));
+    let room = open(&db, &runs);
+    assert_eq!(
+        room.deliver("orders", Message::new("shop", "done-2", "other-2"))
+            .unwrap(),
+        Outcome::Conflict { conflict_id: 10 }
     );
     room.shutdown(Duration::from_secs(10)).unwrap();
     let report = postroom::admin::check(&conn, true).unwrap();

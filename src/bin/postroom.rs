@@ -4,7 +4,7 @@
 //! a `Postroom` engine and never takes the engine's lock file
 //! (`<db>-postroom`). It opens a connection of its own (busy timeout
 //! `--busy-timeout-ms`, 5 s by default): `query_only` for the read commands,
-//! read-write only for `dead redrive`, `dead discard` and `cleanup`, whose
+//! read-write only for `dead redrive`, `dead discard`, `conflicts discard` and `cleanup`, whose
 //! writes run in short `BEGIN IMMEDIATE` transactions serialized with the
 //! engine's writer. It never creates a file. Everything it does is in
 //! [`postroom::admin`], for your own tooling.
@@ -18,6 +18,7 @@
 //! postroom <DB> dead discard [--outbox] ID
 //! postroom <DB> conflicts list [--limit N]
 //! postroom <DB> conflicts show ID
+//! postroom <DB> conflicts discard ID
 //! postroom <DB> cleanup [--retention-secs N] [--dry-run]
 //! postroom <DB> check [--full]
 //! postroom <DB> metrics
@@ -192,6 +193,11 @@ enum ConflictsCommand {
     },
     /// One quarantined delivery in full, beside the stored message
     Show {
+        /// Conflict id (from `conflicts list`)
+        id: i64,
+    },
+    /// Delete a quarantined delivery (its payload too); its id is not reused
+    Discard {
         /// Conflict id (from `conflicts list`)
         id: i64,
     },
@@ -374,7 +380,7 @@ fn run(cli: &Cli, out: &mut String) -> Result<u8, Failed> {
                      workers process it at their next poll"
                 )
             };
-            mutation(cli, out, "redrive", *outbox, *id, &what);
+            mutation(cli, out, "redrive", dead_table(*outbox), *id, &what);
         }
         Command::Dead(DeadCommand::Discard { outbox, id }) => {
             let conn = open(cli, true)?;
@@ -394,7 +400,7 @@ fn run(cli: &Cli, out: &mut String) -> Result<u8, Failed> {
                      duplicate"
                 )
             };
-            mutation(cli, out, "discard", *outbox, *id, &what);
+            mutation(cli, out, "discard", dead_table(*outbox), *id, &what);
         }
         Command::Conflicts(ConflictsCommand::List { limit }) => {
             let conn = open(cli, false)?;
@@ -439,6 +445,14 @@ fn run(cli: &Cli, out: &mut String) -> Result<u8, Failed> {
             } else {
                 print_conflict(out, &d);
             }
+        }
+        Command::Conflicts(ConflictsCommand::Discard { id }) => {
+            let conn = open(cli, true)?;
+            if !admin::conflicts_discard(&conn, *id)? {
+                return Err(not_found(format!("no conflict with id {id}")));
+            }
+            let what = format!("conflict {id} discarded: deleted with its payload");
+            mutation(cli, out, "discard", "conflicts", *id, &what);
         }
         Command::Cleanup {
             retention_secs,
@@ -521,6 +535,15 @@ fn not_a_dead_letter(conn: &rusqlite::Connection, outbox: bool, id: i64) -> Fail
     })
 }
 
+/// The table a `dead` command's ID names, as `--json` reports it.
+fn dead_table(outbox: bool) -> &'static str {
+    if outbox {
+        "outbox"
+    } else {
+        "inbox"
+    }
+}
+
 #[derive(Serialize)]
 struct Mutation<'a> {
     action: &'a str,
@@ -530,13 +553,13 @@ struct Mutation<'a> {
     message: &'a str,
 }
 
-fn mutation(cli: &Cli, out: &mut String, action: &str, outbox: bool, id: i64, message: &str) {
+fn mutation(cli: &Cli, out: &mut String, action: &str, table: &str, id: i64, message: &str) {
     if cli.json {
         to_json(
             out,
             &Mutation {
                 action,
-                table: if outbox { "outbox" } else { "inbox" },
+                table,
                 id,
                 done: true,
                 message,
