@@ -800,14 +800,16 @@ const ENTRY_COLUMNS: &str = "id, consumer, source, message_id, status, attempts,
      length(payload), last_error, received_at, updated_at, next_attempt_at, processed_at";
 
 fn entry_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<InboxEntry> {
+    // Lossy: a row whose text does not decode is shown, not an error.
+    let text = |idx| inbox::lossy_text(r, idx).map(Option::unwrap_or_default);
     Ok(InboxEntry {
         id: r.get(0)?,
-        consumer: r.get(1)?,
-        source: r.get(2)?,
-        message_id: r.get(3)?,
+        consumer: text(1)?,
+        source: text(2)?,
+        message_id: text(3)?,
         status: r.get(4)?,
         attempts: r.get(5)?,
-        ordering_key: r.get(6)?,
+        ordering_key: inbox::lossy_text(r, 6)?,
         payload_bytes: r.get::<_, Option<i64>>(7)?.map(count),
         last_error: r.get(8)?,
         received_at: r.get(9)?,

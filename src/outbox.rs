@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use rusqlite::{params, Connection, Row};
 
 use crate::handler::Cause;
+use crate::inbox;
 use crate::message::{Headers, Outgoing};
 
 /// Header naming the message that caused an outgoing one.
@@ -153,13 +154,17 @@ pub struct OutboxMessage {
 const COLUMNS: &str =
     "seq, message_id, topic, key, payload, headers, attempts, created_at, last_error";
 
-fn from_row(r: &Row<'_>) -> rusqlite::Result<OutboxMessage> {
+/// A row as stored, with the first column that did not decode (read
+/// lossily, see [`inbox::stored_text`]).
+fn from_row(r: &Row<'_>) -> rusqlite::Result<(OutboxMessage, Option<&'static str>)> {
     let headers: Option<String> = r.get(5)?;
-    Ok(OutboxMessage {
+    let mut damage = None;
+    let mut text = |idx, column| inbox::stored_text(r, idx, column, &mut damage);
+    let msg = OutboxMessage {
         seq: r.get(0)?,
-        id: r.get(1)?,
-        topic: r.get(2)?,
-        key: r.get(3)?,
+        id: text(1, "message_id")?.unwrap_or_default(),
+        topic: text(2, "topic")?.unwrap_or_default(),
+        key: text(3, "key")?,
         payload: r.get(4)?,
         headers: headers
             .and_then(|h| serde_json::from_str(&h).ok())
@@ -167,16 +172,18 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<OutboxMessage> {
         attempts: r.get(6)?,
         created_at: r.get(7)?,
         last_error: r.get(8)?,
-    })
+    };
+    Ok((msg, damage))
 }
 
 /// Due pending rows in commit order, at most `limit`, skipping any row
-/// whose key has an earlier pending row still waiting out a backoff.
+/// whose key has an earlier pending row still waiting out a backoff; each
+/// with the first column that did not decode, if one did not.
 pub(crate) fn fetch_due(
     conn: &Connection,
     now_ms: i64,
     limit: usize,
-) -> rusqlite::Result<Vec<OutboxMessage>> {
+) -> rusqlite::Result<Vec<(OutboxMessage, Option<&'static str>)>> {
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {COLUMNS} FROM postroom_outbox r
          WHERE r.status = 'pending' AND r.next_attempt_at <= ?1
@@ -244,7 +251,9 @@ pub(crate) fn dead_letters(
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {COLUMNS} FROM postroom_outbox WHERE status = 'dead' ORDER BY seq LIMIT ?1"
     ))?;
-    let rows = stmt.query_map([i64::try_from(limit).unwrap_or(i64::MAX)], from_row)?;
+    let rows = stmt.query_map([i64::try_from(limit).unwrap_or(i64::MAX)], |r| {
+        from_row(r).map(|(msg, _)| msg)
+    })?;
     rows.collect()
 }
 

@@ -121,32 +121,46 @@ pub(crate) fn claim(
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut rows = stmt.query(params![consumer, limit, now_ms, lease_until, token])?;
     // With each row, its last error (for a row past a lowered cap).
-    let mut claimed: Vec<(Claimed, Option<String>)> = Vec::new();
+    // With each row, its last error (for a row past a lowered cap) and the
+    // first column that did not decode.
+    let mut claimed: Vec<(Claimed, Option<String>, Option<&'static str>)> = Vec::new();
     while let Some(r) = rows.next()? {
         let hash: Vec<u8> = r.get(4)?;
         let headers: Option<String> = r.get(5)?;
+        let mut damage = None;
+        let mut text = |idx, column| inbox::stored_text(r, idx, column, &mut damage);
+        let msg = Message {
+            source: text(1, "source")?.unwrap_or_default(),
+            id: text(2, "message_id")?.unwrap_or_default(),
+            payload: r.get::<_, Option<Vec<u8>>>(3)?.unwrap_or_default(),
+            headers: parse_headers(headers.as_deref()),
+            ordering_key: text(6, "ordering_key")?,
+        };
         let row = Claimed {
             row_id: r.get(0)?,
             token,
             consumer: consumer.to_owned(),
-            msg: Message {
-                source: r.get(1)?,
-                id: r.get(2)?,
-                payload: r.get::<_, Option<Vec<u8>>>(3)?.unwrap_or_default(),
-                headers: parse_headers(headers.as_deref()),
-                ordering_key: r.get(6)?,
-            },
+            msg,
             hash: hash.try_into().unwrap_or([0; 32]),
             attempt: r.get(7)?,
             received_at: r.get(8)?,
         };
-        claimed.push((row, r.get(9)?));
+        claimed.push((row, r.get(9)?, damage));
     }
     drop(rows);
     drop(stmt);
     let mut sound = Vec::with_capacity(claimed.len());
-    for (c, last_error) in claimed {
-        let (attempts, error) = if c.attempt > max_attempts {
+    for (c, last_error, damage) in claimed {
+        let (attempts, error) = if let Some(column) = damage {
+            // Never hand a handler a message that is not the one received.
+            log::error!(
+                "postroom: row {} ({}): {}; dead-lettered",
+                c.row_id,
+                c.consumer,
+                inbox::undecodable(column)
+            );
+            (c.attempt, inbox::undecodable(column))
+        } else if c.attempt > max_attempts {
             // Not an attempt: the claim's increment is taken back.
             let used = c.attempt - 1;
             log::warn!(
@@ -334,15 +348,18 @@ pub(crate) fn dead_letters(
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows = stmt.query_map(params![consumer, limit], |r| {
         let headers: Option<String> = r.get(5)?;
+        // Lossy: a row dead-lettered because its text did not decode must
+        // still be listed.
+        let text = |idx| inbox::lossy_text(r, idx).map(Option::unwrap_or_default);
         Ok(DeadLetter {
             id: r.get(0)?,
-            consumer: r.get(1)?,
+            consumer: text(1)?,
             message: Message {
-                source: r.get(2)?,
-                id: r.get(3)?,
+                source: text(2)?,
+                id: text(3)?,
                 payload: r.get::<_, Option<Vec<u8>>>(4)?.unwrap_or_default(),
                 headers: parse_headers(headers.as_deref()),
-                ordering_key: r.get(6)?,
+                ordering_key: inbox::lossy_text(r, 6)?,
             },
             attempts: r.get(7)?,
             last_error: r.get(8)?,

@@ -31,6 +31,7 @@ use crate::delivery::panic_message;
 use crate::engine::Postroom;
 use crate::error::{Error, Result};
 use crate::failpoint;
+use crate::inbox;
 use crate::message::{Message, Outcome};
 use crate::outbox::{self, OutboxMessage};
 use crate::workers::Shared;
@@ -352,14 +353,14 @@ pub(crate) fn relay(
             return;
         }
         let now = shared.clock.now_ms();
-        let batch = match outbox::fetch_due(&conn, now, shared.config.relay_batch) {
-            Ok(batch) => batch,
+        let fetched = match outbox::fetch_due(&conn, now, shared.config.relay_batch) {
+            Ok(fetched) => fetched,
             Err(e) => {
                 log::warn!("postroom relay: reading the outbox: {e}");
                 Vec::new()
             }
         };
-        if batch.is_empty() {
+        if fetched.is_empty() {
             if stop_at.is_some() {
                 return; // flushed
             }
@@ -370,25 +371,39 @@ pub(crate) fn relay(
             }
             continue;
         }
-        // At `Normal` the batch's commits may not be on disk yet (the relay
-        // is woken at COMMIT). The sink must not get a row a power cut could
-        // still take back: it would keep an effect this database lost, and
-        // the message's redelivery would publish it again under a new id.
-        // So the WAL is synced first: one fsync per batch.
-        if shared.config.durability == Durability::Normal {
-            if let Err(e) = checkpoint::sync_wal(&wal) {
-                log::warn!("postroom relay: WAL fsync failed: {e}; batch held back");
-                if !pause_after_failure(&shared, &stop, &mut stop_at) {
-                    return;
-                }
-                continue;
+        let (batch, results) = match next(fetched) {
+            Next::Undecodable(msg, column) => {
+                let reason = inbox::undecodable(column);
+                log::error!(
+                    "postroom relay: outbox row {}: {reason}; dead-lettered",
+                    msg.seq
+                );
+                (vec![msg], vec![SendResult::Dead { reason }])
             }
-        }
-        let results =
-            panic::catch_unwind(AssertUnwindSafe(|| sink.send(&batch))).unwrap_or_else(|panic| {
-                let reason = format!("sink panicked: {}", panic_message(panic.as_ref()));
-                vec![SendResult::retry(reason); batch.len()]
-            });
+            Next::Send(batch) => {
+                // At `Normal` the batch's commits may not be on disk yet (the
+                // relay is woken at COMMIT). The sink must not get a row a
+                // power cut could still take back: it would keep an effect
+                // this database lost, and the message's redelivery would
+                // publish it again under a new id. So the WAL is synced
+                // first: one fsync per batch.
+                if shared.config.durability == Durability::Normal {
+                    if let Err(e) = checkpoint::sync_wal(&wal) {
+                        log::warn!("postroom relay: WAL fsync failed: {e}; batch held back");
+                        if !pause_after_failure(&shared, &stop, &mut stop_at) {
+                            return;
+                        }
+                        continue;
+                    }
+                }
+                let results = panic::catch_unwind(AssertUnwindSafe(|| sink.send(&batch)))
+                    .unwrap_or_else(|panic| {
+                        let reason = format!("sink panicked: {}", panic_message(panic.as_ref()));
+                        vec![SendResult::retry(reason); batch.len()]
+                    });
+                (batch, results)
+            }
+        };
         // While flushing for shutdown, a batch the sink took none of ends
         // the flush: retrying a dead sink until the deadline would only eat
         // the time the writer needs to stop.
@@ -414,6 +429,31 @@ pub(crate) fn relay(
             if let Ok(at) = stop.try_recv() {
                 stop_at = Some(at);
             }
+        }
+    }
+}
+
+/// What the relay does with a fetched batch.
+enum Next {
+    /// Hand these to the sink.
+    Send(Vec<OutboxMessage>),
+    /// Dead-letter this row, whose named column did not decode.
+    Undecodable(OutboxMessage, &'static str),
+}
+
+/// The rows before the first that did not decode go to the sink. When that
+/// row is the first, it alone is dead-lettered; the rows after it wait for
+/// the next batch, so none of its key goes ahead of it.
+fn next(mut fetched: Vec<(OutboxMessage, Option<&'static str>)>) -> Next {
+    let first_damaged = fetched
+        .iter()
+        .enumerate()
+        .find_map(|(i, (_, damage))| damage.map(|column| (i, column)));
+    match first_damaged {
+        Some((0, column)) => Next::Undecodable(fetched.swap_remove(0).0, column),
+        first => {
+            fetched.truncate(first.map_or(fetched.len(), |(i, _)| i));
+            Next::Send(fetched.into_iter().map(|(msg, _)| msg).collect())
         }
     }
 }

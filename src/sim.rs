@@ -481,7 +481,11 @@ impl Machine {
     /// One relay pass: fetch due rows, "send" them (failing those whose
     /// seq is a multiple of `fail_every`), record the results.
     pub fn relay(&mut self, fail_every: u8) -> SimResult<usize> {
-        let batch = outbox::fetch_due(self.conn(), self.now_ms, 50).map_err(err)?;
+        let batch: Vec<_> = outbox::fetch_due(self.conn(), self.now_ms, 50)
+            .map_err(err)?
+            .into_iter()
+            .map(|(msg, _)| msg)
+            .collect();
         let results = relay::per_message(&batch, |msg| {
             if fail_every > 0 && msg.seq % i64::from(fail_every) == 0 {
                 SendResult::Retry {

@@ -657,3 +657,100 @@ fn a_file_missing_a_key_trigger_is_refused_at_open() {
     );
     assert_eq!(count(&raw(&db), "SELECT count(*) FROM postroom_inbox"), 1);
 }
+
+/// A stored row whose text does not decode (bit rot, a hand edit putting
+/// invalid UTF-8 in a key column) is dead-lettered, naming the column, when
+/// a claim or the relay reaches it; it must not fail every batch that
+/// reaches it, holding up the rows behind it for good.
+#[test]
+fn a_stored_row_that_does_not_decode_is_dead_lettered_not_retried_forever() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let (sent, handed_over) = crossbeam_channel::unbounded();
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = Arc::clone(&calls);
+    let room = Postroom::builder()
+        .workers(1)
+        .poll_interval(Duration::from_millis(10))
+        .relay_poll(Duration::from_millis(10))
+        .consumer(
+            "c",
+            handler_fn(move |tx, msg| {
+                c.fetch_add(1, Ordering::SeqCst);
+                apply(tx, msg)
+            }),
+        )
+        .sink(postroom::ChannelSink::new(sent))
+        .open(&path)
+        .unwrap();
+    create_domain(&room);
+    let conn = raw(&path);
+    // Behind the engine's back: a queued inbox row whose source is not
+    // UTF-8, and an outbox row whose topic is not. Payload digests are right.
+    conn.execute(
+        "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload, payload_hash,
+             received_at, updated_at, next_attempt_at, queued)
+         VALUES ('c', CAST(x'73ff' AS TEXT), 'rotten', 'pending', x'78', ?1, 1, 1, 1, 1)",
+        [blake3::hash(b"x").as_bytes().as_slice()],
+    )
+    .unwrap();
+    // The outbox rows sit between two sound ones (the relay hands over the
+    // rows before a damaged one, then dead-letters it alone).
+    conn.execute_batch(
+        "INSERT INTO postroom_outbox (message_id, topic, payload, status, created_at,
+             next_attempt_at)
+         VALUES ('before', 'sound', x'78', 'pending', 1, 1),
+                ('rotten-out', CAST(x'74ff' AS TEXT), x'78', 'pending', 1, 1)",
+    )
+    .unwrap();
+    room.receive("c", Message::new("s", "fine", "y")).unwrap();
+
+    eventually(20, "the row behind the rotten one processed", || {
+        applied_count(&conn, "fine") == 1
+    });
+    let (status, error): (String, String) = conn
+        .query_row(
+            "SELECT status, last_error FROM postroom_inbox WHERE message_id = 'rotten'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(status, "dead");
+    assert!(error.contains("source"), "{error}");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "never handed to the handler"
+    );
+    // Listed, lossily, where an operator looks for dead letters.
+    let dead = room.dead_letters(None, 10).unwrap();
+    assert_eq!(dead[0].message.source(), "s\u{fffd}");
+    let listed = postroom::admin::inbox_list(&conn, &Default::default()).unwrap();
+    assert!(listed.iter().any(|e| e.source == "s\u{fffd}"), "{listed:?}");
+
+    let topics: Vec<String> = (0..2)
+        .map(|_| {
+            let out: postroom::OutboxMessage =
+                handed_over.recv_timeout(Duration::from_secs(20)).unwrap();
+            out.topic
+        })
+        .collect();
+    assert_eq!(
+        topics,
+        ["sound", "applied"],
+        "the rotten outbox row is not handed over"
+    );
+    eventually(20, "the rotten outbox row dead", || {
+        room.stats().unwrap().outbox.dead == 1
+    });
+    let error: String = conn
+        .query_row(
+            "SELECT last_error FROM postroom_outbox WHERE message_id = 'rotten-out'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(error.contains("topic"), "{error}");
+    assert!(handed_over.try_recv().is_err(), "nothing else handed over");
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}
