@@ -334,7 +334,8 @@ impl ConsumerStatus {
 pub struct OutboxStatus {
     /// Rows not yet handed to the sink: the relay's backlog.
     pub pending: u64,
-    /// Rows handed over (until retention deletes them).
+    /// Rows handed over, or discarded by an operator (`last_error` says
+    /// so), until retention deletes them.
     pub sent: u64,
     /// Rows the relay gave up on.
     pub dead: u64,
@@ -1174,7 +1175,7 @@ pub fn cleanup(
                 conn.query_row(
                     "SELECT count(*) FROM postroom_inbox
                      WHERE status = 'completed' AND processed_at < ?1
-                       AND id < (SELECT max(id) FROM postroom_inbox)",
+                       AND +id < (SELECT max(id) FROM postroom_inbox)",
                     [cutoff],
                     |r| r.get(0),
                 )
@@ -1183,7 +1184,7 @@ pub fn cleanup(
             summary.outbox_deleted = count(
                 conn.query_row(
                     "SELECT count(*) FROM postroom_outbox WHERE status = 'sent' AND sent_at < ?1
-                       AND seq < (SELECT max(seq) FROM postroom_outbox)",
+                       AND +seq < (SELECT max(seq) FROM postroom_outbox)",
                     [cutoff],
                     |r| r.get(0),
                 )

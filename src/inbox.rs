@@ -187,8 +187,9 @@ fn lookup(conn: &Connection, key: Key<'_>, hash: &[u8; 32]) -> rusqlite::Result<
 
 /// The inbox row the key table pointed to, if it still holds `key`.
 /// Outside a transaction the two reads see different snapshots, and a row
-/// id can be reused once the newest row is deleted: the key check makes a
-/// stale id read as "not found" rather than as another message's row.
+/// id can be reused if the newest row is deleted (retention never does;
+/// hand SQL can): the key check makes a stale id read as "not found"
+/// rather than as another message's row.
 fn row(conn: &Connection, inbox_id: i64, key: Key<'_>) -> rusqlite::Result<Option<Row>> {
     conn.prepare_cached(
         "SELECT status, payload_hash, attempts, last_error, next_attempt_at, lease_until,

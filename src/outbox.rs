@@ -157,7 +157,6 @@ const COLUMNS: &str =
 /// A row as stored, with the first column that did not decode (read
 /// lossily, see [`inbox::stored_text`]).
 fn from_row(r: &Row<'_>) -> rusqlite::Result<(OutboxMessage, Option<&'static str>)> {
-    let headers: Option<String> = r.get(5)?;
     let mut damage = None;
     let mut text = |idx, column| inbox::stored_text(r, idx, column, &mut damage);
     let msg = OutboxMessage {
@@ -166,12 +165,12 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<(OutboxMessage, Option<&'static str
         topic: text(2, "topic")?.unwrap_or_default(),
         key: text(3, "key")?,
         payload: r.get(4)?,
-        headers: headers
+        headers: text(5, "headers")?
             .and_then(|h| serde_json::from_str(&h).ok())
             .unwrap_or_default(),
         attempts: r.get(6)?,
         created_at: r.get(7)?,
-        last_error: r.get(8)?,
+        last_error: inbox::lossy_text(r, 8)?,
     };
     Ok((msg, damage))
 }
@@ -235,13 +234,15 @@ pub(crate) fn delete_sent(
     cutoff_ms: i64,
     limit: usize,
 ) -> rusqlite::Result<usize> {
-    conn.prepare_cached(
-        "DELETE FROM postroom_outbox WHERE seq IN (
-             SELECT seq FROM postroom_outbox WHERE status = 'sent' AND sent_at < ?1
-               AND seq < (SELECT max(seq) FROM postroom_outbox) LIMIT ?2)",
-    )?
-    .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
+    conn.prepare_cached(DELETE_SENT)?
+        .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
 }
+
+/// [`delete_sent`]'s statement; the unary `+` as in
+/// `queue::delete_completed`.
+pub(crate) const DELETE_SENT: &str = "DELETE FROM postroom_outbox WHERE seq IN (
+     SELECT seq FROM postroom_outbox WHERE status = 'sent' AND sent_at < ?1
+       AND +seq < (SELECT max(seq) FROM postroom_outbox) LIMIT ?2)";
 
 /// Dead outbox rows, oldest first.
 pub(crate) fn dead_letters(

@@ -120,20 +120,18 @@ pub(crate) fn claim(
     )?;
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut rows = stmt.query(params![consumer, limit, now_ms, lease_until, token])?;
-    // With each row, its last error (for a row past a lowered cap).
     // With each row, its last error (for a row past a lowered cap) and the
     // first column that did not decode.
     let mut claimed: Vec<(Claimed, Option<String>, Option<&'static str>)> = Vec::new();
     while let Some(r) = rows.next()? {
         let hash: Vec<u8> = r.get(4)?;
-        let headers: Option<String> = r.get(5)?;
         let mut damage = None;
         let mut text = |idx, column| inbox::stored_text(r, idx, column, &mut damage);
         let msg = Message {
             source: text(1, "source")?.unwrap_or_default(),
             id: text(2, "message_id")?.unwrap_or_default(),
             payload: r.get::<_, Option<Vec<u8>>>(3)?.unwrap_or_default(),
-            headers: parse_headers(headers.as_deref()),
+            headers: parse_headers(text(5, "headers")?.as_deref()),
             ordering_key: text(6, "ordering_key")?,
         };
         let row = Claimed {
@@ -145,7 +143,7 @@ pub(crate) fn claim(
             attempt: r.get(7)?,
             received_at: r.get(8)?,
         };
-        claimed.push((row, r.get(9)?, damage));
+        claimed.push((row, inbox::lossy_text(r, 9)?, damage));
     }
     drop(rows);
     drop(stmt);
@@ -282,20 +280,24 @@ pub(crate) fn expire(
 /// Retention never deletes the newest row of a table, whatever its age:
 /// SQLite gives a new row the highest id plus one, so deleting the newest
 /// rows would give their ids out again (this and [`delete_dead`];
-/// `outbox::delete_sent` keeps the newest `seq` the same way).
+/// `outbox::delete_sent` keeps the newest `seq` the same way). The unary
+/// `+` keeps SQLite from answering `id < max` with a rowid range scan of
+/// the whole table once `PRAGMA optimize` has left statistics: the plan
+/// must stay on `postroom_inbox_done`
+/// (`retention_statements_use_their_indexes_with_statistics`).
 pub(crate) fn delete_completed(
     conn: &Connection,
     cutoff_ms: i64,
     limit: usize,
 ) -> rusqlite::Result<usize> {
-    conn.prepare_cached(
-        "DELETE FROM postroom_inbox WHERE id IN (
-             SELECT id FROM postroom_inbox
-             WHERE status = 'completed' AND processed_at < ?1
-               AND id < (SELECT max(id) FROM postroom_inbox) LIMIT ?2)",
-    )?
-    .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
+    conn.prepare_cached(DELETE_COMPLETED)?
+        .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
 }
+
+const DELETE_COMPLETED: &str = "DELETE FROM postroom_inbox WHERE id IN (
+     SELECT id FROM postroom_inbox
+     WHERE status = 'completed' AND processed_at < ?1
+       AND +id < (SELECT max(id) FROM postroom_inbox) LIMIT ?2)";
 
 /// Deletes up to `limit` dead rows last updated before `cutoff_ms`.
 pub(crate) fn delete_dead(
@@ -307,7 +309,7 @@ pub(crate) fn delete_dead(
         "DELETE FROM postroom_inbox WHERE id IN (
              SELECT id FROM postroom_inbox
              WHERE status = 'dead' AND updated_at < ?1
-               AND id < (SELECT max(id) FROM postroom_inbox) LIMIT ?2)",
+               AND +id < (SELECT max(id) FROM postroom_inbox) LIMIT ?2)",
     )?
     .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
 }
@@ -347,7 +349,6 @@ pub(crate) fn dead_letters(
     )?;
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows = stmt.query_map(params![consumer, limit], |r| {
-        let headers: Option<String> = r.get(5)?;
         // Lossy: a row dead-lettered because its text did not decode must
         // still be listed.
         let text = |idx| inbox::lossy_text(r, idx).map(Option::unwrap_or_default);
@@ -358,11 +359,11 @@ pub(crate) fn dead_letters(
                 source: text(2)?,
                 id: text(3)?,
                 payload: r.get::<_, Option<Vec<u8>>>(4)?.unwrap_or_default(),
-                headers: parse_headers(headers.as_deref()),
+                headers: parse_headers(inbox::lossy_text(r, 5)?.as_deref()),
                 ordering_key: inbox::lossy_text(r, 6)?,
             },
             attempts: r.get(7)?,
-            last_error: r.get(8)?,
+            last_error: inbox::lossy_text(r, 8)?,
             received_at: r.get(9)?,
             updated_at: r.get(10)?,
         })
@@ -406,4 +407,45 @@ pub(crate) fn discard(conn: &Connection, row_id: i64, now_ms: i64) -> rusqlite::
 fn parse_headers(text: Option<&str>) -> Headers {
     text.and_then(|t| serde_json::from_str(t).ok())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `EXPLAIN QUERY PLAN` says of `sql`, one line per step.
+    fn plan(conn: &Connection, sql: &str) -> String {
+        let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+        let rows = stmt
+            .query_map(params![1000, 256], |r| r.get::<_, String>(3))
+            .unwrap();
+        rows.map(Result::unwrap).collect::<Vec<_>>().join("; ")
+    }
+
+    /// Retention's statements must find expired rows through their partial
+    /// indexes even once statistics exist (`PRAGMA optimize` at shutdown
+    /// runs ANALYZE): the "keep the newest row" bound on the row id must
+    /// not turn them into a rowid scan of the whole table, run by every
+    /// reaper pass inside the writer.
+    #[test]
+    fn retention_statements_use_their_indexes_with_statistics() {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(crate::schema::SCHEMA_SQL).unwrap();
+        conn.execute_batch(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2000)
+             INSERT INTO postroom_inbox (consumer, source, message_id, status, payload_hash,
+                 received_at, updated_at, processed_at)
+             SELECT 'c', 's', 'm' || i, 'completed', zeroblob(32), i, i, i FROM n;
+             WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2000)
+             INSERT INTO postroom_outbox (message_id, topic, payload, status, created_at,
+                 next_attempt_at, sent_at)
+             SELECT 'o' || i, 't', x'', 'sent', i, i, i FROM n;
+             ANALYZE;",
+        )
+        .unwrap();
+        let inbox = plan(&conn, DELETE_COMPLETED);
+        assert!(inbox.contains("postroom_inbox_done"), "{inbox}");
+        let outbox = plan(&conn, crate::outbox::DELETE_SENT);
+        assert!(outbox.contains("postroom_outbox_sent"), "{outbox}");
+    }
 }

@@ -407,7 +407,10 @@ pub(crate) fn relay(
         // While flushing for shutdown, a batch the sink took none of ends
         // the flush: retrying a dead sink until the deadline would only eat
         // the time the writer needs to stop.
-        let progress = results.contains(&SendResult::Sent);
+        // A row settled either way (sent, or dead) is progress.
+        let progress = results
+            .iter()
+            .any(|r| !matches!(r, SendResult::Retry { .. }));
         let recorded =
             failpoint::hit("relay.after_send").and_then(|()| record(&shared, batch, results));
         match recorded {

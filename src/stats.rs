@@ -59,7 +59,7 @@ impl StatusCounts {
 pub struct OutboxCounts {
     /// Not yet handed to the sink (the backlog).
     pub pending: u64,
-    /// Handed over.
+    /// Handed over, or discarded by an operator (`last_error` says so).
     pub sent: u64,
     /// Given up on.
     pub dead: u64,
