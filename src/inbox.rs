@@ -412,11 +412,13 @@ pub(crate) fn delete_conflicts(
     cutoff_ms: i64,
     limit: usize,
 ) -> rusqlite::Result<usize> {
-    conn.prepare_cached(
+    crate::queue::delete_expired(
+        conn,
         "DELETE FROM postroom_conflicts WHERE id IN (
              SELECT id FROM postroom_conflicts WHERE last_seen_at < ?1 LIMIT ?2)",
-    )?
-    .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
+        cutoff_ms,
+        limit,
+    )
 }
 
 /// Deletes the quarantined delivery `id` (an operator looked at it).

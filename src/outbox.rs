@@ -234,8 +234,7 @@ pub(crate) fn delete_sent(
     cutoff_ms: i64,
     limit: usize,
 ) -> rusqlite::Result<usize> {
-    conn.prepare_cached(DELETE_SENT)?
-        .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
+    crate::queue::delete_expired(conn, DELETE_SENT, cutoff_ms, limit)
 }
 
 /// [`delete_sent`]'s statement; the unary `+` as in

@@ -290,7 +290,18 @@ pub(crate) fn delete_completed(
     cutoff_ms: i64,
     limit: usize,
 ) -> rusqlite::Result<usize> {
-    conn.prepare_cached(DELETE_COMPLETED)?
+    delete_expired(conn, DELETE_COMPLETED, cutoff_ms, limit)
+}
+
+/// Runs one of retention's batch deletes: `sql` takes the cutoff (unix ms)
+/// as `?1` and the batch size as `?2`.
+pub(crate) fn delete_expired(
+    conn: &Connection,
+    sql: &str,
+    cutoff_ms: i64,
+    limit: usize,
+) -> rusqlite::Result<usize> {
+    conn.prepare_cached(sql)?
         .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
 }
 
@@ -305,13 +316,15 @@ pub(crate) fn delete_dead(
     cutoff_ms: i64,
     limit: usize,
 ) -> rusqlite::Result<usize> {
-    conn.prepare_cached(
+    delete_expired(
+        conn,
         "DELETE FROM postroom_inbox WHERE id IN (
              SELECT id FROM postroom_inbox
              WHERE status = 'dead' AND updated_at < ?1
                AND +id < (SELECT max(id) FROM postroom_inbox) LIMIT ?2)",
-    )?
-    .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
+        cutoff_ms,
+        limit,
+    )
 }
 
 /// A dead-lettered inbox message.
