@@ -1124,6 +1124,66 @@ pub fn conflicts_discard(conn: &Connection, id: i64) -> Result<bool> {
 
 // ---------------------------------------------------------------- cleanup
 
+/// How long [`cleanup`] keeps finished rows: the engine's `retention`,
+/// `dead_retention` and `conflict_retention` settings, for running
+/// retention from outside the engine (the CLI's `cleanup`). A bare
+/// [`Duration`] converts into one that keeps dead letters and conflicts,
+/// as the engine's defaults do.
+///
+/// ```
+/// use std::time::Duration;
+/// use postroom::admin::Retention;
+///
+/// let day = Duration::from_secs(24 * 3600);
+/// let policy = Retention::new(7 * day).dead(Some(30 * day)).conflicts(Some(30 * day));
+/// assert_eq!(policy.dead, Some(30 * day));
+/// assert_eq!(Retention::from(7 * day).conflicts, None);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Retention {
+    /// Completed inbox rows processed, and sent outbox rows sent, longer
+    /// ago than this are deleted: the dedupe horizon.
+    pub completed: Duration,
+    /// Dead letters (inbox) that died longer ago than this are deleted;
+    /// `None` (the default) keeps them.
+    pub dead: Option<Duration>,
+    /// Quarantined deliveries last seen longer ago than this are deleted;
+    /// `None` (the default) keeps them.
+    pub conflicts: Option<Duration>,
+}
+
+impl Retention {
+    /// Deletes completed and sent rows older than `completed`; keeps dead
+    /// letters and conflicts.
+    pub fn new(completed: Duration) -> Self {
+        Retention {
+            completed,
+            dead: None,
+            conflicts: None,
+        }
+    }
+
+    /// Also delete dead letters older than this (`None`: keep them).
+    pub fn dead(mut self, dead: Option<Duration>) -> Self {
+        self.dead = dead;
+        self
+    }
+
+    /// Also delete conflicts last seen longer ago than this (`None`: keep
+    /// them).
+    pub fn conflicts(mut self, conflicts: Option<Duration>) -> Self {
+        self.conflicts = conflicts;
+        self
+    }
+}
+
+impl From<Duration> for Retention {
+    fn from(completed: Duration) -> Self {
+        Retention::new(completed)
+    }
+}
+
 /// What [`cleanup`] deleted, or would delete.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
@@ -1140,56 +1200,63 @@ pub struct CleanupSummary {
     pub keys_deleted: u64,
     /// Sent outbox rows deleted (or that would be).
     pub outbox_deleted: u64,
+    /// Dead letters deleted (or that would be); `None` when
+    /// [`Retention::dead`] is `None`.
+    pub dead_deleted: Option<u64>,
+    /// Conflicts deleted (or that would be); `None` when
+    /// [`Retention::conflicts`] is `None`.
+    pub conflicts_deleted: Option<u64>,
     /// Write transactions used (0 for a dry run).
     pub transactions: u64,
 }
 
 /// Applies retention as the engine's reaper does: completed inbox rows
-/// processed, and sent outbox rows sent, before `now_ms - retention`.
-/// Dead letters, pending and failed rows are never touched, nor the newest
-/// row of each table (so no row id or `seq` is given out twice).
+/// processed, and sent outbox rows sent, before `now_ms - completed`; with
+/// [`Retention::dead`] / [`Retention::conflicts`], dead letters and
+/// conflicts too. Pending, failed and processing rows are never touched,
+/// nor the newest row of the inbox or the outbox (so no row id or `seq` is
+/// given out twice). `retention` is a [`Retention`] or a bare [`Duration`]
+/// (completed and sent rows only).
 ///
-/// With `dry_run`, only counts (read-only). Otherwise deletes
-/// [`CLEANUP_BATCH`] rows per `BEGIN IMMEDIATE` transaction, pausing
-/// between batches as long as the batch took, so a running engine's writer
-/// gets the lock at least half of the time.
+/// With `dry_run`, only counts, with the statements a run deletes with
+/// (read-only). Otherwise deletes [`CLEANUP_BATCH`] rows per
+/// `BEGIN IMMEDIATE` transaction, pausing between batches as long as the
+/// batch took, so a running engine's writer gets the lock at least half of
+/// the time.
 pub fn cleanup(
     conn: &Connection,
     now_ms: i64,
-    retention: Duration,
+    retention: impl Into<Retention>,
     dry_run: bool,
 ) -> Result<CleanupSummary> {
-    let keep = clock::millis(retention);
-    let cutoff = now_ms.saturating_sub(keep);
+    let retention = retention.into();
+    let cutoff_of = |keep: Duration| now_ms.saturating_sub(clock::millis(keep));
+    let cutoff = cutoff_of(retention.completed);
+    let dead_cutoff = retention.dead.map(cutoff_of);
+    let conflicts_cutoff = retention.conflicts.map(cutoff_of);
     let mut summary = CleanupSummary {
         cutoff_ms: cutoff,
         dry_run,
         inbox_deleted: 0,
         keys_deleted: 0,
         outbox_deleted: 0,
+        dead_deleted: None,
+        conflicts_deleted: None,
         transactions: 0,
     };
     if dry_run {
         return snapshot(conn, || {
-            summary.inbox_deleted = count(
-                conn.query_row(
-                    "SELECT count(*) FROM postroom_inbox
-                     WHERE status = 'completed' AND processed_at < ?1
-                       AND +id < (SELECT max(id) FROM postroom_inbox)",
-                    [cutoff],
-                    |r| r.get(0),
-                )
-                .map_err(sql("count expired inbox rows"))?,
-            );
-            summary.outbox_deleted = count(
-                conn.query_row(
-                    "SELECT count(*) FROM postroom_outbox WHERE status = 'sent' AND sent_at < ?1
-                       AND +seq < (SELECT max(seq) FROM postroom_outbox)",
-                    [cutoff],
-                    |r| r.get(0),
-                )
-                .map_err(sql("count expired outbox rows"))?,
-            );
+            let expired = |statement, cutoff| {
+                queue::count_expired(conn, statement, cutoff).map_err(sql("count expired rows"))
+            };
+            summary.inbox_deleted = expired(queue::DELETE_COMPLETED, cutoff)?;
+            summary.outbox_deleted = expired(outbox::DELETE_SENT, cutoff)?;
+            if let Some(c) = dead_cutoff {
+                summary.dead_deleted = Some(expired(queue::DELETE_DEAD, c)?);
+            }
+            if let Some(c) = conflicts_cutoff {
+                summary.conflicts_deleted = Some(expired(inbox::DELETE_CONFLICTS, c)?);
+            }
             Ok(summary)
         });
     }
@@ -1209,16 +1276,17 @@ pub fn cleanup(
         },
         || drain_retired(conn, &transactions),
     )?;
-    let op = "delete expired outbox rows";
-    summary.outbox_deleted = delete_in_batches(
-        conn,
-        op,
-        outbox::delete_sent,
-        cutoff,
-        u64::MAX,
-        &transactions,
-    )?
-    .0;
+    let all = |op, delete, cutoff| {
+        delete_in_batches(conn, op, delete, cutoff, u64::MAX, &transactions).map(|(n, _)| n)
+    };
+    summary.outbox_deleted = all("delete expired outbox rows", outbox::delete_sent, cutoff)?;
+    if let Some(c) = dead_cutoff {
+        summary.dead_deleted = Some(all("delete expired dead letters", queue::delete_dead, c)?);
+    }
+    if let Some(c) = conflicts_cutoff {
+        let op = "delete expired conflicts";
+        summary.conflicts_deleted = Some(all(op, inbox::delete_conflicts, c)?);
+    }
     summary.transactions = transactions.get();
     Ok(summary)
 }

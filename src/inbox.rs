@@ -412,14 +412,11 @@ pub(crate) fn delete_conflicts(
     cutoff_ms: i64,
     limit: usize,
 ) -> rusqlite::Result<usize> {
-    crate::queue::delete_expired(
-        conn,
-        "DELETE FROM postroom_conflicts WHERE id IN (
-             SELECT id FROM postroom_conflicts WHERE last_seen_at < ?1 LIMIT ?2)",
-        cutoff_ms,
-        limit,
-    )
+    crate::queue::delete_expired(conn, DELETE_CONFLICTS, cutoff_ms, limit)
 }
+
+pub(crate) const DELETE_CONFLICTS: &str = "DELETE FROM postroom_conflicts WHERE id IN (
+     SELECT id FROM postroom_conflicts WHERE last_seen_at < ?1 LIMIT ?2)";
 
 /// Deletes the quarantined delivery `id` (an operator looked at it).
 /// Returns false when there is none. Its id is not given out again

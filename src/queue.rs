@@ -294,7 +294,9 @@ pub(crate) fn delete_completed(
 }
 
 /// Runs one of retention's batch deletes: `sql` takes the cutoff (unix ms)
-/// as `?1` and the batch size as `?2`.
+/// as `?1` and the batch size as `?2`, and has the shape
+/// `DELETE FROM t WHERE k IN (SELECT k FROM t WHERE … LIMIT ?2)`, which
+/// [`count_expired`] relies on.
 pub(crate) fn delete_expired(
     conn: &Connection,
     sql: &str,
@@ -305,7 +307,21 @@ pub(crate) fn delete_expired(
         .execute(params![cutoff_ms, i64::try_from(limit).unwrap_or(i64::MAX)])
 }
 
-const DELETE_COMPLETED: &str = "DELETE FROM postroom_inbox WHERE id IN (
+/// Counts every row `sql` (one of retention's batch deletes, see
+/// [`delete_expired`]) would delete before `cutoff_ms`, by running its own
+/// subquery without a limit: a dry run counts exactly what a run deletes.
+pub(crate) fn count_expired(conn: &Connection, sql: &str, cutoff_ms: i64) -> rusqlite::Result<u64> {
+    let (_, subquery) = sql
+        .split_once(" IN (")
+        .expect("retention deletes are DELETE … WHERE k IN (SELECT …)");
+    // `subquery` ends with the `)` closing `IN (`; LIMIT -1 is no limit.
+    let n: i64 = conn
+        .prepare_cached(&format!("SELECT count(*) FROM ({subquery}"))?
+        .query_row(params![cutoff_ms, -1], |r| r.get(0))?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
+pub(crate) const DELETE_COMPLETED: &str = "DELETE FROM postroom_inbox WHERE id IN (
      SELECT id FROM postroom_inbox
      WHERE status = 'completed' AND processed_at < ?1
        AND +id < (SELECT max(id) FROM postroom_inbox) LIMIT ?2)";
@@ -316,16 +332,13 @@ pub(crate) fn delete_dead(
     cutoff_ms: i64,
     limit: usize,
 ) -> rusqlite::Result<usize> {
-    delete_expired(
-        conn,
-        "DELETE FROM postroom_inbox WHERE id IN (
-             SELECT id FROM postroom_inbox
-             WHERE status = 'dead' AND updated_at < ?1
-               AND +id < (SELECT max(id) FROM postroom_inbox) LIMIT ?2)",
-        cutoff_ms,
-        limit,
-    )
+    delete_expired(conn, DELETE_DEAD, cutoff_ms, limit)
 }
+
+pub(crate) const DELETE_DEAD: &str = "DELETE FROM postroom_inbox WHERE id IN (
+     SELECT id FROM postroom_inbox
+     WHERE status = 'dead' AND updated_at < ?1
+       AND +id < (SELECT max(id) FROM postroom_inbox) LIMIT ?2)";
 
 /// A dead-lettered inbox message.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -18,7 +18,7 @@ use postroom::{
 use rusqlite::{params, Connection};
 use serde_json::Value;
 
-use common::{count, eventually, raw, SetOnDrop};
+use common::{column, count, eventually, raw, SetOnDrop};
 
 const BIN: &str = env!("CARGO_BIN_EXE_postroom");
 
@@ -650,6 +650,9 @@ fn cleanup_dry_run_counts_and_the_real_run_deletes_only_expired_rows_in_batches(
     }
     room.deliver("strict", Message::new("shop", "old-dead", "x"))
         .unwrap();
+    // An id reused with another payload: quarantined, last seen 10 days ago.
+    room.deliver("orders", Message::new("shop", "old-0", "y"))
+        .unwrap();
     eventually(20, "old outbox rows sent", || {
         room.stats().unwrap().outbox.sent == 300
     });
@@ -661,6 +664,8 @@ fn cleanup_dry_run_counts_and_the_real_run_deletes_only_expired_rows_in_batches(
     eventually(20, "new outbox rows sent", || {
         room.stats().unwrap().outbox.sent == 302
     });
+    room.deliver("orders", Message::new("shop", "new-0", "z"))
+        .unwrap();
     room.shutdown(Duration::from_secs(10)).unwrap();
     let conn = raw(&db);
     let snapshot = |conn: &Connection| {
@@ -727,6 +732,73 @@ fn cleanup_dry_run_counts_and_the_real_run_deletes_only_expired_rows_in_batches(
         human.starts_with("deleted 0 completed inbox row(s) and 0 sent outbox row(s)"),
         "{human}"
     );
+    assert!(
+        !human.contains("dead letter") && !human.contains("conflict"),
+        "{human}"
+    );
+
+    // Dead letters and conflicts only when asked, each by its own age.
+    let conflicts = |conn: &Connection| {
+        column::<Vec<String>>(
+            conn,
+            "SELECT message_id FROM postroom_conflicts ORDER BY id",
+        )
+    };
+    assert_eq!(conflicts(&conn), ["old-0", "new-0"]);
+    let day = "86400";
+    let both = [
+        "--dead-retention-secs",
+        day,
+        "--conflict-retention-secs",
+        day,
+    ];
+    let dry = cli_ok(
+        &db,
+        &[&["cleanup", "--dry-run", "--json"][..], &both].concat(),
+        0,
+    )
+    .json();
+    assert_eq!(
+        (&dry["dead_deleted"], &dry["conflicts_deleted"]),
+        (&1.into(), &1.into())
+    );
+    let dry = cli_ok(&db, &["cleanup", "--dry-run", "--json"], 0).json();
+    assert!(
+        dry["dead_deleted"].is_null() && dry["conflicts_deleted"].is_null(),
+        "{dry}"
+    );
+    let longer = cli_ok(
+        &db,
+        &["cleanup", "--json", "--dead-retention-secs", "2592000"],
+        0,
+    )
+    .json();
+    assert_eq!(longer["dead_deleted"], 0, "died 10 days ago, kept for 30");
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM postroom_inbox WHERE status = 'dead'"
+        ),
+        1
+    );
+    let human = cli_ok(&db, &[&["cleanup"][..], &both].concat(), 0).stdout;
+    assert!(
+        human.contains("deleted 1 dead letter(s)\ndeleted 1 conflict(s)\n"),
+        "{human}"
+    );
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM postroom_inbox WHERE status = 'dead'"
+        ),
+        0
+    );
+    assert_eq!(
+        conflicts(&conn),
+        ["new-0"],
+        "the conflict seen today is kept"
+    );
+    check_clean(&db);
 }
 
 #[test]

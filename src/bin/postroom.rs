@@ -19,7 +19,8 @@
 //! postroom <DB> conflicts list [--limit N]
 //! postroom <DB> conflicts show ID
 //! postroom <DB> conflicts discard ID
-//! postroom <DB> cleanup [--retention-secs N] [--dry-run]
+//! postroom <DB> cleanup [--retention-secs N] [--dead-retention-secs N]
+//!                       [--conflict-retention-secs N] [--dry-run]
 //! postroom <DB> check [--full]
 //! postroom <DB> metrics
 //! ```
@@ -100,10 +101,19 @@ enum Command {
     #[command(subcommand)]
     Conflicts(ConflictsCommand),
     /// Delete completed inbox rows and sent outbox rows older than the retention
+    /// (and, when asked, old dead letters and conflicts)
     Cleanup {
         /// Keep rows finished within this many seconds (default: 7 days)
         #[arg(long, value_name = "N", default_value_t = admin::DEFAULT_RETENTION.as_secs())]
         retention_secs: u64,
+        /// Also delete inbox dead letters that died this many seconds ago or
+        /// more (default: keep them)
+        #[arg(long, value_name = "N")]
+        dead_retention_secs: Option<u64>,
+        /// Also delete conflicts last seen this many seconds ago or more
+        /// (default: keep them)
+        #[arg(long, value_name = "N")]
+        conflict_retention_secs: Option<u64>,
         /// Only count what would be deleted
         #[arg(long)]
         dry_run: bool,
@@ -456,11 +466,16 @@ fn run(cli: &Cli, out: &mut String) -> Result<u8, Failed> {
         }
         Command::Cleanup {
             retention_secs,
+            dead_retention_secs,
+            conflict_retention_secs,
             dry_run,
         } => {
             let conn = open(cli, !*dry_run)?;
             let retention = Duration::from_secs(*retention_secs);
-            let s = admin::cleanup(&conn, admin::now_ms(), retention, *dry_run)?;
+            let policy = admin::Retention::new(retention)
+                .dead(dead_retention_secs.map(Duration::from_secs))
+                .conflicts(conflict_retention_secs.map(Duration::from_secs));
+            let s = admin::cleanup(&conn, admin::now_ms(), policy, *dry_run)?;
             if cli.json {
                 to_json(out, &s);
             } else {
@@ -475,6 +490,12 @@ fn run(cli: &Cli, out: &mut String) -> Result<u8, Failed> {
                     fmt_time(s.cutoff_ms),
                     fmt_age(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX)),
                 );
+                if let Some(n) = s.dead_deleted {
+                    let _ = writeln!(out, "{verb} {n} dead letter(s)");
+                }
+                if let Some(n) = s.conflicts_deleted {
+                    let _ = writeln!(out, "{verb} {n} conflict(s)");
+                }
                 if !s.dry_run {
                     let _ = writeln!(
                         out,
