@@ -26,6 +26,12 @@ CREATE TABLE IF NOT EXISTS postroom_meta (
 --   * status = 'processing' => lease_until IS NOT NULL and lease_token IS NOT NULL
 --   * payload_hash is the digest of the first payload accepted under this key;
 --     a later delivery with another digest is quarantined, never merged.
+--
+-- next_attempt_at is set only for a retry waiting out its backoff. A row
+-- due at once (received, redriven, an attempt cut short) has NULL there,
+-- not "now": a clock set back later (an RTC kept in local time, corrected
+-- by NTP after boot) must not hold it, and its ordering key, until the
+-- clock reads that time again.
 CREATE TABLE IF NOT EXISTS postroom_inbox (
     id              INTEGER PRIMARY KEY,
     consumer        TEXT    NOT NULL,
@@ -184,6 +190,9 @@ CREATE INDEX IF NOT EXISTS postroom_inbox_done
 -- Outgoing messages, committed in the same transaction as the handler that
 -- published them. `seq` is commit order; `message_id` is stable across re-sends
 -- so a downstream inbox can deduplicate.
+--
+-- next_attempt_at is 0 for a row due at once (new, or redriven), for the
+-- inbox's reason above; a retry's backoff sets a time.
 CREATE TABLE IF NOT EXISTS postroom_outbox (
     seq              INTEGER PRIMARY KEY,
     message_id       TEXT    NOT NULL UNIQUE,

@@ -948,8 +948,9 @@ pub fn outbox_dead_letters(conn: &Connection, limit: usize) -> Result<Vec<Outbox
 }
 
 /// Sends the dead letter with row id `id` back to `pending`, attempts
-/// reset, due at `now_ms`: a running engine's workers pick it up at their
-/// next poll. Returns false (changing nothing) when `id` is not a dead
+/// reset, due at once whatever the engine's clock reads (`now_ms` stamps
+/// `updated_at`): a running engine's workers pick it up at their next
+/// poll. Returns false (changing nothing) when `id` is not a dead
 /// letter. One `BEGIN IMMEDIATE` transaction.
 pub fn redrive(conn: &Connection, id: i64, now_ms: i64) -> Result<bool> {
     write(conn, "redrive", |c| queue::redrive(c, id, now_ms))
@@ -963,12 +964,11 @@ pub fn discard(conn: &Connection, id: i64, now_ms: i64) -> Result<bool> {
     write(conn, "discard", |c| queue::discard(c, id, now_ms))
 }
 
-/// Sends the dead outbox row `seq` back to the relay, attempts reset.
-/// Returns false (changing nothing) when it is not a dead outbox row.
-pub fn redrive_outbox(conn: &Connection, seq: i64, now_ms: i64) -> Result<bool> {
-    write(conn, "redrive outbox row", |c| {
-        outbox::redrive(c, seq, now_ms)
-    })
+/// Sends the dead outbox row `seq` back to the relay, attempts reset, due
+/// at once whatever the engine's clock reads. Returns false (changing
+/// nothing) when it is not a dead outbox row.
+pub fn redrive_outbox(conn: &Connection, seq: i64) -> Result<bool> {
+    write(conn, "redrive outbox row", |c| outbox::redrive(c, seq))
 }
 
 /// Gives up on the dead outbox row `seq`: it will not be sent. As

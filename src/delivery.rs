@@ -331,7 +331,7 @@ pub(crate) fn recover_inflight(
         status,
         attempts: attempt,
         last_error: Some(&error),
-        next_attempt_at: (status == Status::Failed).then_some(now_ms),
+        next_attempt_at: None,
         keep_payload: true,
     };
     inbox::record(

@@ -579,9 +579,7 @@ impl Postroom {
     /// relay with its attempts reset. Returns false when there is no dead
     /// outbox message with that seq.
     pub fn redrive_outbox(&self, seq: i64) -> Result<bool> {
-        self.submit(move |w| {
-            outbox::redrive(w.conn, seq, w.clock.now_ms()).map_err(|e| Error::sqlite("redrive", e))
-        })
+        self.submit(move |w| outbox::redrive(w.conn, seq).map_err(|e| Error::sqlite("redrive", e)))
     }
 
     /// Gives up on a dead outbox message: it will not be sent. It is marked

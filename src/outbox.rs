@@ -37,7 +37,7 @@ pub(crate) fn insert(
     conn.prepare_cached(
         "INSERT INTO postroom_outbox (message_id, topic, key, payload, headers, status, attempts,
              created_at, next_attempt_at, cause_consumer, cause_source, cause_message_id)
-         VALUES (?1, ?2, ?3, ?4, ?5, 'pending', 0, ?6, ?6, ?7, ?8, ?9)",
+         VALUES (?1, ?2, ?3, ?4, ?5, 'pending', 0, ?6, 0, ?7, ?8, ?9)",
     )?
     .execute(params![
         id,
@@ -257,14 +257,15 @@ pub(crate) fn dead_letters(
     rows.collect()
 }
 
-/// Sends a dead outbox row back to the relay, attempts reset.
-pub(crate) fn redrive(conn: &Connection, seq: i64, now_ms: i64) -> rusqlite::Result<bool> {
+/// Sends a dead outbox row back to the relay, attempts reset, due at once
+/// (`next_attempt_at` 0, see schema.sql).
+pub(crate) fn redrive(conn: &Connection, seq: i64) -> rusqlite::Result<bool> {
     let n = conn
         .prepare_cached(
-            "UPDATE postroom_outbox SET status = 'pending', attempts = 0, next_attempt_at = ?2
+            "UPDATE postroom_outbox SET status = 'pending', attempts = 0, next_attempt_at = 0
              WHERE seq = ?1 AND status = 'dead'",
         )?
-        .execute(params![seq, now_ms])?;
+        .execute([seq])?;
     Ok(n == 1)
 }
 

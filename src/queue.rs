@@ -35,7 +35,7 @@ pub(crate) fn receive(
                 "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
                      payload_hash, headers, ordering_key, attempts, received_at, updated_at,
                      next_attempt_at, queued)
-                 VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6, ?7, 0, ?8, ?8, ?8, 1)",
+                 VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6, ?7, 0, ?8, ?8, NULL, 1)",
             )?
             .execute(params![
                 consumer,
@@ -267,7 +267,7 @@ pub(crate) fn expire(
         .prepare_cached(
             "UPDATE postroom_inbox
              SET status = CASE WHEN attempts >= ?3 THEN 'dead' ELSE 'failed' END,
-                 last_error = ?4, next_attempt_at = ?5, updated_at = ?5,
+                 last_error = ?4, next_attempt_at = NULL, updated_at = ?5,
                  lease_until = NULL, lease_token = NULL
              WHERE id = ?1 AND status = 'processing' AND lease_token IS ?2",
         )?
@@ -404,7 +404,7 @@ pub(crate) fn redrive(conn: &Connection, row_id: i64, now_ms: i64) -> rusqlite::
     let n = conn
         .prepare_cached(
             "UPDATE postroom_inbox
-             SET status = 'pending', attempts = 0, next_attempt_at = ?2, updated_at = ?2,
+             SET status = 'pending', attempts = 0, next_attempt_at = NULL, updated_at = ?2,
                  queued = 1
              WHERE id = ?1 AND status = 'dead'",
         )?

@@ -702,3 +702,89 @@ fn a_lowered_attempt_cap_dead_letters_rows_already_past_it() {
         "{error:?}"
     );
 }
+
+/// A clock set back (an RTC kept in local time that NTP corrects after a
+/// reboot; an operator's fix) must not hold what was stored before the
+/// step: a new queued message, a new outbox row and a redriven dead letter
+/// are due at once whatever the clock reads later. Only retries wait for a
+/// time (their backoff).
+#[test]
+fn a_clock_set_back_holds_neither_new_rows_nor_redriven_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.db");
+    let t0 = postroom::admin::now_ms();
+    let clock = postroom::ManualClock::new(t0);
+    // First run: no workers, no relay: rows are stored and left waiting.
+    let room = quick()
+        .workers(0)
+        .clock(clock.clone())
+        .consumer("c", handler_fn(apply))
+        .consumer("strict", handler_fn(|_, _| Err(Failure::reject("not yet"))))
+        .open(&db)
+        .unwrap();
+    create_domain(&room);
+    assert_eq!(
+        room.receive("c", Message::new("s", "queued", "a")).unwrap(),
+        Receipt::Accepted
+    );
+    room.deliver("c", Message::new("s", "inline", "b")).unwrap();
+    room.deliver("c", Message::new("s", "inline-2", "b"))
+        .unwrap();
+    room.deliver("strict", Message::new("s", "dead", "c"))
+        .unwrap();
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    // Between the runs an operator redrives both dead letters (one of the
+    // two outbox rows made dead by hand), on a wall clock an hour ahead of
+    // the one the engine will read.
+    let later = t0 + 3_600_000;
+    let conn = raw(&db);
+    conn.execute(
+        "UPDATE postroom_outbox SET status = 'dead', attempts = 5, last_error = 'sink down'
+         WHERE message_id = (SELECT min(message_id) FROM postroom_outbox)",
+        [],
+    )
+    .unwrap();
+    let admin = postroom::admin::open(&db, true).unwrap();
+    let dead: i64 = conn
+        .query_row(
+            "SELECT id FROM postroom_inbox WHERE status = 'dead'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let dead_seq: i64 = conn
+        .query_row(
+            "SELECT seq FROM postroom_outbox WHERE status = 'dead'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(postroom::admin::redrive(&admin, dead, later).unwrap());
+    assert!(postroom::admin::redrive_outbox(&admin, dead_seq).unwrap());
+
+    // Second run: the clock reads an hour before the first run's.
+    clock.set(t0 - 3_600_000);
+    let (tx, sent) = crossbeam_channel::unbounded();
+    let room = quick()
+        .workers(1)
+        .clock(clock.clone())
+        .consumer("c", handler_fn(apply))
+        .consumer("strict", handler_fn(apply))
+        .sink(postroom::ChannelSink::new(tx))
+        .open(&db)
+        .unwrap();
+    eventually(10, "the queued and the redriven message processed", || {
+        completed(&room, "c") == 3 && completed(&room, "strict") == 1
+    });
+    // The first run's two outbox rows (one redriven), and the second's.
+    let mut ids = Vec::new();
+    while ids.len() < 4 {
+        let msg = sent
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("outbox rows held back; sent so far: {ids:?}"));
+        ids.push(String::from_utf8(msg.payload).unwrap());
+    }
+    ids.sort();
+    assert_eq!(ids, ["dead", "inline", "inline-2", "queued"]);
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}

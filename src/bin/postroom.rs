@@ -372,7 +372,7 @@ fn run(cli: &Cli, out: &mut String) -> Result<u8, Failed> {
         Command::Dead(DeadCommand::Redrive { outbox, id }) => {
             let conn = open(cli, true)?;
             let done = if *outbox {
-                admin::redrive_outbox(&conn, *id, admin::now_ms())?
+                admin::redrive_outbox(&conn, *id)?
             } else {
                 admin::redrive(&conn, *id, admin::now_ms())?
             };
