@@ -1,4 +1,4 @@
--- postroom schema, version 4.
+-- postroom schema, version 5.
 --
 -- Applied in one transaction when a database is opened for the first time.
 -- Every statement is `IF NOT EXISTS`: the migration from version 1 renames
@@ -27,11 +27,12 @@ CREATE TABLE IF NOT EXISTS postroom_meta (
 --   * payload_hash is the digest of the first payload accepted under this key;
 --     a later delivery with another digest is quarantined, never merged.
 --
--- next_attempt_at is set only for a retry waiting out its backoff. A row
--- due at once (received, redriven, an attempt cut short) has NULL there,
--- not "now": a clock set back later (an RTC kept in local time, corrected
--- by NTP after boot) must not hold it, and its ordering key, until the
--- clock reads that time again.
+-- next_attempt_at holds a time only while a row waits: a retry's backoff,
+-- or a claim handed back after a storage error. A row due at once
+-- (received, redriven, an attempt cut short) has NULL there, not "now": a
+-- clock set back later (an RTC kept in local time, corrected by NTP after
+-- boot) must not hold it, and its ordering key, until the clock reads that
+-- time again. (Files written before version 5 hold "now" there.)
 CREATE TABLE IF NOT EXISTS postroom_inbox (
     id              INTEGER PRIMARY KEY,
     consumer        TEXT    NOT NULL,
@@ -187,6 +188,13 @@ CREATE INDEX IF NOT EXISTS postroom_inbox_done
     ON postroom_inbox (processed_at)
     WHERE status = 'completed';
 
+-- What dead_retention deletes (schema version 5): without it each batch
+-- scanned the whole inbox for dead rows, inside the writer. Dead letters
+-- are few, so it costs nothing on the delivery path.
+CREATE INDEX IF NOT EXISTS postroom_inbox_dead
+    ON postroom_inbox (updated_at)
+    WHERE status = 'dead';
+
 -- Outgoing messages, committed in the same transaction as the handler that
 -- published them. `seq` is commit order; `message_id` is stable across re-sends
 -- so a downstream inbox can deduplicate.
@@ -230,8 +238,9 @@ CREATE INDEX IF NOT EXISTS postroom_outbox_sent
 -- not. The stored message is never touched; the newcomer is kept here whole.
 -- A redelivery of the same conflicting payload bumps `deliveries` instead of
 -- adding a row, so a broker that keeps redelivering cannot grow this table.
--- Rows leave only by `conflict_retention` (last seen before it) or an
--- operator's `conflicts discard`.
+-- Rows leave only by `conflict_retention` (last seen before it), an
+-- operator's `conflicts discard`, or `postroom cleanup
+-- --conflict-retention-secs`.
 --
 -- AUTOINCREMENT: the id is told to the caller (`Outcome::Conflict`) and may
 -- be logged; a deleted conflict's id must not name a later one. Conflicts

@@ -882,12 +882,12 @@ mod floor {
     const OUTBOX_INSERT: &str = "INSERT INTO postroom_outbox (message_id, topic, key, payload,
              headers, status, attempts, created_at, next_attempt_at, cause_consumer,
              cause_source, cause_message_id)
-         VALUES (?1, ?2, ?3, ?4, ?5, 'pending', 0, ?6, ?6, ?7, ?8, ?9)";
+         VALUES (?1, ?2, ?3, ?4, ?5, 'pending', 0, ?6, 0, ?7, ?8, ?9)";
     // A received message, as the engine's `receive` stores it.
     const RECEIVE_INSERT: &str = "INSERT INTO postroom_inbox (consumer, source, message_id, status,
              payload, payload_hash, headers, ordering_key, attempts, received_at, updated_at,
              next_attempt_at, queued)
-         VALUES (?1, ?2, ?3, 'pending', ?4, ?5, NULL, NULL, 0, ?6, ?6, ?6, 1)";
+         VALUES (?1, ?2, ?3, 'pending', ?4, ?5, NULL, NULL, 0, ?6, ?6, NULL, 1)";
     // The relay's two statements, as the engine has them: due rows in commit
     // order (holding back a key behind a row waiting out a backoff), and
     // marking one row sent.
@@ -1664,7 +1664,7 @@ fn prefill_child(kind: Prefill, n: u64, path: &Path) -> Res<()> {
             let mut pending = tx.prepare(
                 "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
                      payload_hash, attempts, received_at, updated_at, next_attempt_at, queued)
-                 VALUES (?1, ?2, ?3, 'pending', ?4, ?5, 0, ?6, ?6, ?6, 1)",
+                 VALUES (?1, ?2, ?3, 'pending', ?4, ?5, 0, ?6, ?6, NULL, 1)",
             )?;
             let mut hash = [0u8; 32];
             for i in done..(done + PREFILL_TXN_ROWS).min(n) {

@@ -512,7 +512,7 @@ fn seconds(ms: Option<i64>) -> String {
 /// | `postroom_inbox_attempts` | `consumer`, `attempts` | gauge (rows per attempts count) |
 /// | `postroom_outbox_messages` | `status` | gauge |
 /// | `postroom_outbox_oldest_pending_seconds` | | gauge |
-/// | `postroom_conflicts` | | gauge (rows; `conflict_retention` and `conflicts discard` delete them) |
+/// | `postroom_conflicts` | | gauge (rows; `conflict_retention`, `conflicts discard` and `cleanup` delete them) |
 /// | `postroom_db_bytes`, `postroom_wal_bytes` | | gauge |
 /// | `postroom_schema_version` | | gauge |
 pub fn prometheus(report: &StatusReport) -> String {
@@ -791,7 +791,8 @@ pub struct InboxEntry {
     pub received_at: i64,
     /// When the row last changed (unix ms).
     pub updated_at: i64,
-    /// When it is next due (failed rows), if set.
+    /// When a pending or failed row is next due: a time while it waits out
+    /// a backoff, `None` when it is due at once (and for finished rows).
     pub next_attempt_at: Option<i64>,
     /// When it completed, if it did.
     pub processed_at: Option<i64>,
@@ -1188,8 +1189,15 @@ impl From<Duration> for Retention {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct CleanupSummary {
-    /// Rows finished before this time (unix ms) are past retention.
+    /// Completed and sent rows finished before this time (unix ms) are past
+    /// retention.
     pub cutoff_ms: i64,
+    /// Dead letters that died before this time are past
+    /// [`Retention::dead`]; `None` when it is `None`.
+    pub dead_cutoff_ms: Option<i64>,
+    /// Conflicts last seen before this time are past
+    /// [`Retention::conflicts`]; `None` when it is `None`.
+    pub conflicts_cutoff_ms: Option<i64>,
     /// True when nothing was deleted, only counted.
     pub dry_run: bool,
     /// Completed inbox rows deleted (or that would be).
@@ -1200,7 +1208,7 @@ pub struct CleanupSummary {
     pub keys_deleted: u64,
     /// Sent outbox rows deleted (or that would be).
     pub outbox_deleted: u64,
-    /// Dead letters deleted (or that would be); `None` when
+    /// Inbox dead letters deleted (or that would be); `None` when
     /// [`Retention::dead`] is `None`.
     pub dead_deleted: Option<u64>,
     /// Conflicts deleted (or that would be); `None` when
@@ -1236,6 +1244,8 @@ pub fn cleanup(
     let conflicts_cutoff = retention.conflicts.map(cutoff_of);
     let mut summary = CleanupSummary {
         cutoff_ms: cutoff,
+        dead_cutoff_ms: dead_cutoff,
+        conflicts_cutoff_ms: conflicts_cutoff,
         dry_run,
         inbox_deleted: 0,
         keys_deleted: 0,

@@ -418,7 +418,9 @@ impl Builder {
     }
 
     /// Delete dead letters this long after they died. Default: `None`,
-    /// dead letters are kept until redriven or discarded.
+    /// dead letters are kept until redriven or discarded (or deleted by
+    /// hand: [`admin::cleanup`](crate::admin::cleanup),
+    /// `postroom cleanup --dead-retention-secs`).
     pub fn dead_retention(mut self, retention: Option<Duration>) -> Self {
         self.config.dead_retention = retention;
         self
@@ -427,7 +429,8 @@ impl Builder {
     /// Delete quarantined deliveries (`postroom_conflicts`) this long after
     /// they were last seen. Default: `None`, they are kept until an
     /// operator discards them (`postroom conflicts discard`,
-    /// [`admin::conflicts_discard`](crate::admin::conflicts_discard)). Each
+    /// [`admin::conflicts_discard`](crate::admin::conflicts_discard)) or
+    /// deletes them by age (`postroom cleanup --conflict-retention-secs`). Each
     /// keeps its whole payload: set this where a sender reusing ids could
     /// fill the disk. A conflict's id is never given out again.
     pub fn conflict_retention(mut self, retention: Option<Duration>) -> Self {

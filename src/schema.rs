@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::failpoint;
 
 /// The newest schema version this library knows.
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 5;
 
 /// The schema, applied in one transaction to a database without one.
 pub const SCHEMA_SQL: &str = include_str!("../schema.sql");
@@ -144,12 +144,18 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             migrate_v1(&tx)?;
             migrate_v2(&tx)?;
             migrate_v3(&tx)?;
+            migrate_v4(&tx)?;
         }
         Some(2) => {
             migrate_v2(&tx)?;
             migrate_v3(&tx)?;
+            migrate_v4(&tx)?;
         }
-        Some(3) => migrate_v3(&tx)?,
+        Some(3) => {
+            migrate_v3(&tx)?;
+            migrate_v4(&tx)?;
+        }
+        Some(4) => migrate_v4(&tx)?,
         // Each step above takes the file from `found` to `found + 1`.
         Some(found) => check_version(found)?,
     }
@@ -285,6 +291,18 @@ fn migrate_v3(tx: &Connection) -> Result<()> {
         )
     })
     .map_err(|e| Error::sqlite("migrate schema 3 to 4", e))
+}
+
+/// Version 4 to 5: an index of dead inbox rows by `updated_at`, so
+/// `dead_retention` finds them without scanning the inbox (schema.sql).
+/// Reads the inbox once to build it; dead rows are few, so it is small.
+fn migrate_v4(tx: &Connection) -> Result<()> {
+    log::info!("postroom: migrating schema 4 to 5");
+    tx.execute_batch(SCHEMA_SQL)
+        .and_then(|()| {
+            tx.execute_batch("UPDATE postroom_meta SET value = '5' WHERE key = 'schema_version';")
+        })
+        .map_err(|e| Error::sqlite("migrate schema 4 to 5", e))
 }
 
 /// `Ok` for the schema version this build writes; an error for a newer one

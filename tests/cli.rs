@@ -762,11 +762,21 @@ fn cleanup_dry_run_counts_and_the_real_run_deletes_only_expired_rows_in_batches(
         (&dry["dead_deleted"], &dry["conflicts_deleted"]),
         (&1.into(), &1.into())
     );
+    // Each cutoff is its own: a day ago, where completed rows' is 7 days ago.
+    let day_ago = dry["cutoff_ms"].as_i64().unwrap() + 6 * 24 * 3600 * 1000;
+    for cutoff in ["dead_cutoff_ms", "conflicts_cutoff_ms"] {
+        let at = dry[cutoff].as_i64().unwrap();
+        assert!(
+            (day_ago - 60_000..=day_ago + 60_000).contains(&at),
+            "{cutoff} {at}"
+        );
+    }
     let dry = cli_ok(&db, &["cleanup", "--dry-run", "--json"], 0).json();
     assert!(
         dry["dead_deleted"].is_null() && dry["conflicts_deleted"].is_null(),
         "{dry}"
     );
+    assert!(dry["dead_cutoff_ms"].is_null(), "{dry}");
     let longer = cli_ok(
         &db,
         &["cleanup", "--json", "--dead-retention-secs", "2592000"],
@@ -783,7 +793,8 @@ fn cleanup_dry_run_counts_and_the_real_run_deletes_only_expired_rows_in_batches(
     );
     let human = cli_ok(&db, &[&["cleanup"][..], &both].concat(), 0).stdout;
     assert!(
-        human.contains("deleted 1 dead letter(s)\ndeleted 1 conflict(s)\n"),
+        human.contains("deleted 1 dead letter(s) dead before ")
+            && human.contains("deleted 1 conflict(s) last seen before "),
         "{human}"
     );
     assert_eq!(

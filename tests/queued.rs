@@ -468,6 +468,7 @@ fn retention_deletes_old_rows_without_stalling_deliveries() {
         latencies
     };
     let baseline = deliver_for(&|done| done >= 500);
+    let jobs_before = room.stats().unwrap().jobs_committed;
     let stop = std::sync::atomic::AtomicBool::new(false);
     let (during, report, took) = thread::scope(|s| {
         let cleaner = s.spawn(|| {
@@ -482,6 +483,14 @@ fn retention_deletes_old_rows_without_stalling_deliveries() {
     });
     let delivered = baseline.len() + during.len();
     assert_eq!(report.inbox_deleted as i64, rows - dead_before);
+    // Batches: the writer committed a job per delivery and one per 256
+    // deleted rows (and a few for the key entries).
+    let retention_jobs = room.stats().unwrap().jobs_committed - jobs_before - during.len() as u64;
+    assert!(
+        retention_jobs >= report.inbox_deleted / 256,
+        "{} rows deleted in {retention_jobs} writer jobs",
+        report.inbox_deleted
+    );
     let pct = |l: &[Duration], p: f64| l[((l.len() - 1) as f64 * p) as usize];
     let worst = *during.last().unwrap();
     eprintln!(
@@ -520,10 +529,15 @@ fn retention_deletes_old_rows_without_stalling_deliveries() {
         delivered as i64,
         "fresh rows are kept"
     );
-    // Generous bound for a noisy CI machine; the figure itself is printed.
+    // With batches (checked above), what is left is the disk's own
+    // outliers (a fsync on a busy virtual disk has taken over a second
+    // here): the bound scales with the cleanup, so that a slow or loaded
+    // machine does not fail it, and a pass holding the writer for a large
+    // part of the cleanup still does.
+    let bound = (took / 4).max(Duration::from_secs(2));
     assert!(
-        worst < Duration::from_secs(2),
-        "a delivery stalled for {worst:?}"
+        worst < bound,
+        "a delivery stalled for {worst:?} (bound {bound:?}; cleanup took {took:?})"
     );
 }
 

@@ -106,11 +106,11 @@ enum Command {
         /// Keep rows finished within this many seconds (default: 7 days)
         #[arg(long, value_name = "N", default_value_t = admin::DEFAULT_RETENTION.as_secs())]
         retention_secs: u64,
-        /// Also delete inbox dead letters that died this many seconds ago or
-        /// more (default: keep them)
+        /// Also delete inbox dead letters that died more than this many
+        /// seconds ago (default: keep them)
         #[arg(long, value_name = "N")]
         dead_retention_secs: Option<u64>,
-        /// Also delete conflicts last seen this many seconds ago or more
+        /// Also delete conflicts last seen more than this many seconds ago
         /// (default: keep them)
         #[arg(long, value_name = "N")]
         conflict_retention_secs: Option<u64>,
@@ -490,11 +490,19 @@ fn run(cli: &Cli, out: &mut String) -> Result<u8, Failed> {
                     fmt_time(s.cutoff_ms),
                     fmt_age(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX)),
                 );
-                if let Some(n) = s.dead_deleted {
-                    let _ = writeln!(out, "{verb} {n} dead letter(s)");
+                if let (Some(n), Some(cutoff)) = (s.dead_deleted, s.dead_cutoff_ms) {
+                    let _ = writeln!(
+                        out,
+                        "{verb} {n} dead letter(s) dead before {}",
+                        fmt_time(cutoff)
+                    );
                 }
-                if let Some(n) = s.conflicts_deleted {
-                    let _ = writeln!(out, "{verb} {n} conflict(s)");
+                if let (Some(n), Some(cutoff)) = (s.conflicts_deleted, s.conflicts_cutoff_ms) {
+                    let _ = writeln!(
+                        out,
+                        "{verb} {n} conflict(s) last seen before {}",
+                        fmt_time(cutoff)
+                    );
                 }
                 if !s.dry_run {
                     let _ = writeln!(
@@ -824,7 +832,13 @@ fn print_inbox_detail(out: &mut String, d: &admin::InboxDetail) {
         ("last error", e.last_error.clone().unwrap_or("-".into())),
         ("received at", fmt_time(e.received_at)),
         ("updated at", fmt_time(e.updated_at)),
-        ("next attempt at", opt_time(e.next_attempt_at)),
+        (
+            "next attempt at",
+            match (e.next_attempt_at, e.status) {
+                (None, Status::Pending | Status::Failed) => "at once".into(),
+                (at, _) => opt_time(at),
+            },
+        ),
         ("processed at", opt_time(e.processed_at)),
         ("lease until", opt_time(d.lease_until)),
         (
