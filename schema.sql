@@ -234,6 +234,12 @@ CREATE INDEX IF NOT EXISTS postroom_outbox_sent
     ON postroom_outbox (sent_at)
     WHERE status = 'sent';
 
+-- Dead outbox rows, for their listing (schema version 5): without it a
+-- listing read every sent row. Few rows, none on the relay's path.
+CREATE INDEX IF NOT EXISTS postroom_outbox_dead
+    ON postroom_outbox (seq)
+    WHERE status = 'dead';
+
 -- Deliveries whose id matched a stored message but whose payload digest did
 -- not. The stored message is never touched; the newcomer is kept here whole.
 -- A redelivery of the same conflicting payload bumps `deliveries` instead of

@@ -243,14 +243,17 @@ pub(crate) const DELETE_SENT: &str = "DELETE FROM postroom_outbox WHERE seq IN (
      SELECT seq FROM postroom_outbox WHERE status = 'sent' AND sent_at < ?1
        AND +seq < (SELECT max(seq) FROM postroom_outbox) LIMIT ?2)";
 
+/// Found through `postroom_outbox_dead`, in its order.
+pub(crate) fn dead_letters_sql() -> String {
+    format!("SELECT {COLUMNS} FROM postroom_outbox WHERE status = 'dead' ORDER BY seq LIMIT ?1")
+}
+
 /// Dead outbox rows, oldest first.
 pub(crate) fn dead_letters(
     conn: &Connection,
     limit: usize,
 ) -> rusqlite::Result<Vec<OutboxMessage>> {
-    let mut stmt = conn.prepare_cached(&format!(
-        "SELECT {COLUMNS} FROM postroom_outbox WHERE status = 'dead' ORDER BY seq LIMIT ?1"
-    ))?;
+    let mut stmt = conn.prepare_cached(&dead_letters_sql())?;
     let rows = stmt.query_map([i64::try_from(limit).unwrap_or(i64::MAX)], |r| {
         from_row(r).map(|(msg, _)| msg)
     })?;

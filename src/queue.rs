@@ -360,19 +360,24 @@ pub struct DeadLetter {
     pub updated_at: i64,
 }
 
+/// `+id`: sort the few dead rows found through `postroom_inbox_dead`, not
+/// walk the whole table in id order looking for them (which SQLite chose
+/// without statistics, reading every row when fewer than the limit are
+/// dead).
+const DEAD_LETTERS: &str =
+    "SELECT id, consumer, source, message_id, payload, headers, ordering_key,
+        attempts, last_error, received_at, updated_at
+     FROM postroom_inbox
+     WHERE status = 'dead' AND (?1 IS NULL OR consumer = ?1)
+     ORDER BY +id LIMIT ?2";
+
 /// Dead letters, oldest first, optionally of one consumer.
 pub(crate) fn dead_letters(
     conn: &Connection,
     consumer: Option<&str>,
     limit: usize,
 ) -> rusqlite::Result<Vec<DeadLetter>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT id, consumer, source, message_id, payload, headers, ordering_key, attempts,
-                last_error, received_at, updated_at
-         FROM postroom_inbox
-         WHERE status = 'dead' AND (?1 IS NULL OR consumer = ?1)
-         ORDER BY id LIMIT ?2",
-    )?;
+    let mut stmt = conn.prepare_cached(DEAD_LETTERS)?;
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows = stmt.query_map(params![consumer, limit], |r| {
         // Lossy: a row dead-lettered because its text did not decode must
@@ -442,8 +447,10 @@ mod tests {
     /// What `EXPLAIN QUERY PLAN` says of `sql`, one line per step.
     fn plan(conn: &Connection, sql: &str) -> String {
         let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+        let values = [1000, 256];
+        let bound = &values[..stmt.parameter_count()];
         let rows = stmt
-            .query_map(params![1000, 256], |r| r.get::<_, String>(3))
+            .query_map(rusqlite::params_from_iter(bound), |r| r.get::<_, String>(3))
             .unwrap();
         rows.map(Result::unwrap).collect::<Vec<_>>().join("; ")
     }
@@ -466,6 +473,23 @@ mod tests {
         ] {
             let plan = plan(&conn, sql);
             assert!(plan.contains(index), "{sql}: {plan}");
+        }
+    }
+
+    /// The dead-letter listings (the engine's `dead_letters`, the CLI's
+    /// `dead list`) read the few dead rows through their indexes, with or
+    /// without statistics, instead of every row of the table.
+    #[test]
+    fn dead_letter_listings_use_their_indexes() {
+        let conn = retention_fixture();
+        for analyzed in [false, true] {
+            if analyzed {
+                conn.execute_batch("ANALYZE").unwrap();
+            }
+            let inbox = plan(&conn, DEAD_LETTERS);
+            assert!(inbox.contains("postroom_inbox_dead"), "{inbox}");
+            let outbox = plan(&conn, &crate::outbox::dead_letters_sql());
+            assert!(outbox.contains("postroom_outbox_dead"), "{outbox}");
         }
     }
 

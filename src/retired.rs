@@ -152,14 +152,21 @@ pub(crate) fn apply(conn: &Connection, batch: &Batch) -> rusqlite::Result<usize>
             Ok(deleted)
         }
         Batch::Clear(through) => conn
-            .prepare_cached(
-                "DELETE FROM postroom_retired_keys WHERE seq IN (
-                     SELECT seq FROM postroom_retired_keys WHERE seq <= ?1
-                     ORDER BY seq LIMIT ?2)",
-            )?
+            .prepare_cached(CLEAR)?
             .execute(params![through, CLEAR_BATCH as i64]),
     }
 }
+
+/// Deletes the oldest notes with `seq <= ?1`, at most `?2` of them, as one
+/// range of the rowid: up to the `?2`-th such note, or `?1` when there are
+/// fewer. (`seq IN (SELECT … LIMIT ?2)` was the first form: with
+/// statistics taken while few notes waited, SQLite scanned the whole table
+/// for each batch instead of looking the rowids up.)
+const CLEAR: &str = "DELETE FROM postroom_retired_keys
+     WHERE seq <= coalesce(
+         (SELECT seq FROM postroom_retired_keys WHERE seq <= ?1
+          ORDER BY seq LIMIT 1 OFFSET ?2 - 1),
+         ?1)";
 
 /// Retention of completed inbox rows and, after them, their key entries:
 /// `delete(max)` deletes expired rows until none is left (answering
@@ -204,6 +211,69 @@ pub(crate) fn drain<E>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `CLEAR` clears the oldest notes up to `through`, at most
+    /// [`CLEAR_BATCH`] at a time, gaps in `seq` or not, by a rowid range
+    /// even when the statistics say the table is small.
+    #[test]
+    fn clearing_takes_the_oldest_notes_by_a_rowid_range() {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(crate::schema::SCHEMA_SQL).unwrap();
+        let notes = |n: usize| {
+            conn.execute_batch(&format!(
+                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {n})
+                 INSERT INTO postroom_retired_keys (consumer, source, message_id)
+                 SELECT 'c', 's', 'm' || i FROM n;"
+            ))
+            .unwrap()
+        };
+        notes(50);
+        conn.execute_batch("ANALYZE").unwrap();
+        notes(10_000);
+        // Gaps: every third note below 3,000 is gone already.
+        conn.execute_batch("DELETE FROM postroom_retired_keys WHERE seq < 3000 AND seq % 3 = 0")
+            .unwrap();
+        let plan: Vec<String> = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {CLEAR}"))
+            .unwrap()
+            .query_map(params![6000, CLEAR_BATCH as i64], |r| r.get(3))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert!(
+            plan.iter().all(|line| !line.starts_with("SCAN")),
+            "{plan:?}"
+        );
+        let left = |conn: &Connection| -> (i64, i64) {
+            conn.query_row(
+                "SELECT count(*), min(seq) FROM postroom_retired_keys WHERE seq <= 6000",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap()
+        };
+        let (before, _) = left(&conn);
+        let clear = || apply(&conn, &Batch::Clear(6000)).unwrap();
+        assert_eq!(clear(), CLEAR_BATCH);
+        let (after, oldest) = left(&conn);
+        assert_eq!(after, before - CLEAR_BATCH as i64);
+        let nth: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM postroom_retired_keys WHERE seq < ?1",
+                [oldest],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(nth, 0, "the oldest notes went first");
+        assert_eq!(clear() as i64, after, "then the rest up to 6000");
+        assert_eq!(clear(), 0);
+        let beyond: i64 = conn
+            .query_row("SELECT count(*) FROM postroom_retired_keys", [], |r| {
+                r.get(0)
+            })
+            .unwrap();
+        assert_eq!(beyond, 10_050 - 6000, "notes past 6000 stay");
+    }
 
     #[test]
     fn keys_order_part_by_part_as_the_primary_key_does() {

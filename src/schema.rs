@@ -293,9 +293,10 @@ fn migrate_v3(tx: &Connection) -> Result<()> {
     .map_err(|e| Error::sqlite("migrate schema 3 to 4", e))
 }
 
-/// Version 4 to 5: an index of dead inbox rows by `updated_at`, so
-/// `dead_retention` finds them without scanning the inbox (schema.sql).
-/// Reads the inbox once to build it; dead rows are few, so it is small.
+/// Version 4 to 5: indexes of dead rows — inbox by `updated_at`, so
+/// `dead_retention` and the dead-letter listing find them without scanning
+/// the inbox, outbox by `seq` for its listing (schema.sql). Reads both
+/// tables once to build them; dead rows are few, so they are small.
 fn migrate_v4(tx: &Connection) -> Result<()> {
     log::info!("postroom: migrating schema 4 to 5");
     tx.execute_batch(SCHEMA_SQL)
