@@ -21,7 +21,10 @@ pub const CORRELATION_HEADER: &str = "correlation-id";
 /// unique across messages. `received_at` tells apart a message received
 /// again after retention deleted its row: it is processed again, and its
 /// outbox rows must not collide with the first processing's, which may
-/// still be waiting to be sent.
+/// still be waiting to be sent. A clock set back can give the second
+/// receipt the first one's `received_at` to the millisecond: a derived id
+/// already taken can only be such an earlier receipt's (only one attempt
+/// of a receipt commits), so the next derivation is tried instead.
 pub(crate) fn insert(
     conn: &Connection,
     out: &Outgoing,
@@ -29,11 +32,37 @@ pub(crate) fn insert(
     index: u32,
     now_ms: i64,
 ) -> rusqlite::Result<String> {
-    let id = match (&out.id, cause) {
-        (Some(id), _) => id.clone(),
-        (None, Some(c)) => derived_id(c, index),
-        (None, None) => random_id(),
+    let Some(c) = cause.filter(|_| out.id.is_none()) else {
+        let id = out.id.clone().unwrap_or_else(random_id);
+        insert_row(conn, &id, out, cause, now_ms)?;
+        return Ok(id);
     };
+    let mut receipt = 0;
+    loop {
+        let id = derived_id(c, index, receipt);
+        match insert_row(conn, &id, out, cause, now_ms) {
+            Err(rusqlite::Error::SqliteFailure(e, _))
+                if e.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_UNIQUE
+                    && receipt < MAX_RECEIPTS =>
+            {
+                receipt += 1
+            }
+            result => return result.map(|()| id),
+        }
+    }
+}
+
+/// Earlier receipts of one message with the same `received_at` that
+/// [`insert`] steps past before giving the constraint error up.
+const MAX_RECEIPTS: u32 = 64;
+
+fn insert_row(
+    conn: &Connection,
+    id: &str,
+    out: &Outgoing,
+    cause: Option<Cause<'_>>,
+    now_ms: i64,
+) -> rusqlite::Result<()> {
     conn.prepare_cached(
         "INSERT INTO postroom_outbox (message_id, topic, key, payload, headers, status, attempts,
              created_at, next_attempt_at, cause_consumer, cause_source, cause_message_id)
@@ -50,7 +79,7 @@ pub(crate) fn insert(
         cause.map(|c| c.msg.source.as_str()),
         cause.map(|c| c.msg.id.as_str()),
     ])?;
-    Ok(id)
+    Ok(())
 }
 
 /// Adds the headers linking an outgoing message to the inbox message that
@@ -77,14 +106,19 @@ pub(crate) fn headers_json(headers: &Headers) -> Option<String> {
     }
 }
 
-fn derived_id(c: Cause<'_>, index: u32) -> String {
-    let mut extra = [0u8; 12];
+/// The id of the `index`-th publish of `receipt`: 0 for the first receipt
+/// with this `received_at` (the bytes every earlier release derived), 1,
+/// 2, … for later ones (see [`insert`]).
+fn derived_id(c: Cause<'_>, index: u32, receipt: u32) -> String {
+    let mut extra = [0u8; 16];
     extra[..8].copy_from_slice(&c.received_at.to_le_bytes());
-    extra[8..].copy_from_slice(&index.to_le_bytes());
+    extra[8..12].copy_from_slice(&index.to_le_bytes());
+    extra[12..].copy_from_slice(&receipt.to_le_bytes());
+    let len = if receipt == 0 { 12 } else { 16 };
     digest_hex(
         b"postroom-outbox\0",
         &[c.consumer, &c.msg.source, &c.msg.id],
-        &extra,
+        &extra[..len],
     )
 }
 

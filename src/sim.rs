@@ -91,6 +91,12 @@ pub enum Op {
         /// Milliseconds.
         ms: u32,
     },
+    /// Sets the clock back (an NTP correction): rows due at once stay due,
+    /// a retry waits for its time.
+    StepBack {
+        /// Milliseconds.
+        ms: u32,
+    },
     /// Expires leases past their time.
     Reap,
     /// One relay pass; messages whose seq is a multiple of `fail_every`
@@ -451,6 +457,11 @@ impl Machine {
     /// Moves the clock.
     pub fn advance(&mut self, ms: u32) {
         self.now_ms += i64::from(ms);
+    }
+
+    /// Sets the clock back.
+    pub fn step_back(&mut self, ms: u32) {
+        self.now_ms -= i64::from(ms);
     }
 
     /// Expires leases whose time has passed (the engine's reaper, for rows
@@ -981,6 +992,7 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
             }
         }
         Op::Advance { ms } => m.advance(*ms),
+        Op::StepBack { ms } => m.step_back(*ms),
         Op::Reap => {
             let n = m.reap()?;
             if n != 0 {
@@ -1185,8 +1197,11 @@ fn op(c: &mut dyn Choices) -> Op {
             limit: 1 + c.below(4) as u8,
             plans: (0..1 + c.below(3)).map(|_| plan(c)).collect(),
         },
-        65..=75 => Op::Advance {
+        65..=73 => Op::Advance {
             ms: [10, 60, 150, 400, 1_500][c.below(5) as usize],
+        },
+        74..=75 => Op::StepBack {
+            ms: [100, 2_000][c.below(2) as usize],
         },
         76..=77 => Op::ReadRetired,
         78..=79 => Op::ApplyRetired,

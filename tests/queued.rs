@@ -664,6 +664,56 @@ fn a_message_redelivered_after_retention_is_processed_again_without_outbox_colli
     );
 }
 
+/// Found by the model with clock steps: the same, but the clock set back
+/// so the second receipt has the first one's `received_at` to the
+/// millisecond, on which the derived outbox ids were keyed. Both
+/// processings' rows must still get ids of their own, not fail the
+/// delivery for good on the outbox's unique id.
+#[test]
+fn a_message_received_again_at_the_same_instant_after_retention_publishes_anew() {
+    let dir = tempfile::tempdir().unwrap();
+    let t0 = 1_700_000_000_000;
+    let clock = postroom::ManualClock::new(t0);
+    let room = quick()
+        .workers(0)
+        .clock(clock.clone())
+        .retention(Duration::from_secs(60))
+        .reaper_interval(Duration::from_secs(3600))
+        .consumer("c", handler_fn(apply))
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    create_domain(&room);
+    let msg = Message::new("s", "m", "x");
+    assert_eq!(
+        room.deliver("c", msg.clone()).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    room.deliver("c", Message::new("s", "n", "y")).unwrap();
+    clock.advance(Duration::from_secs(61));
+    assert_eq!(room.cleanup().unwrap().inbox_deleted, 1);
+    clock.set(t0);
+    assert_eq!(
+        room.deliver("c", msg).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    let conn = raw(room.path());
+    assert_eq!(applied_count(&conn, "m"), 2);
+    assert_eq!(
+        column::<Vec<String>>(
+            &conn,
+            "SELECT cause_message_id FROM postroom_outbox ORDER BY seq"
+        ),
+        ["m", "n", "m"]
+    );
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(DISTINCT message_id) FROM postroom_outbox"
+        ),
+        3
+    );
+}
+
 /// Lowering `max_attempts` applies to rows that already used more attempts
 /// than the new cap: they are dead-lettered when next due, and their
 /// handler does not run again.
