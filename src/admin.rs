@@ -1275,39 +1275,33 @@ pub fn cleanup(
     (summary.inbox_deleted, summary.keys_deleted) = retired::retire(
         |max| {
             let op = "delete expired inbox rows";
-            delete_in_batches(
-                conn,
-                op,
-                queue::delete_completed,
-                cutoff,
-                max,
-                &transactions,
-            )
+            let sql = queue::DELETE_COMPLETED;
+            delete_in_batches(conn, op, sql, cutoff, max, &transactions)
         },
         || drain_retired(conn, &transactions),
     )?;
-    let all = |op, delete, cutoff| {
-        delete_in_batches(conn, op, delete, cutoff, u64::MAX, &transactions).map(|(n, _)| n)
+    let all = |op, sql, cutoff| {
+        delete_in_batches(conn, op, sql, cutoff, u64::MAX, &transactions).map(|(n, _)| n)
     };
-    summary.outbox_deleted = all("delete expired outbox rows", outbox::delete_sent, cutoff)?;
+    summary.outbox_deleted = all("delete expired outbox rows", outbox::DELETE_SENT, cutoff)?;
     if let Some(c) = dead_cutoff {
-        summary.dead_deleted = Some(all("delete expired dead letters", queue::delete_dead, c)?);
+        summary.dead_deleted = Some(all("delete expired dead letters", queue::DELETE_DEAD, c)?);
     }
     if let Some(c) = conflicts_cutoff {
         let op = "delete expired conflicts";
-        summary.conflicts_deleted = Some(all(op, inbox::delete_conflicts, c)?);
+        summary.conflicts_deleted = Some(all(op, inbox::DELETE_CONFLICTS, c)?);
     }
     summary.transactions = transactions.get();
     Ok(summary)
 }
 
-/// Deletes what `delete` finds before `cutoff`, [`CLEANUP_BATCH`] rows per
-/// transaction, until none is left (`(deleted, true)`) or at least `max`
-/// were deleted (`(deleted, false)`).
+/// Deletes what `sql` (one of retention's statements) finds before
+/// `cutoff`, [`CLEANUP_BATCH`] rows per transaction, until none is left
+/// (`(deleted, true)`) or at least `max` were deleted (`(deleted, false)`).
 fn delete_in_batches(
     conn: &Connection,
     op: &'static str,
-    delete: fn(&Connection, i64, usize) -> rusqlite::Result<usize>,
+    sql: &'static str,
     cutoff: i64,
     max: u64,
     transactions: &std::cell::Cell<u64>,
@@ -1315,7 +1309,9 @@ fn delete_in_batches(
     let mut total = 0;
     loop {
         let started = Instant::now();
-        let n = write(conn, op, |c| delete(c, cutoff, CLEANUP_BATCH))?;
+        let n = write(conn, op, |c| {
+            queue::delete_expired(c, sql, cutoff, CLEANUP_BATCH)
+        })?;
         transactions.set(transactions.get() + 1);
         total += n as u64;
         if n < CLEANUP_BATCH {

@@ -405,16 +405,8 @@ pub(crate) fn undecodable(column: &str) -> String {
     format!("stored {column} is not valid UTF-8 text (corrupted)")
 }
 
-/// Deletes up to `limit` quarantined deliveries last seen before
-/// `cutoff_ms` (`conflict_retention`).
-pub(crate) fn delete_conflicts(
-    conn: &Connection,
-    cutoff_ms: i64,
-    limit: usize,
-) -> rusqlite::Result<usize> {
-    crate::queue::delete_expired(conn, DELETE_CONFLICTS, cutoff_ms, limit)
-}
-
+/// Retention's delete of quarantined deliveries last seen before the cutoff
+/// (`conflict_retention`).
 pub(crate) const DELETE_CONFLICTS: &str = "DELETE FROM postroom_conflicts WHERE id IN (
      SELECT id FROM postroom_conflicts WHERE last_seen_at < ?1 LIMIT ?2)";
 

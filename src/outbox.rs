@@ -260,19 +260,9 @@ pub(crate) fn mark_failed(
     Ok(())
 }
 
-/// Deletes up to `limit` sent rows sent before `cutoff_ms`, never the
-/// newest row (see `queue::delete_completed`): a `seq` is never given out
-/// twice by retention.
-pub(crate) fn delete_sent(
-    conn: &Connection,
-    cutoff_ms: i64,
-    limit: usize,
-) -> rusqlite::Result<usize> {
-    crate::queue::delete_expired(conn, DELETE_SENT, cutoff_ms, limit)
-}
-
-/// [`delete_sent`]'s statement; the unary `+` as in
-/// `queue::delete_completed`.
+/// Retention's delete of rows sent before the cutoff, never the newest row
+/// (see `queue::DELETE_COMPLETED`, and for the unary `+`): a `seq` is never
+/// given out twice by retention.
 pub(crate) const DELETE_SENT: &str = "DELETE FROM postroom_outbox WHERE seq IN (
      SELECT seq FROM postroom_outbox WHERE status = 'sent' AND sent_at < ?1
        AND +seq < (SELECT max(seq) FROM postroom_outbox) LIMIT ?2)";
@@ -309,7 +299,7 @@ pub(crate) fn redrive(conn: &Connection, seq: i64) -> rusqlite::Result<bool> {
 /// Gives up on a dead outbox row: it becomes `sent` without being handed
 /// over (payload dropped, the reason kept in `last_error`), and retention
 /// removes it like any sent row. Deleting it at once could give its `seq`
-/// out again when it is the newest row (see [`delete_sent`]). Returns false
+/// out again when it is the newest row (see [`DELETE_SENT`]). Returns false
 /// when `seq` is not a dead outbox row.
 pub(crate) fn discard(conn: &Connection, seq: i64, now_ms: i64) -> rusqlite::Result<bool> {
     let n = conn

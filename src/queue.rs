@@ -275,28 +275,11 @@ pub(crate) fn expire(
     Ok(n == 1)
 }
 
-/// Deletes up to `limit` completed rows processed before `cutoff_ms`.
-///
-/// Retention never deletes the newest row of a table, whatever its age:
-/// SQLite gives a new row the highest id plus one, so deleting the newest
-/// rows would give their ids out again (this and [`delete_dead`];
-/// `outbox::delete_sent` keeps the newest `seq` the same way). The unary
-/// `+` keeps SQLite from answering `id < max` with a rowid range scan of
-/// the whole table once `PRAGMA optimize` has left statistics: the plan
-/// must stay on `postroom_inbox_done`
-/// (`retention_statements_use_their_indexes_with_statistics`).
-pub(crate) fn delete_completed(
-    conn: &Connection,
-    cutoff_ms: i64,
-    limit: usize,
-) -> rusqlite::Result<usize> {
-    delete_expired(conn, DELETE_COMPLETED, cutoff_ms, limit)
-}
-
-/// Runs one of retention's batch deletes: `sql` takes the cutoff (unix ms)
-/// as `?1` and the batch size as `?2`, and has the shape
-/// `DELETE FROM t WHERE k IN (SELECT k FROM t WHERE … LIMIT ?2)`, which
-/// [`count_expired`] relies on.
+/// Runs one of retention's batch deletes ([`DELETE_COMPLETED`],
+/// [`DELETE_DEAD`], `outbox::DELETE_SENT`, `inbox::DELETE_CONFLICTS`):
+/// `sql` takes the cutoff (unix ms) as `?1` and the batch size as `?2`, and
+/// has the shape `DELETE FROM t WHERE k IN (SELECT k FROM t WHERE … LIMIT
+/// ?2)`, which [`count_expired`] relies on.
 pub(crate) fn delete_expired(
     conn: &Connection,
     sql: &str,
@@ -321,20 +304,23 @@ pub(crate) fn count_expired(conn: &Connection, sql: &str, cutoff_ms: i64) -> rus
     Ok(u64::try_from(n).unwrap_or(0))
 }
 
+/// Completed rows processed before the cutoff.
+///
+/// Retention never deletes the newest row of a table, whatever its age:
+/// SQLite gives a new row the highest id plus one, so deleting the newest
+/// rows would give their ids out again (this and [`DELETE_DEAD`];
+/// `outbox::DELETE_SENT` keeps the newest `seq` the same way). The unary
+/// `+` keeps SQLite from answering `id < max` with a rowid range scan of
+/// the whole table once `PRAGMA optimize` has left statistics: the plan
+/// must stay on `postroom_inbox_done`
+/// (`retention_statements_use_their_indexes_with_statistics`).
 pub(crate) const DELETE_COMPLETED: &str = "DELETE FROM postroom_inbox WHERE id IN (
      SELECT id FROM postroom_inbox
      WHERE status = 'completed' AND processed_at < ?1
        AND +id < (SELECT max(id) FROM postroom_inbox) LIMIT ?2)";
 
-/// Deletes up to `limit` dead rows last updated before `cutoff_ms`.
-pub(crate) fn delete_dead(
-    conn: &Connection,
-    cutoff_ms: i64,
-    limit: usize,
-) -> rusqlite::Result<usize> {
-    delete_expired(conn, DELETE_DEAD, cutoff_ms, limit)
-}
-
+/// Dead rows that died (last updated) before the cutoff
+/// (`dead_retention`), through `postroom_inbox_dead`.
 pub(crate) const DELETE_DEAD: &str = "DELETE FROM postroom_inbox WHERE id IN (
      SELECT id FROM postroom_inbox
      WHERE status = 'dead' AND updated_at < ?1

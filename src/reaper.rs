@@ -79,22 +79,16 @@ pub(crate) fn run_once(shared: &Shared, readers: &Readers) -> Result<CleanupRepo
     }
     let retention = shared.config.retention;
     (report.inbox_deleted, report.keys_deleted) = retired::retire(
-        |max| delete_in_batches(shared, retention, queue::delete_completed, max),
+        |max| delete_in_batches(shared, retention, queue::DELETE_COMPLETED, max),
         || drain_retired(shared, readers),
     )?;
-    report.outbox_deleted = delete_in_batches(shared, retention, outbox::delete_sent, u64::MAX)?.0;
+    let all = |keep_for, sql| delete_in_batches(shared, keep_for, sql, u64::MAX).map(|(n, _)| n);
+    report.outbox_deleted = all(retention, outbox::DELETE_SENT)?;
     if let Some(dead_retention) = shared.config.dead_retention {
-        report.dead_deleted =
-            delete_in_batches(shared, dead_retention, queue::delete_dead, u64::MAX)?.0;
+        report.dead_deleted = all(dead_retention, queue::DELETE_DEAD)?;
     }
     if let Some(conflict_retention) = shared.config.conflict_retention {
-        report.conflicts_deleted = delete_in_batches(
-            shared,
-            conflict_retention,
-            inbox::delete_conflicts,
-            u64::MAX,
-        )?
-        .0;
+        report.conflicts_deleted = all(conflict_retention, inbox::DELETE_CONFLICTS)?;
     }
     Ok(report)
 }
@@ -152,13 +146,14 @@ fn expire_leases(shared: &Shared) -> Result<u64> {
     })
 }
 
-/// Deletes what `delete` finds past `keep_for`, a batch per writer job,
+/// Deletes what `sql` (one of retention's statements, see
+/// `queue::delete_expired`) finds past `keep_for`, a batch per writer job,
 /// until none is left (returns `(deleted, true)`) or at least `max` rows
 /// were deleted (`(deleted, false)`).
 fn delete_in_batches(
     shared: &Shared,
     keep_for: Duration,
-    delete: fn(&rusqlite::Connection, i64, usize) -> rusqlite::Result<usize>,
+    sql: &'static str,
     max: u64,
 ) -> Result<(u64, bool)> {
     let keep_ms = clock::millis(keep_for);
@@ -167,7 +162,8 @@ fn delete_in_batches(
     loop {
         failpoint::hit("reaper.retention")?;
         let deleted = shared.writer.submit_background(move |w| {
-            delete(w.conn, cutoff, RETENTION_BATCH).map_err(|e| Error::sqlite("retention", e))
+            queue::delete_expired(w.conn, sql, cutoff, RETENTION_BATCH)
+                .map_err(|e| Error::sqlite("retention", e))
         })?;
         total += deleted as u64;
         if deleted < RETENTION_BATCH || shared.stopping.load(std::sync::atomic::Ordering::Acquire) {

@@ -208,44 +208,61 @@ fn refuse_missing_triggers(conn: &Connection, not_yet: &[&str]) -> Result<()> {
 
 /// Version 1 to 2: the inbox's key moves from a UNIQUE constraint on the
 /// table to `postroom_inbox_keys`. SQLite cannot drop a table constraint, so
-/// the inbox is rebuilt: renamed away (its indexes dropped, their names are
-/// reused), created anew by the schema (every statement `IF NOT EXISTS`),
-/// refilled in id order (the insert trigger fills the key table), dropped.
-/// Takes time in proportion to the inbox, once: 11.7 s for a million rows
-/// on the 2-core CI VM. The old table's pages stay in the file as free
-/// pages, reused by later writes (`VACUUM` returns them).
+/// the inbox is rebuilt ([`rebuild`]; the insert trigger fills the key
+/// table). Takes time in proportion to the inbox, once: 11.7 s for a
+/// million rows on the 2-core CI VM. The old table's pages stay in the file
+/// as free pages, reused by later writes (`VACUUM` returns them).
 fn migrate_v1(tx: &Connection) -> Result<()> {
     let rows: i64 = tx
         .query_row("SELECT count(*) FROM postroom_inbox", [], |r| r.get(0))
         .map_err(|e| Error::sqlite("migrate schema 1 to 2", e))?;
     log::info!("postroom: migrating schema 1 to 2 ({rows} inbox rows)");
-    // Legacy rename: the application's views, triggers and foreign keys
-    // that name postroom_inbox keep naming it (the new table), instead of
-    // being rewritten to the old table about to be dropped.
-    tx.execute_batch(
-        "PRAGMA legacy_alter_table = ON;
-         ALTER TABLE postroom_inbox RENAME TO postroom_inbox_v1;
-         PRAGMA legacy_alter_table = OFF;
-         DROP INDEX postroom_inbox_due;
-         DROP INDEX postroom_inbox_ordering;
-         DROP INDEX postroom_inbox_leased;
-         DROP INDEX postroom_inbox_done;",
+    rebuild(
+        tx,
+        "postroom_inbox",
+        &[
+            "postroom_inbox_due",
+            "postroom_inbox_ordering",
+            "postroom_inbox_leased",
+            "postroom_inbox_done",
+        ],
+        "id, consumer, source, message_id, status, payload, payload_hash, headers, ordering_key,
+         attempts, last_error, received_at, updated_at, next_attempt_at, lease_until,
+         lease_token, processed_at, queued",
+        2,
     )
-    .and_then(|()| tx.execute_batch(SCHEMA_SQL))
-    .and_then(|()| {
-        tx.execute_batch(
-            "INSERT INTO postroom_inbox (id, consumer, source, message_id, status, payload,
-                 payload_hash, headers, ordering_key, attempts, last_error, received_at,
-                 updated_at, next_attempt_at, lease_until, lease_token, processed_at, queued)
-             SELECT id, consumer, source, message_id, status, payload, payload_hash, headers,
-                 ordering_key, attempts, last_error, received_at, updated_at, next_attempt_at,
-                 lease_until, lease_token, processed_at, queued
-             FROM postroom_inbox_v1 ORDER BY id;
-             DROP TABLE postroom_inbox_v1;
-             UPDATE postroom_meta SET value = '2' WHERE key = 'schema_version';",
-        )
-    })
     .map_err(|e| Error::sqlite("migrate schema 1 to 2", e))
+}
+
+/// Rebuilds `table` as the schema has it now, for a change SQLite cannot
+/// make in place: renamed away (its `indexes` dropped, the schema reuses
+/// their names), created anew by the schema (every statement
+/// `IF NOT EXISTS`), refilled with `columns` in id order, the old table
+/// dropped; the file is then at `version`. The rename is the legacy one:
+/// the application's views, triggers and foreign keys that name `table`
+/// keep naming it (the new table), instead of being rewritten to the old
+/// table about to be dropped.
+fn rebuild(
+    tx: &Connection,
+    table: &str,
+    indexes: &[&str],
+    columns: &str,
+    version: i64,
+) -> rusqlite::Result<()> {
+    let old = format!("{table}_v{}", version - 1);
+    tx.execute_batch(&format!(
+        "PRAGMA legacy_alter_table = ON;
+         ALTER TABLE {table} RENAME TO {old};
+         PRAGMA legacy_alter_table = OFF;"
+    ))?;
+    for index in indexes {
+        tx.execute_batch(&format!("DROP INDEX IF EXISTS {index};"))?;
+    }
+    add_missing(tx, version)?;
+    tx.execute_batch(&format!(
+        "INSERT INTO {table} ({columns}) SELECT {columns} FROM {old} ORDER BY id;
+         DROP TABLE {old};"
+    ))
 }
 
 /// Version 2 to 3: deleting a completed row no longer deletes its key entry
@@ -255,10 +272,7 @@ fn migrate_v2(tx: &Connection) -> Result<()> {
     log::info!("postroom: migrating schema 2 to 3");
     refuse_missing_triggers(tx, &["postroom_inbox_key_retire"])?;
     tx.execute_batch("DROP TRIGGER postroom_inbox_key_delete;")
-        .and_then(|()| tx.execute_batch(SCHEMA_SQL))
-        .and_then(|()| {
-            tx.execute_batch("UPDATE postroom_meta SET value = '3' WHERE key = 'schema_version';")
-        })
+        .and_then(|()| add_missing(tx, 3))
         .map_err(|e| Error::sqlite("migrate schema 2 to 3", e))
 }
 
@@ -266,30 +280,20 @@ fn migrate_v2(tx: &Connection) -> Result<()> {
 /// `conflicts discard`), so its ids become `AUTOINCREMENT` (never given out
 /// again) and it gets an index on `last_seen_at`. SQLite cannot add
 /// `AUTOINCREMENT` to a table, so the conflicts table (rarely more than a
-/// handful of rows) is rebuilt as `migrate_v1` rebuilt the inbox; copying
-/// its rows with their ids starts the sequence past the largest. (From
-/// version 1 or 2 the earlier steps' run of the schema already put the new
-/// index on the old table: it is dropped with it, by name, first.)
+/// handful of rows) is rebuilt ([`rebuild`]); copying its rows with their
+/// ids starts the sequence past the largest. (From version 1 or 2 the
+/// earlier steps' run of the schema already put the new index on the old
+/// table: it is dropped with it, by name, first.)
 fn migrate_v3(tx: &Connection) -> Result<()> {
     log::info!("postroom: migrating schema 3 to 4");
-    tx.execute_batch(
-        "PRAGMA legacy_alter_table = ON;
-         ALTER TABLE postroom_conflicts RENAME TO postroom_conflicts_v3;
-         PRAGMA legacy_alter_table = OFF;
-         DROP INDEX IF EXISTS postroom_conflicts_seen;",
+    rebuild(
+        tx,
+        "postroom_conflicts",
+        &["postroom_conflicts_seen"],
+        "id, consumer, source, message_id, stored_hash, payload_hash, payload, headers,
+         first_seen_at, last_seen_at, deliveries",
+        4,
     )
-    .and_then(|()| tx.execute_batch(SCHEMA_SQL))
-    .and_then(|()| {
-        tx.execute_batch(
-            "INSERT INTO postroom_conflicts (id, consumer, source, message_id, stored_hash,
-                 payload_hash, payload, headers, first_seen_at, last_seen_at, deliveries)
-             SELECT id, consumer, source, message_id, stored_hash, payload_hash, payload,
-                 headers, first_seen_at, last_seen_at, deliveries
-             FROM postroom_conflicts_v3 ORDER BY id;
-             DROP TABLE postroom_conflicts_v3;
-             UPDATE postroom_meta SET value = '4' WHERE key = 'schema_version';",
-        )
-    })
     .map_err(|e| Error::sqlite("migrate schema 3 to 4", e))
 }
 
@@ -299,11 +303,18 @@ fn migrate_v3(tx: &Connection) -> Result<()> {
 /// tables once to build them; dead rows are few, so they are small.
 fn migrate_v4(tx: &Connection) -> Result<()> {
     log::info!("postroom: migrating schema 4 to 5");
-    tx.execute_batch(SCHEMA_SQL)
-        .and_then(|()| {
-            tx.execute_batch("UPDATE postroom_meta SET value = '5' WHERE key = 'schema_version';")
-        })
-        .map_err(|e| Error::sqlite("migrate schema 4 to 5", e))
+    add_missing(tx, 5).map_err(|e| Error::sqlite("migrate schema 4 to 5", e))
+}
+
+/// A step that only adds objects: runs the schema (every statement is
+/// `IF NOT EXISTS`) and records `version`.
+fn add_missing(tx: &Connection, version: i64) -> rusqlite::Result<()> {
+    tx.execute_batch(SCHEMA_SQL)?;
+    tx.execute(
+        "UPDATE postroom_meta SET value = ?1 WHERE key = 'schema_version'",
+        [version.to_string()],
+    )
+    .map(drop)
 }
 
 /// `Ok` for the schema version this build writes; an error for a newer one

@@ -521,7 +521,7 @@ impl Machine {
         let cutoff = self.now_ms - i64::from(retention_ms);
         let rows = self
             .in_tx(move |m| {
-                queue::delete_completed(m.conn(), cutoff, usize::MAX)
+                queue::delete_expired(m.conn(), queue::DELETE_COMPLETED, cutoff, usize::MAX)
                     .map_err(|e| crate::Error::sqlite("cleanup", e))
             })?
             .unwrap_or_default();
