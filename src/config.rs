@@ -93,6 +93,7 @@ pub(crate) struct Config {
     pub drop_deadline: Duration,
     pub read_pool_size: u32,
     pub workers: usize,
+    pub process_batch: usize,
     pub poll_interval: Duration,
     pub reaper_interval: Duration,
     pub retention: Duration,
@@ -121,6 +122,7 @@ impl Default for Config {
             drop_deadline: Duration::from_secs(10),
             read_pool_size: 4,
             workers: 2,
+            process_batch: 64,
             poll_interval: Duration::from_millis(250),
             reaper_interval: Duration::from_secs(5),
             retention: Duration::from_secs(7 * 24 * 3600),
@@ -173,6 +175,9 @@ impl Config {
         }
         if self.lease.is_zero() {
             return Err(Error::invalid("lease", "must be greater than zero"));
+        }
+        if self.process_batch == 0 {
+            return Err(Error::invalid("process_batch", "must be at least 1"));
         }
         if self.read_pool_size == 0 {
             return Err(Error::invalid("read_pool_size", "must be at least 1"));
@@ -382,10 +387,25 @@ impl Builder {
         self
     }
 
-    /// Worker threads processing received (queued) messages; 0 runs none,
-    /// so received messages wait. At most 63. Default: 2.
+    /// Worker threads running effectful consumers' external steps; 0
+    /// processes no received (queued) message at all, of any consumer, so
+    /// they wait. Transactional consumers' queued messages are processed in
+    /// batches inside the writer's transaction (see
+    /// [`process_batch`](Builder::process_batch)), not on these threads.
+    /// At most 63. Default: 2.
     pub fn workers(mut self, workers: usize) -> Self {
         self.config.workers = workers;
+        self
+    }
+
+    /// Most received messages of transactional consumers processed in one
+    /// write transaction: each handler in its own savepoint, one commit for
+    /// the batch, shared with whatever callers write at the same time. A
+    /// larger batch drains a backlog with fewer commits; a smaller one
+    /// holds concurrent `deliver`/`receive` callers up for less time.
+    /// At least 1. Default: 64.
+    pub fn process_batch(mut self, messages: usize) -> Self {
+        self.config.process_batch = messages;
         self
     }
 

@@ -16,6 +16,7 @@ use crate::handler::{Cause, Handler, Tx};
 use crate::inbox::{self, Found, Key, Record, Status};
 use crate::inflight::{Inflight, InflightLog};
 use crate::message::{Failure, Message, Outcome};
+use crate::queue::{self, Claimed};
 
 /// What one delivery runs against.
 pub(crate) struct Env<'a> {
@@ -142,6 +143,104 @@ fn attempt(env: &mut Env<'_>, handler: &dyn Handler, at: Attempt<'_>) -> Result<
     let outcome = finish(env, at, result)?;
     failpoint::hit("deliver.after_record")?;
     Ok(outcome)
+}
+
+/// One queued row's result, from [`process_due`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Processed {
+    pub row_id: i64,
+    pub consumer: String,
+    pub message_id: String,
+    pub outcome: Outcome,
+}
+
+/// Runs up to `limit` due queued rows of `consumers` (transactional
+/// handlers, taken in the order given, each row in receive order) inside
+/// the current transaction: each handler in its own savepoint, each
+/// attempt counted by the result recorded with it, so the whole batch
+/// costs one commit. Must be called inside a transaction; on `Err` the
+/// caller rolls back whatever this call wrote.
+///
+/// No lease is taken: nothing else writes while the transaction runs. A
+/// process that dies in a handler leaves nothing of the batch committed,
+/// and the in-flight marker names the message whose handler was running,
+/// so recovery counts that attempt, and only that one (as inline
+/// delivery's). When a handler's SQL makes SQLite roll the whole
+/// transaction back (a trigger's `RAISE(ROLLBACK)`, `INSERT OR ROLLBACK`),
+/// which is the message's doing and not the storage's, its row is put in
+/// `poisoned` and the error returned: the caller counts that attempt with
+/// [`record_poisoned`] in a fresh transaction.
+pub(crate) fn process_due(
+    env: &mut Env<'_>,
+    consumers: &[(&str, &dyn Handler)],
+    limit: usize,
+    poisoned: &mut Option<Claimed>,
+) -> Result<Vec<Processed>> {
+    let mut done = Vec::new();
+    for &(consumer, handler) in consumers {
+        let want = limit.saturating_sub(done.len());
+        if want == 0 {
+            break;
+        }
+        let rows = queue::due(
+            env.conn,
+            consumer,
+            want,
+            env.now_ms,
+            env.config.max_attempts,
+        )
+        .map_err(|e| Error::sqlite("read due messages", e))?;
+        for row in rows {
+            let outcome = match attempt(env, handler, attempt_of(&row)) {
+                Ok(outcome) => outcome,
+                Err(e) => {
+                    if matches!(e, Error::RolledBack { .. }) && env.conn.is_autocommit() {
+                        *poisoned = Some(row);
+                    }
+                    return Err(e);
+                }
+            };
+            done.push(Processed {
+                row_id: row.row_id,
+                consumer: row.consumer,
+                message_id: row.msg.id,
+                outcome,
+            });
+        }
+    }
+    Ok(done)
+}
+
+/// Counts the attempt of a queued row whose handler made SQLite roll its
+/// whole transaction back (see [`process_due`]), as a failure of the
+/// message: retried with backoff, dead after `max_attempts`. Nothing if
+/// the row has moved on since (processed or counted by another path).
+pub(crate) fn record_poisoned(env: &mut Env<'_>, row: &Claimed) -> Result<Option<Outcome>> {
+    let unchanged = queue::still_due(env.conn, row.row_id, row.attempt - 1)
+        .map_err(|e| Error::sqlite("look up inbox row", e))?;
+    if !unchanged {
+        return Ok(None);
+    }
+    let failure = Failure::retry(HANDLER_ROLLED_BACK);
+    finish(env, attempt_of(row), Some(failure)).map(Some)
+}
+
+/// The error recorded for an attempt whose handler rolled its whole
+/// transaction back.
+pub(crate) const HANDLER_ROLLED_BACK: &str =
+    "the handler's SQL rolled back the whole transaction (a RAISE(ROLLBACK) trigger or an \
+     OR ROLLBACK statement)";
+
+/// The attempt a claimed or due row is about to make.
+pub(crate) fn attempt_of(row: &Claimed) -> Attempt<'_> {
+    Attempt {
+        consumer: &row.consumer,
+        msg: &row.msg,
+        hash: &row.hash,
+        attempt: row.attempt,
+        received_at: row.received_at,
+        row_id: Some(row.row_id),
+    }
 }
 
 /// One attempt at one message, as the state machine records it.

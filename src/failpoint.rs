@@ -27,6 +27,7 @@ pub const FAILPOINTS: &[&str] = &[
     "deliver.after_record",
     "receive.after_insert",
     "dispatch.after_claim",
+    "process.after_batch",
     "relay.open",
     "relay.after_send",
     "reaper.retention",

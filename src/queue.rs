@@ -76,16 +76,48 @@ pub(crate) struct Claimed {
     pub consumer: String,
     pub msg: Message,
     pub hash: [u8; 32],
-    /// This attempt's number, already counted in the row.
+    /// This attempt's number: counted in the row by a claim, about to be
+    /// by [`due`]'s processing.
     pub attempt: u32,
     /// The row's `received_at`.
     pub received_at: i64,
 }
 
-/// Claims up to `limit` due rows of `consumer` in receive order: pending
-/// rows, and failed rows whose backoff has passed, skipping any row whose
-/// ordering key has an earlier unfinished row or any row in progress (a
-/// redriven head must not run beside its successor). A row that already used
+/// The rows [`claim`] and [`due`] may take: `consumer`'s pending rows, and
+/// failed rows whose backoff has passed, skipping any row whose ordering key
+/// has an earlier unfinished row or any row in progress (a redriven head
+/// must not run beside its successor), in receive order. `?1` consumer, `?2`
+/// limit, `?3` now.
+///
+/// The NOT EXISTS repeats the partial index's status list on purpose:
+/// without it SQLite cannot prove the index applies and scans the table for
+/// every candidate row (100x slower with a backlog).
+macro_rules! due_rows {
+    () => {
+        "SELECT i.id FROM postroom_inbox i
+         WHERE i.consumer = ?1 AND i.queued = 1 AND i.status IN ('pending', 'failed')
+           AND coalesce(i.next_attempt_at, 0) <= ?3
+           AND (i.ordering_key IS NULL OR NOT EXISTS (
+               SELECT 1 FROM postroom_inbox o
+               WHERE o.consumer = i.consumer AND o.ordering_key = i.ordering_key
+                 AND o.status IN ('pending', 'processing', 'failed')
+                 AND o.id != i.id AND (o.id < i.id OR o.status = 'processing')))
+         ORDER BY i.id
+         LIMIT ?2"
+    };
+}
+
+/// The columns [`claim`] and [`due`] read of each row, in [`decode`]'s order.
+macro_rules! due_columns {
+    () => {
+        "id, source, message_id, payload, payload_hash, headers, ordering_key, attempts,
+         received_at, last_error"
+    };
+}
+
+/// Claims up to `limit` due rows of `consumer` (see [`due_rows`]) with a
+/// lease, counting their attempt, for steps that run outside the writer's
+/// transaction (effectful consumers). A row that already used
 /// `max_attempts` (the cap was lowered since) is dead-lettered instead of
 /// claimed.
 pub(crate) fn claim(
@@ -97,32 +129,63 @@ pub(crate) fn claim(
     token: i64,
     max_attempts: u32,
 ) -> rusqlite::Result<Vec<Claimed>> {
-    // The NOT EXISTS repeats the partial index's status list on purpose:
-    // without it SQLite cannot prove the index applies and scans the table
-    // for every candidate row (100x slower with a backlog).
-    let mut stmt = conn.prepare_cached(
+    let mut stmt = conn.prepare_cached(concat!(
         "UPDATE postroom_inbox
          SET status = 'processing', attempts = attempts + 1, lease_until = ?4,
              lease_token = ?5, updated_at = ?3
-         WHERE id IN (
-             SELECT i.id FROM postroom_inbox i
-             WHERE i.consumer = ?1 AND i.queued = 1 AND i.status IN ('pending', 'failed')
-               AND coalesce(i.next_attempt_at, 0) <= ?3
-               AND (i.ordering_key IS NULL OR NOT EXISTS (
-                   SELECT 1 FROM postroom_inbox o
-                   WHERE o.consumer = i.consumer AND o.ordering_key = i.ordering_key
-                     AND o.status IN ('pending', 'processing', 'failed')
-                     AND o.id != i.id AND (o.id < i.id OR o.status = 'processing')))
-             ORDER BY i.id
-             LIMIT ?2)
-         RETURNING id, source, message_id, payload, payload_hash, headers, ordering_key, attempts,
-                   received_at, last_error",
-    )?;
+         WHERE id IN (",
+        due_rows!(),
+        ") RETURNING ",
+        due_columns!()
+    ))?;
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let mut rows = stmt.query(params![consumer, limit, now_ms, lease_until, token])?;
-    // With each row, its last error (for a row past a lowered cap) and the
-    // first column that did not decode.
-    let mut claimed: Vec<(Claimed, Option<String>, Option<&'static str>)> = Vec::new();
+    let rows = stmt.query(params![consumer, limit, now_ms, lease_until, token])?;
+    // RETURNING gives the rows in no set order.
+    let mut read = decode(rows, consumer, token, 0)?;
+    read.sort_by_key(|(c, _, _)| c.row_id);
+    triage(conn, read, max_attempts, now_ms)
+}
+
+/// Up to `limit` due rows of `consumer` (see [`due_rows`]), read without
+/// claiming them: for processing inside the writer's transaction, where no
+/// lease is needed (nothing else writes while it runs) and the attempt is
+/// counted by the result the transaction records. Each row's `attempt` is
+/// the one about to run, `token` 0. Rows that must not run are
+/// dead-lettered as [`claim`] does.
+pub(crate) fn due(
+    conn: &Connection,
+    consumer: &str,
+    limit: usize,
+    now_ms: i64,
+    max_attempts: u32,
+) -> rusqlite::Result<Vec<Claimed>> {
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT ",
+        due_columns!(),
+        " FROM postroom_inbox WHERE id IN (",
+        due_rows!(),
+        ") ORDER BY id"
+    ))?;
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let rows = stmt.query(params![consumer, limit, now_ms])?;
+    let read = decode(rows, consumer, 0, 1)?;
+    drop(stmt);
+    triage(conn, read, max_attempts, now_ms)
+}
+
+/// A row read by [`claim`] or [`due`], with its last error (for a row past
+/// a lowered cap) and the first column that did not decode.
+type Read = (Claimed, Option<String>, Option<&'static str>);
+
+/// Reads [`due_columns`] rows; `next_attempt` is added to the stored
+/// attempts to give the attempt about to run (0: a claim counted it).
+fn decode(
+    mut rows: rusqlite::Rows<'_>,
+    consumer: &str,
+    token: i64,
+    next_attempt: u32,
+) -> rusqlite::Result<Vec<Read>> {
+    let mut read = Vec::new();
     while let Some(r) = rows.next()? {
         let hash: Vec<u8> = r.get(4)?;
         let mut damage = None;
@@ -134,21 +197,32 @@ pub(crate) fn claim(
             headers: parse_headers(text(5, "headers")?.as_deref()),
             ordering_key: text(6, "ordering_key")?,
         };
+        let attempts: u32 = r.get(7)?;
         let row = Claimed {
             row_id: r.get(0)?,
             token,
             consumer: consumer.to_owned(),
             msg,
             hash: hash.try_into().unwrap_or([0; 32]),
-            attempt: r.get(7)?,
+            attempt: attempts.saturating_add(next_attempt),
             received_at: r.get(8)?,
         };
-        claimed.push((row, inbox::lossy_text(r, 9)?, damage));
+        read.push((row, inbox::lossy_text(r, 9)?, damage));
     }
-    drop(rows);
-    drop(stmt);
-    let mut sound = Vec::with_capacity(claimed.len());
-    for (c, last_error, damage) in claimed {
+    Ok(read)
+}
+
+/// Dead-letters the rows that must not run (a column that does not decode,
+/// a payload that does not match its digest, attempts used up under a
+/// lowered cap) and returns the others, in the order read.
+fn triage(
+    conn: &Connection,
+    read: Vec<Read>,
+    max_attempts: u32,
+    now_ms: i64,
+) -> rusqlite::Result<Vec<Claimed>> {
+    let mut sound = Vec::with_capacity(read.len());
+    for (c, last_error, damage) in read {
         let (attempts, error) = if let Some(column) = damage {
             // Never hand a handler a message that is not the one received.
             log::error!(
@@ -159,7 +233,7 @@ pub(crate) fn claim(
             );
             (c.attempt, inbox::undecodable(column))
         } else if c.attempt > max_attempts {
-            // Not an attempt: the claim's increment is taken back.
+            // Not an attempt: the attempt about to run is not counted.
             let used = c.attempt - 1;
             log::warn!(
                 "consumer {:?}: message {}/{} dead: {used} attempts used, max_attempts is now \
@@ -194,8 +268,19 @@ pub(crate) fn claim(
         )?
         .execute(params![c.row_id, attempts, error, now_ms])?;
     }
-    sound.sort_by_key(|c| c.row_id);
     Ok(sound)
+}
+
+/// True when row `row_id` is still pending or failed with `attempts`
+/// attempts used: nothing has run or counted it since it was read.
+pub(crate) fn still_due(conn: &Connection, row_id: i64, attempts: u32) -> rusqlite::Result<bool> {
+    conn.prepare_cached(
+        "SELECT 1 FROM postroom_inbox
+         WHERE id = ?1 AND attempts = ?2 AND status IN ('pending', 'failed')",
+    )?
+    .query_row(params![row_id, attempts], |_| Ok(()))
+    .optional()
+    .map(|r| r.is_some())
 }
 
 /// True when `token` still holds the lease on the row.

@@ -51,6 +51,9 @@ pub enum Plan {
     Panic,
     /// The process dies inside the handler.
     Crash,
+    /// The handler's SQL makes SQLite roll the whole transaction back (an
+    /// `INSERT OR ROLLBACK` that fails). Generated for batches only.
+    RollBack,
 }
 
 const RETRY_AFTER_MS: i64 = 100;
@@ -79,7 +82,16 @@ pub enum Op {
         /// (id, variant) pairs.
         msgs: Vec<(u8, u8)>,
     },
-    /// Claims up to `limit` due rows and runs them with `plans` in turn.
+    /// Processes up to `limit` due rows in one transaction (the engine's
+    /// path for transactional consumers), with `plans` in turn.
+    Batch {
+        /// Most rows processed.
+        limit: u8,
+        /// Plan of the n-th row (cycled).
+        plans: Vec<Plan>,
+    },
+    /// Claims up to `limit` due rows and runs them with `plans` in turn
+    /// (the engine's path for effectful consumers' transactional steps).
     Work {
         /// Most rows claimed.
         limit: u8,
@@ -127,11 +139,21 @@ pub enum Op {
 
 struct SimHandler {
     plan: Arc<Mutex<Plan>>,
+    /// Plans for the coming handler runs, one each, taken before `plan`.
+    plans: Arc<Mutex<std::collections::VecDeque<Plan>>>,
     crashing: Arc<AtomicBool>,
 }
 
 impl Handler for SimHandler {
     fn handle(&self, tx: &mut Tx<'_>, msg: &Message) -> Result<(), Failure> {
+        if let Some(next) = self
+            .plans
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop_front()
+        {
+            *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = next;
+        }
         tx.execute(
             "INSERT INTO sim_effects (consumer, message_id) VALUES (?1, ?2)",
             [tx.consumer().unwrap_or(""), msg.id()],
@@ -145,6 +167,10 @@ impl Handler for SimHandler {
             )),
             Plan::Reject => Err(Failure::reject("sim reject")),
             Plan::Panic => panic!("sim panic"),
+            Plan::RollBack => {
+                tx.execute("INSERT OR ROLLBACK INTO sim_strict VALUES (NULL)", [])?;
+                Ok(())
+            }
             Plan::Crash => {
                 self.crashing.store(true, Ordering::SeqCst);
                 Err(Failure::retry("sim crash"))
@@ -169,6 +195,10 @@ impl InflightLog for SimLog<'_> {
         prior_attempts: u32,
         at_ms: i64,
     ) -> std::io::Result<()> {
+        // The process is dead: nothing after its last handler runs.
+        if self.crashing.load(Ordering::SeqCst) {
+            return Ok(());
+        }
         *self.marker = Some(Inflight {
             consumer: consumer.to_owned(),
             msg: msg.clone(),
@@ -264,6 +294,7 @@ impl Machine {
             config,
             handler: SimHandler {
                 plan: Arc::clone(&plan),
+                plans: Arc::default(),
                 crashing: Arc::clone(&crashing),
             },
             plan,
@@ -284,7 +315,8 @@ impl Machine {
         let mut conn = schema::open_writer(&self.path, &self.config).map_err(err)?;
         schema::migrate(&mut conn).map_err(err)?;
         conn.execute_batch(
-            "CREATE TABLE IF NOT EXISTS sim_effects (consumer TEXT NOT NULL, message_id TEXT NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS sim_effects (consumer TEXT NOT NULL, message_id TEXT NOT NULL);
+             CREATE TABLE IF NOT EXISTS sim_strict (x INTEGER NOT NULL);",
         )
         .map_err(err)?;
         let started: Vec<StartedClaim> = self.started_claim.into_iter().collect();
@@ -454,6 +486,87 @@ impl Machine {
         Ok(done)
     }
 
+    /// Processes up to `limit` due rows (consumer c0 first, then c1) in one
+    /// transaction, as the engine's dispatcher does for transactional
+    /// consumers, the n-th handler run with the n-th plan (cycled). Returns
+    /// (consumer, id, outcome) per row settled: none after a crash (nothing
+    /// of the batch committed); after a handler rolled the transaction
+    /// back, only that row's, its attempt counted in a transaction of its
+    /// own.
+    pub fn process(
+        &mut self,
+        limit: usize,
+        plans: &[Plan],
+    ) -> SimResult<Vec<(String, String, Outcome)>> {
+        *self.handler.plans.lock().unwrap_or_else(|p| p.into_inner()) = (0..limit)
+            .map(|i| {
+                plans
+                    .get(i % plans.len().max(1))
+                    .copied()
+                    .unwrap_or(Plan::Ok)
+            })
+            .collect();
+        let mut poisoned = None;
+        let result = self.in_tx(|m| {
+            let Machine {
+                conn,
+                config,
+                handler,
+                marker,
+                crashing,
+                now_ms,
+                ..
+            } = m;
+            let (conn, guard) = conn.as_ref().expect("open");
+            let mut log = SimLog { marker, crashing };
+            let mut env = Env {
+                conn,
+                config,
+                now_ms: *now_ms,
+                log: &mut log,
+                guard,
+            };
+            let consumers: Vec<(&str, &dyn Handler)> = CONSUMERS
+                .iter()
+                .map(|&c| (c, handler as &dyn Handler))
+                .collect();
+            delivery::process_due(&mut env, &consumers, limit, &mut poisoned)
+        });
+        self.handler
+            .plans
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        let row = match (result, poisoned) {
+            (Ok(done), _) => {
+                return Ok(done
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|p| (p.consumer, p.message_id, p.outcome))
+                    .collect())
+            }
+            (Err(_), Some(row)) => row,
+            (Err(e), None) => return Err(e),
+        };
+        let recorded = self.in_tx(|m| {
+            let (conn, guard) = m.conn.as_ref().expect("open");
+            let mut log = crate::inflight::NoInflightLog;
+            let mut env = Env {
+                conn,
+                config: &m.config,
+                now_ms: m.now_ms,
+                log: &mut log,
+                guard,
+            };
+            delivery::record_poisoned(&mut env, &row)
+        })?;
+        Ok(recorded
+            .flatten()
+            .map(|outcome| (row.consumer.clone(), row.msg.id.clone(), outcome))
+            .into_iter()
+            .collect())
+    }
+
     /// Moves the clock.
     pub fn advance(&mut self, ms: u32) {
         self.now_ms += i64::from(ms);
@@ -606,7 +719,7 @@ struct Entry {
     queued: bool,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct Model {
     entries: BTreeMap<(String, String), Entry>,
     /// Completed messages whose rows retention deleted and whose key
@@ -638,6 +751,8 @@ pub struct RunStats {
     pub conflicts: u64,
     /// Messages dead-lettered.
     pub dead: u64,
+    /// Batches a handler rolled back whole (its attempt counted alone).
+    pub rolled_back: u64,
     /// Keys a split drain read that had an inbox row again (delivered
     /// anew) when its deletions landed: their entries stayed.
     pub live_at_apply: u64,
@@ -689,13 +804,13 @@ impl Model {
                     error: "sim reject".into(),
                 })
             }
-            Plan::Retry | Plan::Panic if last => {
+            Plan::Retry | Plan::Panic | Plan::RollBack if last => {
                 e.status = Status::Dead;
                 e.next_at = None;
-                let error = if plan == Plan::Retry {
-                    "sim retry"
-                } else {
-                    "handler panicked: sim panic"
+                let error = match plan {
+                    Plan::Retry => "sim retry",
+                    Plan::Panic => "handler panicked: sim panic",
+                    _ => delivery::HANDLER_ROLLED_BACK,
                 };
                 Some(Outcome::Dead {
                     attempts,
@@ -711,18 +826,42 @@ impl Model {
                     retry_after: Duration::from_millis(RETRY_AFTER_MS as u64),
                 })
             }
-            Plan::Panic => {
+            Plan::Panic | Plan::RollBack => {
                 // The delay is jittered: the check reads it back.
                 e.status = Status::Failed;
                 e.next_at = None;
+                let error = if plan == Plan::Panic {
+                    "handler panicked: sim panic"
+                } else {
+                    delivery::HANDLER_ROLLED_BACK
+                };
                 Some(Outcome::Failed {
                     attempts,
-                    error: "handler panicked: sim panic".into(),
+                    error: error.into(),
                     retry_after: Duration::ZERO,
                 })
             }
             Plan::Crash => None,
         }
+    }
+
+    /// What is due, c0 before c1, in receive order: at most `limit` rows.
+    fn due(&self, now: i64, limit: u8) -> Vec<(String, String)> {
+        let mut due: Vec<(&(String, String), u64)> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| {
+                e.queued
+                    && matches!(e.status, Status::Pending | Status::Failed)
+                    && e.next_at.is_none_or(|at| at <= now)
+            })
+            .map(|(k, e)| (k, e.order))
+            .collect();
+        due.sort_by(|a, b| (&a.0 .0, a.1).cmp(&(&b.0 .0, b.1)));
+        due.into_iter()
+            .take(usize::from(limit))
+            .map(|(k, _)| k.clone())
+            .collect()
     }
 
     /// A claimed or in-flight attempt whose process died: counted, due at
@@ -928,24 +1067,75 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                 .filter(|r| matches!(r, Receipt::Conflict { .. }))
                 .count() as u64;
         }
+        Op::Batch { limit, plans } => {
+            let due = model.due(now, *limit);
+            let real = m.process(usize::from(*limit), plans)?;
+            let before = model.clone();
+            let mut expected = Vec::new();
+            for (i, key) in due.iter().enumerate() {
+                model.entries.get_mut(key).expect("entry").attempts += 1;
+                let plan = plans
+                    .get(i % plans.len().max(1))
+                    .copied()
+                    .unwrap_or(Plan::Ok);
+                match plan {
+                    // Nothing of the batch committed; the crashed attempt
+                    // is counted at recovery.
+                    Plan::Crash => {
+                        *model = before;
+                        model.entries.get_mut(key).expect("entry").attempts += 1;
+                        model.died(key);
+                        stats.crashes += 1;
+                        expected.clear();
+                        break;
+                    }
+                    // Nothing of the batch committed; the attempt that
+                    // rolled it back is counted on its own.
+                    Plan::RollBack => {
+                        *model = before;
+                        model.entries.get_mut(key).expect("entry").attempts += 1;
+                        let outcome = model.attempt(key, plan, now).expect("not a crash");
+                        expected = vec![(key.clone(), outcome)];
+                        stats.rolled_back += 1;
+                        break;
+                    }
+                    _ => {
+                        let outcome = model.attempt(key, plan, now).expect("not a crash");
+                        expected.push((key.clone(), outcome));
+                    }
+                }
+            }
+            if real.len() != expected.len() {
+                return Err(format!(
+                    "batch settled {} rows, model expected {}: {real:?} vs {expected:?}",
+                    real.len(),
+                    expected.len()
+                ));
+            }
+            for ((c, id, outcome), (key, want)) in real.iter().zip(&expected) {
+                if (c, id) != (&key.0, &key.1) {
+                    return Err(format!(
+                        "processed {c}/{id}, model expected {}/{}",
+                        key.0, key.1
+                    ));
+                }
+                let entry = model.entries.get_mut(key).expect("entry");
+                if !same_outcome(outcome, want, entry, now) {
+                    return Err(format!("{c}/{id}: {outcome:?}, model expected {want:?}"));
+                }
+                match outcome {
+                    Outcome::Processed { .. } => stats.processed += 1,
+                    Outcome::Dead { .. } => stats.dead += 1,
+                    _ => {}
+                }
+            }
+        }
         Op::Work { limit, plans } => {
-            // The model claims what is due, c0 before c1, in receive order.
-            let mut due: Vec<(String, (String, String), u64)> = model
-                .entries
-                .iter()
-                .filter(|(_, e)| {
-                    e.queued
-                        && matches!(e.status, Status::Pending | Status::Failed)
-                        && e.next_at.is_none_or(|at| at <= now)
-                })
-                .map(|(k, e)| (k.0.clone(), k.clone(), e.order))
-                .collect();
-            due.sort_by(|a, b| (&a.0, a.2).cmp(&(&b.0, b.2)));
-            due.truncate(usize::from(*limit));
+            let due = model.due(now, *limit);
             let real = m.work(usize::from(*limit), plans)?;
             let mut crashed = false;
             let mut completed = 0;
-            for (i, (_, key, _)) in due.iter().enumerate() {
+            for (i, key) in due.iter().enumerate() {
                 if crashed {
                     // Claimed in the same batch, never started: handed
                     // back at recovery, its claim's attempt uncounted.
@@ -1193,9 +1383,21 @@ fn op(c: &mut dyn Choices) -> Op {
             consumer: c.below(2) as u8,
             msgs: (0..1 + c.below(3)).map(|_| (id(c), variant(c))).collect(),
         },
-        50..=64 => Op::Work {
+        50..=56 => Op::Work {
             limit: 1 + c.below(4) as u8,
             plans: (0..1 + c.below(3)).map(|_| plan(c)).collect(),
+        },
+        57..=64 => Op::Batch {
+            limit: 1 + c.below(4) as u8,
+            plans: (0..1 + c.below(3))
+                .map(|_| {
+                    if c.below(16) == 0 {
+                        Plan::RollBack
+                    } else {
+                        plan(c)
+                    }
+                })
+                .collect(),
         },
         65..=73 => Op::Advance {
             ms: [10, 60, 150, 400, 1_500][c.below(5) as usize],

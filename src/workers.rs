@@ -1,10 +1,15 @@
-//! Queued processing: the dispatcher thread claims due rows with a lease
-//! and hands them to worker threads, which run the handlers.
+//! Queued processing, driven by the dispatcher thread.
 //!
-//! Claims go through the writer like any write, so a claim is committed
-//! (attempt counted, lease recorded) before any handler code runs. The
-//! dispatcher claims no more rows than there are idle workers, so nothing
-//! claimed sits waiting while its lease runs out.
+//! Transactional consumers' rows are processed in batches inside the
+//! writer's transaction (`delivery::process_due`): up to `process_batch`
+//! due rows, each handler in its own savepoint, one commit for all, sent as
+//! a rider so that it shares the commit of whatever callers write next. No
+//! lease, no claim commit: nothing else writes while the batch runs.
+//!
+//! Effectful consumers' rows need a committed claim (attempt counted, lease
+//! recorded) before their external step runs, on a worker thread, outside
+//! any transaction. The dispatcher claims no more of them than there are
+//! idle workers, so nothing claimed sits waiting while its lease runs out.
 
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
@@ -17,11 +22,11 @@ use crossbeam_channel::{Receiver, Sender};
 
 use crate::clock::{self, Clock};
 use crate::config::{Config, ConsumerKind};
-use crate::delivery::{finish, panic_message, run_user_step, Attempt, Env};
+use crate::delivery::{self, attempt_of, finish, panic_message, run_user_step, Attempt, Env};
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
-use crate::handler::{idempotency_key, EffectContext, Tx};
+use crate::handler::{idempotency_key, EffectContext, Handler, Tx};
 use crate::inflight::{ClaimMarks, ClaimSlot, NoInflightLog};
 use crate::message::{Failure, Outcome};
 use crate::queue::{self, Claimed};
@@ -104,17 +109,45 @@ impl Shared {
 
 /// The dispatcher thread's body.
 pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
-    let mut names: Vec<String> = shared.consumers.keys().cloned().collect();
-    names.sort();
+    let mut consumers: Vec<&Arc<Consumer>> = shared.consumers.values().collect();
+    consumers.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut transactional: Vec<(String, Arc<dyn Handler>)> = Vec::new();
+    let mut names: Vec<String> = Vec::new();
+    for consumer in consumers {
+        match &consumer.kind {
+            ConsumerKind::Transactional(h) => {
+                transactional.push((consumer.name.clone(), Arc::clone(h)))
+            }
+            ConsumerKind::Effectful(_) => names.push(consumer.name.clone()),
+        }
+    }
     let lease = shared.config.lease;
     let lease_ms = clock::millis(lease);
     while !shared.stopping.load(Ordering::Acquire) {
+        let mut claimed_any = false;
+        if !transactional.is_empty() {
+            // Rotate so that one busy consumer does not starve the others.
+            transactional.rotate_left(1);
+            match process_batch(&shared, transactional.clone()) {
+                // A full batch: more may be due at once.
+                Ok(n) => claimed_any = n >= shared.config.process_batch,
+                Err(Error::Closed) => return,
+                Err(e) => {
+                    // The storage failed, not a message: nothing was
+                    // counted. Wait before the next try, so a failure that
+                    // lasts does not spin.
+                    log::warn!("postroom dispatcher: processing a batch failed: {e}");
+                    let pause = shared.config.retry.initial.max(shared.config.poll_interval);
+                    let _ = shared.wake_rx.recv_timeout(pause);
+                    continue;
+                }
+            }
+        }
         let free = shared
             .config
             .workers
             .saturating_sub(shared.in_flight.load(Ordering::Acquire));
-        let mut claimed_any = false;
-        if free > 0 {
+        if free > 0 && !names.is_empty() {
             // Rotate so that one busy consumer does not starve the others.
             if !names.is_empty() {
                 names.rotate_left(1);
@@ -161,6 +194,70 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
         if !claimed_any {
             let _ = shared.wake_rx.recv_timeout(shared.config.poll_interval);
         }
+    }
+}
+
+/// Processes one batch of transactional consumers' due rows (see the
+/// module docs). Returns how many rows it settled; a row whose handler
+/// rolled the whole transaction back is counted in a transaction of its
+/// own, and the batch is tried again without it next time.
+fn process_batch(shared: &Shared, consumers: Vec<(String, Arc<dyn Handler>)>) -> Result<usize> {
+    let limit = shared.config.process_batch;
+    let poisoned: Arc<Mutex<Option<Claimed>>> = Arc::default();
+    let poison = Arc::clone(&poisoned);
+    let result = shared.writer.submit_rider(move |w| {
+        let list: Vec<(&str, &dyn Handler)> =
+            consumers.iter().map(|(n, h)| (n.as_str(), &**h)).collect();
+        let mut env = Env {
+            conn: w.conn,
+            config: w.config,
+            now_ms: w.clock.now_ms(),
+            log: &mut *w.engine_file,
+            guard: w.guard,
+        };
+        let mut row = None;
+        let done = delivery::process_due(&mut env, &list, limit, &mut row);
+        if row.is_some() {
+            *poison.lock().unwrap_or_else(|p| p.into_inner()) = row;
+        }
+        let done = done?;
+        failpoint::hit("process.after_batch")?;
+        Ok(done)
+    });
+    let row = poisoned.lock().unwrap_or_else(|p| p.into_inner()).take();
+    match (result, row) {
+        (Ok(done), _) => {
+            for p in &done {
+                log::debug!(
+                    "postroom: {}/{} (row {}): {:?}",
+                    p.consumer,
+                    p.message_id,
+                    p.row_id,
+                    p.outcome
+                );
+            }
+            Ok(done.len())
+        }
+        (Err(e), Some(row)) => {
+            log::warn!(
+                "consumer {:?}: message {}/{}: {e}; counted as a failed attempt",
+                row.consumer,
+                row.msg.source,
+                row.msg.id
+            );
+            shared.writer.submit(move |w| {
+                let mut env = Env {
+                    conn: w.conn,
+                    config: w.config,
+                    now_ms: w.clock.now_ms(),
+                    log: &mut NoInflightLog,
+                    guard: w.guard,
+                };
+                delivery::record_poisoned(&mut env, &row)
+            })?;
+            Ok(1)
+        }
+        (Err(e), None) => Err(e),
     }
 }
 
@@ -375,15 +472,4 @@ fn fenced(
         guard,
     };
     step(&mut env, attempt_of(claim)).map(Some)
-}
-
-fn attempt_of(claim: &Claimed) -> Attempt<'_> {
-    Attempt {
-        consumer: &claim.consumer,
-        msg: &claim.msg,
-        hash: &claim.hash,
-        attempt: claim.attempt,
-        received_at: claim.received_at,
-        row_id: Some(claim.row_id),
-    }
 }

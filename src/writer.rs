@@ -21,6 +21,12 @@
 //!   answered with an error: nothing of it was acknowledged;
 //! * a job queued before the writer was told to stop is run; a job queued
 //!   after it had closed the connection is answered `Closed`.
+//!
+//! A *rider* (queued processing) is work nobody waits on: it joins the next
+//! callers' batch, sharing their commit, and runs in a batch of its own only
+//! once callers have left the writer alone for [`BACKGROUND_GRACE`]. So
+//! processing received messages costs the callers who receive them no
+//! commit of its own.
 
 use std::cell::{Cell, RefCell};
 use std::ffi::c_int;
@@ -109,6 +115,8 @@ pub(crate) struct Core {
     /// quiet for [`BACKGROUND_GRACE`].
     callers_last_batch: AtomicU64,
     epoch: Instant,
+    /// The rider waiting for a batch to join (at most one).
+    rider: Mutex<Option<Box<dyn Job>>>,
 }
 
 impl Core {
@@ -118,7 +126,12 @@ impl Core {
             writer_waiting: AtomicUsize::new(0),
             callers_last_batch: AtomicU64::new(0),
             epoch: Instant::now(),
+            rider: Mutex::new(None),
         })
+    }
+
+    fn take_rider(&self) -> Option<Box<dyn Job>> {
+        self.rider.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 
     fn id(&self) -> usize {
@@ -153,9 +166,10 @@ impl Core {
         }
     }
 
-    /// Runs callers' jobs (not background work) as one batch, marking the
-    /// time they keep the writer busy.
+    /// Runs callers' jobs (not background work), and the rider if one
+    /// waits, as one batch, marking the time callers keep the writer busy.
     fn run_callers_batch(&self, state: &mut WriterState, batch: &mut Vec<Box<dyn Job>>) {
+        batch.extend(self.take_rider());
         self.callers_last_batch
             .store(BATCH_RUNNING, Ordering::Relaxed);
         state.run_batch(batch);
@@ -222,6 +236,8 @@ pub(crate) struct WriterHandle {
     /// The same queue, for leaders to take other callers' jobs from.
     queued: Receiver<Box<dyn Job>>,
     background: Sender<Box<dyn Job>>,
+    /// Rings the writer thread when a rider is left in [`Core::rider`].
+    rider_bell: Sender<()>,
     stop: Sender<()>,
     /// Disconnects when the writer thread ends (its sender is dropped).
     alive: Receiver<()>,
@@ -279,6 +295,27 @@ impl WriterHandle {
     {
         let (job, answer) = job(work);
         self.background.send(job).map_err(|_| Error::Closed)?;
+        self.wait(answer)
+    }
+
+    /// Runs `work` as a rider (see the module docs): in the next callers'
+    /// batch, or alone once callers leave the writer alone. One rider at a
+    /// time: the caller waits for its answer before sending another.
+    pub fn submit_rider<T, F>(&self, work: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
+    {
+        let (job, answer) = job(work);
+        let displaced = self
+            .core
+            .rider
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .replace(job);
+        debug_assert!(displaced.is_none(), "one rider at a time");
+        // Full: the thread is already rung.
+        let _ = self.rider_bell.try_send(());
         self.wait(answer)
     }
 
@@ -634,6 +671,8 @@ impl WriterState {
 
 enum Next {
     Job(Box<dyn Job>),
+    /// The rider's turn to run, with or without callers' jobs.
+    Rider,
     Background(Box<dyn Job>),
     Stop,
 }
@@ -645,6 +684,9 @@ pub(crate) struct WriterThread {
     commands: Receiver<Box<dyn Job>>,
     /// Low-priority jobs (retention), each run in a transaction of its own.
     background: Receiver<Box<dyn Job>>,
+    rider_rung: Receiver<()>,
+    /// Since when a rider waits (it may have been taken by a leader since).
+    rider_since: Option<Instant>,
     stop: Receiver<()>,
     /// A background job taken off its queue, and since when it waits.
     deferred: Option<(Box<dyn Job>, Instant)>,
@@ -658,12 +700,14 @@ pub(crate) fn writer(state: WriterState, alive: Receiver<()>) -> (WriterHandle, 
     let core = Core::new(state);
     let (commands, queued) = crossbeam_channel::bounded(max_batch);
     let (background, background_rx) = crossbeam_channel::bounded(1);
+    let (rider_bell, rider_rung) = crossbeam_channel::bounded(1);
     let (stop, stop_rx) = crossbeam_channel::bounded(1);
     let handle = WriterHandle {
         core: Arc::clone(&core),
         commands,
         queued: queued.clone(),
         background,
+        rider_bell,
         stop,
         alive,
     };
@@ -671,6 +715,8 @@ pub(crate) fn writer(state: WriterState, alive: Receiver<()>) -> (WriterHandle, 
         core,
         commands: queued,
         background: background_rx,
+        rider_rung,
+        rider_since: None,
         stop: stop_rx,
         deferred: None,
         max_batch,
@@ -691,6 +737,20 @@ impl WriterThread {
                     take_queued(&self.commands, &mut batch, self.max_batch);
                     self.core.run_callers_batch(held.state(), &mut batch);
                 }
+                Next::Rider => {
+                    let mut held = self.core.lock_as_writer();
+                    take_queued(&self.commands, &mut batch, self.max_batch);
+                    if batch.is_empty() {
+                        // Alone: a batch that callers did not ask for, so
+                        // it does not hold background work back.
+                        batch.extend(self.core.take_rider());
+                        if !batch.is_empty() {
+                            held.state().run_batch(&mut batch);
+                        }
+                    } else {
+                        self.core.run_callers_batch(held.state(), &mut batch);
+                    }
+                }
                 Next::Background(job) => {
                     // Alone in its transaction: nobody waits for its commit.
                     batch.push(job);
@@ -705,6 +765,7 @@ impl WriterThread {
         let mut held = self.core.lock();
         loop {
             take_queued(&self.commands, &mut batch, self.max_batch);
+            batch.extend(self.core.take_rider());
             if batch.is_empty() {
                 break;
             }
@@ -745,13 +806,21 @@ impl WriterThread {
             if !matches!(self.stop.try_recv(), Err(TryRecvError::Empty)) {
                 return Next::Stop;
             }
+            if self.rider_rung.try_recv().is_ok() {
+                self.rider_since = Some(Instant::now());
+            }
             // Nobody queued; leaders leave a trace of their last batch.
-            if self.core.callers_quiet_for() >= BACKGROUND_GRACE {
+            let quiet = self.core.callers_quiet_for() >= BACKGROUND_GRACE;
+            if self.rider_since.is_some() && quiet {
+                self.rider_since = None;
+                return Next::Rider;
+            }
+            if quiet {
                 if let Some((job, _)) = self.deferred.take() {
                     return Next::Background(job);
                 }
             }
-            if self.deferred.is_some() {
+            if self.deferred.is_some() || self.rider_since.is_some() {
                 crossbeam_channel::select! {
                     recv(self.commands) -> job => return job.map_or(Next::Stop, Next::Job),
                     recv(self.stop) -> _ => return Next::Stop,
@@ -761,6 +830,10 @@ impl WriterThread {
                 crossbeam_channel::select! {
                     recv(self.commands) -> job => return job.map_or(Next::Stop, Next::Job),
                     recv(self.stop) -> _ => return Next::Stop,
+                    recv(self.rider_rung) -> rung => match rung {
+                        Ok(()) => self.rider_since = Some(Instant::now()),
+                        Err(_) => return Next::Stop,
+                    },
                     recv(self.background) -> job => match job {
                         Ok(job) => self.deferred = Some((job, Instant::now())),
                         // Every handle is gone.

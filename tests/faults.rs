@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use postroom::failpoint::FAILPOINTS;
-use postroom::{handler_fn, Error, InboxSink, Message, Postroom};
+use postroom::{
+    handler_fn, EffectContext, EffectHandler, Error, Failure, InboxSink, Message, Postroom, Tx,
+};
 
 const IDS: u64 = 60;
 
@@ -97,7 +99,23 @@ fn open_b(db: &Path) -> postroom::Result<Arc<Postroom>> {
     Ok(Arc::new(b))
 }
 
-/// Service A: an inline consumer, a queued consumer, a relay into B.
+/// An effectful consumer whose external step does nothing: its rows take
+/// the claim path (`dispatch.after_claim`), its transactional step
+/// records the message as `apply` does.
+struct Pass;
+
+impl EffectHandler for Pass {
+    type Output = ();
+    fn effect(&self, _: &EffectContext<'_>, _: &Message) -> Result<(), Failure> {
+        Ok(())
+    }
+    fn apply(&self, tx: &mut Tx<'_>, msg: &Message, (): ()) -> Result<(), Failure> {
+        apply(tx, msg)
+    }
+}
+
+/// Service A: an inline consumer, a queued consumer, an effectful queued
+/// consumer, a relay into B.
 fn open_a(db: &Path, b: &Arc<Postroom>) -> postroom::Result<Postroom> {
     let a = Postroom::builder()
         .max_attempts(1_000_000)
@@ -108,6 +126,7 @@ fn open_a(db: &Path, b: &Arc<Postroom>) -> postroom::Result<Postroom> {
         .backoff(Duration::from_millis(1), Duration::from_millis(5))
         .consumer("inline", handler_fn(apply))
         .consumer("queued", handler_fn(apply))
+        .effectful_consumer("fx", Pass)
         .sink(InboxSink::new(Arc::clone(b), "b"))
         .open(db)?;
     a.transaction(|tx| {
@@ -149,6 +168,13 @@ fn run_workload(db: &Path) {
                     report(&format!("ACK queued {}", m.id()));
                 }
             }
+            Err(Error::Closed) => break,
+            Err(_) => {}
+        }
+        let id = format!("f{}", rng.below(IDS));
+        report(&format!("SENT fx {id}"));
+        match a.receive("fx", Message::new("s", id.clone(), id.clone())) {
+            Ok(_) => report(&format!("ACK fx {id}")),
             Err(Error::Closed) => break,
             Err(_) => {}
         }
@@ -216,14 +242,18 @@ fn run_cell(cell: &Cell) -> (Checked, Checked, String) {
         None if status.success() => "exited".into(),
         None => format!("exit {:?}", status.code()),
     };
-    let mut sent: [BTreeSet<String>; 2] = Default::default();
-    let mut acked: [BTreeSet<String>; 2] = Default::default();
+    let mut sent: [BTreeSet<String>; 3] = Default::default();
+    let mut acked: [BTreeSet<String>; 3] = Default::default();
     for line in &lines {
         let (kind, rest) = line.split_once(' ').unwrap_or((line, ""));
         let Some((consumer, id)) = rest.split_once(' ') else {
             continue;
         };
-        let i = usize::from(consumer == "queued");
+        let i = match consumer {
+            "inline" => 0,
+            "queued" => 1,
+            _ => 2,
+        };
         match kind {
             "SENT" => sent[i].insert(id.to_owned()),
             "ACK" => acked[i].insert(id.to_owned()),
@@ -253,6 +283,11 @@ fn run_cell(cell: &Cell) -> (Checked, Checked, String) {
         .map(|id| Message::new("s", id.clone(), id.clone()))
         .collect();
     a.receive_batch("queued", all_queued).expect("re-receive");
+    let all_fx: Vec<Message> = sent[2]
+        .iter()
+        .map(|id| Message::new("s", id.clone(), id.clone()))
+        .collect();
+    a.receive_batch("fx", all_fx).expect("re-receive");
     let (a_conn, b_conn) = (raw(&db), raw(&b_path(&db)));
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -282,6 +317,14 @@ fn run_cell(cell: &Cell) -> (Checked, Checked, String) {
     integrity_ok(&b_conn);
     let inline = check_effects(&a_conn, "inline", &sent[0], &acked[0]);
     let queued = check_effects(&a_conn, "queued", &sent[1], &acked[1]);
+    let fx = check_effects(&a_conn, "fx", &sent[2], &acked[2]);
+    assert!(
+        fx.ok(),
+        "{}={}@{}: effectful {fx:?}",
+        cell.failpoint,
+        cell.action,
+        cell.nth
+    );
     // Downstream: every outbox row of A applied exactly once in B.
     let outbox_ids: BTreeSet<String> = column(&a_conn, "SELECT message_id FROM postroom_outbox");
     let downstream = check_effects(&b_conn, "b", &outbox_ids, &outbox_ids);

@@ -37,6 +37,7 @@ fn seeded_sequences_match_the_model() {
     };
     let (mut ops, mut processed, mut crashes, mut conflicts, mut dead, mut stale) =
         (0, 0, 0, 0, 0, 0);
+    let mut rolled_back = 0;
     for &seed in &seeds {
         let dir = tempfile::tempdir().unwrap();
         match sim::run_seed(dir.path(), seed, len) {
@@ -47,18 +48,20 @@ fn seeded_sequences_match_the_model() {
                 conflicts += stats.conflicts;
                 dead += stats.dead;
                 stale += stats.live_at_apply;
+                rolled_back += stats.rolled_back;
             }
             Err(e) => panic!("POSTROOM_SEED={seed} POSTROOM_MODEL_LEN={len}: {e}"),
         }
     }
     eprintln!(
         "model: {} sequences, {ops} operations; {processed} processed, {crashes} crashes, \
-         {conflicts} conflicts, {dead} dead letters, {stale} retired keys delivered anew between \
-         a drain's read and its deletions; every step matched the model",
+         {conflicts} conflicts, {dead} dead letters, {rolled_back} batches rolled back by a \
+         handler, {stale} retired keys delivered anew between a drain's read and its deletions; \
+         every step matched the model",
         seeds.len()
     );
     assert!(
-        processed > 0 && crashes > 0 && conflicts > 0 && dead > 0,
+        processed > 0 && crashes > 0 && conflicts > 0 && dead > 0 && rolled_back > 0,
         "the generator covers every path"
     );
 }
