@@ -163,11 +163,24 @@ type Res<T> = Result<T, BoxError>;
 const CONSUMER: &str = "bench";
 const SOURCE: &str = "orders";
 const OUT_TOPIC: &str = "shipping.requested";
-const OUT_PAYLOAD: &[u8] = br#"{"ship":true}"#;
-const DOMAIN_UPDATE: &str = "UPDATE counters SET n = n + 1 WHERE id = 1";
-const COUNTERS_DDL: &str =
-    "CREATE TABLE IF NOT EXISTS counters (id INTEGER PRIMARY KEY, n INTEGER NOT NULL);
-     INSERT OR IGNORE INTO counters (id, n) VALUES (1, 0);";
+/// The seeds' outgoing message: 256 bytes.
+const OUT_PAYLOAD: &[u8] = &[b'x'; 256];
+/// The seeds' domain write: one of `ACCOUNTS` rows, picked by message.
+const DOMAIN_UPDATE: &str =
+    "UPDATE accounts SET balance = balance + 1, version = version + 1 WHERE id = ?1";
+const ACCOUNTS: u64 = 1_000;
+const COUNTERS_DDL: &str = "CREATE TABLE IF NOT EXISTS accounts (
+         id INTEGER PRIMARY KEY, balance INTEGER NOT NULL, version INTEGER NOT NULL);
+     INSERT OR IGNORE INTO accounts (id, balance, version)
+         WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 1000)
+         SELECT i, 0, 0 FROM n;";
+
+/// The account a message's handler updates (spread over all of them).
+fn account_of(message_id: &str) -> i64 {
+    let h = blake3::hash(message_id.as_bytes());
+    let n = u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"));
+    i64::try_from(n % ACCOUNTS + 1).expect("small")
+}
 
 /// Messages per `receive_batch` call, and per transaction of its floor.
 const RECEIVE_BATCH: usize = 1000;
@@ -232,7 +245,7 @@ impl Plan {
             many: 10_000,
             duplicates: 5_000,
             receive: 60_000,
-            queued: 2_400,
+            queued: 24_000,
             relay: 30_000,
             relay_latency: 150,
             retained: vec![50_000],
@@ -253,7 +266,7 @@ impl Plan {
             many: 200_000,
             duplicates: 100_000,
             receive: 1_500_000,
-            queued: 15_000,
+            queued: 150_000,
             relay: 150_000,
             relay_latency: 1_500,
             retained: vec![1_000_000, 5_000_000],
@@ -300,6 +313,14 @@ enum Work {
     FloorWrites { batch: usize },
     /// Floor: the dedupe lookup alone, one `SELECT` per message.
     FloorDedupe,
+    /// The seeds floor: the articles' three statements on their own
+    /// minimal schema, `batch` messages per transaction.
+    SeedsFloor { batch: usize },
+    /// Engine: one caller `receive`s one message per call, no workers.
+    ReceiveOne,
+    /// Engine: one caller `receive`s one message per call while the
+    /// engine processes them (default settings).
+    ReceiveProcess,
     /// Engine: one caller storing `batch` messages per `receive_batch`, with
     /// no workers, so only intake is measured.
     Receive { batch: usize },
@@ -362,8 +383,8 @@ impl Prefill {
     /// duplicates by the duplicate storm at scale), not a random one.
     fn format(self) -> u32 {
         match self {
-            Prefill::Retained => 2,
-            Prefill::Expired | Prefill::Pending => 1,
+            Prefill::Retained => 3,
+            Prefill::Expired | Prefill::Pending => 2,
         }
     }
 }
@@ -372,6 +393,8 @@ struct Scenario {
     name: String,
     work: Work,
     sync: SyncMode,
+    /// The seeds floor this row is also compared with (see `seeds`).
+    seeds: Option<String>,
     /// Rows of `prefill` the database starts with (0: an empty database).
     rows: u64,
     prefill: Prefill,
@@ -391,7 +414,13 @@ impl Scenario {
             prefill: Prefill::Retained,
             count,
             vs: None,
+            seeds: None,
         }
+    }
+
+    fn seeds(mut self, floor: String) -> Scenario {
+        self.seeds = Some(floor);
+        self
     }
 
     fn on(mut self, prefill: Prefill, rows: u64) -> Scenario {
@@ -434,6 +463,12 @@ fn floor_name(batch: usize, sync: SyncMode, retained: u64) -> String {
     format!("floor {per} {}{}", sync.label(), at(retained))
 }
 
+fn seeds_name(batch: usize, sync: SyncMode) -> String {
+    format!("seeds floor {batch}/tx {}", sync.label())
+}
+
+const RECEIVE_ONE: &str = "receive 1 by 1 FULL";
+const RECEIVE_PROCESS: &str = "receive 1 by 1 + processing FULL";
 const DUPLICATE_STORM: &str = "duplicate storm (1 caller)";
 const FLOOR_DEDUPE: &str = "floor dedupe SELECT";
 const RECEIVE: &str = "receive_batch 1000 FULL";
@@ -483,6 +518,7 @@ fn pair(
             prefill: Prefill::Retained,
             count,
             vs: None,
+            seeds: None,
         },
         Scenario {
             name: deliver_name(callers, sync, retained),
@@ -492,6 +528,7 @@ fn pair(
             prefill: Prefill::Retained,
             count,
             vs: Some(floor),
+            seeds: (retained == 0).then(|| seeds_name(callers.min(8), sync)),
         },
     ]
 }
@@ -500,9 +537,22 @@ fn pair(
 /// and interleaved, in run order: the largest databases (and memory) last.
 fn scenarios(plan: &Plan) -> Vec<Vec<Scenario>> {
     let mut groups = Vec::new();
-    // (1) One caller: one commit per message on both sides.
-    groups.push(pair(1, 1, SyncMode::Full, 0, plan.one_full).into());
-    groups.push(pair(1, 1, SyncMode::Normal, 0, plan.one_normal).into());
+    let seeds = |batch: usize, sync: SyncMode, count: u64| {
+        let mut s = Scenario::new(seeds_name(batch, sync), Work::SeedsFloor { batch }, count);
+        s.sync = sync;
+        s
+    };
+    // (1) One caller: one commit per message on both sides; the seeds
+    // floor at 1/tx; receiving one by one, alone and while processing.
+    let mut one: Vec<Scenario> = pair(1, 1, SyncMode::Full, 0, plan.one_full).into();
+    one.insert(0, seeds(1, SyncMode::Full, plan.one_full));
+    let seeds_one = seeds_name(1, SyncMode::Full);
+    one.push(Scenario::new(RECEIVE_ONE, Work::ReceiveOne, plan.one_full).seeds(seeds_one.clone()));
+    one.push(Scenario::new(RECEIVE_PROCESS, Work::ReceiveProcess, plan.one_full).seeds(seeds_one));
+    groups.push(one);
+    let mut one: Vec<Scenario> = pair(1, 1, SyncMode::Normal, 0, plan.one_normal).into();
+    one.insert(0, seeds(1, SyncMode::Normal, plan.one_normal));
+    groups.push(one);
     // (2) Eight callers sharing group commits, against a floor at 100/txn,
     // and for context the floor at the 8/txn that eight blocking callers
     // can reach at most.
@@ -515,8 +565,13 @@ fn scenarios(plan: &Plan) -> Vec<Vec<Scenario>> {
             plan.many,
         ),
     );
+    eight.insert(0, seeds(8, SyncMode::Full, plan.many));
+    eight.insert(0, seeds(100, SyncMode::Full, plan.many));
     groups.push(eight);
-    groups.push(pair(8, 100, SyncMode::Normal, 0, plan.many).into());
+    let mut eight: Vec<Scenario> = pair(8, 100, SyncMode::Normal, 0, plan.many).into();
+    eight.insert(0, seeds(8, SyncMode::Normal, plan.many));
+    eight.insert(0, seeds(100, SyncMode::Normal, plan.many));
+    groups.push(eight);
     // (3) to (5): duplicates, queued mode and the relay.
     groups.extend(beyond_deliver(plan, 0));
     // (6) Scale: the FULL rows above again, on copies of a database holding
@@ -591,11 +646,16 @@ fn beyond_deliver(plan: &Plan, retained: u64) -> Vec<Vec<Scenario>> {
         ],
         [2, 4]
             .map(|workers| {
-                on(Scenario::new(
+                let s = on(Scenario::new(
                     queued_name(workers, retained),
                     Work::QueuedDrain { workers },
                     plan.queued,
-                ))
+                ));
+                if retained == 0 {
+                    s.seeds(seeds_name(100, SyncMode::Full))
+                } else {
+                    s
+                }
             })
             .into(),
         vec![
@@ -717,8 +777,27 @@ struct Measured {
     /// VmHWM over the engine's life minus VmRSS just before it opened: what
     /// the engine itself added to the peak (the backlog row).
     rise_kib: Option<i64>,
+    /// What the timed phase wrote: WAL frames (pages dirtied, per commit)
+    /// and the net change of B-tree entries.
+    footprint: Option<Footprint>,
     /// Facts worth printing below the table (open time, copy time, …).
     notes: Vec<String>,
+}
+
+/// WAL frames appended, and B-tree entries added (net), over a phase.
+#[derive(Debug, Clone, Copy, Default)]
+struct Footprint {
+    frames: u64,
+    cells: i64,
+}
+
+impl Footprint {
+    fn since(self, before: Footprint) -> Option<Footprint> {
+        Some(Footprint {
+            frames: self.frames.saturating_sub(before.frames),
+            cells: self.cells - before.cells,
+        })
+    }
 }
 
 /// One line of the table, and one object of `--json`.
@@ -760,6 +839,13 @@ struct Row {
     rss_delta_kib: Option<i64>,
     vs: Option<String>,
     ratio: Option<f64>,
+    /// The seeds floor this row is compared with too, and the ratio.
+    seeds_vs: Option<String>,
+    seeds_ratio: Option<f64>,
+    /// Per message of the timed phase: WAL frames appended (pages dirtied,
+    /// counted once per commit) and B-tree entries added, net.
+    wal_frames_per_msg: Option<f64>,
+    btree_entries_per_msg: Option<f64>,
     avg_group: Option<f64>,
     /// CPU used over the timed phase, in cores (CPU seconds per second):
     /// the whole process (the harness's callers included), and the
@@ -950,7 +1036,8 @@ mod floor {
             }
             other => other?,
         };
-        conn.prepare_cached(DOMAIN_UPDATE)?.execute([])?;
+        conn.prepare_cached(DOMAIN_UPDATE)?
+            .execute([account_of(&id)])?;
         // Same shape as the engine's row: a stable derived id, the
         // causation/correlation headers as JSON.
         let out_id = ids::hex(&blake3::hash(id.as_bytes()).as_bytes()[..16]);
@@ -1013,7 +1100,7 @@ mod floor {
 
     /// Runs `each` for messages `0..count` of `seed`, `batch` per
     /// transaction; with `timed`, records each transaction's latency.
-    fn txn_loop(
+    pub fn txn_loop(
         conn: &Connection,
         batch: usize,
         seed: u64,
@@ -1147,6 +1234,111 @@ mod floor {
 }
 
 // ---------------------------------------------------------------------------
+// The seeds floor: the articles' pattern and nothing else.
+
+mod seeds {
+    use super::*;
+
+    /// A rowid inbox keyed by (consumer, message id), the domain table, and
+    /// an outbox with a partial index on unsent rows.
+    const DDL: &str = "CREATE TABLE IF NOT EXISTS inbox (
+             consumer TEXT NOT NULL, message_id TEXT NOT NULL, received_at INTEGER NOT NULL,
+             PRIMARY KEY (consumer, message_id));
+         CREATE TABLE IF NOT EXISTS outbox (
+             id INTEGER PRIMARY KEY, topic TEXT NOT NULL, payload BLOB NOT NULL,
+             created_at INTEGER NOT NULL, sent_at INTEGER);
+         CREATE INDEX IF NOT EXISTS outbox_unsent ON outbox (id) WHERE sent_at IS NULL;";
+
+    /// Opens (creating if needed): WAL, `sync`, default cache.
+    pub fn open(path: &Path, sync: SyncMode) -> Res<Connection> {
+        let conn = Connection::open(path)?;
+        conn.busy_timeout(Duration::from_secs(5))?;
+        let mode: String =
+            conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(format!("journal_mode is {mode}, not WAL").into());
+        }
+        conn.pragma_update(None, "synchronous", sync.label())?;
+        conn.execute_batch(DDL)?;
+        conn.execute_batch(COUNTERS_DDL)?;
+        conn.wal_hook(Some(note_frames));
+        Ok(conn)
+    }
+
+    thread_local! {
+        /// WAL frames appended by this thread's commits, and the WAL's
+        /// size after the last one.
+        static FRAMES: std::cell::Cell<(u64, i32)> = const { std::cell::Cell::new((0, 0)) };
+    }
+
+    fn note_frames(_: &rusqlite::hooks::Wal, pages: i32) -> rusqlite::Result<()> {
+        FRAMES.with(|f| {
+            let (sum, last) = f.get();
+            let grown = if pages > last { pages - last } else { pages };
+            f.set((sum + u64::try_from(grown).unwrap_or(0), pages));
+        });
+        Ok(())
+    }
+
+    /// The articles' three statements for message `i` of `seed`.
+    fn write_one(conn: &Connection, seed: u64, i: u64, now: i64) -> Res<()> {
+        // 32 random hex digits.
+        let id = ids::hex(&ids::nth(seed, 2 * i).to_le_bytes())
+            + &ids::hex(&ids::nth(seed, 2 * i + 1).to_le_bytes());
+        let inserted = conn
+            .prepare_cached(
+                "INSERT INTO inbox (consumer, message_id, received_at) VALUES (?1, ?2, ?3)
+                 ON CONFLICT DO NOTHING",
+            )?
+            .execute(params![CONSUMER, id, now])?;
+        if inserted == 1 {
+            conn.prepare_cached(DOMAIN_UPDATE)?
+                .execute([account_of(&id)])?;
+            conn.prepare_cached(
+                "INSERT INTO outbox (topic, payload, created_at) VALUES (?1, ?2, ?3)",
+            )?
+            .execute(params![OUT_TOPIC, OUT_PAYLOAD, now])?;
+        }
+        Ok(())
+    }
+
+    pub fn write_loop(
+        conn: &Connection,
+        batch: usize,
+        seed: u64,
+        count: u64,
+        cap: Option<Duration>,
+    ) -> Res<Run> {
+        floor::txn_loop(conn, batch, seed, count, cap, write_one, batch == 1)
+    }
+
+    /// WAL frames this thread's commits appended so far, and the B-tree
+    /// entries in `conn`'s database.
+    pub fn footprint(conn: &Connection) -> Res<Footprint> {
+        Ok(Footprint {
+            frames: FRAMES.with(|f| f.get().0),
+            cells: cells(conn)?,
+        })
+    }
+
+    /// Every B-tree entry in the database: the cells of table leaves, and
+    /// all cells of index B-trees (whose interior cells are entries too;
+    /// WITHOUT ROWID tables are index B-trees).
+    pub fn cells(conn: &Connection) -> Res<i64> {
+        Ok(conn.query_row(
+            "SELECT coalesce(sum(d.ncell), 0) FROM dbstat d
+             LEFT JOIN sqlite_schema s ON s.name = d.name
+             WHERE d.pagetype = 'leaf'
+                OR (d.pagetype = 'internal'
+                    AND (s.type = 'index' OR s.name IS NULL
+                         OR s.sql LIKE '%WITHOUT ROWID%'))",
+            [],
+            |r| r.get(0),
+        )?)
+    }
+}
+
+// ---------------------------------------------------------------------------
 // The engine side.
 
 mod engine {
@@ -1156,7 +1348,7 @@ mod engine {
     /// one `publish`.
     pub fn handler() -> impl Handler {
         handler_fn(|tx, msg| {
-            tx.execute(DOMAIN_UPDATE, [])?;
+            tx.execute(DOMAIN_UPDATE, [account_of(msg.id())])?;
             tx.publish(Outgoing::new(OUT_TOPIC, OUT_PAYLOAD).with_key(msg.id()))?;
             Ok(())
         })
@@ -1199,7 +1391,7 @@ mod engine {
     /// in the same transaction that completes the message.
     pub fn processed(probe: &Connection) -> Res<u64> {
         let n: i64 = probe
-            .prepare_cached("SELECT n FROM counters WHERE id = 1")?
+            .prepare_cached("SELECT sum(version) FROM accounts")?
             .query_row([], |r| r.get(0))?;
         Ok(u64::try_from(n)?)
     }
@@ -1491,6 +1683,11 @@ mod engine {
         before.zip(after).map(|(b, a)| delta(b, a))
     }
 
+    /// WAL frames the engine's commits appended since it opened.
+    pub fn frames(room: &Postroom) -> Res<u64> {
+        Ok(room.stats()?.wal_frames_written)
+    }
+
     /// Notes how long the open took, on a prefilled database.
     pub fn note_open(retained: u64, opened: Duration, notes: &mut Vec<String>) {
         if retained > 0 {
@@ -1754,6 +1951,53 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
             floor::write_loop(&conn, batch, warm, plan.warmup, None)?;
             m.run = floor::write_loop(&conn, batch, seed, count, Some(cap))?;
         }
+        Work::SeedsFloor { batch } => {
+            let conn = seeds::open(&path, s.sync)?;
+            seeds::write_loop(&conn, batch, warm, plan.warmup, None)?;
+            let before = seeds::footprint(&conn)?;
+            m.run = seeds::write_loop(&conn, batch, seed, count, Some(cap))?;
+            m.footprint = seeds::footprint(&conn)?.since(before);
+        }
+        Work::ReceiveOne | Work::ReceiveProcess => {
+            let processing = matches!(s.work, Work::ReceiveProcess);
+            let workers = if processing { 2 } else { 0 };
+            let builder = engine::builder(s.sync).workers(workers);
+            let (room, opened) = engine::open_with(builder, &path)?;
+            engine::note_open(rows, opened, &mut m.notes);
+            let probe = engine::probe(&path)?;
+            engine::receive_loop(&room, 1, warm, plan.warmup, None)?;
+            let long = Duration::from_secs(300);
+            let every = Duration::from_millis(2);
+            if processing
+                && !engine::wait(
+                    every,
+                    long,
+                    || Ok(engine::processed(&probe)? >= plan.warmup),
+                )?
+            {
+                return Err("the warm-up was not processed in 5 minutes".into());
+            }
+            let base = engine::processed(&probe)?;
+            let before = engine::counters(&room)?.0;
+            m.run = engine::receive_loop(&room, 1, seed, count, Some(cap))?;
+            let after = engine::counters(&room)?.0;
+            m.group = Some(engine::delta(before, after));
+            if processing {
+                let during = engine::processed(&probe)? - base;
+                let t = Instant::now();
+                let n = m.run.messages;
+                if !engine::wait(every, long, || Ok(engine::processed(&probe)? - base >= n))? {
+                    return Err("the received messages were not processed in 5 minutes".into());
+                }
+                m.notes.push(format!(
+                    "{} of {} processed while receiving; the rest {} ms after",
+                    thousands(during),
+                    thousands(n),
+                    t.elapsed().as_millis()
+                ));
+            }
+            engine::close(room, &mut m.notes)?;
+        }
         Work::FloorDedupe => {
             let conn = floor::open(&path, s.sync)?;
             if rows == 0 {
@@ -1773,9 +2017,19 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
             let expect = engine::Expect::Processed;
             engine::drive(&room, callers, warm, plan.warmup, None, expect, None)?;
             let (before, scan) = engine::counters(&room)?;
+            let frames = engine::frames(&room)?;
+            let cells = (s.rows == 0)
+                .then(|| seeds::cells(&engine::probe(&path)?))
+                .transpose()?;
             m.run = engine::drive(&room, callers, seed, count, Some(cap), expect, None)?;
             let (after, _) = engine::counters(&room)?;
             m.group = Some((after.0 - before.0, after.1 - before.1));
+            if let Some(cells) = cells {
+                m.footprint = Some(Footprint {
+                    frames: engine::frames(&room)? - frames,
+                    cells: seeds::cells(&engine::probe(&path)?)? - cells,
+                });
+            }
             if s.rows > 0 {
                 m.notes
                     .push(format!("stats() took {} ms", scan.as_millis()));
@@ -1876,6 +2130,16 @@ fn queued_drain(
     }
     let base = engine::processed(&probe)?;
     let before = engine::counters_unless_scaled(&room, s.rows)?;
+    let footprint = |room: &Postroom| -> Res<Option<Footprint>> {
+        if s.rows > 0 {
+            return Ok(None);
+        }
+        Ok(Some(Footprint {
+            frames: engine::frames(room)?,
+            cells: seeds::cells(&probe)?,
+        }))
+    };
+    let footprint_before = footprint(&room)?;
     // One transaction: no worker can complete anything before it commits,
     // and the workers are woken as it returns.
     let msgs: Vec<Message> = (0..count).map(|i| message(seed, i)).collect();
@@ -1897,6 +2161,10 @@ fn queued_drain(
         latencies: Vec::new(),
         cpu: None,
     };
+    // Receiving and processing together: what a queued message costs.
+    if let (Some(before), Some(after)) = (footprint_before, footprint(&room)?) {
+        m.footprint = after.since(before);
+    }
     if let Some(before) = before {
         let stats = room.stats()?;
         let after = (stats.batches_committed, stats.jobs_committed);
@@ -2135,6 +2403,13 @@ impl Measured {
             (Some(a), Some(b)) => Some((a.0 + b.0, a.1 + b.1)),
             (a, b) => a.or(b),
         };
+        self.footprint = match (self.footprint, pass.footprint) {
+            (Some(a), Some(b)) => Some(Footprint {
+                frames: a.frames + b.frames,
+                cells: a.cells + b.cells,
+            }),
+            (a, b) => a.or(b),
+        };
         if first {
             self.notes = pass.notes;
         }
@@ -2176,6 +2451,9 @@ fn row_of(s: &Scenario, mut m: Measured, peak: Option<u64>, delta: Option<i64>) 
             ("floor", None, None, Some(batch))
         }
         Work::FloorDedupe => ("floor", None, None, None),
+        Work::SeedsFloor { batch } => ("floor", None, None, Some(batch)),
+        Work::ReceiveOne => ("engine", Some(1), Some(0), Some(1)),
+        Work::ReceiveProcess => ("engine", Some(1), Some(2), Some(1)),
         Work::Receive { batch } => ("engine", Some(1), Some(0), Some(batch)),
         Work::QueuedDrain { workers } => ("engine", None, Some(workers), None),
         Work::RelayDrain => ("engine", None, None, None),
@@ -2216,6 +2494,16 @@ fn row_of(s: &Scenario, mut m: Measured, peak: Option<u64>, delta: Option<i64>) 
         rss_delta_kib: delta,
         vs: s.vs.clone(),
         ratio: None,
+        seeds_vs: s.seeds.clone(),
+        seeds_ratio: None,
+        wal_frames_per_msg: m
+            .footprint
+            .filter(|_| m.run.messages > 0)
+            .map(|f| f.frames as f64 / m.run.messages as f64),
+        btree_entries_per_msg: m
+            .footprint
+            .filter(|_| m.run.messages > 0)
+            .map(|f| f.cells as f64 / m.run.messages as f64),
         avg_group: m
             .group
             .filter(|&(b, _)| b > 0)
@@ -2277,6 +2565,9 @@ fn fmt_delta(kib: Option<i64>) -> String {
 /// The notes column: group commits, and what else a row measured.
 fn row_notes(r: &Row) -> String {
     let mut parts = Vec::new();
+    if let (Some(f), Some(c)) = (r.wal_frames_per_msg, r.btree_entries_per_msg) {
+        parts.push(format!("{f:.2} pages, {c:+.2} B-tree entries per msg"));
+    }
     if let Some(g) = r.avg_group {
         let per = r
             .commits_per_msg
@@ -2327,10 +2618,11 @@ fn row_notes(r: &Row) -> String {
 
 fn print_table(rows: &[Row]) {
     let head = [
-        "scenario", "msgs/s", "p50", "p99", "max", "peak RSS", "ΔRSS", "ratio", "vs", "notes",
+        "scenario", "msgs/s", "p50", "p99", "max", "peak RSS", "ΔRSS", "ratio", "vs", "seeds",
+        "notes",
     ];
     let right = [
-        false, true, true, true, true, true, true, true, false, false,
+        false, true, true, true, true, true, true, true, false, true, false,
     ];
     let cells: Vec<Vec<String>> = rows
         .iter()
@@ -2349,6 +2641,8 @@ fn print_table(rows: &[Row]) {
                 fmt_delta(r.rss_delta_kib),
                 r.ratio.map_or_else(String::new, |x| format!("{x:.2}x")),
                 r.vs.clone().unwrap_or_default(),
+                r.seeds_ratio
+                    .map_or_else(String::new, |x| format!("{x:.2}x")),
                 row_notes(r),
             ]
         })
@@ -2429,6 +2723,51 @@ fn print_goals(rows: &[Row], plan: &Plan) {
         "duplicate storm >= 0.8x floor dedupe SELECT",
         verdict(ratio(DUPLICATE_STORM), 0.8)
     );
+    // Against the seeds floor (the articles' statements on their own
+    // schema), in the same run.
+    let over = |row: &str, floor: &str| {
+        find(rows, row)
+            .zip(find(rows, floor))
+            .filter(|(_, f)| f.msgs_per_s > 0.0)
+            .map(|(r, f)| r.msgs_per_s / f.msgs_per_s)
+    };
+    let (seeds1, seeds8, seeds100) = (
+        seeds_name(1, SyncMode::Full),
+        seeds_name(8, SyncMode::Full),
+        seeds_name(100, SyncMode::Full),
+    );
+    let queued2 = queued_name(2, 0);
+    let seeds_goals: [(&str, &str, &str, f64); 6] = [
+        (
+            "queued drain 2 workers FULL >= 0.5x seeds 100/tx",
+            &queued2,
+            &seeds100,
+            0.5,
+        ),
+        (
+            "queued drain 2 workers FULL >= 2.1x seeds 1/tx",
+            &queued2,
+            &seeds1,
+            2.1,
+        ),
+        (
+            "receive 1 by 1 FULL >= 1.0x seeds 1/tx",
+            RECEIVE_ONE,
+            &seeds1,
+            1.0,
+        ),
+        (
+            "receive 1 by 1 + processing FULL >= 1.0x seeds 1/tx",
+            RECEIVE_PROCESS,
+            &seeds1,
+            1.0,
+        ),
+        ("1 caller FULL >= 0.9x seeds 1/tx", &one, &seeds1, 0.9),
+        ("8 callers FULL >= 0.8x seeds 8/tx", &eight, &seeds8, 0.8),
+    ];
+    for (what, row, floor, min) in seeds_goals {
+        println!("  {what:<60} {}", verdict(over(row, floor), min));
+    }
     // At the largest size, each row against its fresh self. The relay
     // latency row is paced: its figure is 1/p99, so higher is better there
     // too.
@@ -2821,14 +3160,22 @@ fn bench(opts: &Options, args: &[String]) -> Res<bool> {
             failed.push(format!("{}: {e}", s.name));
             continue;
         }
-        let mut row = row_of(s, t.m, t.peak, t.delta);
-        row.ratio = row
-            .vs
-            .as_deref()
-            .and_then(|v| find(&rows, v))
+        rows.push(row_of(s, t.m, t.peak, t.delta));
+    }
+    // Floors may run in other groups, before or after their rows.
+    let over = |rows: &[Row], r: &Row, vs: &Option<String>| {
+        vs.as_deref()
+            .and_then(|v| find(rows, v))
             .filter(|f| f.msgs_per_s > 0.0)
-            .map(|f| row.msgs_per_s / f.msgs_per_s);
-        rows.push(row);
+            .map(|f| r.msgs_per_s / f.msgs_per_s)
+    };
+    let ratios: Vec<(Option<f64>, Option<f64>)> = rows
+        .iter()
+        .map(|r| (over(&rows, r, &r.vs), over(&rows, r, &r.seeds_vs)))
+        .collect();
+    for (r, (ratio, seeds)) in rows.iter_mut().zip(ratios) {
+        r.ratio = ratio;
+        r.seeds_ratio = seeds;
     }
 
     print_table(&rows);

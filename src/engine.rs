@@ -530,6 +530,7 @@ impl Postroom {
         let mut stats = stats::read(&conn, &self.shared.path)?;
         stats.batches_committed = self.counters.batches.load(Ordering::Relaxed);
         stats.jobs_committed = self.counters.jobs.load(Ordering::Relaxed);
+        stats.wal_frames_written = self.counters.wal_frames.load(Ordering::Relaxed);
         stats.wal_checkpoints = self.counters.checkpoints.load(Ordering::Relaxed);
         stats.wal_checkpoints_inline = self.counters.inline_checkpoints.load(Ordering::Relaxed);
         stats.wal_paused = Duration::from_micros(self.counters.paused_us.load(Ordering::Relaxed));

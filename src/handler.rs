@@ -194,6 +194,33 @@ impl<'c> Tx<'c> {
         Ok(id)
     }
 
+    /// Runs one SQL statement, as [`Connection::execute`] does, through the
+    /// connection's statement cache: a handler runs the same few statements
+    /// for every message, and parsing one anew costs more than running it.
+    ///
+    /// ```
+    /// # use postroom::{handler_fn, Postroom, Message};
+    /// # fn main() -> postroom::Result<()> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// let room = Postroom::builder()
+    ///     .consumer("counter", handler_fn(|tx, _msg| {
+    ///         tx.execute("UPDATE hits SET n = n + 1 WHERE id = ?1", [1])?;
+    ///         Ok(())
+    ///     }))
+    ///     .open(dir.path().join("app.db"))?;
+    /// room.transaction(|tx| {
+    ///     tx.execute_batch("CREATE TABLE hits (id INTEGER PRIMARY KEY, n INTEGER);
+    ///                       INSERT INTO hits VALUES (1, 0);")?;
+    ///     Ok(())
+    /// })?;
+    /// room.deliver("counter", Message::new("s", "m1", "x"))?;
+    /// # room.shutdown(std::time::Duration::from_secs(5))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn execute<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize> {
+        self.conn.prepare_cached(sql)?.execute(params)
+    }
+
     /// Which attempt this is, from 1; 0 outside a message handler.
     pub fn attempt(&self) -> u32 {
         self.cause.map_or(0, |c| c.attempt)

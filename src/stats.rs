@@ -86,6 +86,10 @@ pub struct Stats {
     /// Jobs (deliveries, transactions) those commits carried; divided by
     /// `batches_committed` it is the average group-commit size.
     pub jobs_committed: u64,
+    /// WAL frames (database pages) those commits appended: the pages each
+    /// commit dirtied, summed; over the messages they carried, what one
+    /// message costs the disk.
+    pub wal_frames_written: u64,
     /// WAL copy-backs the checkpointer thread completed (its last pass,
     /// made with writes paused), since the engine was opened.
     pub wal_checkpoints: u64,

@@ -461,6 +461,8 @@ fn take_queued(queue: &Receiver<Box<dyn Job>>, batch: &mut Vec<Box<dyn Job>>, ma
 pub(crate) struct Counters {
     pub batches: AtomicU64,
     pub jobs: AtomicU64,
+    /// WAL frames appended by commits (see [`CheckpointTrigger::appended`]).
+    pub wal_frames: AtomicU64,
     /// Passes the checkpointer made with writes paused.
     pub checkpoints: AtomicU64,
     /// Checkpoints the writer made itself, the checkpointer being behind.
@@ -494,6 +496,8 @@ pub(crate) struct CheckpointTrigger {
     wake: Option<Sender<()>>,
     /// WAL frames at which the checkpointer is woken next.
     wake_at: c_int,
+    /// WAL frames after the last commit that wrote any.
+    last_pages: c_int,
 }
 
 impl CheckpointTrigger {
@@ -501,7 +505,24 @@ impl CheckpointTrigger {
         CheckpointTrigger {
             wake: Some(wake),
             wake_at: CHECKPOINT_PAGES,
+            last_pages: 0,
         }
+    }
+
+    /// Frames a commit that left `pages` in the WAL appended: the growth
+    /// since the last commit, or all of them when the WAL restarted in
+    /// between (a restart happens only between commits).
+    fn appended(&mut self, pages: c_int) -> u64 {
+        if pages == 0 {
+            return 0;
+        }
+        let grown = if pages > self.last_pages {
+            pages - self.last_pages
+        } else {
+            pages
+        };
+        self.last_pages = pages;
+        u64::try_from(grown).unwrap_or(0)
     }
 
     /// After a commit that left `pages` frames in the WAL (0: the commit
@@ -635,6 +656,9 @@ impl WriterState {
     /// when the WAL has grown too far for that.
     fn after_commit(&mut self) {
         let pages = WAL_PAGES.take();
+        self.counters
+            .wal_frames
+            .fetch_add(self.checkpoint.appended(pages), Ordering::Relaxed);
         if self.checkpoint.after_commit(pages) {
             match self
                 .conn
