@@ -27,14 +27,27 @@ pub(crate) struct Env<'a> {
     pub guard: &'a UserCodeGuard,
 }
 
+/// What an attempt runs.
+#[derive(Clone, Copy)]
+pub(crate) enum Step<'h> {
+    /// The handler.
+    Run(&'h dyn Handler),
+    /// Nothing: this attempt's handler already ran, in a transaction its
+    /// SQL rolled back whole (see [`HANDLER_ROLLED_BACK`]); record that.
+    RolledBack,
+}
+
 /// Delivers `msg` to `consumer`: dedupes, checks the payload digest, honours
 /// backoff, and runs the handler when the message is due, recording the
 /// result in the inbox. Must be called inside a transaction; on `Err` the
-/// caller rolls back whatever this call wrote.
+/// caller rolls back whatever this call wrote. An `Err(RolledBack)` with
+/// the connection out of its transaction means the handler's SQL rolled it
+/// back: the caller runs the delivery again in a fresh transaction with
+/// [`Step::RolledBack`], which counts that attempt as failed.
 pub(crate) fn deliver(
     env: &mut Env<'_>,
     consumer: &str,
-    handler: &dyn Handler,
+    step: Step<'_>,
     msg: &Message,
     hash: &[u8; 32],
 ) -> Result<Outcome> {
@@ -107,7 +120,7 @@ pub(crate) fn deliver(
         received_at,
         row_id,
     };
-    attempt(env, handler, at)
+    attempt(env, step, at)
 }
 
 /// The final answer for a row whose fate is decided (completed or dead, so
@@ -124,21 +137,28 @@ pub(crate) fn settled(row: inbox::Row) -> Option<Outcome> {
 }
 
 /// Runs the handler once (inline delivery), and records the result.
-fn attempt(env: &mut Env<'_>, handler: &dyn Handler, at: Attempt<'_>) -> Result<Outcome> {
+fn attempt(env: &mut Env<'_>, step: Step<'_>, at: Attempt<'_>) -> Result<Outcome> {
     let Attempt {
         consumer,
         msg,
         hash,
         ..
     } = at;
-    // The in-flight marker counts this attempt if the process dies in it.
-    env.log
-        .begin(consumer, msg, hash, at.attempt - 1, env.now_ms)
-        .map_err(|e| Error::io("write in-flight marker", e))?;
-    let result = run_user_step(env, at, |tx| handler.handle(tx, msg));
-    let cleared = env.log.end();
-    let result = result?;
-    cleared.map_err(|e| Error::io("clear in-flight marker", e))?;
+    let result = match step {
+        Step::RolledBack => Some(Failure::retry(HANDLER_ROLLED_BACK)),
+        Step::Run(handler) => {
+            // The in-flight marker counts this attempt if the process dies
+            // in it.
+            env.log
+                .begin(consumer, msg, hash, at.attempt - 1, env.now_ms)
+                .map_err(|e| Error::io("write in-flight marker", e))?;
+            let result = run_user_step(env, at, |tx| handler.handle(tx, msg));
+            let cleared = env.log.end();
+            let result = result?;
+            cleared.map_err(|e| Error::io("clear in-flight marker", e))?;
+            result
+        }
+    };
     failpoint::hit("deliver.after_handler")?;
     let outcome = finish(env, at, result)?;
     failpoint::hit("deliver.after_record")?;
@@ -167,16 +187,28 @@ pub(crate) struct Processed {
 /// so recovery counts that attempt, and only that one (as inline
 /// delivery's). When a handler's SQL makes SQLite roll the whole
 /// transaction back (a trigger's `RAISE(ROLLBACK)`, `INSERT OR ROLLBACK`),
-/// which is the message's doing and not the storage's, its row is put in
-/// `poisoned` and the error returned: the caller counts that attempt with
-/// [`record_poisoned`] in a fresh transaction.
+/// which is the message's doing and not the storage's, its row is added to
+/// `poisoned` and the error returned: the caller runs the batch again in a
+/// fresh transaction with the same `poisoned`, and that run first counts
+/// each of those rows' attempt as failed (see [`record_poisoned`]). Every
+/// run that is rolled back adds a row, so the runs end.
 pub(crate) fn process_due(
     env: &mut Env<'_>,
     consumers: &[(&str, &dyn Handler)],
     limit: usize,
-    poisoned: &mut Option<Claimed>,
+    poisoned: &mut Vec<Claimed>,
 ) -> Result<Vec<Processed>> {
     let mut done = Vec::new();
+    for row in poisoned.iter() {
+        if let Some(outcome) = record_poisoned(env, row)? {
+            done.push(Processed {
+                row_id: row.row_id,
+                consumer: row.consumer.clone(),
+                message_id: row.msg.id.clone(),
+                outcome,
+            });
+        }
+    }
     for &(consumer, handler) in consumers {
         let want = limit.saturating_sub(done.len());
         if want == 0 {
@@ -191,11 +223,11 @@ pub(crate) fn process_due(
         )
         .map_err(|e| Error::sqlite("read due messages", e))?;
         for row in rows {
-            let outcome = match attempt(env, handler, attempt_of(&row)) {
+            let outcome = match attempt(env, Step::Run(handler), attempt_of(&row)) {
                 Ok(outcome) => outcome,
                 Err(e) => {
                     if matches!(e, Error::RolledBack { .. }) && env.conn.is_autocommit() {
-                        *poisoned = Some(row);
+                        poisoned.push(row);
                     }
                     return Err(e);
                 }
@@ -215,7 +247,7 @@ pub(crate) fn process_due(
 /// whole transaction back (see [`process_due`]), as a failure of the
 /// message: retried with backoff, dead after `max_attempts`. Nothing if
 /// the row has moved on since (processed or counted by another path).
-pub(crate) fn record_poisoned(env: &mut Env<'_>, row: &Claimed) -> Result<Option<Outcome>> {
+fn record_poisoned(env: &mut Env<'_>, row: &Claimed) -> Result<Option<Outcome>> {
     let unchanged = queue::still_due(env.conn, row.row_id, row.attempt - 1)
         .map_err(|e| Error::sqlite("look up inbox row", e))?;
     if !unchanged {
@@ -473,7 +505,9 @@ fn older_than_retention(config: &Config, now_ms: i64, at_ms: i64) -> bool {
 }
 
 /// The error for a transaction SQLite rolled back while user code ran: the
-/// storage error user code got, if it passed it on, else `RolledBack`.
+/// storage error user code got, if it passed it on, else `RolledBack`:
+/// user code's own doing (a `RAISE(ROLLBACK)` trigger, an `OR ROLLBACK`
+/// statement), or an error it did not pass on.
 pub(crate) fn rolled_back(op: &'static str, failure: Option<Failure>) -> Error {
     match failure {
         Some(Failure::Sqlite(e)) if is_storage_error(&e) => Error::sqlite(op, e),
@@ -579,7 +613,7 @@ mod tests {
                 guard: &self.guard,
             };
             exec(&self.conn, "BEGIN IMMEDIATE").unwrap();
-            let outcome = deliver(&mut env, "c", handler, msg, &hash).unwrap();
+            let outcome = deliver(&mut env, "c", Step::Run(handler), msg, &hash).unwrap();
             exec(&self.conn, "COMMIT").unwrap();
             outcome
         }

@@ -17,7 +17,7 @@ use rusqlite::{Connection, OpenFlags};
 use crate::checkpoint;
 use crate::clock::Clock;
 use crate::config::{Builder, Config, ConsumerKind, Durability};
-use crate::delivery::{self, exec, panic_message, Env};
+use crate::delivery::{self, exec, panic_message, Env, Step};
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
@@ -413,7 +413,11 @@ impl Postroom {
         if let Some(outcome) = known {
             return Ok(outcome);
         }
-        let work = move |w: &mut WriterCtx<'_>| {
+        // Runs again, in a fresh transaction, when one job's SQL rolled the
+        // shared one back: a delivery whose handler did so records it as a
+        // failed attempt.
+        let mut rolled_back = false;
+        let job = writer::rerunnable_job(move |w: &mut WriterCtx<'_>| {
             let mut env = Env {
                 conn: w.conn,
                 config: w.config,
@@ -421,11 +425,20 @@ impl Postroom {
                 log: &mut *w.engine_file,
                 guard: w.guard,
             };
-            delivery::deliver(&mut env, &consumer.name, &*handler, &msg, &hash)
-        };
+            let step = if rolled_back {
+                Step::RolledBack
+            } else {
+                Step::Run(&*handler)
+            };
+            let outcome = delivery::deliver(&mut env, &consumer.name, step, &msg, &hash);
+            if matches!(outcome, Err(Error::RolledBack { .. })) && w.conn.is_autocommit() {
+                rolled_back = true;
+            }
+            outcome
+        });
         match leader {
-            Some(leader) => leader.run(work),
-            None => self.shared.writer.enqueue(work),
+            Some(leader) => leader.run_job(job),
+            None => self.shared.writer.enqueue_job(job),
         }
     }
 
@@ -463,19 +476,24 @@ impl Postroom {
             .iter()
             .map(|m| *blake3::hash(&m.payload).as_bytes())
             .collect();
-        let receipts = self.submit(move |w| {
-            let now = w.clock.now_ms();
-            let receipts = msgs
-                .iter()
-                .zip(&hashes)
-                .map(|(msg, hash)| {
-                    queue::receive(w.conn, &consumer.name, msg, hash, now)
-                        .map_err(|e| Error::sqlite("store received message", e))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            failpoint::hit("receive.after_insert")?;
-            Ok(receipts)
-        })?;
+        // Runs again if another job's SQL rolls the shared transaction back.
+        self.check_caller()?;
+        let receipts = self
+            .shared
+            .writer
+            .submit_job(writer::rerunnable_job(move |w| {
+                let now = w.clock.now_ms();
+                let receipts = msgs
+                    .iter()
+                    .zip(&hashes)
+                    .map(|(msg, hash)| {
+                        queue::receive(w.conn, &consumer.name, msg, hash, now)
+                            .map_err(|e| Error::sqlite("store received message", e))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                failpoint::hit("receive.after_insert")?;
+                Ok(receipts)
+            }))?;
         if receipts.contains(&Receipt::Accepted) {
             self.shared.wake();
         }

@@ -76,9 +76,13 @@ pub enum Error {
         /// The underlying error.
         source: rusqlite::Error,
     },
-    /// SQLite rolled the whole transaction back by itself (after a full
-    /// disk, an I/O error or running out of memory, when user code carried
-    /// on regardless). Nothing of it was stored; retry.
+    /// User code's SQL rolled the whole transaction back: a trigger's
+    /// `RAISE(ROLLBACK)`, an `INSERT OR ROLLBACK` (or SQLite did after an
+    /// error user code did not pass on). Nothing of it was stored. Not
+    /// retryable as it is: the same code would do the same. Deliveries
+    /// never return it: a handler that does this has the attempt counted
+    /// as failed ([`Outcome::Failed`](crate::Outcome::Failed), dead after
+    /// `max_attempts`), and the other jobs of its group commit run again.
     RolledBack {
         /// The operation whose transaction vanished.
         op: &'static str,
@@ -106,7 +110,7 @@ impl Error {
     /// or a transient I/O error occurred.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::StorageFull { .. } | Error::Busy { .. } | Error::RolledBack { .. } => true,
+            Error::StorageFull { .. } | Error::Busy { .. } => true,
             Error::Sqlite { source, .. } => matches!(
                 source.sqlite_error_code(),
                 Some(ErrorCode::SystemIoFailure | ErrorCode::OutOfMemory)
@@ -233,8 +237,8 @@ impl fmt::Display for Error {
             Error::Sqlite { op, source } => write!(f, "{op}: {source}"),
             Error::RolledBack { op } => write!(
                 f,
-                "{op}: SQLite rolled the transaction back (disk full, I/O error or out of \
-                 memory); nothing was stored"
+                "{op}: the SQL it ran rolled the whole transaction back (a RAISE(ROLLBACK) \
+                 trigger or an OR ROLLBACK statement); nothing was stored"
             ),
             Error::Io { op, source } => write!(f, "{op}: {source}"),
             Error::Aborted { reason } => write!(f, "transaction aborted: {reason}"),

@@ -52,7 +52,8 @@ pub enum Plan {
     /// The process dies inside the handler.
     Crash,
     /// The handler's SQL makes SQLite roll the whole transaction back (an
-    /// `INSERT OR ROLLBACK` that fails). Generated for batches only.
+    /// `INSERT OR ROLLBACK` that fails). Generated for inline deliveries and
+    /// batches, not for claimed rows.
     RollBack,
 }
 
@@ -381,22 +382,40 @@ impl Machine {
         *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = plan;
         let msg = Message::new("sim", id.to_string(), payload(id, variant));
         let hash = hash_of(&msg.payload);
-        let consumer = consumer.to_owned();
-        self.in_tx(move |m| {
-            let (conn, guard) = m.conn.as_ref().expect("open");
-            let mut log = SimLog {
-                marker: &mut m.marker,
-                crashing: &m.crashing,
-            };
-            let mut env = Env {
-                conn,
-                config: &m.config,
-                now_ms: m.now_ms,
-                log: &mut log,
-                guard,
-            };
-            delivery::deliver(&mut env, &consumer, &m.handler, &msg, &hash)
-        })
+        // As the writer does: a handler that rolled the transaction back
+        // has its delivery run again, recording that attempt as failed.
+        let mut rolled_back = false;
+        loop {
+            let step_rolled_back = rolled_back;
+            let result = self.in_tx(|m| {
+                let (conn, guard) = m.conn.as_ref().expect("open");
+                let mut log = SimLog {
+                    marker: &mut m.marker,
+                    crashing: &m.crashing,
+                };
+                let mut env = Env {
+                    conn,
+                    config: &m.config,
+                    now_ms: m.now_ms,
+                    log: &mut log,
+                    guard,
+                };
+                let step = if step_rolled_back {
+                    delivery::Step::RolledBack
+                } else {
+                    delivery::Step::Run(&m.handler)
+                };
+                let outcome = delivery::deliver(&mut env, consumer, step, &msg, &hash);
+                if matches!(outcome, Err(crate::Error::RolledBack { .. })) && conn.is_autocommit() {
+                    rolled_back = true;
+                }
+                outcome
+            });
+            if rolled_back && !step_rolled_back {
+                continue;
+            }
+            return result;
+        }
     }
 
     /// Queued receipt of a batch, in one transaction.
@@ -498,7 +517,8 @@ impl Machine {
         limit: usize,
         plans: &[Plan],
     ) -> SimResult<Vec<(String, String, Outcome)>> {
-        *self.handler.plans.lock().unwrap_or_else(|p| p.into_inner()) = (0..limit)
+        // Enough for every run (a run rolled back is run again).
+        *self.handler.plans.lock().unwrap_or_else(|p| p.into_inner()) = (0..limit * (limit + 2))
             .map(|i| {
                 plans
                     .get(i % plans.len().max(1))
@@ -506,64 +526,50 @@ impl Machine {
                     .unwrap_or(Plan::Ok)
             })
             .collect();
-        let mut poisoned = None;
-        let result = self.in_tx(|m| {
-            let Machine {
-                conn,
-                config,
-                handler,
-                marker,
-                crashing,
-                now_ms,
-                ..
-            } = m;
-            let (conn, guard) = conn.as_ref().expect("open");
-            let mut log = SimLog { marker, crashing };
-            let mut env = Env {
-                conn,
-                config,
-                now_ms: *now_ms,
-                log: &mut log,
-                guard,
-            };
-            let consumers: Vec<(&str, &dyn Handler)> = CONSUMERS
-                .iter()
-                .map(|&c| (c, handler as &dyn Handler))
-                .collect();
-            delivery::process_due(&mut env, &consumers, limit, &mut poisoned)
-        });
+        // As the writer does: a batch a handler rolled back runs again,
+        // counting that row's attempt first.
+        let mut poisoned = Vec::new();
+        let result = loop {
+            let before = poisoned.len();
+            let result = self.in_tx(|m| {
+                let Machine {
+                    conn,
+                    config,
+                    handler,
+                    marker,
+                    crashing,
+                    now_ms,
+                    ..
+                } = m;
+                let (conn, guard) = conn.as_ref().expect("open");
+                let mut log = SimLog { marker, crashing };
+                let mut env = Env {
+                    conn,
+                    config,
+                    now_ms: *now_ms,
+                    log: &mut log,
+                    guard,
+                };
+                let consumers: Vec<(&str, &dyn Handler)> = CONSUMERS
+                    .iter()
+                    .map(|&c| (c, handler as &dyn Handler))
+                    .collect();
+                delivery::process_due(&mut env, &consumers, limit, &mut poisoned)
+            });
+            // Crashed, committed, or failed for another reason.
+            if poisoned.len() == before || result.is_ok() {
+                break result;
+            }
+        };
         self.handler
             .plans
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clear();
-        let row = match (result, poisoned) {
-            (Ok(done), _) => {
-                return Ok(done
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|p| (p.consumer, p.message_id, p.outcome))
-                    .collect())
-            }
-            (Err(_), Some(row)) => row,
-            (Err(e), None) => return Err(e),
-        };
-        let recorded = self.in_tx(|m| {
-            let (conn, guard) = m.conn.as_ref().expect("open");
-            let mut log = crate::inflight::NoInflightLog;
-            let mut env = Env {
-                conn,
-                config: &m.config,
-                now_ms: m.now_ms,
-                log: &mut log,
-                guard,
-            };
-            delivery::record_poisoned(&mut env, &row)
-        })?;
-        Ok(recorded
-            .flatten()
-            .map(|outcome| (row.consumer.clone(), row.msg.id.clone(), outcome))
+        Ok(result?
+            .unwrap_or_default()
             .into_iter()
+            .map(|p| (p.consumer, p.message_id, p.outcome))
             .collect())
     }
 
@@ -1068,43 +1074,71 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                 .count() as u64;
         }
         Op::Batch { limit, plans } => {
-            let due = model.due(now, *limit);
             let real = m.process(usize::from(*limit), plans)?;
-            let before = model.clone();
-            let mut expected = Vec::new();
-            for (i, key) in due.iter().enumerate() {
-                model.entries.get_mut(key).expect("entry").attempts += 1;
-                let plan = plans
-                    .get(i % plans.len().max(1))
-                    .copied()
-                    .unwrap_or(Plan::Ok);
-                match plan {
-                    // Nothing of the batch committed; the crashed attempt
-                    // is counted at recovery.
-                    Plan::Crash => {
-                        *model = before;
-                        model.entries.get_mut(key).expect("entry").attempts += 1;
-                        model.died(key);
-                        stats.crashes += 1;
-                        expected.clear();
-                        break;
+            // Each run the engine makes of the batch starts from the same
+            // state: nothing of a run a handler rolled back (or died in)
+            // committed. A run first counts the attempts of the rows whose
+            // handlers rolled earlier runs back, then processes what is due.
+            let start = model.clone();
+            let mut poisons: Vec<(String, String)> = Vec::new();
+            let mut next_plan = 0;
+            let expected = loop {
+                *model = start.clone();
+                let mut expected = Vec::new();
+                for key in &poisons {
+                    model.entries.get_mut(key).expect("entry").attempts += 1;
+                    let outcome = model.attempt(key, Plan::RollBack, now).expect("no crash");
+                    // Backed off (jittered: the check reads the time back),
+                    // so not due again in this run.
+                    let entry = model.entries.get_mut(key).expect("entry");
+                    if entry.status == Status::Failed {
+                        entry.next_at = Some(now + 1);
                     }
-                    // Nothing of the batch committed; the attempt that
-                    // rolled it back is counted on its own.
-                    Plan::RollBack => {
-                        *model = before;
-                        model.entries.get_mut(key).expect("entry").attempts += 1;
-                        let outcome = model.attempt(key, plan, now).expect("not a crash");
-                        expected = vec![(key.clone(), outcome)];
-                        stats.rolled_back += 1;
-                        break;
-                    }
-                    _ => {
-                        let outcome = model.attempt(key, plan, now).expect("not a crash");
-                        expected.push((key.clone(), outcome));
+                    expected.push((key.clone(), outcome));
+                }
+                let room = usize::from(*limit) - poisons.len();
+                let due = model.due(now, u8::try_from(room).unwrap_or(u8::MAX));
+                let mut rolled_back = None;
+                let mut crashed = false;
+                for key in due {
+                    let plan = plans
+                        .get(next_plan % plans.len().max(1))
+                        .copied()
+                        .unwrap_or(Plan::Ok);
+                    next_plan += 1;
+                    model.entries.get_mut(&key).expect("entry").attempts += 1;
+                    match plan {
+                        // Nothing of this run committed; the crashed
+                        // attempt is counted at recovery.
+                        Plan::Crash => {
+                            *model = start.clone();
+                            model.entries.get_mut(&key).expect("entry").attempts += 1;
+                            model.died(&key);
+                            stats.crashes += 1;
+                            crashed = true;
+                            break;
+                        }
+                        Plan::RollBack => {
+                            rolled_back = Some(key);
+                            break;
+                        }
+                        _ => {
+                            let outcome = model.attempt(&key, plan, now).expect("no crash");
+                            expected.push((key, outcome));
+                        }
                     }
                 }
-            }
+                if crashed {
+                    break Vec::new();
+                }
+                match rolled_back {
+                    Some(key) => {
+                        stats.rolled_back += 1;
+                        poisons.push(key);
+                    }
+                    None => break expected,
+                }
+            };
             if real.len() != expected.len() {
                 return Err(format!(
                     "batch settled {} rows, model expected {}: {real:?} vs {expected:?}",
@@ -1377,7 +1411,11 @@ fn op(c: &mut dyn Choices) -> Op {
             consumer: c.below(2) as u8,
             id: id(c),
             variant: variant(c),
-            plan: plan(c),
+            plan: if c.below(24) == 0 {
+                Plan::RollBack
+            } else {
+                plan(c)
+            },
         },
         35..=49 => Op::Receive {
             consumer: c.below(2) as u8,

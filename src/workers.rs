@@ -198,14 +198,13 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
 }
 
 /// Processes one batch of transactional consumers' due rows (see the
-/// module docs). Returns how many rows it settled; a row whose handler
-/// rolled the whole transaction back is counted in a transaction of its
-/// own, and the batch is tried again without it next time.
+/// module docs). Returns how many rows it settled. A row whose handler
+/// rolled the whole transaction back is counted as a failed attempt when
+/// the writer runs the batch again.
 fn process_batch(shared: &Shared, consumers: Vec<(String, Arc<dyn Handler>)>) -> Result<usize> {
     let limit = shared.config.process_batch;
-    let poisoned: Arc<Mutex<Option<Claimed>>> = Arc::default();
-    let poison = Arc::clone(&poisoned);
-    let result = shared.writer.submit_rider(move |w| {
+    let mut poisoned: Vec<Claimed> = Vec::new();
+    let done = shared.writer.submit_rider(move |w| {
         let list: Vec<(&str, &dyn Handler)> =
             consumers.iter().map(|(n, h)| (n.as_str(), &**h)).collect();
         let mut env = Env {
@@ -215,50 +214,20 @@ fn process_batch(shared: &Shared, consumers: Vec<(String, Arc<dyn Handler>)>) ->
             log: &mut *w.engine_file,
             guard: w.guard,
         };
-        let mut row = None;
-        let done = delivery::process_due(&mut env, &list, limit, &mut row);
-        if row.is_some() {
-            *poison.lock().unwrap_or_else(|p| p.into_inner()) = row;
-        }
-        let done = done?;
+        let done = delivery::process_due(&mut env, &list, limit, &mut poisoned)?;
         failpoint::hit("process.after_batch")?;
         Ok(done)
-    });
-    let row = poisoned.lock().unwrap_or_else(|p| p.into_inner()).take();
-    match (result, row) {
-        (Ok(done), _) => {
-            for p in &done {
-                log::debug!(
-                    "postroom: {}/{} (row {}): {:?}",
-                    p.consumer,
-                    p.message_id,
-                    p.row_id,
-                    p.outcome
-                );
-            }
-            Ok(done.len())
-        }
-        (Err(e), Some(row)) => {
-            log::warn!(
-                "consumer {:?}: message {}/{}: {e}; counted as a failed attempt",
-                row.consumer,
-                row.msg.source,
-                row.msg.id
-            );
-            shared.writer.submit(move |w| {
-                let mut env = Env {
-                    conn: w.conn,
-                    config: w.config,
-                    now_ms: w.clock.now_ms(),
-                    log: &mut NoInflightLog,
-                    guard: w.guard,
-                };
-                delivery::record_poisoned(&mut env, &row)
-            })?;
-            Ok(1)
-        }
-        (Err(e), None) => Err(e),
+    })?;
+    for p in &done {
+        log::debug!(
+            "postroom: {}/{} (row {}): {:?}",
+            p.consumer,
+            p.message_id,
+            p.row_id,
+            p.outcome
+        );
     }
+    Ok(done.len())
 }
 
 /// A worker thread's body: processes claimed rows until the dispatcher is

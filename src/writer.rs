@@ -16,9 +16,16 @@
 //! * only the holder of the lock touches the connection;
 //! * a job's `Err` rolls back its own writes and nothing else (its
 //!   savepoint; a lone job's whole transaction);
-//! * if `COMMIT` fails, or the transaction disappears mid-batch (SQLite
-//!   rolls back by itself after some I/O errors), every job of the batch is
-//!   answered with an error: nothing of it was acknowledged;
+//! * if `COMMIT` fails, or the transaction disappears mid-batch after a
+//!   storage error (SQLite rolls back by itself after some I/O errors),
+//!   every job of the batch is answered with an error: nothing of it was
+//!   acknowledged;
+//! * if a job's user code rolls the whole transaction back (a trigger's
+//!   `RAISE(ROLLBACK)`, `INSERT OR ROLLBACK`: the job's doing, not the
+//!   storage's), the batch runs again in a fresh transaction: jobs that
+//!   can run again do (a delivery whose handler did it records that as a
+//!   failed attempt), the others are answered with an error — so one
+//!   message's SQL never fails the messages that shared its commit;
 //! * a job queued before the writer was told to stop is run; a job queued
 //!   after it had closed the connection is answered `Closed`.
 //!
@@ -62,6 +69,10 @@ pub(crate) trait Job: Send {
     fn run(&mut self, ctx: &mut WriterCtx<'_>) -> Result<()>;
     /// Answers the caller, once the batch has committed (`Ok`) or failed.
     fn finish(self: Box<Self>, batch: std::result::Result<(), &Error>);
+    /// The transaction this job ran in (or was about to) was rolled back
+    /// by some job's user code: true if the job can run again in a fresh
+    /// one, else it answers with `reason` (or the error it met itself).
+    fn rerun(&mut self, reason: &Error) -> bool;
 }
 
 /// How long the writer, with nothing else to do, waits for a caller's job
@@ -252,9 +263,15 @@ impl WriterHandle {
         T: Send + 'static,
         F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
     {
+        self.submit_job(job(work))
+    }
+
+    /// [`submit`](Self::submit) for a job made by [`job`] or
+    /// [`rerunnable_job`].
+    pub fn submit_job<T>(&self, job: (Box<dyn Job>, Receiver<Result<T>>)) -> Result<T> {
         match self.lead() {
-            Some(leader) => leader.run(work),
-            None => self.enqueue(work),
+            Some(leader) => leader.run_job(job),
+            None => self.enqueue_job(job),
         }
     }
 
@@ -271,13 +288,9 @@ impl WriterHandle {
         })
     }
 
-    /// Queues `work` for the writer thread and waits for its answer.
-    pub fn enqueue<T, F>(&self, work: F) -> Result<T>
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
-    {
-        let (job, answer) = job(work);
+    /// Queues a job made by [`job`] or [`rerunnable_job`] and waits for its
+    /// answer.
+    pub fn enqueue_job<T>(&self, (job, answer): (Box<dyn Job>, Receiver<Result<T>>)) -> Result<T> {
         crossbeam_channel::select! {
             send(self.commands, job) -> sent => sent.map_err(|_| Error::Closed)?,
             recv(self.alive) -> _ => return Err(Error::Closed),
@@ -299,14 +312,15 @@ impl WriterHandle {
     }
 
     /// Runs `work` as a rider (see the module docs): in the next callers'
-    /// batch, or alone once callers leave the writer alone. One rider at a
-    /// time: the caller waits for its answer before sending another.
-    pub fn submit_rider<T, F>(&self, work: F) -> Result<T>
+    /// batch, or alone once callers leave the writer alone; again when its
+    /// transaction is rolled back under it. One rider at a time: the caller
+    /// waits for its answer before sending another.
+    pub fn submit_rider<T, G>(&self, work: G) -> Result<T>
     where
         T: Send + 'static,
-        F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
+        G: FnMut(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
     {
-        let (job, answer) = job(work);
+        let (job, answer) = rerunnable_job(work);
         let displaced = self
             .core
             .rider
@@ -367,13 +381,9 @@ pub(crate) struct Leader<'a> {
 }
 
 impl Leader<'_> {
-    /// Runs `work`, and what other callers queued, as one batch.
-    pub fn run<T, F>(mut self, work: F) -> Result<T>
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
-    {
-        let (own, answer) = job(work);
+    /// Runs a job made by [`job`] or [`rerunnable_job`], and what other
+    /// callers queued, as one batch.
+    pub fn run_job<T>(mut self, (own, answer): (Box<dyn Job>, Receiver<Result<T>>)) -> Result<T> {
         let mut batch = vec![own];
         let core = self.held.core;
         let state = self.held.state();
@@ -390,23 +400,37 @@ impl Leader<'_> {
     }
 }
 
-struct FnJob<T, F> {
-    work: Option<F>,
+/// A job's closure: run once (`None` once it ran), or as often as its
+/// transaction is rolled back under it.
+enum Work<F, G> {
+    Once(Option<F>),
+    Again(G),
+}
+
+/// `Again`'s type for a job that runs once.
+type NeverAgain<T> = fn(&mut WriterCtx<'_>) -> Result<T>;
+
+struct FnJob<T, F, G = NeverAgain<T>> {
+    work: Work<F, G>,
     result: Option<Result<T>>,
     reply: Sender<Result<T>>,
 }
 
-impl<T, F> Job for FnJob<T, F>
+impl<T, F, G> Job for FnJob<T, F, G>
 where
     T: Send,
     F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send,
+    G: FnMut(&mut WriterCtx<'_>) -> Result<T> + Send,
 {
     fn run(&mut self, ctx: &mut WriterCtx<'_>) -> Result<()> {
-        let result = match self.work.take() {
-            Some(work) => work(ctx),
-            None => Err(Error::Aborted {
-                reason: "job ran twice".into(),
-            }),
+        let result = match &mut self.work {
+            Work::Once(work) => match work.take() {
+                Some(work) => work(ctx),
+                None => Err(Error::Aborted {
+                    reason: "job ran twice".into(),
+                }),
+            },
+            Work::Again(work) => work(ctx),
         };
         let copy = match &result {
             Ok(_) => Ok(()),
@@ -414,6 +438,22 @@ where
         };
         self.result = Some(result);
         copy
+    }
+
+    fn rerun(&mut self, reason: &Error) -> bool {
+        match &mut self.work {
+            Work::Once(Some(_)) => true,
+            Work::Once(None) => {
+                if !matches!(self.result, Some(Err(_))) {
+                    self.result = Some(Err(reason.duplicate()));
+                }
+                false
+            }
+            Work::Again(_) => {
+                self.result = None;
+                true
+            }
+        }
     }
 
     fn finish(self: Box<Self>, batch: std::result::Result<(), &Error>) {
@@ -437,8 +477,24 @@ where
     F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
 {
     let (reply, answer) = crossbeam_channel::bounded(1);
-    let job = FnJob {
-        work: Some(work),
+    let job: FnJob<T, F> = FnJob {
+        work: Work::Once(Some(work)),
+        result: None,
+        reply,
+    };
+    (Box::new(job), answer)
+}
+
+/// Like [`job`], for work that can run again when its transaction is
+/// rolled back under it (see the module docs).
+pub(crate) fn rerunnable_job<T, G>(work: G) -> (Box<dyn Job>, Receiver<Result<T>>)
+where
+    T: Send + 'static,
+    G: FnMut(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
+{
+    let (reply, answer) = crossbeam_channel::bounded(1);
+    let job: FnJob<T, NeverAgain<T>, G> = FnJob {
+        work: Work::Again(work),
         result: None,
         reply,
     };
@@ -600,8 +656,45 @@ impl WriterState {
 
     /// Runs the batch in one transaction: `Ok(true)` once committed,
     /// `Ok(false)` when a lone job failed and its transaction was rolled
-    /// back. `Err` means nothing of it may be reported as committed.
+    /// back. `Err` means nothing of it may be reported as committed. When
+    /// a job's user code rolls the transaction back, the jobs that can run
+    /// again do, in a fresh transaction (at most once per job).
     fn execute(&mut self, batch: &mut [Box<dyn Job>]) -> Result<bool> {
+        let mut live = vec![true; batch.len()];
+        // Each run that is rolled back ends one culprit's run of user code
+        // (a delivery records the failure without running its handler
+        // again; a rider counts the row before going on), so this bound is
+        // only reached by jobs that roll back on every run.
+        let bound = 2 * batch.len() + self.config.process_batch;
+        for _ in 0..bound {
+            let (culprit, error) = match self.execute_live(batch, &live)? {
+                Ran::Done(committed) => return Ok(committed),
+                Ran::RolledBackBy(culprit, error) => (culprit, error),
+            };
+            log::warn!(
+                "postroom writer: {error}; the batch's other {} job(s) run again",
+                live.iter().filter(|&&l| l).count().saturating_sub(1)
+            );
+            let reason = Error::Aborted {
+                reason: format!(
+                    "another job's user code rolled the shared transaction back ({error}); \
+                     nothing of this one was stored"
+                ),
+            };
+            for (i, job) in batch.iter_mut().enumerate() {
+                if live[i] {
+                    let why = if i == culprit { &error } else { &reason };
+                    live[i] = job.rerun(why);
+                }
+            }
+        }
+        Err(Error::Aborted {
+            reason: "the transaction was rolled back on every run".into(),
+        })
+    }
+
+    /// Runs the `live` jobs of the batch in one transaction.
+    fn execute_live(&mut self, batch: &mut [Box<dyn Job>], live: &[bool]) -> Result<Ran> {
         // A holder that panicked mid-batch left its transaction open; none
         // of it was answered as committed.
         self.roll_back();
@@ -616,25 +709,32 @@ impl WriterState {
         };
         // A lone job (a single caller's) needs no savepoint of its own: the
         // transaction is its, and rolling it back undoes exactly its writes.
-        let alone = batch.len() == 1;
-        for job in batch.iter_mut() {
+        let alone = live.iter().filter(|&&l| l).count() == 1;
+        for (i, job) in batch.iter_mut().enumerate() {
+            if !live[i] {
+                continue;
+            }
             if !alone {
                 exec(ctx.conn, "SAVEPOINT postroom_job")?;
             }
             let result = job.run(&mut ctx);
             if ctx.conn.is_autocommit() {
-                // SQLite rolled back the whole transaction (after a full
-                // disk or an I/O error): the whole batch failed, for the
-                // reason this job met.
-                return Err(result.err().unwrap_or(Error::Aborted {
-                    reason: "the transaction was rolled back mid-batch".into(),
-                }));
+                return match result {
+                    // The job's user code did it: not the storage's fault.
+                    Err(e @ Error::RolledBack { .. }) => Ok(Ran::RolledBackBy(i, e)),
+                    // SQLite rolled back the whole transaction after a
+                    // full disk or an I/O error: the whole batch failed,
+                    // for the reason this job met.
+                    other => Err(other.err().unwrap_or(Error::Aborted {
+                        reason: "the transaction was rolled back mid-batch".into(),
+                    })),
+                };
             }
             if alone {
                 if result.is_err() {
                     // Nothing to commit; the job answers with its own error.
                     exec(ctx.conn, "ROLLBACK")?;
-                    return Ok(false);
+                    return Ok(Ran::Done(false));
                 }
             } else {
                 if result.is_err() {
@@ -649,7 +749,7 @@ impl WriterState {
         // An error here reaches callers although the batch committed: they
         // retry and are told Duplicate, which is safe (never the reverse).
         failpoint::hit("writer.after_commit")?;
-        Ok(true)
+        Ok(Ran::Done(true))
     }
 
     /// Hands the WAL's copying back to the checkpointer, or does it here
@@ -691,6 +791,14 @@ impl WriterState {
             log::warn!("postroom writer: closing the database: {e}");
         }
     }
+}
+
+/// How one run of a batch's transaction ended.
+enum Ran {
+    /// Committed (`true`), or a lone job failed and was rolled back.
+    Done(bool),
+    /// Job `n`'s user code rolled the transaction back, with this error.
+    RolledBackBy(usize, Error),
 }
 
 enum Next {
