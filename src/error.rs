@@ -98,6 +98,17 @@ pub enum Error {
     },
     /// The engine has been shut down, or its writer thread stopped.
     Closed,
+    /// One of the engine's threads died (panicked), so part of its work is
+    /// no longer done; the engine refuses new work rather than accept what
+    /// nobody would process. Nothing of the refused call was stored. Shut
+    /// the engine down and open it again: what it had accepted is kept and
+    /// recovered at open.
+    Stopped {
+        /// The thread's name, e.g. `"postroom-dispatcher"`.
+        thread: String,
+        /// Why it died (the panic message).
+        reason: String,
+    },
 }
 
 impl Error {
@@ -190,6 +201,10 @@ impl Error {
                 reason: reason.clone(),
             },
             Error::Closed => Error::Closed,
+            Error::Stopped { thread, reason } => Error::Stopped {
+                thread: thread.clone(),
+                reason: reason.clone(),
+            },
         }
     }
 }
@@ -239,6 +254,11 @@ impl fmt::Display for Error {
             Error::Io { op, source } => write!(f, "{op}: {source}"),
             Error::Aborted { reason } => write!(f, "transaction aborted: {reason}"),
             Error::Closed => f.write_str("postroom engine is shut down"),
+            Error::Stopped { thread, reason } => write!(
+                f,
+                "postroom engine thread {thread} died ({reason}); it takes no more work: \
+                 shut it down and open it again (what it accepted is recovered at open)"
+            ),
         }
     }
 }
