@@ -219,13 +219,34 @@ impl Postroom {
             sink,
             handle_signals,
         } = builder;
-        let mut engine_file = EngineFile::lock(path)?;
-        schema::create_private(path)?;
-        let mut conn = schema::open_writer(path, &config)?;
-        if config.quick_check_on_open {
-            schema::quick_check(&conn)?;
-        }
-        schema::migrate(&mut conn)?;
+        let given = path;
+        let path = &schema::resolve(given)?;
+        let mut engine_file = EngineFile::lock(path).map_err(|e| match e {
+            Error::AlreadyOpen { .. } => Error::AlreadyOpen {
+                path: given.to_path_buf(),
+            },
+            e => e,
+        })?;
+        // A refusal from here to the recovery changes nothing: it leaves no
+        // file this open created (an engine file, an empty database file).
+        let mut created = false;
+        let opened = (|| {
+            created = schema::create_if_missing(path)?;
+            let mut conn = schema::open_writer(path, &config)?;
+            schema::migrate(&mut conn)?;
+            Ok(conn)
+        })();
+        let conn = match opened {
+            Ok(conn) => conn,
+            Err(e) => {
+                let empty = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
+                if created && empty {
+                    let _ = std::fs::remove_file(path);
+                }
+                engine_file.discard();
+                return Err(e);
+            }
+        };
         recover(&conn, &config, &*clock, &mut engine_file)?;
         checkpoint::at_open(
             &conn,

@@ -47,10 +47,13 @@ pub enum Error {
         /// What SQLite said.
         detail: String,
     },
-    /// The database file cannot be written (permissions, an immutable
-    /// flag, a read-only mount). Nothing was changed.
+    /// The database file, or the directory it is in, cannot be written
+    /// (permissions, an immutable flag, a read-only mount): postroom needs
+    /// to write the file and to create its `-wal`, `-shm` and `-postroom`
+    /// files beside it. Nothing was changed.
     ReadOnly {
-        /// The database file.
+        /// What cannot be written: the database file, its directory, or the
+        /// engine file beside it.
         path: PathBuf,
     },
     /// Another engine (in this or another process) has this database open.

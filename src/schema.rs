@@ -2,8 +2,8 @@
 
 use std::fs::OpenOptions;
 use std::io;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
 
 use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
 
@@ -20,20 +20,140 @@ pub const SCHEMA_SQL: &str = include_str!("../schema.sql");
 /// Creates the database file with mode 0600 if it does not exist. SQLite
 /// gives its `-wal` and `-shm` files the database file's mode.
 pub(crate) fn create_private(path: &Path) -> Result<()> {
+    create_if_missing(path).map(drop)
+}
+
+/// [`create_private`], telling whether this call created the file; a
+/// refusal names the file or its directory.
+pub(crate) fn create_if_missing(path: &Path) -> Result<bool> {
     match OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(path)
     {
-        Ok(_) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
-        Err(e) => Err(Error::io("create database file", e)),
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(cannot_create(path, "create database file", e)),
+    }
+}
+
+/// The error for a file beside the database that could not be created: a
+/// read-only mount or directory names what cannot be written, a missing
+/// directory is named.
+pub(crate) fn cannot_create(file: &Path, op: &'static str, e: io::Error) -> Error {
+    let dir = parent_dir(file);
+    if e.raw_os_error() == Some(EROFS) {
+        return Error::ReadOnly {
+            path: dir.to_path_buf(),
+        };
+    }
+    match e.kind() {
+        io::ErrorKind::PermissionDenied => Error::ReadOnly {
+            path: dir.to_path_buf(),
+        },
+        io::ErrorKind::NotFound => Error::Io {
+            op,
+            source: io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("directory {} does not exist", dir.display()),
+            ),
+        },
+        _ => Error::Io {
+            op,
+            source: io::Error::new(e.kind(), format!("{}: {e}", file.display())),
+        },
+    }
+}
+
+/// `EROFS`: the file system is mounted read-only.
+const EROFS: i32 = 30;
+
+/// The directory a file is in (`.` for a bare file name).
+pub(crate) fn parent_dir(file: &Path) -> &Path {
+    match file.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
+}
+
+/// Where `path` leads, checked before anything is created: the database's
+/// canonical path (every symlink resolved, so every route to one file
+/// names one engine file and one lock), for an existing regular file with
+/// one name or a new file in an existing directory. Refused, naming the
+/// path: a directory, a FIFO, socket or device, a symlink whose target is
+/// missing, a missing directory, and a file with several hard links
+/// (SQLite names the `-wal` and `-shm` files after the path, so two names
+/// of one file are two logs of one database, each able to undo the other's
+/// commits: <https://sqlite.org/howtocorrupt.html#_multiple_links_to_the_same_file>).
+pub(crate) fn resolve(path: &Path) -> Result<PathBuf> {
+    let shown = path.display();
+    let refuse = |reason: String| Error::invalid("database", reason);
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let dir = parent_dir(path);
+            let name = path
+                .file_name()
+                .ok_or_else(|| refuse(format!("{shown} does not name a file")))?;
+            let dir =
+                std::fs::canonicalize(dir).map_err(|e| cannot_create(path, "open database", e))?;
+            if !dir.is_dir() {
+                return Err(refuse(format!("{} is not a directory", dir.display())));
+            }
+            Ok(dir.join(name))
+        }
+        Err(e) => Err(Error::Io {
+            op: "open database",
+            source: io::Error::new(e.kind(), format!("{shown}: {e}")),
+        }),
+        Ok(link) => {
+            let meta = match std::fs::metadata(path) {
+                Ok(meta) => meta,
+                Err(e) if link.is_symlink() && e.kind() == io::ErrorKind::NotFound => {
+                    let target = std::fs::read_link(path).unwrap_or_default();
+                    return Err(refuse(format!(
+                        "{shown} is a symbolic link to {}, which does not exist; create the \
+                         database there or remove the link",
+                        target.display()
+                    )));
+                }
+                Err(e) => {
+                    return Err(Error::Io {
+                        op: "open database",
+                        source: io::Error::new(e.kind(), format!("{shown}: {e}")),
+                    })
+                }
+            };
+            if meta.is_dir() {
+                return Err(refuse(format!(
+                    "{shown} is a directory; give the path of a database file"
+                )));
+            }
+            if !meta.is_file() {
+                return Err(refuse(format!(
+                    "{shown} is not a regular file (a FIFO, socket or device); give the path \
+                     of a database file"
+                )));
+            }
+            if meta.nlink() > 1 {
+                return Err(refuse(format!(
+                    "{shown} has {} hard links: SQLite names its -wal and -shm files after the \
+                     path, so each name would get a log of its own and one could undo the \
+                     other's commits; remove the other links and open it by one name",
+                    meta.nlink()
+                )));
+            }
+            std::fs::canonicalize(path).map_err(|e| Error::Io {
+                op: "open database",
+                source: io::Error::new(e.kind(), format!("{shown}: {e}")),
+            })
+        }
     }
 }
 
 /// Opens the write connection: busy timeout first (every later statement
-/// may wait on a lock), then WAL, synchronous per durability, foreign keys.
+/// may wait on a lock), then `quick_check` when configured (before anything
+/// is written), WAL, synchronous per durability, foreign keys.
 pub(crate) fn open_writer(path: &Path, config: &Config) -> Result<Connection> {
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = Connection::open_with_flags(path, flags)
@@ -50,9 +170,17 @@ pub(crate) fn open_writer(path: &Path, config: &Config) -> Result<Connection> {
             path: path.to_path_buf(),
         });
     }
+    // Before anything is written: switching a rollback-journal file to WAL
+    // writes its header.
+    if config.quick_check_on_open {
+        quick_check(&conn).map_err(|e| match e {
+            Error::Sqlite { source, .. } => beside_error(path, "quick_check", source),
+            e => e,
+        })?;
+    }
     let mode: String = conn
         .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
-        .map_err(|e| open_error(path, "set journal_mode", e))?;
+        .map_err(|e| beside_error(path, "set journal_mode", e))?;
     if !mode.eq_ignore_ascii_case("wal") {
         return Err(Error::invalid(
             "database",
@@ -67,6 +195,19 @@ pub(crate) fn open_writer(path: &Path, config: &Config) -> Result<Connection> {
         .map_err(|e| open_error(path, "set foreign_keys", e))?;
     conn.set_prepared_statement_cache_capacity(64);
     Ok(conn)
+}
+
+/// [`open_error`], and: the database opened writable, but its `-wal` or
+/// `-shm` could not be made (`CANTOPEN`, `READONLY_CANTINIT`), nearly
+/// always a directory the process may not create files in: `ReadOnly`
+/// naming it.
+fn beside_error(path: &Path, op: &'static str, e: rusqlite::Error) -> Error {
+    match e.sqlite_error_code() {
+        Some(ErrorCode::CannotOpen | ErrorCode::ReadOnly) => Error::ReadOnly {
+            path: parent_dir(path).to_path_buf(),
+        },
+        _ => open_error(path, op, e),
+    }
 }
 
 /// Maps "not a database" to its own variant; everything else as usual.
