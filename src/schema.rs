@@ -301,6 +301,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
         Some(found) => check_version(found)?,
     }
     refuse_missing_triggers(&tx, &[])?;
+    refuse_incomplete_schema(&tx)?;
     failpoint::hit("schema.migrate")?;
     tx.commit().map_err(|e| Error::sqlite("commit schema", e))
 }
@@ -345,6 +346,46 @@ fn refuse_missing_triggers(conn: &Connection, not_yet: &[&str]) -> Result<()> {
             ),
         )),
     }
+}
+
+/// Every table, index and trigger [`SCHEMA_SQL`] creates, as
+/// `(type, name)` with the type as `sqlite_master` spells it.
+pub(crate) fn schema_objects() -> impl Iterator<Item = (String, &'static str)> {
+    SCHEMA_SQL.lines().filter_map(|line| {
+        let (kind, rest) = line.trim().strip_prefix("CREATE ")?.split_once(' ')?;
+        let name = rest
+            .strip_prefix("IF NOT EXISTS ")?
+            .split_whitespace()
+            .next()?;
+        Some((kind.to_ascii_lowercase(), name))
+    })
+}
+
+/// Refuses a file, at the current version, missing an object of the
+/// schema: the engine's statements and guarantees need each one (without
+/// `postroom_conflicts` every conflict fails for good; without an index a
+/// statement scans). Nothing is recreated: an object missing means the
+/// file was changed outside postroom, and what it held is gone.
+fn refuse_incomplete_schema(conn: &Connection) -> Result<()> {
+    let mut present = conn
+        .prepare_cached("SELECT count(*) > 0 FROM sqlite_master WHERE type = ?1 AND name = ?2")
+        .map_err(|e| Error::sqlite("read schema", e))?;
+    for (kind, name) in schema_objects() {
+        let found: bool = present
+            .query_row([&kind, name], |r| r.get(0))
+            .map_err(|e| Error::sqlite("read schema", e))?;
+        if !found {
+            return Err(Error::invalid(
+                "database",
+                format!(
+                    "{kind} {name} is missing: the file was changed outside postroom (a dropped \
+                     {kind}, a partial restore); restore it from a backup, or run `postroom \
+                     check` to see what else differs"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Version 1 to 2: the inbox's key moves from a UNIQUE constraint on the
@@ -478,5 +519,21 @@ pub(crate) fn check_version(found: i64) -> Result<()> {
             "database",
             format!("unknown postroom schema version {found} (this build knows {SCHEMA_VERSION})"),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The open-time check knows every object the schema creates.
+    #[test]
+    fn every_object_of_the_schema_is_listed() {
+        let objects: Vec<_> = schema_objects().collect();
+        let creates = SCHEMA_SQL.matches("CREATE ").count();
+        assert_eq!(objects.len(), creates, "{objects:?}");
+        assert!(objects.contains(&("table".into(), "postroom_conflicts")));
+        assert!(objects.contains(&("index".into(), "postroom_outbox_dead")));
+        assert!(objects.contains(&("trigger".into(), "postroom_inbox_key_fixed")));
     }
 }

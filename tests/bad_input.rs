@@ -828,6 +828,51 @@ fn a_file_missing_a_key_trigger_is_refused_at_open() {
     assert_eq!(count(&raw(&db), "SELECT count(*) FROM postroom_inbox"), 1);
 }
 
+/// The engine needs every table, index and trigger of its schema: a file
+/// at the current version missing one (dropped by hand, a bad restore) is
+/// refused at open, naming it, and left as it was; without
+/// `postroom_conflicts` every conflict would fail for good, unacknowledged.
+#[test]
+fn a_file_missing_a_postroom_table_or_index_is_refused_at_open() {
+    for (drop_sql, name) in [
+        ("DROP TABLE postroom_conflicts", "postroom_conflicts"),
+        ("DROP INDEX postroom_outbox_dead", "postroom_outbox_dead"),
+        ("DROP TABLE postroom_retired_keys", "postroom_retired_keys"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("p.db");
+        let (room, _) = counting_room(&db);
+        room.deliver("c", Message::new("s", "m-1", "one")).unwrap();
+        room.shutdown(Duration::from_secs(10)).unwrap();
+        raw(&db).execute_batch(drop_sql).unwrap();
+        let objects =
+            |db| column::<Vec<String>>(&raw(db), "SELECT name FROM sqlite_master ORDER BY name");
+        let before = objects(&db);
+        let Err(err) = Postroom::builder()
+            .workers(0)
+            .consumer("c", handler_fn(apply))
+            .open(&db)
+        else {
+            panic!("open must fail without {name}");
+        };
+        assert!(
+            matches!(
+                err,
+                Error::InvalidInput {
+                    field: "database",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains(&format!("{name} is missing")),
+            "{err}"
+        );
+        assert_eq!(objects(&db), before, "the refused file changed");
+    }
+}
+
 /// A stored row whose text does not decode (bit rot, a hand edit putting
 /// invalid UTF-8 in a key column) is dead-lettered, naming the column, when
 /// a claim or the relay reaches it; it must not fail every batch that
