@@ -19,6 +19,7 @@ pub const SCHEMA_SQL: &str = include_str!("../schema.sql");
 
 /// Creates the database file with mode 0600 if it does not exist. SQLite
 /// gives its `-wal` and `-shm` files the database file's mode.
+#[cfg(any(test, feature = "sim"))]
 pub(crate) fn create_private(path: &Path) -> Result<()> {
     create_if_missing(path).map(drop)
 }
