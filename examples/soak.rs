@@ -5,6 +5,11 @@
 //! workers drain, and a total-queue checker reports lost / duplicated /
 //! unexpected / recovered counts; the `-wal` size is reported over time.
 //!
+//! Ids keep growing for the whole run: each child starts its new ids where
+//! the last one stopped, and one message in three repeats one of the last
+//! 5,000 ids, so kills keep landing while new work is written (reported as
+//! "kills during new work") and duplicates stay common.
+//!
 //! ```text
 //! cargo run --release --example soak -- --duration 60 [--db PATH] [--seed N]
 //! ```
@@ -18,14 +23,53 @@ use std::time::{Duration, Instant};
 
 use postroom::{handler_fn, Failure, Message, Postroom, Tx};
 
-/// Distinct ids per consumer: small enough that duplicates are common.
-const IDS: u64 = 5_000;
+/// Duplicates repeat one of this many most recent ids of their consumer.
+const WINDOW: u64 = 5_000;
 
+const USAGE: &str = "\
+usage: soak [--duration SECS] [--db PATH] [--seed N]
+
+Delivers and receives messages in a child process, killing it with SIGKILL at
+random moments, for --duration seconds (default 30); then checks that every
+acknowledged message was applied exactly once. --db keeps the database (default:
+a temporary directory, removed at the end); --seed replays a run.";
+
+/// The value after `name`, if given.
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
     args.iter()
         .position(|a| a == name)
         .and_then(|i| args.get(i + 1).cloned())
+}
+
+/// Refuses what is not an option this program takes (the child's options
+/// are internal); `--help` prints the usage and exits.
+fn check_args() {
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            "--duration" | "--db" | "--seed" | "--next-inline" | "--next-queued" => {
+                if args.next().is_none() {
+                    eprintln!("soak: {a} needs a value\n\n{USAGE}");
+                    std::process::exit(2);
+                }
+            }
+            "--child" => {}
+            other => {
+                eprintln!("soak: unknown argument {other:?}\n\n{USAGE}");
+                std::process::exit(2);
+            }
+        }
+    }
+}
+
+/// The numeric part of an id (`i123` is 123).
+fn number(id: &str) -> Option<u64> {
+    id.get(1..)?.parse().ok()
 }
 
 struct Rng(u64);
@@ -67,14 +111,44 @@ fn open(db: &Path) -> postroom::Result<Postroom> {
     Ok(room)
 }
 
+/// Ids of one consumer: mostly new ones, counting up from where the last
+/// child stopped; one in three a repeat of a recent one.
+struct Ids {
+    prefix: char,
+    next: u64,
+}
+
+impl Ids {
+    fn pick(&mut self, rng: &mut Rng) -> String {
+        let n = if self.next > 0 && rng.below(3) == 0 {
+            self.next - 1 - rng.below(self.next.min(WINDOW))
+        } else {
+            self.next += 1;
+            self.next - 1
+        };
+        format!("{}{n}", self.prefix)
+    }
+}
+
 /// The child: deliver and receive until killed, reporting what was sent
 /// and what was acknowledged.
 fn child(db: &Path, seed: u64) -> Result<(), Box<dyn std::error::Error>> {
+    let next = |name| -> Result<u64, Box<dyn std::error::Error>> {
+        Ok(arg(name).map(|s| s.parse()).transpose()?.unwrap_or(0))
+    };
+    let mut inline = Ids {
+        prefix: 'i',
+        next: next("--next-inline")?,
+    };
+    let mut queued = Ids {
+        prefix: 'q',
+        next: next("--next-queued")?,
+    };
     let room = open(db)?;
     let mut out = std::io::stdout().lock();
     let mut rng = Rng(seed);
     loop {
-        let id = format!("i{}", rng.below(IDS));
+        let id = inline.pick(&mut rng);
         writeln!(out, "SENT inline {id}")?;
         out.flush()?;
         if room
@@ -85,7 +159,7 @@ fn child(db: &Path, seed: u64) -> Result<(), Box<dyn std::error::Error>> {
         }
         let batch: Vec<Message> = (0..4)
             .map(|_| {
-                let id = format!("q{}", rng.below(IDS));
+                let id = queued.pick(&mut rng);
                 Message::new("s", id.clone(), id)
             })
             .collect();
@@ -102,19 +176,23 @@ fn child(db: &Path, seed: u64) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    check_args();
     let seed: u64 = match arg("--seed") {
         Some(s) => s.parse()?,
         None => std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)?
             .as_nanos() as u64,
     };
+    if std::env::args().any(|a| a == "--child") {
+        // The parent always names the database: a child is killed, and a
+        // temporary directory of its own would never be removed.
+        let db: PathBuf = arg("--db").ok_or("--child needs --db")?.into();
+        return child(&db, seed);
+    }
     let tmp = tempfile::tempdir()?;
     let db: PathBuf = arg("--db")
         .map(Into::into)
         .unwrap_or_else(|| tmp.path().join("soak.db"));
-    if std::env::args().any(|a| a == "--child") {
-        return child(&db, seed);
-    }
     let duration = Duration::from_secs(
         arg("--duration")
             .map(|s| s.parse())
@@ -130,9 +208,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut acked: [BTreeSet<String>; 2] = Default::default();
     let (started, mut kills, mut last_report) = (Instant::now(), 0u64, Instant::now());
     let mut wal_peak = 0u64;
+    // Per consumer: the next new id, and kills that landed while a message
+    // with a new id was sent but not yet acknowledged.
+    let mut next = [0u64; 2];
+    let mut kills_new_work = 0u64;
+    // Messages sent again with an id sent before.
+    let mut repeats = 0u64;
     while started.elapsed() < duration {
         let mut child = Command::new(std::env::current_exe()?)
-            .args(["--child", "--seed", &rng.next().to_string(), "--db"])
+            .args(["--child", "--seed", &rng.next().to_string()])
+            .args(["--next-inline", &next[0].to_string()])
+            .args(["--next-queued", &next[1].to_string()])
+            .arg("--db")
             .arg(&db)
             .stdout(Stdio::piped())
             .spawn()?;
@@ -147,6 +234,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         child.kill()?; // SIGKILL
         child.wait()?;
         kills += 1;
+        // Sent by this child and not acknowledged (yet): new to the run?
+        let mut open_new: BTreeSet<(usize, String)> = BTreeSet::new();
         for line in reader.join().map_err(|_| "reader panicked")? {
             let mut parts = line.splitn(3, ' ');
             let (Some(kind), Some(consumer), Some(id)) = (parts.next(), parts.next(), parts.next())
@@ -155,11 +244,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             };
             let i = usize::from(consumer == "queued");
             match kind {
-                "SENT" => sent[i].insert(id.to_owned()),
-                "ACK" => acked[i].insert(id.to_owned()),
-                _ => false,
-            };
+                "SENT" => {
+                    if let Some(n) = number(id) {
+                        next[i] = next[i].max(n + 1);
+                    }
+                    if sent[i].insert(id.to_owned()) {
+                        open_new.insert((i, id.to_owned()));
+                    } else {
+                        repeats += 1;
+                    }
+                }
+                "ACK" => {
+                    open_new.remove(&(i, id.to_owned()));
+                    acked[i].insert(id.to_owned());
+                }
+                _ => {}
+            }
         }
+        kills_new_work += u64::from(!open_new.is_empty());
         let wal = std::fs::metadata(format!("{}-wal", db.display()))
             .map(|m| m.len())
             .unwrap_or(0);
@@ -167,8 +269,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if last_report.elapsed() >= Duration::from_secs(5) {
             last_report = Instant::now();
             println!(
-                "  {:>4}s  {kills:>5} kills  {:>6} acknowledged  -wal {:>8} bytes",
+                "  {:>4}s  {kills:>5} kills ({kills_new_work:>5} during new work)  {:>7} ids  \
+                 {:>7} acknowledged  -wal {:>8} bytes",
                 started.elapsed().as_secs(),
+                sent[0].len() + sent[1].len(),
                 acked[0].len() + acked[1].len(),
                 wal
             );
@@ -237,7 +341,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         failed |= lost + duplicated + unexpected > 0;
     }
     println!(
-        "\n{kills} SIGKILLs in {:.0?}; integrity_check {integrity}; peak -wal {wal_peak} bytes",
+        "\n{kills} SIGKILLs in {:.0?}, {kills_new_work} of them while a new message was sent \
+         and not yet acknowledged; {repeats} messages sent again with an id sent before; \
+         integrity_check {integrity}; peak -wal {wal_peak} bytes",
         started.elapsed()
     );
     if failed {

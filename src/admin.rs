@@ -94,6 +94,8 @@ pub fn open(path: impl AsRef<Path>, writable: bool) -> Result<Connection> {
 ///
 /// With `writable = false` the connection is `query_only`: any write
 /// through it fails. Refuses, changing nothing:
+/// * a `busy_timeout` over 2,147,483,647 ms: [`Error::InvalidInput`] with
+///   field `"busy_timeout"`;
 /// * a missing path: [`Error::Io`] with [`io::ErrorKind::NotFound`];
 /// * a path that is not a regular file, or a SQLite database without
 ///   postroom's tables: [`Error::InvalidInput`] with field `"database"`;
@@ -107,6 +109,13 @@ pub fn open_with_timeout(
     busy_timeout: Duration,
 ) -> Result<Connection> {
     let path = path.as_ref();
+    // SQLite counts it in milliseconds, in a C int.
+    if busy_timeout > Duration::from_millis(i32::MAX as u64) {
+        return Err(Error::invalid(
+            "busy_timeout",
+            format!("{busy_timeout:?} is too large: must be at most 2147483647 ms"),
+        ));
+    }
     let meta = std::fs::metadata(path).map_err(|e| {
         if e.kind() == io::ErrorKind::NotFound {
             Error::Io {

@@ -135,14 +135,61 @@ impl Default for Config {
     }
 }
 
+/// Most worker threads: one claim slot each in the engine file, beside
+/// the writer's.
+const MAX_WORKERS: usize = 63;
+const _: () = assert!(MAX_WORKERS < crate::inflight::SLOTS);
+/// Most jobs per batch: also the capacity of the callers' queue, allocated
+/// up front.
+const MAX_BATCH: usize = 65_536;
+/// Most read connections (each one an open file and its cache).
+const MAX_READ_POOL: u32 = 256;
+/// Most outbox rows read and handed to the sink at once (held in memory).
+const MAX_RELAY_BATCH: usize = 65_536;
+/// Most received messages processed in one transaction (held in memory).
+const MAX_PROCESS_BATCH: usize = 100_000;
+/// Longest lease, interval, backoff or shutdown deadline: each is added to
+/// an `Instant`, which cannot hold every `Duration`.
+const MAX_INTERVAL: Duration = Duration::from_secs(365 * 24 * 3600);
+/// Longest busy timeout: SQLite takes it in milliseconds, as a C `int`.
+const MAX_BUSY_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
+
+/// `Ok` when `value` is within `min..=max`; else `InvalidInput` naming the
+/// setting and its range.
+fn in_range<T: PartialOrd + std::fmt::Debug>(
+    field: &'static str,
+    value: T,
+    min: T,
+    max: T,
+) -> Result<()> {
+    if value < min {
+        Err(Error::invalid(
+            field,
+            format!("{value:?} is too small: must be at least {min:?} (and at most {max:?})"),
+        ))
+    } else if value > max {
+        Err(Error::invalid(
+            field,
+            format!("{value:?} is too large: must be at most {max:?} (and at least {min:?})"),
+        ))
+    } else {
+        Ok(())
+    }
+}
+
 impl Config {
+    /// Checks every setting against the range its builder method documents.
+    /// Settings not named here take any value: retention (`Duration::MAX`
+    /// keeps rows for ever; every use saturates), `max_attempts` from 1,
+    /// `checkpoint_wal_bytes`.
     fn validate(&self) -> Result<()> {
-        if self.max_batch == 0 {
-            return Err(Error::invalid("max_batch", "must be at least 1"));
-        }
+        let ms = Duration::from_millis(1);
+        in_range("max_batch", self.max_batch, 1, MAX_BATCH)?;
         if self.max_attempts == 0 {
             return Err(Error::invalid("max_attempts", "must be at least 1"));
         }
+        in_range("backoff", self.retry.initial, Duration::ZERO, MAX_INTERVAL)?;
+        in_range("backoff", self.retry.max, Duration::ZERO, MAX_INTERVAL)?;
         if self.retry.initial > self.retry.max {
             return Err(Error::invalid(
                 "backoff",
@@ -155,33 +202,26 @@ impl Config {
                 format!("must be at most {MAX_PAYLOAD_LIMIT} bytes"),
             ));
         }
-        if self.poll_interval.is_zero() || self.reaper_interval.is_zero() {
-            return Err(Error::invalid(
-                "interval",
-                "poll and reaper intervals must be greater than zero",
-            ));
-        }
-        if self.workers >= crate::inflight::SLOTS {
-            return Err(Error::invalid(
-                "workers",
-                format!("must be at most {}", crate::inflight::SLOTS - 1),
-            ));
-        }
-        if self.relay_batch == 0 || self.relay_poll.is_zero() {
-            return Err(Error::invalid(
-                "relay",
-                "relay_batch and relay_poll must be greater than zero",
-            ));
-        }
-        if self.lease.is_zero() {
-            return Err(Error::invalid("lease", "must be greater than zero"));
-        }
-        if self.process_batch == 0 {
-            return Err(Error::invalid("process_batch", "must be at least 1"));
-        }
-        if self.read_pool_size == 0 {
-            return Err(Error::invalid("read_pool_size", "must be at least 1"));
-        }
+        in_range("poll_interval", self.poll_interval, ms, MAX_INTERVAL)?;
+        in_range("reaper_interval", self.reaper_interval, ms, MAX_INTERVAL)?;
+        in_range("workers", self.workers, 0, MAX_WORKERS)?;
+        in_range("relay_batch", self.relay_batch, 1, MAX_RELAY_BATCH)?;
+        in_range("relay_poll", self.relay_poll, ms, MAX_INTERVAL)?;
+        in_range("lease", self.lease, ms, MAX_INTERVAL)?;
+        in_range("process_batch", self.process_batch, 1, MAX_PROCESS_BATCH)?;
+        in_range("read_pool_size", self.read_pool_size, 1, MAX_READ_POOL)?;
+        in_range(
+            "busy_timeout",
+            self.busy_timeout,
+            Duration::ZERO,
+            MAX_BUSY_TIMEOUT,
+        )?;
+        in_range(
+            "drop_deadline",
+            self.drop_deadline,
+            Duration::ZERO,
+            MAX_INTERVAL,
+        )?;
         Ok(())
     }
 
@@ -365,7 +405,8 @@ impl Builder {
         self
     }
 
-    /// Most outbox messages handed to the sink at once. Default: 100.
+    /// Most outbox messages handed to the sink at once (they are held in
+    /// memory together): 1 to 65,536. Default: 100.
     pub fn relay_batch(mut self, messages: usize) -> Self {
         self.config.relay_batch = messages;
         self
@@ -373,7 +414,7 @@ impl Builder {
 
     /// How often the relay looks for due rows when nothing woke it (retries
     /// coming due, rows committed by another process); commits of this
-    /// engine wake it at once. Default: 1 s.
+    /// engine wake it at once. 1 ms to 365 days. Default: 1 s.
     pub fn relay_poll(mut self, interval: Duration) -> Self {
         self.config.relay_poll = interval;
         self
@@ -392,7 +433,7 @@ impl Builder {
     /// they wait. Transactional consumers' queued messages are processed in
     /// batches inside the writer's transaction (see
     /// [`process_batch`](Builder::process_batch)), not on these threads.
-    /// At most 63. Default: 2.
+    /// 0 to 63. Default: 2.
     pub fn workers(mut self, workers: usize) -> Self {
         self.config.workers = workers;
         self
@@ -403,7 +444,7 @@ impl Builder {
     /// the batch, shared with whatever callers write at the same time. A
     /// larger batch drains a backlog with fewer commits; a smaller one
     /// holds concurrent `deliver`/`receive` callers up for less time.
-    /// At least 1. Default: 64.
+    /// 1 to 100,000. Default: 64.
     pub fn process_batch(mut self, messages: usize) -> Self {
         self.config.process_batch = messages;
         self
@@ -411,14 +452,14 @@ impl Builder {
 
     /// How often idle workers look for due messages (backoffs expiring,
     /// rows written by another process); a `receive` wakes them at once.
-    /// Default: 250 ms.
+    /// 1 ms to 365 days. Default: 250 ms.
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.config.poll_interval = interval;
         self
     }
 
     /// How often the reaper recovers expired leases and applies retention.
-    /// Default: 5 s.
+    /// 1 ms to 365 days. Default: 5 s.
     pub fn reaper_interval(mut self, interval: Duration) -> Self {
         self.config.reaper_interval = interval;
         self
@@ -430,8 +471,8 @@ impl Builder {
     /// row, or until the next pass if that one was cut short, a redelivery
     /// with the same payload is still a duplicate.) Sent outbox rows are
     /// kept as long. The newest row of each table is kept whatever its age,
-    /// so no row id or `seq` is ever given out twice.
-    /// Default: 7 days.
+    /// so no row id or `seq` is ever given out twice. Any duration;
+    /// `Duration::MAX` keeps them for ever. Default: 7 days.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.config.retention = retention;
         self
@@ -440,7 +481,7 @@ impl Builder {
     /// Delete dead letters this long after they died. Default: `None`,
     /// dead letters are kept until redriven or discarded (or deleted by
     /// hand: [`admin::cleanup`](crate::admin::cleanup),
-    /// `postroom cleanup --dead-retention-secs`).
+    /// `postroom cleanup --dead-retention-secs`). Any duration.
     pub fn dead_retention(mut self, retention: Option<Duration>) -> Self {
         self.config.dead_retention = retention;
         self
@@ -452,7 +493,8 @@ impl Builder {
     /// [`admin::conflicts_discard`](crate::admin::conflicts_discard)) or
     /// deletes them by age (`postroom cleanup --conflict-retention-secs`). Each
     /// keeps its whole payload: set this where a sender reusing ids could
-    /// fill the disk. A conflict's id is never given out again.
+    /// fill the disk. A conflict's id is never given out again. Any
+    /// duration.
     pub fn conflict_retention(mut self, retention: Option<Duration>) -> Self {
         self.config.conflict_retention = retention;
         self
@@ -461,7 +503,7 @@ impl Builder {
     /// Once the `-wal` file is larger than this and the engine is idle, the
     /// checkpointer thread truncates it (the checkpoints it makes every
     /// 1000 WAL frames let SQLite reuse the file's space, but never shrink
-    /// it). Default: 4 MiB.
+    /// it). Any size. Default: 4 MiB.
     pub fn checkpoint_wal_bytes(mut self, bytes: u64) -> Self {
         self.config.checkpoint_wal_bytes = bytes;
         self
@@ -474,7 +516,8 @@ impl Builder {
     }
 
     /// How long a write waits for another connection's lock before failing
-    /// with [`Error::Busy`]. Set before any other pragma. Default: 5 s.
+    /// with [`Error::Busy`]. Set before any other pragma. 0 to
+    /// 2,147,483,647 ms (SQLite's limit, about 24.8 days). Default: 5 s.
     pub fn busy_timeout(mut self, timeout: Duration) -> Self {
         self.config.busy_timeout = timeout;
         self
@@ -482,21 +525,22 @@ impl Builder {
 
     /// Most jobs committed in one transaction (group commit); also the
     /// capacity of the queue callers wait in while another batch runs.
-    /// Default: 256.
+    /// 1 to 65,536. Default: 256.
     pub fn max_batch(mut self, jobs: usize) -> Self {
         self.config.max_batch = jobs;
         self
     }
 
     /// Attempts before a failing message is dead-lettered, counting attempts
-    /// that crashed the process. Default: 5.
+    /// that crashed the process. At least 1. Default: 5.
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.config.max_attempts = attempts;
         self
     }
 
     /// Backoff between attempts: `initial` doubling each attempt up to
-    /// `max`, each delay jittered down by up to half. Default: 1 s to 5 min.
+    /// `max`, each delay jittered down by up to half. Each at most 365 days,
+    /// `initial` at most `max`. Default: 1 s to 5 min.
     pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
         self.config.retry = RetryPolicy { initial, max };
         self
@@ -504,7 +548,8 @@ impl Builder {
 
     /// How long a claimed message stays leased to one worker; past it the
     /// reaper counts the attempt as failed and the message is retried
-    /// (measured on a monotonic clock within the process). Default: 30 s.
+    /// (measured on a monotonic clock within the process). 1 ms to 365 days.
+    /// Default: 30 s.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.config.lease = lease;
         self
@@ -533,14 +578,15 @@ impl Builder {
     }
 
     /// How long dropping the engine without calling
-    /// [`Postroom::shutdown`] waits for its threads. Default: 10 s.
+    /// [`Postroom::shutdown`] waits for its threads. At most 365 days.
+    /// Default: 10 s.
     pub fn drop_deadline(mut self, deadline: Duration) -> Self {
         self.config.drop_deadline = deadline;
         self
     }
 
     /// Read-only connections kept for `stats()` and other readers.
-    /// Default: 4.
+    /// 1 to 256. Default: 4.
     pub fn read_pool_size(mut self, connections: u32) -> Self {
         self.config.read_pool_size = connections;
         self
@@ -556,6 +602,9 @@ impl Builder {
     /// Opens (creating if needed, with mode 0600) the database at `path`,
     /// applies or checks the schema, recovers what a crashed process left
     /// behind, and starts the writer thread.
+    ///
+    /// A setting outside the range its method documents is refused here
+    /// with [`Error::InvalidInput`] naming it, before any file is touched.
     pub fn open(self, path: impl AsRef<Path>) -> Result<Postroom> {
         self.config.validate()?;
         let mut seen = HashMap::new();

@@ -44,28 +44,81 @@ struct Running {
     done: crossbeam_channel::Receiver<()>,
 }
 
-struct DoneGuard(String, Sender<()>);
+struct DoneGuard(Sender<()>);
 
 impl Drop for DoneGuard {
     fn drop(&mut self) {
-        if thread::panicking() {
-            log::error!("postroom: thread {} panicked", self.0);
-        }
-        let _ = self.1.send(());
+        let _ = self.0.send(());
     }
 }
 
-fn spawn(name: String, body: impl FnOnce() + Send + 'static) -> Result<Running> {
+/// The first engine thread that died, and why.
+///
+/// Invariant: once set, every call that hands the engine work is refused
+/// with [`Error::Stopped`]: a dead dispatcher, worker, relay, reaper or
+/// checkpointer means work accepted from then on may never be done (or
+/// leases never expire, or the WAL never shrinks), so nothing more is
+/// accepted and the caller is told why. Reads still work.
+#[derive(Debug, Default)]
+struct Casualty {
+    /// Set after `first`, read first: the hot path's only cost.
+    dead: AtomicBool,
+    first: Mutex<Option<(String, String)>>,
+}
+
+impl Casualty {
+    fn record(&self, thread: &str, reason: String) {
+        let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
+        first.get_or_insert_with(|| (thread.to_owned(), reason));
+        self.dead.store(true, Ordering::Release);
+    }
+
+    fn check(&self) -> Result<()> {
+        if !self.dead.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let first = self.first.lock().unwrap_or_else(|p| p.into_inner());
+        let (thread, reason) = first.clone().unwrap_or_default();
+        Err(Error::Stopped { thread, reason })
+    }
+}
+
+/// Starts an engine thread. A panic escaping `body` is logged and recorded
+/// in `casualty` before the thread ends (see [`Casualty`]); `join` still
+/// reports it.
+fn spawn(
+    name: String,
+    casualty: &Arc<Casualty>,
+    body: impl FnOnce() + Send + 'static,
+) -> Result<Running> {
     let (done_tx, done) = crossbeam_channel::bounded(1);
-    let guard_name = name.clone();
+    let thread_name = name.clone();
+    let casualty = Arc::clone(casualty);
     let handle = thread::Builder::new()
         .name(name.clone())
         .spawn(move || {
-            let _done = DoneGuard(guard_name, done_tx);
-            body();
+            let _done = DoneGuard(done_tx);
+            if let Err(panic) = panic::catch_unwind(AssertUnwindSafe(body)) {
+                let reason = panic_message(panic.as_ref());
+                log::error!(
+                    "postroom: thread {thread_name} panicked: {reason}; the engine refuses new \
+                     work until it is shut down and opened again"
+                );
+                casualty.record(&thread_name, reason);
+                panic::resume_unwind(panic);
+            }
         })
         .map_err(|e| Error::io("spawn thread", e))?;
     Ok(Running { name, handle, done })
+}
+
+/// `now + wait`; past what an `Instant` holds, a century from now, which
+/// is as good as never.
+fn deadline_after(wait: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(wait)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(now)
 }
 
 impl Running {
@@ -139,6 +192,7 @@ pub struct Postroom {
 struct Control {
     shared: Arc<Shared>,
     closed: AtomicBool,
+    casualty: Arc<Casualty>,
     threads: Mutex<Threads>,
 }
 
@@ -165,13 +219,34 @@ impl Postroom {
             sink,
             handle_signals,
         } = builder;
-        let mut engine_file = EngineFile::lock(path)?;
-        schema::create_private(path)?;
-        let mut conn = schema::open_writer(path, &config)?;
-        if config.quick_check_on_open {
-            schema::quick_check(&conn)?;
-        }
-        schema::migrate(&mut conn)?;
+        let given = path;
+        let path = &schema::resolve(given)?;
+        let mut engine_file = EngineFile::lock(path).map_err(|e| match e {
+            Error::AlreadyOpen { .. } => Error::AlreadyOpen {
+                path: given.to_path_buf(),
+            },
+            e => e,
+        })?;
+        // A refusal from here to the recovery changes nothing: it leaves no
+        // file this open created (an engine file, an empty database file).
+        let mut created = false;
+        let opened = (|| {
+            created = schema::create_if_missing(path)?;
+            let mut conn = schema::open_writer(path, &config)?;
+            schema::migrate(&mut conn)?;
+            Ok(conn)
+        })();
+        let conn = match opened {
+            Ok(conn) => conn,
+            Err(e) => {
+                let empty = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
+                if created && empty {
+                    let _ = std::fs::remove_file(path);
+                }
+                engine_file.discard();
+                return Err(e);
+            }
+        };
         recover(&conn, &config, &*clock, &mut engine_file)?;
         checkpoint::at_open(
             &conn,
@@ -214,7 +289,8 @@ impl Postroom {
             counters: Arc::clone(&counters),
         };
         let (writer, writer_thread) = writer::writer(state, writer_alive);
-        let writer_running = spawn(WRITER_THREAD.into(), move || {
+        let casualty = Arc::new(Casualty::default());
+        let writer_running = spawn(WRITER_THREAD.into(), &casualty, move || {
             let _alive = alive_tx;
             writer_thread.run();
         })?;
@@ -256,6 +332,7 @@ impl Postroom {
             control: Arc::new(Control {
                 shared: Arc::clone(&shared),
                 closed: AtomicBool::new(false),
+                casualty,
                 threads: Mutex::new(Threads {
                     writer: Some(writer_running),
                     ..Threads::default()
@@ -278,22 +355,26 @@ impl Postroom {
             .map_err(|e| Error::io("install signal handlers", e))?;
         let handle = signals.handle();
         let control = Arc::downgrade(&self.control);
-        let running = spawn("postroom-signals".into(), move || {
-            if let Some(signal) = signals.forever().next() {
-                log::info!("postroom: signal {signal}: shutting down");
-                if let Some(control) = control.upgrade() {
-                    let deadline = control.shared.config.drop_deadline;
-                    match control.shutdown(deadline) {
-                        Ok(report) if !report.is_clean() => {
-                            log::error!("postroom: shutdown on signal: {report:?}")
+        let running = spawn(
+            "postroom-signals".into(),
+            &self.control.casualty,
+            move || {
+                if let Some(signal) = signals.forever().next() {
+                    log::info!("postroom: signal {signal}: shutting down");
+                    if let Some(control) = control.upgrade() {
+                        let deadline = control.shared.config.drop_deadline;
+                        match control.shutdown(deadline) {
+                            Ok(report) if !report.is_clean() => {
+                                log::error!("postroom: shutdown on signal: {report:?}")
+                            }
+                            _ => {}
                         }
-                        _ => {}
                     }
+                    // Then do what the signal would have done.
+                    let _ = signal_hook::low_level::emulate_default_handler(signal);
                 }
-                // Then do what the signal would have done.
-                let _ = signal_hook::low_level::emulate_default_handler(signal);
-            }
-        })?;
+            },
+        )?;
         self.control.lock_threads().signals = Some((running, handle));
         Ok(())
     }
@@ -306,12 +387,13 @@ impl Postroom {
         checkpoint_woken: crossbeam_channel::Receiver<()>,
         worker_slots: Vec<ClaimSlot>,
     ) -> Result<()> {
+        let casualty = &self.control.casualty;
         let mut threads = self.control.lock_threads();
         if let Some(sink) = sink {
             let (stop_tx, stop_rx) = crossbeam_channel::bounded(1);
             threads.relay_stop = Some(stop_tx);
             let s = Arc::clone(shared);
-            threads.relay = Some(spawn("postroom-relay".into(), move || {
+            threads.relay = Some(spawn("postroom-relay".into(), casualty, move || {
                 relay::relay(s, sink, relay_woken, stop_rx)
             })?);
         }
@@ -320,7 +402,7 @@ impl Postroom {
         let s = Arc::clone(shared);
         let stop = stop_rx.clone();
         let readers = self.readers.clone();
-        threads.reaper = Some(spawn("postroom-reaper".into(), move || {
+        threads.reaper = Some(spawn("postroom-reaper".into(), casualty, move || {
             reaper::reap(s, readers, stop)
         })?);
         let checkpointer = checkpoint::Checkpointer {
@@ -331,9 +413,11 @@ impl Postroom {
             wake: checkpoint_woken,
             stop: stop_rx,
         };
-        threads.checkpointer = Some(spawn("postroom-checkpointer".into(), move || {
-            checkpointer.run()
-        })?);
+        threads.checkpointer = Some(spawn(
+            "postroom-checkpointer".into(),
+            casualty,
+            move || checkpointer.run(),
+        )?);
         let workers = shared.config.workers;
         if workers == 0 || shared.consumers.is_empty() {
             return Ok(());
@@ -341,14 +425,14 @@ impl Postroom {
         let (work_tx, work_rx) = crossbeam_channel::bounded(workers);
         for (n, slot) in worker_slots.into_iter().enumerate() {
             let (s, rx) = (Arc::clone(shared), work_rx.clone());
-            threads
-                .workers
-                .push(spawn(format!("postroom-worker-{n}"), move || {
-                    workers::work(s, rx, slot)
-                })?);
+            threads.workers.push(spawn(
+                format!("postroom-worker-{n}"),
+                casualty,
+                move || workers::work(s, rx, slot),
+            )?);
         }
         let s = Arc::clone(shared);
-        threads.dispatcher = Some(spawn("postroom-dispatcher".into(), move || {
+        threads.dispatcher = Some(spawn("postroom-dispatcher".into(), casualty, move || {
             workers::dispatch(s, work_tx)
         })?);
         Ok(())
@@ -624,7 +708,9 @@ impl Postroom {
     /// committed, and every thread is joined, waiting at most `deadline` in
     /// all. A thread still running at the deadline is left detached and
     /// named in the report; rows it left `processing` are recovered at the
-    /// next open. Calling it again returns [`Error::Closed`].
+    /// next open. Calling it again returns [`Error::Closed`]. Any deadline
+    /// is taken; one past what the clock can count (`Duration::MAX`) waits
+    /// as long as the threads take.
     pub fn shutdown(&self, deadline: Duration) -> Result<ShutdownReport> {
         self.control.shutdown(deadline)
     }
@@ -640,6 +726,7 @@ impl Postroom {
         if self.control.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
+        self.control.casualty.check()?;
         if self.shared.writer.held_here() {
             return Err(Error::invalid(
                 "caller",
@@ -683,7 +770,7 @@ impl Control {
                 "shutdown called from inside a handler; the engine stops after this batch",
             ));
         }
-        let deadline = Instant::now() + deadline;
+        let deadline = deadline_after(deadline);
         let mut threads = std::mem::take(&mut *self.lock_threads());
         let mut report = ShutdownReport::default();
         if let Some((running, handle)) = threads.signals.take() {

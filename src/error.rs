@@ -47,10 +47,13 @@ pub enum Error {
         /// What SQLite said.
         detail: String,
     },
-    /// The database file cannot be written (permissions, an immutable
-    /// flag, a read-only mount). Nothing was changed.
+    /// The database file, or the directory it is in, cannot be written
+    /// (permissions, an immutable flag, a read-only mount): postroom needs
+    /// to write the file and to create its `-wal`, `-shm` and `-postroom`
+    /// files beside it. Nothing was changed.
     ReadOnly {
-        /// The database file.
+        /// What cannot be written: the database file, its directory, or the
+        /// engine file beside it.
         path: PathBuf,
     },
     /// Another engine (in this or another process) has this database open.
@@ -102,6 +105,17 @@ pub enum Error {
     },
     /// The engine has been shut down, or its writer thread stopped.
     Closed,
+    /// One of the engine's threads died (panicked), so part of its work is
+    /// no longer done; the engine refuses new work rather than accept what
+    /// nobody would process. Nothing of the refused call was stored. Shut
+    /// the engine down and open it again: what it had accepted is kept and
+    /// recovered at open.
+    Stopped {
+        /// The thread's name, e.g. `"postroom-dispatcher"`.
+        thread: String,
+        /// Why it died (the panic message).
+        reason: String,
+    },
 }
 
 impl Error {
@@ -194,6 +208,10 @@ impl Error {
                 reason: reason.clone(),
             },
             Error::Closed => Error::Closed,
+            Error::Stopped { thread, reason } => Error::Stopped {
+                thread: thread.clone(),
+                reason: reason.clone(),
+            },
         }
     }
 }
@@ -243,6 +261,11 @@ impl fmt::Display for Error {
             Error::Io { op, source } => write!(f, "{op}: {source}"),
             Error::Aborted { reason } => write!(f, "transaction aborted: {reason}"),
             Error::Closed => f.write_str("postroom engine is shut down"),
+            Error::Stopped { thread, reason } => write!(
+                f,
+                "postroom engine thread {thread} died ({reason}); it takes no more work: \
+                 shut it down and open it again (what it accepted is recovered at open)"
+            ),
         }
     }
 }

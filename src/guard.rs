@@ -1,14 +1,11 @@
 //! Keeps user code (handlers, transaction closures) from committing
-//! anything by itself.
+//! anything by itself, or from changing what later batches run with.
 //!
 //! Invariant: while user code runs, no commit can happen on the write
 //! connection. Two hooks enforce it:
 //! * the authorizer (run when a statement is prepared) denies `BEGIN`,
 //!   `COMMIT`, `ROLLBACK` and the engine's savepoints, so the common mistake
-//!   gets a clear `not authorized` error and changes nothing; it also
-//!   denies the pragmas that would change how the engine's commits reach
-//!   the disk ([`ENGINE_PRAGMAS`]), which user code could otherwise set
-//!   for every later batch on the shared connection;
+//!   gets a clear `not authorized` error and changes nothing;
 //! * the commit hook vetoes every commit, which turns it into a rollback.
 //!   This catches what the authorizer cannot: the engine's own cached
 //!   `COMMIT` fetched through `prepare_cached`, and, after SQLite rolled the
@@ -18,6 +15,23 @@
 //!
 //! Either way the engine then finds its transaction gone and fails the
 //! batch: nothing of it was stored or acknowledged.
+//!
+//! Invariant: user code cannot turn a guarantee off for later batches. The
+//! write connection is shared by every batch, so the authorizer also
+//! denies, while user code runs:
+//! * setting a pragma of [`ENGINE_PRAGMAS`]: connection state that decides
+//!   how the engine's commits reach the disk, whether its statements may
+//!   write, and whether postroom's constraints and triggers hold (a value
+//!   set would stick until the engine is reopened);
+//! * creating, dropping or altering any object named `postroom_*`, and
+//!   creating an index or trigger (temporary ones included) on a postroom
+//!   table: dropping `postroom_inbox_key_insert` would silently turn dedupe
+//!   off, a trigger on the outbox could eat what handlers publish.
+//!
+//! A denied statement fails to prepare (`not authorized`); the handler's
+//! attempt fails like on any other SQL error. Reading those pragmas, the
+//! application's own pragmas (`user_version`, `application_id`, ...) and
+//! the application's own schema changes stay allowed.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -25,19 +39,93 @@ use std::sync::Arc;
 use rusqlite::hooks::{AuthAction, AuthContext, Authorization};
 use rusqlite::Connection;
 
-/// Prefix of the engine's savepoint names.
-const ENGINE_SAVEPOINT_PREFIX: &str = "postroom_";
+/// Prefix of the engine's savepoints and schema objects.
+const ENGINE_PREFIX: &str = "postroom_";
 
 /// Pragmas user code may read but not set (`wal_checkpoint` not even run):
-/// durability, the WAL, and the WAL hook that `wal_autocheckpoint` would
-/// silently replace.
-const ENGINE_PRAGMAS: [&str; 5] = [
+/// durability, the WAL and the WAL hook that `wal_autocheckpoint` would
+/// silently replace; the lock and the busy timeout; whether the connection
+/// may write; how schema, constraints, foreign keys and triggers behave;
+/// and what the engine's queries return.
+const ENGINE_PRAGMAS: [&str; 20] = [
     "synchronous",
     "journal_mode",
+    "journal_size_limit",
     "locking_mode",
     "wal_autocheckpoint",
     "wal_checkpoint",
+    "busy_timeout",
+    "query_only",
+    "foreign_keys",
+    "writable_schema",
+    "schema_version",
+    "recursive_triggers",
+    "ignore_check_constraints",
+    "legacy_alter_table",
+    "trusted_schema",
+    "cell_size_check",
+    "read_uncommitted",
+    "reverse_unordered_selects",
+    "case_sensitive_like",
+    "fullfsync",
 ];
+
+/// True for a name in postroom's namespace: its tables, indexes, triggers.
+fn is_engine_object(name: &str) -> bool {
+    name.get(..ENGINE_PREFIX.len())
+        .is_some_and(|prefix| prefix.eq_ignore_ascii_case(ENGINE_PREFIX))
+}
+
+/// True when `action` creates, drops or alters one of postroom's objects,
+/// or hangs an index or trigger on one of its tables.
+fn changes_engine_schema(action: &AuthAction<'_>) -> bool {
+    match *action {
+        AuthAction::CreateTable { table_name }
+        | AuthAction::CreateTempTable { table_name }
+        | AuthAction::DropTable { table_name }
+        | AuthAction::DropTempTable { table_name }
+        | AuthAction::AlterTable { table_name, .. }
+        | AuthAction::CreateVtable { table_name, .. }
+        | AuthAction::DropVtable { table_name, .. } => is_engine_object(table_name),
+        AuthAction::CreateIndex {
+            index_name,
+            table_name,
+        }
+        | AuthAction::CreateTempIndex {
+            index_name,
+            table_name,
+        }
+        | AuthAction::DropIndex {
+            index_name,
+            table_name,
+        }
+        | AuthAction::DropTempIndex {
+            index_name,
+            table_name,
+        } => is_engine_object(index_name) || is_engine_object(table_name),
+        AuthAction::CreateTrigger {
+            trigger_name,
+            table_name,
+        }
+        | AuthAction::CreateTempTrigger {
+            trigger_name,
+            table_name,
+        }
+        | AuthAction::DropTrigger {
+            trigger_name,
+            table_name,
+        }
+        | AuthAction::DropTempTrigger {
+            trigger_name,
+            table_name,
+        } => is_engine_object(trigger_name) || is_engine_object(table_name),
+        AuthAction::CreateView { view_name }
+        | AuthAction::CreateTempView { view_name }
+        | AuthAction::DropView { view_name }
+        | AuthAction::DropTempView { view_name } => is_engine_object(view_name),
+        _ => false,
+    }
+}
 
 /// The authorizer's switch. Cloning shares it.
 #[derive(Debug, Clone, Default)]
@@ -55,9 +143,7 @@ impl UserCodeGuard {
             match ctx.action {
                 AuthAction::Transaction { .. } => Authorization::Deny,
                 AuthAction::Savepoint { savepoint_name, .. }
-                    if savepoint_name
-                        .to_ascii_lowercase()
-                        .starts_with(ENGINE_SAVEPOINT_PREFIX) =>
+                    if is_engine_object(savepoint_name) =>
                 {
                     Authorization::Deny
                 }
@@ -72,6 +158,7 @@ impl UserCodeGuard {
                 {
                     Authorization::Deny
                 }
+                ref action if changes_engine_schema(action) => Authorization::Deny,
                 _ => Authorization::Allow,
             }
         }))?;

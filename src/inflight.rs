@@ -35,7 +35,7 @@
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
@@ -108,6 +108,9 @@ pub(crate) struct StartedClaim {
 pub(crate) struct EngineFile {
     file: File,
     buf: Vec<u8>,
+    path: PathBuf,
+    /// This engine created it: a refused open removes it ([`Self::discard`]).
+    created: bool,
 }
 
 impl EngineFile {
@@ -118,31 +121,82 @@ impl EngineFile {
         PathBuf::from(p)
     }
 
-    /// Opens (creating with mode 0600) and locks the engine file, failing
-    /// with [`Error::AlreadyOpen`] when another engine holds it. The lock is
-    /// the kernel's (`flock`): it goes away with the process that held it.
+    /// Opens (creating with mode 0600) and locks the engine file of `db`,
+    /// failing with [`Error::AlreadyOpen`] when another engine holds it. The
+    /// lock is the kernel's (`flock`): it goes away with the process that
+    /// held it. `db` is the canonical path (see `schema::resolve`), so
+    /// every route to the file meets this one lock.
+    ///
+    /// A refused open unlinks the engine file it created ([`Self::discard`])
+    /// while holding its lock; a file locked here is only kept if it is
+    /// still the one at the path, else the lock is taken again.
+    ///
+    /// An engine file made by root for another user's database is given the
+    /// database's owner, as SQLite does with `-wal` and `-shm`: otherwise one
+    /// run as root would lock the application out.
     pub fn lock(db: &Path) -> Result<EngineFile> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(Self::path_for(db))
-            .map_err(|e| Error::io("open engine file", e))?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
-                return Err(Error::AlreadyOpen {
-                    path: db.to_path_buf(),
-                })
+        let path = Self::path_for(db);
+        for _ in 0..100 {
+            let Some((file, created)) = open_engine_file(&path)? else {
+                continue;
+            };
+            match file.try_lock() {
+                Ok(()) => {}
+                Err(TryLockError::WouldBlock) => {
+                    return Err(Error::AlreadyOpen {
+                        path: db.to_path_buf(),
+                    })
+                }
+                Err(TryLockError::Error(e)) => return Err(Error::io("lock engine file", e)),
             }
-            Err(TryLockError::Error(e)) => return Err(Error::io("lock engine file", e)),
+            let locked = file
+                .metadata()
+                .map_err(|e| Error::io("lock engine file", e))?;
+            match std::fs::metadata(&path) {
+                Ok(now) if (now.dev(), now.ino()) == (locked.dev(), locked.ino()) => {}
+                // Unlinked by a refused open after we opened it: again.
+                _ => continue,
+            }
+            let engine_file = EngineFile {
+                file,
+                buf: Vec::new(),
+                path,
+                created,
+            };
+            engine_file.take_database_owner(db, &locked)?;
+            return Ok(engine_file);
         }
-        Ok(EngineFile {
-            file,
-            buf: Vec::new(),
-        })
+        Err(Error::io(
+            "lock engine file",
+            io::Error::other(format!(
+                "{} kept being removed while it was being locked",
+                path.display()
+            )),
+        ))
+    }
+
+    fn take_database_owner(&self, db: &Path, mine: &std::fs::Metadata) -> Result<()> {
+        let Ok(owner) = std::fs::metadata(db) else {
+            return Ok(());
+        };
+        if mine.uid() != 0 || owner.uid() == 0 {
+            return Ok(());
+        }
+        match std::os::unix::fs::fchown(&self.file, Some(owner.uid()), Some(owner.gid())) {
+            Ok(()) => Ok(()),
+            // Not root after all (a root-owned file left writable).
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Ok(()),
+            Err(e) => Err(Error::io("give the engine file the database's owner", e)),
+        }
+    }
+
+    /// Gives up the engine file after a refused open: one this open
+    /// created is unlinked (still locked, see [`Self::lock`]), so a refusal
+    /// leaves no file behind.
+    pub fn discard(self) {
+        if self.created {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 
     /// The marker left by the previous engine, if it is valid.
@@ -201,6 +255,27 @@ impl InflightLog for EngineFile {
 
     fn end(&mut self) -> io::Result<()> {
         self.file.write_all_at(&[0u8; 8], RECORD_OFFSET)
+    }
+}
+
+/// Opens the engine file at `path`, creating it (mode 0600) if missing:
+/// the file and whether this call created it, or `None` when it vanished
+/// between the two attempts.
+fn open_engine_file(path: &Path) -> Result<Option<(File, bool)>> {
+    let mut options = OpenOptions::new();
+    options.read(true).write(true).mode(0o600);
+    match options.clone().create_new(true).open(path) {
+        Ok(file) => return Ok(Some((file, true))),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(crate::schema::cannot_create(path, "create engine file", e)),
+    }
+    match options.open(path) {
+        Ok(file) => Ok(Some((file, false))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Err(Error::ReadOnly {
+            path: path.to_path_buf(),
+        }),
+        Err(e) => Err(crate::schema::cannot_create(path, "open engine file", e)),
     }
 }
 

@@ -2,8 +2,8 @@
 
 use std::fs::OpenOptions;
 use std::io;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
 
 use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
 
@@ -19,21 +19,142 @@ pub const SCHEMA_SQL: &str = include_str!("../schema.sql");
 
 /// Creates the database file with mode 0600 if it does not exist. SQLite
 /// gives its `-wal` and `-shm` files the database file's mode.
+#[cfg(any(test, feature = "sim"))]
 pub(crate) fn create_private(path: &Path) -> Result<()> {
+    create_if_missing(path).map(drop)
+}
+
+/// [`create_private`], telling whether this call created the file; a
+/// refusal names the file or its directory.
+pub(crate) fn create_if_missing(path: &Path) -> Result<bool> {
     match OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(path)
     {
-        Ok(_) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
-        Err(e) => Err(Error::io("create database file", e)),
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(cannot_create(path, "create database file", e)),
+    }
+}
+
+/// The error for a file beside the database that could not be created: a
+/// read-only mount or directory names what cannot be written, a missing
+/// directory is named.
+pub(crate) fn cannot_create(file: &Path, op: &'static str, e: io::Error) -> Error {
+    let dir = parent_dir(file);
+    if e.raw_os_error() == Some(EROFS) {
+        return Error::ReadOnly {
+            path: dir.to_path_buf(),
+        };
+    }
+    match e.kind() {
+        io::ErrorKind::PermissionDenied => Error::ReadOnly {
+            path: dir.to_path_buf(),
+        },
+        io::ErrorKind::NotFound => Error::Io {
+            op,
+            source: io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("directory {} does not exist", dir.display()),
+            ),
+        },
+        _ => Error::Io {
+            op,
+            source: io::Error::new(e.kind(), format!("{}: {e}", file.display())),
+        },
+    }
+}
+
+/// `EROFS`: the file system is mounted read-only.
+const EROFS: i32 = 30;
+
+/// The directory a file is in (`.` for a bare file name).
+pub(crate) fn parent_dir(file: &Path) -> &Path {
+    match file.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
+}
+
+/// Where `path` leads, checked before anything is created: the database's
+/// canonical path (every symlink resolved, so every route to one file
+/// names one engine file and one lock), for an existing regular file with
+/// one name or a new file in an existing directory. Refused, naming the
+/// path: a directory, a FIFO, socket or device, a symlink whose target is
+/// missing, a missing directory, and a file with several hard links
+/// (SQLite names the `-wal` and `-shm` files after the path, so two names
+/// of one file are two logs of one database, each able to undo the other's
+/// commits: <https://sqlite.org/howtocorrupt.html#_multiple_links_to_the_same_file>).
+pub(crate) fn resolve(path: &Path) -> Result<PathBuf> {
+    let shown = path.display();
+    let refuse = |reason: String| Error::invalid("database", reason);
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let dir = parent_dir(path);
+            let name = path
+                .file_name()
+                .ok_or_else(|| refuse(format!("{shown} does not name a file")))?;
+            let dir =
+                std::fs::canonicalize(dir).map_err(|e| cannot_create(path, "open database", e))?;
+            if !dir.is_dir() {
+                return Err(refuse(format!("{} is not a directory", dir.display())));
+            }
+            Ok(dir.join(name))
+        }
+        Err(e) => Err(Error::Io {
+            op: "open database",
+            source: io::Error::new(e.kind(), format!("{shown}: {e}")),
+        }),
+        Ok(link) => {
+            let meta = match std::fs::metadata(path) {
+                Ok(meta) => meta,
+                Err(e) if link.is_symlink() && e.kind() == io::ErrorKind::NotFound => {
+                    let target = std::fs::read_link(path).unwrap_or_default();
+                    return Err(refuse(format!(
+                        "{shown} is a symbolic link to {}, which does not exist; create the \
+                         database there or remove the link",
+                        target.display()
+                    )));
+                }
+                Err(e) => {
+                    return Err(Error::Io {
+                        op: "open database",
+                        source: io::Error::new(e.kind(), format!("{shown}: {e}")),
+                    })
+                }
+            };
+            if meta.is_dir() {
+                return Err(refuse(format!(
+                    "{shown} is a directory; give the path of a database file"
+                )));
+            }
+            if !meta.is_file() {
+                return Err(refuse(format!(
+                    "{shown} is not a regular file (a FIFO, socket or device); give the path \
+                     of a database file"
+                )));
+            }
+            if meta.nlink() > 1 {
+                return Err(refuse(format!(
+                    "{shown} has {} hard links: SQLite names its -wal and -shm files after the \
+                     path, so each name would get a log of its own and one could undo the \
+                     other's commits; remove the other links and open it by one name",
+                    meta.nlink()
+                )));
+            }
+            std::fs::canonicalize(path).map_err(|e| Error::Io {
+                op: "open database",
+                source: io::Error::new(e.kind(), format!("{shown}: {e}")),
+            })
+        }
     }
 }
 
 /// Opens the write connection: busy timeout first (every later statement
-/// may wait on a lock), then WAL, synchronous per durability, foreign keys.
+/// may wait on a lock), then `quick_check` when configured (before anything
+/// is written), WAL, synchronous per durability, foreign keys.
 pub(crate) fn open_writer(path: &Path, config: &Config) -> Result<Connection> {
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = Connection::open_with_flags(path, flags)
@@ -50,9 +171,17 @@ pub(crate) fn open_writer(path: &Path, config: &Config) -> Result<Connection> {
             path: path.to_path_buf(),
         });
     }
+    // Before anything is written: switching a rollback-journal file to WAL
+    // writes its header.
+    if config.quick_check_on_open {
+        quick_check(&conn).map_err(|e| match e {
+            Error::Sqlite { source, .. } => beside_error(path, "quick_check", source),
+            e => e,
+        })?;
+    }
     let mode: String = conn
         .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
-        .map_err(|e| open_error(path, "set journal_mode", e))?;
+        .map_err(|e| beside_error(path, "set journal_mode", e))?;
     if !mode.eq_ignore_ascii_case("wal") {
         return Err(Error::invalid(
             "database",
@@ -67,6 +196,19 @@ pub(crate) fn open_writer(path: &Path, config: &Config) -> Result<Connection> {
         .map_err(|e| open_error(path, "set foreign_keys", e))?;
     conn.set_prepared_statement_cache_capacity(64);
     Ok(conn)
+}
+
+/// [`open_error`], and: the database opened writable, but its `-wal` or
+/// `-shm` could not be made (`CANTOPEN`, `READONLY_CANTINIT`), nearly
+/// always a directory the process may not create files in: `ReadOnly`
+/// naming it.
+fn beside_error(path: &Path, op: &'static str, e: rusqlite::Error) -> Error {
+    match e.sqlite_error_code() {
+        Some(ErrorCode::CannotOpen | ErrorCode::ReadOnly) => Error::ReadOnly {
+            path: parent_dir(path).to_path_buf(),
+        },
+        _ => open_error(path, op, e),
+    }
 }
 
 /// Maps "not a database" to its own variant; everything else as usual.
@@ -160,6 +302,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
         Some(found) => check_version(found)?,
     }
     refuse_missing_triggers(&tx, &[])?;
+    refuse_incomplete_schema(&tx)?;
     failpoint::hit("schema.migrate")?;
     tx.commit().map_err(|e| Error::sqlite("commit schema", e))
 }
@@ -204,6 +347,46 @@ fn refuse_missing_triggers(conn: &Connection, not_yet: &[&str]) -> Result<()> {
             ),
         )),
     }
+}
+
+/// Every table, index and trigger [`SCHEMA_SQL`] creates, as
+/// `(type, name)` with the type as `sqlite_master` spells it.
+pub(crate) fn schema_objects() -> impl Iterator<Item = (String, &'static str)> {
+    SCHEMA_SQL.lines().filter_map(|line| {
+        let (kind, rest) = line.trim().strip_prefix("CREATE ")?.split_once(' ')?;
+        let name = rest
+            .strip_prefix("IF NOT EXISTS ")?
+            .split_whitespace()
+            .next()?;
+        Some((kind.to_ascii_lowercase(), name))
+    })
+}
+
+/// Refuses a file, at the current version, missing an object of the
+/// schema: the engine's statements and guarantees need each one (without
+/// `postroom_conflicts` every conflict fails for good; without an index a
+/// statement scans). Nothing is recreated: an object missing means the
+/// file was changed outside postroom, and what it held is gone.
+fn refuse_incomplete_schema(conn: &Connection) -> Result<()> {
+    let mut present = conn
+        .prepare_cached("SELECT count(*) > 0 FROM sqlite_master WHERE type = ?1 AND name = ?2")
+        .map_err(|e| Error::sqlite("read schema", e))?;
+    for (kind, name) in schema_objects() {
+        let found: bool = present
+            .query_row([&kind, name], |r| r.get(0))
+            .map_err(|e| Error::sqlite("read schema", e))?;
+        if !found {
+            return Err(Error::invalid(
+                "database",
+                format!(
+                    "{kind} {name} is missing: the file was changed outside postroom (a dropped \
+                     {kind}, a partial restore); restore it from a backup, or run `postroom \
+                     check` to see what else differs"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Version 1 to 2: the inbox's key moves from a UNIQUE constraint on the
@@ -337,5 +520,21 @@ pub(crate) fn check_version(found: i64) -> Result<()> {
             "database",
             format!("unknown postroom schema version {found} (this build knows {SCHEMA_VERSION})"),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The open-time check knows every object the schema creates.
+    #[test]
+    fn every_object_of_the_schema_is_listed() {
+        let objects: Vec<_> = schema_objects().collect();
+        let creates = SCHEMA_SQL.matches("CREATE ").count();
+        assert_eq!(objects.len(), creates, "{objects:?}");
+        assert!(objects.contains(&("table".into(), "postroom_conflicts")));
+        assert!(objects.contains(&("index".into(), "postroom_outbox_dead")));
+        assert!(objects.contains(&("trigger".into(), "postroom_inbox_key_fixed")));
     }
 }

@@ -135,6 +135,178 @@ fn invalid_configuration_and_consumer_names_are_refused_at_open() {
     assert!(!path.exists(), "a refused configuration creates no file");
 }
 
+/// Every setting has a documented range, checked at `open`: a value past
+/// it (one that would overflow a deadline, SQLite's millisecond count or
+/// an allocation) is `InvalidInput` naming the setting, and creates no
+/// file, instead of a panic in a background thread or an abort later.
+#[test]
+fn every_setting_out_of_its_documented_range_is_refused_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let b = Postroom::builder;
+    let year = Duration::from_secs(365 * 24 * 3600);
+    let cases: Vec<(postroom::Builder, &str)> = vec![
+        (b().lease(Duration::MAX), "lease"),
+        (b().lease(year + Duration::from_secs(1)), "lease"),
+        (b().lease(Duration::from_micros(10)), "lease"),
+        (
+            b().busy_timeout(Duration::from_millis(1 << 31)),
+            "busy_timeout",
+        ),
+        (b().busy_timeout(Duration::MAX), "busy_timeout"),
+        (b().drop_deadline(Duration::MAX), "drop_deadline"),
+        (b().max_batch(usize::MAX), "max_batch"),
+        (b().max_batch(65_537), "max_batch"),
+        (b().read_pool_size(u32::MAX), "read_pool_size"),
+        (b().read_pool_size(257), "read_pool_size"),
+        (b().workers(64), "workers"),
+        (b().poll_interval(Duration::MAX), "poll_interval"),
+        (b().poll_interval(Duration::ZERO), "poll_interval"),
+        (b().reaper_interval(Duration::MAX), "reaper_interval"),
+        (b().relay_poll(Duration::MAX), "relay_poll"),
+        (b().relay_batch(usize::MAX), "relay_batch"),
+        (b().relay_batch(0), "relay_batch"),
+        (b().process_batch(0), "process_batch"),
+        (b().process_batch(usize::MAX), "process_batch"),
+        (b().backoff(Duration::MAX, Duration::MAX), "backoff"),
+        (
+            b().backoff(Duration::from_secs(1), Duration::MAX),
+            "backoff",
+        ),
+    ];
+    for (builder, expected) in cases {
+        let shown = format!("{builder:?}");
+        match builder.open(&path) {
+            Err(Error::InvalidInput { field, reason }) => {
+                assert_eq!(field, expected, "{reason}\n{shown}");
+                assert!(
+                    reason.contains("at most") || reason.contains("at least"),
+                    "{reason}"
+                );
+            }
+            other => panic!("expected InvalidInput({expected}), got {other:?}\n{shown}"),
+        }
+        assert!(
+            std::fs::read_dir(dir.path()).unwrap().next().is_none(),
+            "a refused setting ({expected}) created a file"
+        );
+    }
+}
+
+/// The top of every documented range works: the engine takes and
+/// processes work, and shuts down (an unbounded `shutdown` deadline waits
+/// as long as it takes instead of overflowing an `Instant`). Retention
+/// settings have no upper bound: `Duration::MAX` keeps rows for ever.
+#[test]
+fn settings_at_the_top_of_their_ranges_run_and_shut_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let year = Duration::from_secs(365 * 24 * 3600);
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = Arc::clone(&calls);
+    let room = Postroom::builder()
+        .lease(year)
+        .busy_timeout(Duration::from_millis(i32::MAX as u64))
+        .drop_deadline(year)
+        .max_batch(65_536)
+        .read_pool_size(256)
+        .workers(63)
+        .poll_interval(year)
+        .reaper_interval(year)
+        .relay_poll(year)
+        .relay_batch(65_536)
+        .backoff(year, year)
+        .max_attempts(u32::MAX)
+        .retention(Duration::MAX)
+        .dead_retention(Some(Duration::MAX))
+        .conflict_retention(Some(Duration::MAX))
+        .checkpoint_wal_bytes(u64::MAX)
+        .sink(postroom::sink_fn(|_: &postroom::OutboxMessage| {
+            postroom::SendResult::Sent
+        }))
+        .consumer(
+            "c",
+            handler_fn(move |tx, msg| {
+                c.fetch_add(1, Ordering::SeqCst);
+                apply(tx, msg)
+            }),
+        )
+        .open(&path)
+        .unwrap();
+    create_domain(&room);
+    room.receive("c", Message::new("b", "queued", "x")).unwrap();
+    assert_eq!(
+        room.deliver("c", Message::new("b", "inline", "x")).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    eventually(30, "the queued message is processed", || {
+        calls.load(Ordering::SeqCst) == 2
+    });
+    room.cleanup().unwrap();
+    let report = room.shutdown(Duration::MAX).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    let conn = raw(&path);
+    assert_eq!(count(&conn, "SELECT count(*) FROM postroom_inbox"), 2);
+    integrity_ok(&conn);
+}
+
+/// A user clock that panics when the reaper thread calls it.
+struct ReaperKillingClock;
+impl postroom::Clock for ReaperKillingClock {
+    fn now_ms(&self) -> i64 {
+        if std::thread::current().name() == Some("postroom-reaper") {
+            panic!("user clock failed on the reaper");
+        }
+        postroom::SystemClock.now_ms()
+    }
+}
+
+/// A background thread that dies (here the reaper, by a panic from the
+/// user's clock) is logged and turns every later intake call into
+/// `Error::Stopped` naming it: the engine must not go on accepting work
+/// that part of it no longer does (expiring leases, retention; for a dead
+/// dispatcher, processing anything received).
+#[test]
+fn a_background_thread_that_dies_makes_intake_refuse_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let room = Postroom::builder()
+        .clock(ReaperKillingClock)
+        .reaper_interval(Duration::from_millis(10))
+        .consumer("c", handler_fn(|_, _| Ok(())))
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut n = 0;
+    let err = loop {
+        n += 1;
+        match room.receive("c", Message::new("b", format!("m{n}"), "x")) {
+            Ok(_) if started.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Ok(receipt) => panic!(
+                "the reaper died 10 s ago and receive still answers {receipt:?} ({n} accepted)"
+            ),
+            Err(e) => break e,
+        }
+    };
+    match &err {
+        Error::Stopped { thread, reason } => {
+            assert_eq!(thread, "postroom-reaper");
+            assert!(reason.contains("user clock failed"), "{reason}");
+        }
+        other => panic!("expected Stopped, got {other:?}"),
+    }
+    assert!(!err.is_retryable());
+    assert!(err.to_string().contains("open it again"), "{err}");
+    assert!(matches!(
+        room.deliver("c", Message::new("b", "inline", "x")),
+        Err(Error::Stopped { .. })
+    ));
+    let report = room.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(report.panicked.len(), 1, "{report:?}");
+    assert_eq!(report.panicked[0].0, "postroom-reaper");
+}
+
 #[test]
 fn a_file_that_is_not_sqlite_is_refused_and_left_alone() {
     let dir = tempfile::tempdir().unwrap();
@@ -656,6 +828,51 @@ fn a_file_missing_a_key_trigger_is_refused_at_open() {
         "{err}"
     );
     assert_eq!(count(&raw(&db), "SELECT count(*) FROM postroom_inbox"), 1);
+}
+
+/// The engine needs every table, index and trigger of its schema: a file
+/// at the current version missing one (dropped by hand, a bad restore) is
+/// refused at open, naming it, and left as it was; without
+/// `postroom_conflicts` every conflict would fail for good, unacknowledged.
+#[test]
+fn a_file_missing_a_postroom_table_or_index_is_refused_at_open() {
+    for (drop_sql, name) in [
+        ("DROP TABLE postroom_conflicts", "postroom_conflicts"),
+        ("DROP INDEX postroom_outbox_dead", "postroom_outbox_dead"),
+        ("DROP TABLE postroom_retired_keys", "postroom_retired_keys"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("p.db");
+        let (room, _) = counting_room(&db);
+        room.deliver("c", Message::new("s", "m-1", "one")).unwrap();
+        room.shutdown(Duration::from_secs(10)).unwrap();
+        raw(&db).execute_batch(drop_sql).unwrap();
+        let objects =
+            |db| column::<Vec<String>>(&raw(db), "SELECT name FROM sqlite_master ORDER BY name");
+        let before = objects(&db);
+        let Err(err) = Postroom::builder()
+            .workers(0)
+            .consumer("c", handler_fn(apply))
+            .open(&db)
+        else {
+            panic!("open must fail without {name}");
+        };
+        assert!(
+            matches!(
+                err,
+                Error::InvalidInput {
+                    field: "database",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains(&format!("{name} is missing")),
+            "{err}"
+        );
+        assert_eq!(objects(&db), before, "the refused file changed");
+    }
 }
 
 /// A stored row whose text does not decode (bit rot, a hand edit putting

@@ -1241,3 +1241,15 @@ fn check_reports_a_missing_key_trigger() {
         "trigger postroom_inbox_key_delete is missing"
     );
 }
+
+/// A busy timeout SQLite cannot take (it counts milliseconds in a C int)
+/// is a usage error, not a panic with a backtrace (exit 101).
+#[test]
+fn a_busy_timeout_past_what_sqlite_takes_is_a_usage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let run = cli_ok(&db, &["status", "--busy-timeout-ms", "2147483648"], 2);
+    assert!(run.stderr.contains("busy-timeout-ms"), "{}", run.stderr);
+    assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
+    cli_ok(&db, &["status", "--busy-timeout-ms", "2147483647"], 0);
+}

@@ -80,8 +80,9 @@ struct Cli {
     /// Machine-readable JSON output (errors: a JSON object on stderr)
     #[arg(long, global = true)]
     json: bool,
-    /// How long to wait for the running engine's write lock
-    #[arg(long, global = true, value_name = "MS", default_value_t = 5000)]
+    /// How long to wait for the running engine's write lock (at most 2147483647)
+    #[arg(long, global = true, value_name = "MS", default_value_t = 5000,
+          value_parser = clap::value_parser!(u64).range(0..=i32::MAX as u64))]
     busy_timeout_ms: u64,
     #[command(subcommand)]
     command: Command,

@@ -1,0 +1,185 @@
+//! Handler SQL runs on the engine's write connection, inside the engine's
+//! transaction; it must not be able to turn a guarantee off for later
+//! batches: no setting of connection-state pragmas, no schema changes to
+//! postroom's objects. A denied statement fails like any SQL error: the
+//! attempt fails, nothing of it is stored, the engine carries on.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use postroom::{handler_fn, Failure, Message, Outcome, Postroom};
+
+/// A consumer `sql` whose handler runs the payload as SQL, then applies the
+/// message; and the usual consumer `c`.
+fn room(path: &std::path::Path) -> Postroom {
+    let room = Postroom::builder()
+        .workers(0)
+        .max_attempts(1)
+        .backoff(Duration::ZERO, Duration::ZERO)
+        .consumer(
+            "sql",
+            handler_fn(|tx, msg| {
+                let sql = String::from_utf8(msg.payload().to_vec())
+                    .map_err(|e| Failure::reject(e.to_string()))?;
+                tx.execute_batch(&sql)?;
+                apply(tx, msg)
+            }),
+        )
+        .consumer("c", handler_fn(apply))
+        .open(path)
+        .unwrap();
+    create_domain(&room);
+    room
+}
+
+/// The writer connection's value of `pragma`, read from user code.
+fn pragma(room: &Postroom, pragma: &'static str) -> String {
+    room.transaction(move |tx| {
+        Ok(tx.query_row(&format!("PRAGMA {pragma}"), [], |r| {
+            Ok(match r.get_ref(0)? {
+                rusqlite::types::ValueRef::Integer(i) => i.to_string(),
+                rusqlite::types::ValueRef::Text(t) => String::from_utf8_lossy(t).into_owned(),
+                other => format!("{other:?}"),
+            })
+        })?)
+    })
+    .unwrap()
+}
+
+const STATE: [&str; 15] = [
+    "query_only",
+    "foreign_keys",
+    "journal_mode",
+    "synchronous",
+    "locking_mode",
+    "writable_schema",
+    "recursive_triggers",
+    "ignore_check_constraints",
+    "busy_timeout",
+    "legacy_alter_table",
+    "read_uncommitted",
+    "reverse_unordered_selects",
+    "trusted_schema",
+    "cell_size_check",
+    "schema_version",
+];
+
+#[test]
+fn a_handler_cannot_set_connection_state_pragmas() {
+    let dir = tempfile::tempdir().unwrap();
+    let room = room(&dir.path().join("app.db"));
+    let before: Vec<String> = STATE.iter().map(|p| pragma(&room, p)).collect();
+    let attempts = [
+        "PRAGMA query_only = 1",
+        "PRAGMA foreign_keys = OFF",
+        "PRAGMA journal_mode = DELETE",
+        "PRAGMA main.synchronous = OFF",
+        "PRAGMA locking_mode = EXCLUSIVE",
+        "PRAGMA writable_schema = ON",
+        "PRAGMA recursive_triggers = 1",
+        "PRAGMA ignore_check_constraints = 1",
+        "PRAGMA busy_timeout = 0",
+        "PRAGMA legacy_alter_table = 1",
+        "PRAGMA read_uncommitted = 1",
+        "PRAGMA reverse_unordered_selects = 1",
+        "PRAGMA trusted_schema = 0",
+        "PRAGMA cell_size_check = 1",
+        "PRAGMA schema_version = 12345",
+        "PRAGMA wal_autocheckpoint = 1",
+        "PRAGMA case_sensitive_like = 1",
+        "PRAGMA journal_size_limit = 0",
+    ];
+    for (i, sql) in attempts.iter().enumerate() {
+        let outcome = room
+            .deliver("sql", Message::new("s", format!("p{i}"), *sql))
+            .unwrap();
+        assert!(
+            matches!(&outcome, Outcome::Dead { error, .. } if error.contains("not authorized")),
+            "{sql}: {outcome:?}"
+        );
+        // The next message is processed as usual.
+        assert_eq!(
+            room.deliver("c", Message::new("s", format!("after-{i}"), "x"))
+                .unwrap(),
+            Outcome::Processed { attempts: 1 },
+            "after {sql}"
+        );
+    }
+    let after: Vec<String> = STATE.iter().map(|p| pragma(&room, p)).collect();
+    assert_eq!(after, before, "{STATE:?}");
+    // Reading them, and setting the application's own, stays allowed.
+    let ok = "PRAGMA user_version = 7; PRAGMA application_id = 9; PRAGMA foreign_keys; \
+              PRAGMA table_info(applied); PRAGMA index_list(postroom_inbox)";
+    assert_eq!(
+        room.deliver("sql", Message::new("s", "allowed", ok))
+            .unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    assert_eq!(pragma(&room, "user_version"), "7");
+}
+
+#[test]
+fn a_handler_cannot_drop_alter_or_create_postroom_objects() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let room = room(&path);
+    room.deliver("c", Message::new("s", "first", "x")).unwrap();
+    let schema = || {
+        column::<Vec<String>>(
+            &raw(&path),
+            "SELECT type || ' ' || name || ' ' || coalesce(sql, '') FROM sqlite_master ORDER BY name",
+        )
+    };
+    let before = schema();
+    let attempts = [
+        "DROP TRIGGER postroom_inbox_key_insert",
+        "DROP INDEX postroom_inbox_due",
+        "DROP TABLE postroom_conflicts",
+        "ALTER TABLE postroom_outbox ADD COLUMN extra TEXT",
+        "ALTER TABLE postroom_inbox RENAME TO mine",
+        "ALTER TABLE postroom_outbox RENAME COLUMN topic TO subject",
+        "CREATE TABLE postroom_mine (x)",
+        "CREATE INDEX postroom_mine ON applied (message_id)",
+        "CREATE UNIQUE INDEX by_topic ON postroom_outbox (topic)",
+        "CREATE TRIGGER eat AFTER INSERT ON postroom_outbox \
+         BEGIN DELETE FROM postroom_outbox WHERE seq = NEW.seq; END",
+        "CREATE TEMP TRIGGER eat AFTER INSERT ON main.postroom_outbox \
+         BEGIN DELETE FROM postroom_outbox WHERE seq = NEW.seq; END",
+        "CREATE VIEW postroom_view AS SELECT 1",
+    ];
+    for (i, sql) in attempts.iter().enumerate() {
+        let outcome = room
+            .deliver("sql", Message::new("s", format!("d{i}"), *sql))
+            .unwrap();
+        assert!(
+            matches!(&outcome, Outcome::Dead { error, .. } if error.contains("not authorized")),
+            "{sql}: {outcome:?}"
+        );
+        assert_eq!(schema(), before, "after {sql}");
+        // Dedupe and the outbox still work.
+        assert_eq!(
+            room.deliver("c", Message::new("s", "first", "x")).unwrap(),
+            Outcome::Duplicate,
+            "after {sql}"
+        );
+        let id = format!("after-{i}");
+        room.deliver("c", Message::new("s", id.clone(), "x"))
+            .unwrap();
+        let published = count(
+            &raw(&path),
+            &format!("SELECT count(*) FROM postroom_outbox WHERE payload = CAST('{id}' AS BLOB)"),
+        );
+        assert_eq!(published, 1, "after {sql}");
+    }
+    // The application's own schema stays the application's.
+    let ok = "CREATE TABLE mine (x); CREATE INDEX mine_x ON mine (x); \
+              CREATE TRIGGER mine_t AFTER INSERT ON mine BEGIN SELECT 1; END; \
+              ALTER TABLE mine ADD COLUMN y; DROP TRIGGER mine_t; DROP INDEX mine_x";
+    assert_eq!(
+        room.deliver("sql", Message::new("s", "own", ok)).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    integrity_ok(&raw(&path));
+}
