@@ -3,14 +3,14 @@
 //!
 //! SQLite's automatic checkpoint copies the WAL back inside whichever commit
 //! crosses 1000 frames: a caller's, which then waits for the copy and its
-//! fsync (40 to 240 ms measured while retention kept the disk busy). The
+//! fsync (tens to hundreds of ms while retention kept the disk busy). The
 //! writer's WAL hook replaces it and wakes this thread instead, which copies
 //! from its own connection while commits go on, then makes one last pass
 //! with writes paused. That last pass matters: a checkpoint that never
 //! catches up with the writer never lets the WAL restart from its
 //! beginning, every commit then extends the file, and each fsync pays for
-//! the size change (single-caller latency went from ~260 µs to ~380 µs when
-//! an earlier version copied from this thread without it). With writes
+//! the size change (single-caller latency rose by half when an earlier
+//! version copied from this thread without it). With writes
 //! paused the pass is complete (unless a reader still needs old frames),
 //! and the next commit restarts the WAL. Because callers wait for it (its
 //! fsync included), it waits up to 25 ms for a 1 ms lull in their traffic
@@ -19,12 +19,9 @@
 //!
 //! That fsync is most of the paused pass: SQLite syncs the database file
 //! only after a pass that reached the WAL's live end, so the live passes'
-//! pages are all still to write (`strace -T` during retention: p50 15 ms,
-//! 460 ms worst). Syncing after each live pass instead, through SQLite's
-//! own file handle (with the lull wait dropped), cut the paused pass to
-//! p50 1.2 ms, but the extra fsyncs slowed the callers' own commits more
-//! than that saved (one caller, one run each: 3,827 to 2,996 msgs/s, p99
-//! 453 µs to 1.47 ms; retention p99 up ~2 ms); not kept.
+//! pages are all still to write. Syncing after each live pass instead
+//! shortened the paused pass but slowed the callers' own commits more than
+//! that saved (docs/BENCHMARKS.md); not kept.
 //!
 //! At `Durability::Normal` commits are not fsynced, so this thread is also
 //! what bounds a power cut's loss: see [`NORMAL_SYNC`].
