@@ -486,6 +486,7 @@ impl Postroom {
         // up again inside the batch (the operator's CLI may have changed
         // the row in between): one index probe, against a write transaction
         // and its locks for every duplicate.
+        let _caller = self.shared.writer.caller();
         let mut leader = self.shared.writer.lead();
         let known = match &mut leader {
             Some(leader) => settled(leader.conn(), &consumer.name, &msg, &hash),

@@ -80,6 +80,9 @@ pub(crate) trait Job: Send {
 const BACKGROUND_GRACE: Duration = Duration::from_millis(1);
 /// The longest background work is put off when callers keep the writer busy.
 const BACKGROUND_MAX_DEFER: Duration = Duration::from_millis(25);
+/// The longest the writer thread waits, before a batch, for callers it
+/// knows are about to hand in a job (those the last batch just answered).
+const GATHER: Duration = Duration::from_micros(200);
 
 /// [`Core::callers_last_batch`] while a callers' batch runs.
 const BATCH_RUNNING: u64 = u64::MAX;
@@ -128,6 +131,9 @@ pub(crate) struct Core {
     epoch: Instant,
     /// The rider waiting for a batch to join (at most one).
     rider: Mutex<Option<Box<dyn Job>>>,
+    /// Callers between handing their job in and hearing back (see
+    /// [`WriterHandle::caller`]): how many jobs the next batch can expect.
+    callers: AtomicUsize,
 }
 
 impl Core {
@@ -138,6 +144,7 @@ impl Core {
             callers_last_batch: AtomicU64::new(0),
             epoch: Instant::now(),
             rider: Mutex::new(None),
+            callers: AtomicUsize::new(0),
         })
     }
 
@@ -269,10 +276,18 @@ impl WriterHandle {
     /// [`submit`](Self::submit) for a job made by [`job`] or
     /// [`rerunnable_job`].
     pub fn submit_job<T>(&self, job: (Box<dyn Job>, Receiver<Result<T>>)) -> Result<T> {
+        let _caller = self.caller();
         match self.lead() {
             Some(leader) => leader.run_job(job),
             None => self.enqueue_job(job),
         }
+    }
+
+    /// Counts the calling thread among the callers whose jobs the next
+    /// batch can wait for, until the guard is dropped.
+    pub fn caller(&self) -> CallerGuard<'_> {
+        self.core.callers.fetch_add(1, Ordering::AcqRel);
+        CallerGuard(&self.core)
     }
 
     /// The lock, if this caller can lead the next batch now.
@@ -371,6 +386,15 @@ impl WriterHandle {
         }
         let _held = self.core.lock_as_writer();
         Some(f())
+    }
+}
+
+/// A caller counted by [`WriterHandle::caller`].
+pub(crate) struct CallerGuard<'a>(&'a Core);
+
+impl Drop for CallerGuard<'_> {
+    fn drop(&mut self) {
+        self.0.callers.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -867,6 +891,7 @@ impl WriterThread {
                     batch.push(job);
                     let mut held = self.core.lock_as_writer();
                     take_queued(&self.commands, &mut batch, self.max_batch);
+                    self.gather(&mut batch);
                     self.core.run_callers_batch(held.state(), &mut batch);
                 }
                 Next::Rider => {
@@ -907,6 +932,21 @@ impl WriterThread {
         self.deferred = None;
         if let Some(state) = held.guard.take() {
             state.close();
+        }
+    }
+
+    /// Waits (up to [`GATHER`]) for the jobs of callers that are between
+    /// batches — answered by the last one, about to hand in the next — so
+    /// that concurrent callers share one commit rather than alternating in
+    /// two halves. Runs with the lock held: callers arriving meanwhile queue.
+    fn gather(&self, batch: &mut Vec<Box<dyn Job>>) {
+        let until = Instant::now() + GATHER;
+        while batch.len() < self.max_batch
+            && batch.len() < self.core.callers.load(Ordering::Acquire)
+            && Instant::now() < until
+        {
+            std::thread::yield_now();
+            take_queued(&self.commands, batch, self.max_batch);
         }
     }
 
