@@ -1,7 +1,8 @@
-//! Benchmark harness (issue #6): throughput, latency and memory of postroom's
-//! inline `deliver`, queued `receive_batch` and workers, the outbox relay,
-//! retention and a large backlog, each engine row next to a raw-rusqlite
-//! floor (or a baseline) measured in the same run, on the same disk.
+//! Benchmark harness: throughput, latency and memory of postroom's inline
+//! `deliver`, queued `receive`/`receive_batch` and processing, the outbox
+//! relay, retention and a large backlog, each engine row next to a
+//! raw-rusqlite floor (or a baseline) measured in the same run, on the same
+//! disk — and next to the *seeds floor*, the physical limit of the job.
 //!
 //! ```text
 //! cargo run --release --example bench -- [--quick] [--json PATH] [--only TEXT]
@@ -41,6 +42,25 @@
 //!   checkpoint inside its commits, where the engine checkpoints on a thread
 //!   of its own; that favours the engine's msgs/s (most at NORMAL), not its
 //!   p50.
+//! * `seeds floor N/tx …` rows are the seeds floor: the articles' pattern and
+//!   nothing else, on their own minimal schema — `INSERT INTO inbox
+//!   (consumer, message_id, received_at) … ON CONFLICT DO NOTHING` on a rowid
+//!   table keyed `(consumer, message_id)`; if inserted, `UPDATE accounts SET
+//!   balance = balance + 1, version = version + 1` on one of 1,000 rows;
+//!   `INSERT INTO outbox (topic, payload, created_at)` (256 bytes) with a
+//!   partial index on unsent rows; 32-hex random ids, WAL, default cache,
+//!   `prepare_cached`; at 1, 8 and 100 messages per transaction. It does not
+//!   move when postroom's schema grows. Every handler in this harness does
+//!   the same work (one account updated, one 256-byte message published), so
+//!   the `seeds` column (an engine row's msgs/s over the seeds floor named in
+//!   the goals: 1/tx for one caller, 8/tx for eight, 100/tx for the drains)
+//!   compares like with like. Rows that can say so give the WAL frames
+//!   (pages dirtied, once per commit) and B-tree entries added (net, from
+//!   `dbstat`) per message of the timed phase.
+//! * `receive 1 by 1 FULL`: one caller `receive`s one message per call, no
+//!   processing (`workers(0)`). `… + processing`: the same with default
+//!   settings, processing as it goes; msgs/s is the receiving caller's, the
+//!   notes say how many were processed before it stopped.
 //! * `duplicate storm` re-delivers messages that were all processed before;
 //!   its floor is the dedupe `SELECT` on the unique key, one by one.
 //! * `receive_batch 1000`: one caller storing batches of 1,000 with
@@ -55,9 +75,10 @@
 //!   `stats()` itself would scan the inbox on one of the two cores). Like
 //!   the relay drain (and its floor) it runs until drained, not to the time
 //!   cap (giving up after 5 minutes, with a note), so the counts are sized
-//!   to take a few seconds a pass. Each
-//!   message takes a claim (shared by up to N rows) and a completion: the
-//!   notes give commits per message. No floor.
+//!   to take a few seconds a pass. Transactional consumers' rows are
+//!   processed in batches of `process_batch` in one transaction each (N only
+//!   sizes the effectful workers, idle here): the notes give commits per
+//!   message. Compared with the seeds floor at 100/tx.
 //! * `relay drain`: N committed pending outbox rows (keyed, with causation
 //!   headers, published by `room.transaction` in 10,000-row chunks with no
 //!   sink), then the engine reopened with a `sink_fn` that counts and
@@ -1979,9 +2000,16 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
             }
             let base = engine::processed(&probe)?;
             let before = engine::counters(&room)?.0;
+            let (frames, cells) = (engine::frames(&room)?, seeds::cells(&probe)?);
             m.run = engine::receive_loop(&room, 1, seed, count, Some(cap))?;
             let after = engine::counters(&room)?.0;
             m.group = Some(engine::delta(before, after));
+            if !processing {
+                m.footprint = Some(Footprint {
+                    frames: engine::frames(&room)? - frames,
+                    cells: seeds::cells(&probe)? - cells,
+                });
+            }
             if processing {
                 let during = engine::processed(&probe)? - base;
                 let t = Instant::now();
