@@ -889,7 +889,7 @@ pub(crate) fn recover_after_crash(
                 )
                 .map(drop)
             } else if let Some(token) = row.token {
-                queue::release(conn, row.row_id, token, None).map(drop)
+                queue::release(conn, row.row_id, token).map(drop)
             } else {
                 queue::expire(
                     conn,

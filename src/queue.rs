@@ -293,25 +293,18 @@ pub(crate) fn lease_held(conn: &Connection, row_id: i64, token: i64) -> rusqlite
     .map(|r| r.is_some())
 }
 
-/// Gives back a claim whose attempt does not count (its handler never
-/// started, or the storage failed it): the row returns to what it was, the
-/// attempt uncounted, due again at `due_at` if given (else as it was).
-pub(crate) fn release(
-    conn: &Connection,
-    row_id: i64,
-    token: i64,
-    due_at: Option<i64>,
-) -> rusqlite::Result<bool> {
+/// Gives back a claim whose attempt does not count (its step never
+/// started): the row returns to what it was, the attempt uncounted.
+pub(crate) fn release(conn: &Connection, row_id: i64, token: i64) -> rusqlite::Result<bool> {
     let n = conn
         .prepare_cached(
             "UPDATE postroom_inbox
              SET status = CASE WHEN attempts <= 1 AND last_error IS NULL THEN 'pending'
                                ELSE 'failed' END,
-                 attempts = max(attempts - 1, 0), lease_until = NULL, lease_token = NULL,
-                 next_attempt_at = coalesce(?3, next_attempt_at)
+                 attempts = max(attempts - 1, 0), lease_until = NULL, lease_token = NULL
              WHERE id = ?1 AND status = 'processing' AND lease_token = ?2",
         )?
-        .execute(params![row_id, token, due_at])?;
+        .execute(params![row_id, token])?;
     Ok(n == 1)
 }
 

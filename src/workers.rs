@@ -236,7 +236,7 @@ pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>, mut slot: Cla
     while let Ok(claim) = claims.recv() {
         let (row_id, token) = (claim.row_id, claim.token);
         let settled = if shared.stopping.load(Ordering::Acquire) {
-            match release(&shared, row_id, token, false) {
+            match release(&shared, row_id, token) {
                 Ok(()) => true,
                 Err(e) => {
                     log::warn!(
@@ -261,7 +261,7 @@ pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>, mut slot: Cla
 /// Runs a claim; true when the row is no longer the claim's (finished,
 /// handed back, or taken over).
 fn run(shared: &Shared, claim: Claimed, slot: &mut ClaimSlot) -> bool {
-    let (row_id, token) = (claim.row_id, claim.token);
+    let row_id = claim.row_id;
     let Some(consumer) = shared.consumers.get(&claim.consumer) else {
         log::error!(
             "postroom worker: row {row_id}: no consumer {:?}; retried once its lease expires",
@@ -285,27 +285,8 @@ fn run(shared: &Shared, claim: Claimed, slot: &mut ClaimSlot) -> bool {
             log::warn!("postroom worker: row {row_id}: engine closed; recovered at next open");
             false
         }
-        // The storage failed (disk full, busy, a failed commit), not the
-        // message, and a transactional step leaves no trace: like a
-        // `deliver` that fails so, it counts no attempt. Left to expire, the
-        // lease would count one per span of the failure, and dead-letter the
-        // message. Anything else, or an effectful step whose external call
-        // has happened, is counted as before: its lease expires.
-        Err(e) if e.is_retryable() && matches!(consumer.kind, ConsumerKind::Transactional(_)) => {
-            match release(shared, row_id, token, true) {
-                Ok(()) => {
-                    log::warn!("postroom worker: row {row_id}: {e}; handed back uncounted");
-                    true
-                }
-                Err(again) => {
-                    log::error!(
-                        "postroom worker: row {row_id}: {e}; handing it back failed too \
-                         ({again}); retried once its lease expires"
-                    );
-                    false
-                }
-            }
-        }
+        // The external call has happened: the attempt stays counted, and
+        // the lease expires.
         Err(e) => {
             log::error!("postroom worker: row {row_id}: {e}; retried once its lease expires");
             false
@@ -313,15 +294,10 @@ fn run(shared: &Shared, claim: Claimed, slot: &mut ClaimSlot) -> bool {
     }
 }
 
-/// Hands a claim back uncounted. `later`: due again after the first retry
-/// delay (at least the poll interval), so a storage failure that lasts
-/// does not spin the claim loop.
-fn release(shared: &Shared, row_id: i64, token: i64, later: bool) -> Result<()> {
-    let config = &shared.config;
-    let delay = clock::millis(config.retry.initial.max(config.poll_interval));
+/// Hands a claim back uncounted, due as it was (its step never started).
+fn release(shared: &Shared, row_id: i64, token: i64) -> Result<()> {
     shared.writer.submit(move |w| {
-        let due_at = later.then(|| w.clock.now_ms().saturating_add(delay));
-        queue::release(w.conn, row_id, token, due_at)
+        queue::release(w.conn, row_id, token)
             .map(drop)
             .map_err(|e| Error::sqlite("release claim", e))
     })
@@ -335,12 +311,10 @@ fn process(
     slot: &mut ClaimSlot,
 ) -> Result<Option<Outcome>> {
     match &consumer.kind {
-        ConsumerKind::Transactional(handler) => {
-            let handler = Arc::clone(handler);
-            shared
-                .writer
-                .submit(move |w| complete(w, &claim, |tx| handler.handle(tx, &claim.msg)))
-        }
+        // The dispatcher claims effectful consumers' rows only.
+        ConsumerKind::Transactional(_) => Err(Error::Aborted {
+            reason: "a transactional consumer's row was claimed; it is processed in batches".into(),
+        }),
         ConsumerKind::Effectful(handler) => {
             let ctx = EffectContext {
                 consumer: &claim.consumer,
