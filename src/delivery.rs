@@ -192,13 +192,32 @@ pub(crate) struct Processed {
 /// fresh transaction with the same `poisoned`, and that run first counts
 /// each of those rows' attempt as failed (see [`record_poisoned`]). Every
 /// run that is rolled back adds a row, so the runs end.
+///
+/// Any other error fails the batch (the caller rolls it back), naming the
+/// row it came from in `held` when the transaction is still open: a
+/// handler that passed on a storage error (disk full, busy, read-only —
+/// perhaps of an attached database of its own). The caller's next batch
+/// first holds those rows back, uncounted, for the first retry delay (at
+/// least `poll_interval`), so one such row cannot stop every other row,
+/// while a storage failure that is real fails the next batch too.
 pub(crate) fn process_due(
     env: &mut Env<'_>,
     consumers: &[(&str, &dyn Handler)],
     limit: usize,
     poisoned: &mut Vec<Claimed>,
+    held: &mut Vec<Claimed>,
 ) -> Result<Vec<Processed>> {
     let mut done = Vec::new();
+    let delay = clock::millis(env.config.retry.initial.max(env.config.poll_interval));
+    for row in held.iter() {
+        queue::hold_back(
+            env.conn,
+            row.row_id,
+            row.attempt - 1,
+            env.now_ms.saturating_add(delay),
+        )
+        .map_err(|e| Error::sqlite("hold back a queued row", e))?;
+    }
     for row in poisoned.iter() {
         if let Some(outcome) = record_poisoned(env, row)? {
             done.push(Processed {
@@ -226,7 +245,15 @@ pub(crate) fn process_due(
             let outcome = match attempt(env, Step::Run(handler), attempt_of(&row)) {
                 Ok(outcome) => outcome,
                 Err(e) => {
-                    if matches!(e, Error::RolledBack { .. }) && env.conn.is_autocommit() {
+                    if !env.conn.is_autocommit() {
+                        log::warn!(
+                            "consumer {:?}: message {}/{}: {e}; held back uncounted",
+                            row.consumer,
+                            row.msg.source,
+                            row.msg.id
+                        );
+                        held.push(row);
+                    } else if matches!(e, Error::RolledBack { .. }) {
                         poisoned.push(row);
                     }
                     return Err(e);

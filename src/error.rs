@@ -103,6 +103,14 @@ pub enum Error {
         /// What happened.
         reason: String,
     },
+    /// Another job's SQL in the same group commit rolled the shared
+    /// transaction back (see [`Error::RolledBack`]) after this call's work
+    /// had run and before it could commit. Nothing of this call was stored;
+    /// it had done nothing wrong: retry.
+    GroupRolledBack {
+        /// What the other job's error said.
+        reason: String,
+    },
     /// The engine has been shut down, or its writer thread stopped.
     Closed,
     /// One of the engine's threads died (panicked), so part of its work is
@@ -124,7 +132,7 @@ impl Error {
     /// or a transient I/O error occurred.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::StorageFull { .. } | Error::Busy { .. } => true,
+            Error::StorageFull { .. } | Error::Busy { .. } | Error::GroupRolledBack { .. } => true,
             Error::Sqlite { source, .. } => matches!(
                 source.sqlite_error_code(),
                 Some(ErrorCode::SystemIoFailure | ErrorCode::OutOfMemory)
@@ -204,6 +212,9 @@ impl Error {
                 op,
                 source: io::Error::new(source.kind(), source.to_string()),
             },
+            Error::GroupRolledBack { reason } => Error::GroupRolledBack {
+                reason: reason.clone(),
+            },
             Error::Aborted { reason } => Error::Aborted {
                 reason: reason.clone(),
             },
@@ -260,6 +271,11 @@ impl fmt::Display for Error {
             ),
             Error::Io { op, source } => write!(f, "{op}: {source}"),
             Error::Aborted { reason } => write!(f, "transaction aborted: {reason}"),
+            Error::GroupRolledBack { reason } => write!(
+                f,
+                "another job's SQL rolled back the group commit this call shared ({reason}); \
+                 nothing of this call was stored: retry"
+            ),
             Error::Closed => f.write_str("postroom engine is shut down"),
             Error::Stopped { thread, reason } => write!(
                 f,

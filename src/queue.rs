@@ -283,6 +283,22 @@ pub(crate) fn still_due(conn: &Connection, row_id: i64, attempts: u32) -> rusqli
     .map(|r| r.is_some())
 }
 
+/// Puts a due row off until `until` without counting an attempt, if it is
+/// still due with `attempts` attempts used.
+pub(crate) fn hold_back(
+    conn: &Connection,
+    row_id: i64,
+    attempts: u32,
+    until: i64,
+) -> rusqlite::Result<()> {
+    conn.prepare_cached(
+        "UPDATE postroom_inbox SET next_attempt_at = ?3
+         WHERE id = ?1 AND attempts = ?2 AND status IN ('pending', 'failed')",
+    )?
+    .execute(params![row_id, attempts, until])?;
+    Ok(())
+}
+
 /// True when `token` still holds the lease on the row.
 pub(crate) fn lease_held(conn: &Connection, row_id: i64, token: i64) -> rusqlite::Result<bool> {
     conn.prepare_cached(

@@ -554,7 +554,7 @@ impl Machine {
                     .iter()
                     .map(|&c| (c, handler as &dyn Handler))
                     .collect();
-                delivery::process_due(&mut env, &consumers, limit, &mut poisoned)
+                delivery::process_due(&mut env, &consumers, limit, &mut poisoned, &mut Vec::new())
             });
             // Crashed, committed, or failed for another reason.
             if poisoned.len() == before || result.is_ok() {

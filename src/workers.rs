@@ -123,15 +123,26 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
     }
     let lease = shared.config.lease;
     let lease_ms = clock::millis(lease);
+    // Rows whose step failed the last batch; held back by the next one.
+    let held: Arc<Mutex<Vec<Claimed>>> = Arc::default();
     while !shared.stopping.load(Ordering::Acquire) {
         let mut claimed_any = false;
         if !transactional.is_empty() {
             // Rotate so that one busy consumer does not starve the others.
             transactional.rotate_left(1);
-            match process_batch(&shared, transactional.clone()) {
+            let holding = lock(&held).len();
+            match process_batch(&shared, transactional.clone(), Arc::clone(&held)) {
                 // A full batch: more may be due at once.
-                Ok(n) => claimed_any = n >= shared.config.process_batch,
+                Ok(n) => {
+                    lock(&held).clear();
+                    claimed_any = n >= shared.config.process_batch;
+                }
                 Err(Error::Closed) => return,
+                // A row to hold back: the next batch goes on without it.
+                Err(e) if lock(&held).len() > holding => {
+                    log::warn!("postroom dispatcher: processing a batch failed: {e}");
+                    continue;
+                }
                 Err(e) => {
                     // The storage failed, not a message: nothing was
                     // counted. Wait before the next try, so a failure that
@@ -201,7 +212,11 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
 /// module docs). Returns how many rows it settled. A row whose handler
 /// rolled the whole transaction back is counted as a failed attempt when
 /// the writer runs the batch again.
-fn process_batch(shared: &Shared, consumers: Vec<(String, Arc<dyn Handler>)>) -> Result<usize> {
+fn process_batch(
+    shared: &Shared,
+    consumers: Vec<(String, Arc<dyn Handler>)>,
+    held: Arc<Mutex<Vec<Claimed>>>,
+) -> Result<usize> {
     let limit = shared.config.process_batch;
     let mut poisoned: Vec<Claimed> = Vec::new();
     let done = shared.writer.submit_rider(move |w| {
@@ -214,7 +229,8 @@ fn process_batch(shared: &Shared, consumers: Vec<(String, Arc<dyn Handler>)>) ->
             log: &mut *w.engine_file,
             guard: w.guard,
         };
-        let done = delivery::process_due(&mut env, &list, limit, &mut poisoned)?;
+        let mut held = lock(&held);
+        let done = delivery::process_due(&mut env, &list, limit, &mut poisoned, &mut held)?;
         failpoint::hit("process.after_batch")?;
         Ok(done)
     })?;
@@ -228,6 +244,10 @@ fn process_batch(shared: &Shared, consumers: Vec<(String, Arc<dyn Handler>)>) ->
         );
     }
     Ok(done.len())
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A worker thread's body: processes claimed rows until the dispatcher is

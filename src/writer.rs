@@ -73,6 +73,8 @@ pub(crate) trait Job: Send {
     /// by some job's user code: true if the job can run again in a fresh
     /// one, else it answers with `reason` (or the error it met itself).
     fn rerun(&mut self, reason: &Error) -> bool;
+    /// True for a job that can run again (see [`rerunnable_job`]).
+    fn rerunnable(&self) -> bool;
 }
 
 /// How long the writer, with nothing else to do, waits for a caller's job
@@ -464,6 +466,10 @@ where
         copy
     }
 
+    fn rerunnable(&self) -> bool {
+        matches!(self.work, Work::Again(_))
+    }
+
     fn rerun(&mut self, reason: &Error) -> bool {
         match &mut self.work {
             Work::Once(Some(_)) => true,
@@ -684,6 +690,12 @@ impl WriterState {
     /// a job's user code rolls the transaction back, the jobs that can run
     /// again do, in a fresh transaction (at most once per job).
     fn execute(&mut self, batch: &mut [Box<dyn Job>]) -> Result<bool> {
+        // Jobs that can run again go first: a rollback by any job then
+        // undoes only jobs that can run again (and the culprit itself),
+        // never a run-once job's work that already ran (an effectful
+        // step's apply, a `transaction()` closure), unless another run-once
+        // job after it is the culprit.
+        batch.sort_by_key(|job| !job.rerunnable());
         let mut live = vec![true; batch.len()];
         // Each run that is rolled back ends one culprit's run of user code
         // (a delivery records the failure without running its handler
@@ -699,11 +711,8 @@ impl WriterState {
                 "postroom writer: {error}; the batch's other {} job(s) run again",
                 live.iter().filter(|&&l| l).count().saturating_sub(1)
             );
-            let reason = Error::Aborted {
-                reason: format!(
-                    "another job's user code rolled the shared transaction back ({error}); \
-                     nothing of this one was stored"
-                ),
+            let reason = Error::GroupRolledBack {
+                reason: error.to_string(),
             };
             for (i, job) in batch.iter_mut().enumerate() {
                 if live[i] {
@@ -722,6 +731,10 @@ impl WriterState {
         // A holder that panicked mid-batch left its transaction open; none
         // of it was answered as committed.
         self.roll_back();
+        if !live.contains(&true) {
+            // Every job was answered already: nothing to commit.
+            return Ok(Ran::Done(false));
+        }
         failpoint::hit("writer.before_begin")?;
         exec(&self.conn, "BEGIN IMMEDIATE")?;
         let mut ctx = WriterCtx {

@@ -190,3 +190,137 @@ fn a_transaction_whose_sql_rolls_back_says_so_and_is_not_called_retryable() {
         Outcome::Processed { attempts: 1 }
     );
 }
+
+/// `transaction()` closures and effectful steps cannot run again, so a
+/// batch runs them after everything that can: a queued handler that rolls
+/// its batch back never undoes them.
+#[test]
+fn work_that_cannot_run_again_is_never_undone_by_a_batch_a_handler_rolled_back() {
+    use postroom::{EffectContext, EffectHandler};
+    struct Charge(Arc<AtomicU64>);
+    impl EffectHandler for Charge {
+        type Output = ();
+        fn effect(&self, _: &EffectContext<'_>, _: &Message) -> Result<(), Failure> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        fn apply(&self, tx: &mut Tx<'_>, msg: &Message, (): ()) -> Result<(), Failure> {
+            tx.execute(
+                "INSERT INTO ledger (id, amount) VALUES (?1, 1)",
+                [format!("fx-{}", msg.id())],
+            )?;
+            Ok(())
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let effects = Arc::new(AtomicU64::new(0));
+    let room = Arc::new(
+        Postroom::builder()
+            .max_attempts(3)
+            .workers(4)
+            .backoff(Duration::from_millis(1), Duration::from_millis(2))
+            .poll_interval(Duration::from_millis(5))
+            .consumer("pay", handler_fn(book))
+            .effectful_consumer("fx", Charge(effects.clone()))
+            .open(dir.path().join("app.db"))
+            .unwrap(),
+    );
+    room.transaction(|tx| {
+        tx.execute_batch(LEDGER)?;
+        tx.execute_batch("CREATE TABLE notes (n INTEGER)")?;
+        Ok(())
+    })
+    .unwrap();
+    let writers: Vec<_> = (0..4)
+        .map(|t| {
+            let room = room.clone();
+            thread::spawn(move || {
+                (0..150)
+                    .filter_map(|n| {
+                        room.transaction(move |tx| {
+                            tx.execute("INSERT INTO notes (n) VALUES (?1)", [t * 1000 + n])?;
+                            Ok(())
+                        })
+                        .err()
+                        .map(|e| format!("{e} (retryable: {})", e.is_retryable()))
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for n in 0..40 {
+        room.receive("pay", Message::new("s", format!("poison-{n}"), "-1"))
+            .unwrap();
+        room.receive("fx", Message::new("s", format!("charge-{n}"), "x"))
+            .unwrap();
+        thread::sleep(Duration::from_millis(2));
+    }
+    let failed: Vec<String> = writers
+        .into_iter()
+        .flat_map(|w| w.join().unwrap())
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} transactions failed, the first: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    eventually(30, "every poison dead, every charge applied", || {
+        let s = room.stats().unwrap();
+        s.inbox["pay"].dead == 40 && s.inbox["fx"].completed == 40
+    });
+    let conn = raw(&dir.path().join("app.db"));
+    assert_eq!(count(&conn, "SELECT count(*) FROM notes"), 600);
+    assert_eq!(
+        effects.load(Ordering::Relaxed),
+        40,
+        "an effect ran again: its apply was undone by another message's rollback"
+    );
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM postroom_inbox WHERE consumer = 'fx' AND attempts != 1"
+        ),
+        0
+    );
+}
+
+/// A handler that passes on a storage error (here: its own attached
+/// database is read-only) fails its message, not the storage: its row is
+/// held back, uncounted, and every other row goes on.
+#[test]
+fn a_queued_row_whose_handler_passes_on_a_storage_error_does_not_stop_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let stuck = |tx: &mut Tx<'_>, msg: &Message| -> Result<(), Failure> {
+        if msg.id() == "stuck" {
+            return Err(Failure::Sqlite(rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_READONLY),
+                Some("attempt to write a readonly database".into()),
+            )));
+        }
+        book(tx, msg)
+    };
+    let room = Postroom::builder()
+        .backoff(Duration::from_millis(50), Duration::from_millis(100))
+        .poll_interval(Duration::from_millis(5))
+        .consumer("a", handler_fn(stuck))
+        .consumer("b", handler_fn(book))
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    room.transaction(|tx| {
+        tx.execute_batch(LEDGER)?;
+        Ok(())
+    })
+    .unwrap();
+    let mut a = vec![Message::new("s", "stuck", "1")];
+    a.extend((0..5).map(|n| Message::new("s", format!("a{n}"), "1")));
+    room.receive_batch("a", a).unwrap();
+    room.receive_batch("b", (0..5).map(|n| Message::new("s", format!("b{n}"), "1")))
+        .unwrap();
+    eventually(10, "every other row processed", || {
+        let s = room.stats().unwrap();
+        s.inbox["a"].completed == 5 && s.inbox["b"].completed == 5
+    });
+    let (status, attempts, _) = last_error(dir.path(), "stuck");
+    assert_eq!((status.as_str(), attempts), ("pending", 0));
+}
