@@ -854,8 +854,8 @@ pub(crate) struct WriterThread {
     /// Low-priority jobs (retention), each run in a transaction of its own.
     background: Receiver<Box<dyn Job>>,
     rider_rung: Receiver<()>,
-    /// Since when a rider waits (it may have been taken by a leader since).
-    rider_since: Option<Instant>,
+    /// A rider was left in the slot (a leader may have taken it since).
+    rider_waits: bool,
     stop: Receiver<()>,
     /// A background job taken off its queue, and since when it waits.
     deferred: Option<(Box<dyn Job>, Instant)>,
@@ -885,7 +885,7 @@ pub(crate) fn writer(state: WriterState, alive: Receiver<()>) -> (WriterHandle, 
         commands: queued,
         background: background_rx,
         rider_rung,
-        rider_since: None,
+        rider_waits: false,
         stop: stop_rx,
         deferred: None,
         max_batch,
@@ -992,12 +992,12 @@ impl WriterThread {
                 return Next::Stop;
             }
             if self.rider_rung.try_recv().is_ok() {
-                self.rider_since = Some(Instant::now());
+                self.rider_waits = true;
             }
             // Nobody queued; leaders leave a trace of their last batch.
             let quiet = self.core.callers_quiet_for() >= BACKGROUND_GRACE;
-            if self.rider_since.is_some() && quiet {
-                self.rider_since = None;
+            if self.rider_waits && quiet {
+                self.rider_waits = false;
                 return Next::Rider;
             }
             if quiet {
@@ -1005,7 +1005,7 @@ impl WriterThread {
                     return Next::Background(job);
                 }
             }
-            if self.deferred.is_some() || self.rider_since.is_some() {
+            if self.deferred.is_some() || self.rider_waits {
                 crossbeam_channel::select! {
                     recv(self.commands) -> job => return job.map_or(Next::Stop, Next::Job),
                     recv(self.stop) -> _ => return Next::Stop,
@@ -1016,7 +1016,7 @@ impl WriterThread {
                     recv(self.commands) -> job => return job.map_or(Next::Stop, Next::Job),
                     recv(self.stop) -> _ => return Next::Stop,
                     recv(self.rider_rung) -> rung => match rung {
-                        Ok(()) => self.rider_since = Some(Instant::now()),
+                        Ok(()) => self.rider_waits = true,
                         Err(_) => return Next::Stop,
                     },
                     recv(self.background) -> job => match job {
