@@ -17,7 +17,7 @@ use rusqlite::{Connection, OpenFlags};
 use crate::checkpoint;
 use crate::clock::Clock;
 use crate::config::{Builder, Config, ConsumerKind, Durability};
-use crate::delivery::{self, exec, panic_message, Env, Step};
+use crate::delivery::{self, exec, panic_message, Step};
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
@@ -503,20 +503,15 @@ impl Postroom {
         // failed attempt.
         let mut rolled_back = false;
         let job = writer::rerunnable_job(move |w: &mut WriterCtx<'_>| {
-            let mut env = Env {
-                conn: w.conn,
-                config: w.config,
-                now_ms: w.clock.now_ms(),
-                log: &mut *w.engine_file,
-                guard: w.guard,
-            };
+            let conn = w.conn;
+            let mut env = w.env();
             let step = if rolled_back {
                 Step::RolledBack
             } else {
                 Step::Run(&*handler)
             };
             let outcome = delivery::deliver(&mut env, &consumer.name, step, &msg, &hash);
-            if matches!(outcome, Err(Error::RolledBack { .. })) && w.conn.is_autocommit() {
+            if matches!(outcome, Err(Error::RolledBack { .. })) && conn.is_autocommit() {
                 rolled_back = true;
             }
             outcome

@@ -222,13 +222,7 @@ fn process_batch(
     let done = shared.writer.submit_rider(move |w| {
         let list: Vec<(&str, &dyn Handler)> =
             consumers.iter().map(|(n, h)| (n.as_str(), &**h)).collect();
-        let mut env = Env {
-            conn: w.conn,
-            config: w.config,
-            now_ms: w.clock.now_ms(),
-            log: &mut *w.engine_file,
-            guard: w.guard,
-        };
+        let mut env = w.env();
         let mut held = lock(&held);
         let done = delivery::process_due(&mut env, &list, limit, &mut poisoned, &mut held)?;
         failpoint::hit("process.after_batch")?;

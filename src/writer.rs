@@ -61,6 +61,20 @@ pub(crate) struct WriterCtx<'a> {
     pub guard: &'a UserCodeGuard,
 }
 
+impl WriterCtx<'_> {
+    /// What a delivery runs against in this batch: its clock read now, the
+    /// engine file as the in-flight marker.
+    pub fn env(&mut self) -> crate::delivery::Env<'_> {
+        crate::delivery::Env {
+            conn: self.conn,
+            config: self.config,
+            now_ms: self.clock.now_ms(),
+            log: &mut *self.engine_file,
+            guard: self.guard,
+        }
+    }
+}
+
 /// A unit of work for the writer.
 pub(crate) trait Job: Send {
     /// Runs inside the batch's transaction (and its own savepoint, unless
