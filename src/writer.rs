@@ -828,12 +828,24 @@ impl WriterState {
     /// are waited for [`GIVE_BACK_WAIT`] at most; if they stay, the
     /// ordinary copy-backs (and the idle truncation) take over.
     fn give_wal_back(&mut self) {
+        let deadline = Instant::now() + GIVE_BACK_WAIT;
         let _ = self.conn.busy_timeout(GIVE_BACK_WAIT);
-        let result = self
-            .conn
-            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
-                r.get::<_, i64>(0)
-            });
+        let result = loop {
+            let result = self
+                .conn
+                .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+                    r.get::<_, i64>(0)
+                });
+            // Busy at once: the checkpointer's pass holds the checkpoint
+            // lock, which SQLite does not wait for (readers it does, up to
+            // the busy timeout). Its passes are short.
+            match result {
+                Ok(busy) if busy != 0 && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                result => break result,
+            }
+        };
         let _ = self.conn.busy_timeout(self.config.busy_timeout);
         self.checkpoint.owed = match result {
             Ok(0) => {
