@@ -503,7 +503,24 @@ impl Builder {
     /// Once the `-wal` file is larger than this and the engine is idle, the
     /// checkpointer thread truncates it (the checkpoints it makes every
     /// 1000 WAL frames let SQLite reuse the file's space, but never shrink
-    /// it). Any size. Default: 4 MiB.
+    /// it); `open` truncates a WAL left larger than this. Any size.
+    /// Default: 4 MiB.
+    ///
+    /// On a small filesystem (under about 264 MiB with 4 KiB pages, sized
+    /// at `open`) the engine bounds the WAL to an eighth of it: the
+    /// writer copies the WAL back after each commit from that size on,
+    /// the checkpointer is woken every sixty-fourth of the filesystem
+    /// instead of every 1000 frames, and this threshold is lowered to a
+    /// sixteenth of the filesystem when that is smaller (a 4 MiB
+    /// filesystem: copy-back every 15 frames, at most about 512 KiB of
+    /// WAL, truncated above 256 KiB when idle). Larger filesystems keep
+    /// the thresholds above.
+    ///
+    /// Whenever a write finds the disk full ([`Error::StorageFull`]), the
+    /// engine copies the WAL back and truncates it, so that its space and
+    /// any freed later take commits again; if the copy-back itself finds
+    /// no room (the database file has to grow), the first commit that
+    /// succeeds once space has been freed does it. No restart is needed.
     pub fn checkpoint_wal_bytes(mut self, bytes: u64) -> Self {
         self.config.checkpoint_wal_bytes = bytes;
         self

@@ -248,12 +248,9 @@ impl Postroom {
             }
         };
         recover(&conn, &config, &*clock, &mut engine_file)?;
-        checkpoint::at_open(
-            &conn,
-            path,
-            config.checkpoint_wal_bytes,
-            config.busy_timeout,
-        );
+        let wal_bounds =
+            checkpoint::WalBounds::for_database(&conn, path, config.checkpoint_wal_bytes);
+        checkpoint::at_open(&conn, path, wal_bounds.truncate_bytes, config.busy_timeout);
         let guard =
             UserCodeGuard::install(&conn).map_err(|e| Error::sqlite("install authorizer", e))?;
 
@@ -280,7 +277,7 @@ impl Postroom {
         let state = WriterState {
             outbox_dirty,
             relay_wake: sink.is_some().then_some(relay_wake),
-            checkpoint: writer::CheckpointTrigger::new(checkpoint_wake),
+            checkpoint: writer::CheckpointTrigger::new(checkpoint_wake, wal_bounds),
             conn,
             config: config.clone(),
             clock: Arc::clone(&clock),
@@ -342,7 +339,14 @@ impl Postroom {
             readers,
             counters,
         };
-        room.start_background(&shared, sink, relay_woken, checkpoint_woken, worker_slots)?;
+        room.start_background(
+            &shared,
+            sink,
+            relay_woken,
+            checkpoint_woken,
+            wal_bounds,
+            worker_slots,
+        )?;
         if handle_signals {
             room.start_signal_thread()?;
         }
@@ -385,6 +389,7 @@ impl Postroom {
         sink: Option<Box<dyn Sink>>,
         relay_woken: crossbeam_channel::Receiver<()>,
         checkpoint_woken: crossbeam_channel::Receiver<()>,
+        wal_bounds: checkpoint::WalBounds,
         worker_slots: Vec<ClaimSlot>,
     ) -> Result<()> {
         let casualty = &self.control.casualty;
@@ -408,6 +413,7 @@ impl Postroom {
         let checkpointer = checkpoint::Checkpointer {
             db: shared.path.clone(),
             config: shared.config.clone(),
+            bounds: wal_bounds,
             counters: Arc::clone(&self.counters),
             writer: shared.writer.clone(),
             wake: checkpoint_woken,

@@ -62,7 +62,9 @@ pub enum Error {
         path: PathBuf,
     },
     /// The disk (or the configured `max_page_count`) is full. Nothing was
-    /// stored; retry once space has been freed.
+    /// stored; retry once space has been freed. The engine meanwhile gives
+    /// the WAL's own space back (copies it into the database and truncates
+    /// it), so it recovers by itself, without a restart.
     StorageFull {
         /// The operation that needed space.
         op: &'static str,

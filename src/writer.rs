@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError};
 use rusqlite::Connection;
 
+use crate::checkpoint::WalBounds;
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::delivery::exec;
@@ -104,12 +105,18 @@ const GATHER: Duration = Duration::from_micros(200);
 const BATCH_RUNNING: u64 = u64::MAX;
 
 /// Frames in the WAL at which the checkpointer is asked to copy it back:
-/// SQLite's own automatic checkpoint threshold.
-const CHECKPOINT_PAGES: c_int = 1000;
+/// SQLite's own automatic checkpoint threshold. Scaled down on a small
+/// filesystem, as the others: see [`WalBounds`].
+pub(crate) const CHECKPOINT_PAGES: c_int = 1000;
 /// Frames from which the writer copies the WAL back itself, right after
 /// each commit, as SQLite would: the checkpointer is far behind (or gone,
 /// and then the limit is [`CHECKPOINT_PAGES`]).
-const INLINE_CHECKPOINT_PAGES: c_int = 8 * CHECKPOINT_PAGES;
+pub(crate) const INLINE_CHECKPOINT_PAGES: c_int = 8 * CHECKPOINT_PAGES;
+/// How long giving the WAL back after a full disk waits for readers to
+/// leave the frames it would drop. The writer's lock is held meanwhile,
+/// and the storage is full anyway; whatever is not given back now is at
+/// the next failure, the next commit or the next idle tick.
+const GIVE_BACK_WAIT: Duration = Duration::from_millis(50);
 
 thread_local! {
     /// The writers (by address) whose lock this thread holds: a caller
@@ -589,24 +596,50 @@ pub(crate) struct WriterState {
 }
 
 /// Who copies the WAL back after a commit: the checkpointer, woken once
-/// per [`CHECKPOINT_PAGES`] of growth, or the writer itself when the WAL
-/// has grown too far for that (or the checkpointer is gone).
+/// per [`WalBounds::wake_pages`] of growth, or the writer itself when the
+/// WAL has grown too far for that (or the checkpointer is gone). And when
+/// the storage was found full: the writer gives the WAL back (copies it
+/// back and truncates it), so that its space, and any freed since, holds
+/// commits again.
 pub(crate) struct CheckpointTrigger {
     /// `None` once the checkpointer is gone.
     wake: Option<Sender<()>>,
+    bounds: WalBounds,
     /// WAL frames at which the checkpointer is woken next.
     wake_at: c_int,
     /// WAL frames after the last commit that wrote any.
     last_pages: c_int,
+    /// A statement or commit of the running batch found the storage full.
+    full: bool,
+    /// The WAL could not be given back when the storage was full (the
+    /// copy-back itself needed space): tried again after each commit, which
+    /// proves some space is free again.
+    owed: bool,
 }
 
 impl CheckpointTrigger {
-    pub fn new(wake: Sender<()>) -> Self {
+    pub fn new(wake: Sender<()>, bounds: WalBounds) -> Self {
         CheckpointTrigger {
             wake: Some(wake),
-            wake_at: CHECKPOINT_PAGES,
+            bounds,
+            wake_at: bounds.wake_pages,
             last_pages: 0,
+            full: false,
+            owed: false,
         }
+    }
+
+    /// Notes a job's or a batch's result: a full disk (or `max_page_count`)
+    /// asks for the WAL to be given back once the batch is over.
+    fn note<T>(&mut self, result: &Result<T>) {
+        if let Err(Error::StorageFull { .. }) = result {
+            self.full = true;
+        }
+    }
+
+    /// True (once) when the batch that just ended found the storage full.
+    fn full_now(&mut self) -> bool {
+        std::mem::take(&mut self.full)
     }
 
     /// Frames a commit that left `pages` in the WAL appended: the growth
@@ -633,13 +666,14 @@ impl CheckpointTrigger {
         if pages == 0 {
             return false;
         }
-        if pages < CHECKPOINT_PAGES {
+        let wake_pages = self.bounds.wake_pages;
+        if pages < wake_pages {
             // Restarted (or still small).
-            self.wake_at = CHECKPOINT_PAGES;
+            self.wake_at = wake_pages;
             return false;
         }
-        // Once per CHECKPOINT_PAGES of growth: a WAL that keeps growing
-        // while the checkpointer waits for a quiet moment must not keep it
+        // Once per wake_pages of growth: a WAL that keeps growing while
+        // the checkpointer waits for a quiet moment must not keep it
         // copying a few frames at a time.
         if pages >= self.wake_at {
             if let Some(wake) = &self.wake {
@@ -648,11 +682,11 @@ impl CheckpointTrigger {
                     self.wake = None;
                 }
             }
-            self.wake_at = pages + CHECKPOINT_PAGES;
+            self.wake_at = pages + wake_pages;
         }
         let inline_at = match self.wake {
-            Some(_) => INLINE_CHECKPOINT_PAGES,
-            None => CHECKPOINT_PAGES,
+            Some(_) => self.bounds.inline_pages,
+            None => wake_pages,
         };
         pages >= inline_at
     }
@@ -684,6 +718,10 @@ impl WriterState {
         if let Err(e) = &outcome {
             log::error!("postroom writer: batch of {} failed: {e}", batch.len());
             self.roll_back();
+            self.checkpoint.note(&outcome);
+        }
+        if self.checkpoint.full_now() {
+            self.give_wal_back();
         }
         for job in batch.drain(..) {
             job.finish(outcome.as_ref().map(|_| ()));
@@ -769,6 +807,7 @@ impl WriterState {
                 exec(ctx.conn, "SAVEPOINT postroom_job")?;
             }
             let result = job.run(&mut ctx);
+            self.checkpoint.note(&result);
             if ctx.conn.is_autocommit() {
                 return match result {
                     // The job's user code did it: not the storage's fault.
@@ -810,7 +849,11 @@ impl WriterState {
         self.counters
             .wal_frames
             .fetch_add(self.checkpoint.appended(pages), Ordering::Relaxed);
-        if self.checkpoint.after_commit(pages) {
+        if self.checkpoint.owed {
+            // The storage was full and the WAL could not be given back; this
+            // commit found space, so the copy-back may too.
+            self.give_wal_back();
+        } else if self.checkpoint.after_commit(pages) {
             match self
                 .conn
                 .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
@@ -825,6 +868,61 @@ impl WriterState {
                 }
             }
         }
+    }
+
+    /// After the storage was found full: copies the WAL back and truncates
+    /// it, so that the disk space it holds, and whatever is freed later,
+    /// takes commits again instead of the WAL growing into it. Each batch
+    /// that meets a full disk tries again; if the copy-back itself found no
+    /// space (the database file must grow to take the WAL's pages), so does
+    /// the next commit that succeeds. Readers that still need old frames
+    /// are waited for [`GIVE_BACK_WAIT`] at most; if they stay, the
+    /// ordinary copy-backs (and the idle truncation) take over.
+    fn give_wal_back(&mut self) {
+        let deadline = Instant::now() + GIVE_BACK_WAIT;
+        let _ = self.conn.busy_timeout(GIVE_BACK_WAIT);
+        let result = loop {
+            let result = self
+                .conn
+                .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+                    r.get::<_, i64>(0)
+                });
+            // Busy at once: the checkpointer's pass holds the checkpoint
+            // lock, which SQLite does not wait for (readers it does, up to
+            // the busy timeout). Its passes are short.
+            match result {
+                Ok(busy) if busy != 0 && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                result => break result,
+            }
+        };
+        let _ = self.conn.busy_timeout(self.config.busy_timeout);
+        self.checkpoint.owed = match result {
+            Ok(0) => {
+                log::info!("postroom writer: the storage was full; the WAL was given back");
+                // The WAL restarts from its first frame.
+                self.checkpoint.last_pages = 0;
+                self.checkpoint.wake_at = self.checkpoint.bounds.wake_pages;
+                false
+            }
+            Ok(_) => {
+                log::warn!(
+                    "postroom writer: the storage was full; readers kept the WAL from \
+                     being given back"
+                );
+                false
+            }
+            Err(e) => {
+                log::warn!(
+                    "postroom writer: the storage was full; giving the WAL back failed: {e}"
+                );
+                // Retried after the next commit only when space was what
+                // it lacked: other errors are met again by the next
+                // failure, or the checkpointer's passes.
+                e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull)
+            }
+        };
     }
 
     fn close(self) {
@@ -1051,7 +1149,8 @@ mod tests {
     #[test]
     fn the_checkpointer_is_woken_once_per_growth_and_the_writer_copies_back_when_it_is_gone() {
         let (wake, woken) = crossbeam_channel::bounded(1);
-        let mut trigger = CheckpointTrigger::new(wake);
+        let bounds = WalBounds::new(4 << 20, None, 4096);
+        let mut trigger = CheckpointTrigger::new(wake, bounds);
         assert!(!trigger.after_commit(999));
         assert!(woken.try_recv().is_err(), "woken below the threshold");
         assert!(!trigger.after_commit(1000));
