@@ -563,8 +563,10 @@ impl Builder {
         self
     }
 
-    /// How long a claimed message stays leased to one worker; past it the
-    /// reaper counts the attempt as failed and the message is retried
+    /// How long an effectful consumer's claimed message stays leased to one
+    /// worker; past it the reaper counts the attempt as failed and the
+    /// message is retried (transactional consumers' queued messages take no
+    /// lease: they are processed inside the writer's transaction)
     /// (measured on a monotonic clock within the process). 1 ms to 365 days.
     /// Default: 30 s.
     pub fn lease(mut self, lease: Duration) -> Self {

@@ -232,7 +232,7 @@ impl Outcome {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Receipt {
-    /// Stored as `pending`; a worker will process it.
+    /// Stored as `pending`; queued processing will run it.
     Accepted,
     /// Seen before with the same payload; not stored again.
     Duplicate,
