@@ -107,6 +107,11 @@ impl Shared {
     }
 }
 
+/// How long queued processing, caught up, waits for more messages before
+/// its next batch: a few milliseconds of latency for far fewer pages per
+/// message while callers keep receiving.
+const LINGER: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// The dispatcher thread's body.
 pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
     let mut consumers: Vec<&Arc<Consumer>> = shared.consumers.values().collect();
@@ -136,6 +141,15 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
                 Ok(n) => {
                     lock(&held).clear();
                     claimed_any = n >= shared.config.process_batch;
+                    if n > 0 && !claimed_any {
+                        // Caught up while messages keep arriving: let a
+                        // batch's worth gather rather than add one
+                        // message's pages to every commit of the callers
+                        // receiving them.
+                        std::thread::sleep(LINGER);
+                        while shared.wake_rx.try_recv().is_ok() {}
+                        claimed_any = true;
+                    }
                 }
                 Err(Error::Closed) => return,
                 // A row to hold back: the next batch goes on without it.
