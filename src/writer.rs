@@ -684,11 +684,23 @@ impl CheckpointTrigger {
             }
             self.wake_at = pages + wake_pages;
         }
-        let inline_at = match self.wake {
+        pages >= self.inline_at()
+    }
+
+    /// Frames from which the writer copies back itself.
+    fn inline_at(&self) -> c_int {
+        match self.wake {
             Some(_) => self.bounds.inline_pages,
-            None => wake_pages,
-        };
-        pages >= inline_at
+            None => self.bounds.wake_pages,
+        }
+    }
+
+    /// True when the WAL has passed twice the writer's own bound: its
+    /// passive copy-backs are not getting through (the checkpointer's pass
+    /// holds the checkpoint lock, and a passive checkpoint does not wait
+    /// for it), so the next one must wait.
+    fn far_behind(&self, pages: c_int) -> bool {
+        pages >= self.inline_at().saturating_mul(2)
     }
 }
 
@@ -854,10 +866,15 @@ impl WriterState {
             // commit found space, so the copy-back may too.
             self.give_wal_back();
         } else if self.checkpoint.after_commit(pages) {
-            match self
-                .conn
-                .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
-            {
+            // RESTART waits (up to the busy timeout) for the checkpoint lock
+            // and for readers, and lets the next commit write from the
+            // WAL's start; only when passive passes have not got through.
+            let sql = if self.checkpoint.far_behind(pages) {
+                "PRAGMA wal_checkpoint(RESTART)"
+            } else {
+                "PRAGMA wal_checkpoint(PASSIVE)"
+            };
+            match self.conn.query_row(sql, [], |_| Ok(())) {
                 Ok(()) => {
                     self.counters
                         .inline_checkpoints
