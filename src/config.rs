@@ -225,6 +225,13 @@ impl Config {
         Ok(())
     }
 
+    /// How long a queued row, or queued processing, waits after the storage
+    /// failed it (not the message): the first retry delay, and at least
+    /// the poll interval, so a failure that lasts does not spin.
+    pub(crate) fn storage_retry_delay(&self) -> Duration {
+        self.retry.initial.max(self.poll_interval)
+    }
+
     /// Checks an incoming message against the limits.
     pub(crate) fn check_message(&self, msg: &Message) -> Result<()> {
         check_name("source", &msg.source)?;

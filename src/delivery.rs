@@ -174,6 +174,17 @@ pub(crate) struct Processed {
     pub outcome: Outcome,
 }
 
+impl Processed {
+    fn of(row: Claimed, outcome: Outcome) -> Processed {
+        Processed {
+            row_id: row.row_id,
+            consumer: row.consumer,
+            message_id: row.msg.id,
+            outcome,
+        }
+    }
+}
+
 /// Runs up to `limit` due queued rows of `consumers` (transactional
 /// handlers, taken in the order given, each row in receive order) inside
 /// the current transaction: each handler in its own savepoint, each
@@ -208,7 +219,7 @@ pub(crate) fn process_due(
     held: &mut Vec<Claimed>,
 ) -> Result<Vec<Processed>> {
     let mut done = Vec::new();
-    let delay = clock::millis(env.config.retry.initial.max(env.config.poll_interval));
+    let delay = clock::millis(env.config.storage_retry_delay());
     for row in held.iter() {
         queue::hold_back(
             env.conn,
@@ -220,12 +231,8 @@ pub(crate) fn process_due(
     }
     for row in poisoned.iter() {
         if let Some(outcome) = record_poisoned(env, row)? {
-            done.push(Processed {
-                row_id: row.row_id,
-                consumer: row.consumer.clone(),
-                message_id: row.msg.id.clone(),
-                outcome,
-            });
+            // Rare (a rolled-back run): the row stays listed for re-runs.
+            done.push(Processed::of(row.clone(), outcome));
         }
     }
     for &(consumer, handler) in consumers {
@@ -259,12 +266,7 @@ pub(crate) fn process_due(
                     return Err(e);
                 }
             };
-            done.push(Processed {
-                row_id: row.row_id,
-                consumer: row.consumer,
-                message_id: row.msg.id,
-                outcome,
-            });
+            done.push(Processed::of(row, outcome));
         }
     }
     Ok(done)

@@ -162,8 +162,9 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
                     // counted. Wait before the next try, so a failure that
                     // lasts does not spin.
                     log::warn!("postroom dispatcher: processing a batch failed: {e}");
-                    let pause = shared.config.retry.initial.max(shared.config.poll_interval);
-                    let _ = shared.wake_rx.recv_timeout(pause);
+                    let _ = shared
+                        .wake_rx
+                        .recv_timeout(shared.config.storage_retry_delay());
                     continue;
                 }
             }

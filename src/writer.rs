@@ -76,6 +76,9 @@ impl WriterCtx<'_> {
     }
 }
 
+/// A job, and the channel its answer arrives on.
+pub(crate) type Answered<T> = (Box<dyn Job>, Receiver<Result<T>>);
+
 /// A unit of work for the writer.
 pub(crate) trait Job: Send {
     /// Runs inside the batch's transaction (and its own savepoint, unless
@@ -298,7 +301,7 @@ impl WriterHandle {
 
     /// [`submit`](Self::submit) for a job made by [`job`] or
     /// [`rerunnable_job`].
-    pub fn submit_job<T>(&self, job: (Box<dyn Job>, Receiver<Result<T>>)) -> Result<T> {
+    pub fn submit_job<T>(&self, job: Answered<T>) -> Result<T> {
         let _caller = self.caller();
         match self.lead() {
             Some(leader) => leader.run_job(job),
@@ -328,7 +331,7 @@ impl WriterHandle {
 
     /// Queues a job made by [`job`] or [`rerunnable_job`] and waits for its
     /// answer.
-    pub fn enqueue_job<T>(&self, (job, answer): (Box<dyn Job>, Receiver<Result<T>>)) -> Result<T> {
+    pub fn enqueue_job<T>(&self, (job, answer): Answered<T>) -> Result<T> {
         crossbeam_channel::select! {
             send(self.commands, job) -> sent => sent.map_err(|_| Error::Closed)?,
             recv(self.alive) -> _ => return Err(Error::Closed),
@@ -430,7 +433,7 @@ pub(crate) struct Leader<'a> {
 impl Leader<'_> {
     /// Runs a job made by [`job`] or [`rerunnable_job`], and what other
     /// callers queued, as one batch.
-    pub fn run_job<T>(mut self, (own, answer): (Box<dyn Job>, Receiver<Result<T>>)) -> Result<T> {
+    pub fn run_job<T>(mut self, (own, answer): Answered<T>) -> Result<T> {
         let mut batch = vec![own];
         let core = self.held.core;
         let state = self.held.state();
@@ -522,7 +525,7 @@ where
 }
 
 /// Wraps a closure as a job, with the channel its answer arrives on.
-pub(crate) fn job<T, F>(work: F) -> (Box<dyn Job>, Receiver<Result<T>>)
+pub(crate) fn job<T, F>(work: F) -> Answered<T>
 where
     T: Send + 'static,
     F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
@@ -538,7 +541,7 @@ where
 
 /// Like [`job`], for work that can run again when its transaction is
 /// rolled back under it (see the module docs).
-pub(crate) fn rerunnable_job<T, G>(work: G) -> (Box<dyn Job>, Receiver<Result<T>>)
+pub(crate) fn rerunnable_job<T, G>(work: G) -> Answered<T>
 where
     T: Send + 'static,
     G: FnMut(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
