@@ -92,13 +92,20 @@ pub fn open(path: impl AsRef<Path>, writable: bool) -> Result<Connection> {
 /// Opens an existing postroom database for operator work: never creates a
 /// file, never changes the journal mode, never takes the engine's lock.
 ///
-/// With `writable = false` the connection is `query_only`: any write
-/// through it fails. Refuses, changing nothing:
+/// With `writable = false` it is [`open_read`]'s read-only connection (see
+/// there for what it leaves untouched). With `writable = true` the file and
+/// its directory must be writable ([`Error::ReadOnly`] otherwise), and the
+/// same `PRAGMA quick_check` the engine runs at open must pass
+/// ([`Error::Corrupt`] otherwise): nothing writes to a damaged file.
+///
+/// Refuses, changing nothing:
 /// * a `busy_timeout` over 2,147,483,647 ms: [`Error::InvalidInput`] with
 ///   field `"busy_timeout"`;
-/// * a missing path: [`Error::Io`] with [`io::ErrorKind::NotFound`];
-/// * a path that is not a regular file, or a SQLite database without
-///   postroom's tables: [`Error::InvalidInput`] with field `"database"`;
+/// * a missing path, a symbolic link loop or an unreadable directory:
+///   [`Error::Io`] with operation `"open database"`;
+/// * a path that is not a regular file, has several hard links, or is a
+///   SQLite database without postroom's tables: [`Error::InvalidInput`]
+///   with field `"database"`;
 /// * a file that is not SQLite: [`Error::NotADatabase`];
 /// * a schema newer than this library's: [`Error::SchemaTooNew`];
 /// * an older or unknown schema version (the engine migrates on open; this
@@ -108,7 +115,249 @@ pub fn open_with_timeout(
     writable: bool,
     busy_timeout: Duration,
 ) -> Result<Connection> {
+    if !writable {
+        return open_read(path, busy_timeout).map(|(conn, _)| conn);
+    }
+    let path = existing(path.as_ref(), busy_timeout)?;
+    for (what, target) in [
+        ("file", path.as_path()),
+        ("directory", schema::parent_dir(&path)),
+    ] {
+        if rustix::fs::access(target, rustix::fs::Access::WRITE_OK).is_err() {
+            log::debug!("{} {what} is not writable", target.display());
+            return Err(Error::ReadOnly {
+                path: target.to_path_buf(),
+            });
+        }
+    }
+    // READ_WRITE without CREATE: an existing file only.
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(&path, flags)
+        .map_err(|e| schema::open_error(&path, "open database", e))?;
+    conn.busy_timeout(busy_timeout)
+        .map_err(|e| schema::open_error(&path, "set busy_timeout", e))?;
+    validate(&conn, &path)?;
+    schema::quick_check(&conn)?;
+    Ok(conn)
+}
+
+/// How a connection from [`open_read`] sees the database, and what an
+/// operator should be told about it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct ReadView {
+    /// The database's canonical path (symbolic links resolved).
+    pub path: std::path::PathBuf,
+    /// Opened with SQLite's `immutable` flag: no lock taken and no `-shm`
+    /// or `-wal` created. Used when there is no `-wal` beside the file (the
+    /// file alone is the whole database), or when its `-wal` cannot be read
+    /// without creating or writing a `-shm` file.
+    pub immutable: bool,
+    /// Size of the `-wal` file, 0 when there is none.
+    pub wal_bytes: u64,
+    /// The `-wal` file holds transactions this connection does not see
+    /// (see [`ReadView::immutable`]): only the engine, at its next open,
+    /// should recover them.
+    pub wal_unread: bool,
+    /// Whether an engine has the database open, from the kernel's table of
+    /// file locks (`/proc/locks`); `None` when that cannot be told.
+    pub engine_running: Option<bool>,
+}
+
+impl ReadView {
+    /// What an operator should know before trusting what was read: a WAL
+    /// that was not read, or one that no running engine owns.
+    pub fn notices(&self) -> Vec<String> {
+        let mut notes = Vec::new();
+        if self.wal_unread {
+            notes.push(format!(
+                "the -wal file holds {} bytes that were not read (reading them would create \
+                 or write the -shm file); what is shown may be older than the last commits, \
+                 and the engine recovers them at its next open",
+                self.wal_bytes
+            ));
+        } else if self.wal_bytes > 0 && self.engine_running == Some(false) {
+            notes.push(format!(
+                "no engine has the database open, yet its -wal file holds {} bytes (left by an \
+                 engine that did not shut down cleanly?): they were read without changing any \
+                 file; the engine checkpoints them at its next open",
+                self.wal_bytes
+            ));
+        }
+        notes
+    }
+}
+
+/// Opens an existing postroom database read-only, leaving every file as it
+/// was, byte for byte: nothing is checkpointed, no `-wal` or `-shm` file is
+/// created or deleted, and the database and its `-wal` are never written
+/// (so it works on files this user cannot write). Checks as
+/// [`open_with_timeout`] does.
+///
+/// * With a `-wal` and a `-shm` beside the file (an engine has it open, or
+///   one was killed): a `SQLITE_OPEN_READONLY` connection that reads the
+///   WAL as the engine would; SQLite may update the `-shm` index.
+/// * Without a `-wal`, or with one but no usable `-shm`: an `immutable`
+///   connection on the file alone ([`ReadView::immutable`]). It does not
+///   see an engine that starts after it opened; [`read`] reruns its work
+///   when that happened.
+pub fn open_read(path: impl AsRef<Path>, busy_timeout: Duration) -> Result<(Connection, ReadView)> {
+    let path = existing(path.as_ref(), busy_timeout)?;
+    let wal = sibling(&path, "-wal");
+    let wal_bytes = std::fs::metadata(&wal).map_or(0, |m| m.len());
+    let has_wal = wal.exists();
+    let has_shm = sibling(&path, "-shm").exists();
+    let mut view = ReadView {
+        engine_running: engine_running(&path),
+        path,
+        immutable: !(has_wal && has_shm),
+        wal_bytes,
+        wal_unread: false,
+    };
+    if !view.immutable {
+        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let opened = Connection::open_with_flags(&view.path, flags)
+            .map_err(|e| schema::open_error(&view.path, "open database", e))
+            .and_then(|conn| {
+                conn.busy_timeout(busy_timeout)
+                    .map_err(|e| schema::open_error(&view.path, "set busy_timeout", e))?;
+                validate(&conn, &view.path)?;
+                Ok(conn)
+            });
+        match opened {
+            Ok(conn) => return Ok((conn, view)),
+            // A `-shm` this user cannot write, needing recovery: read the
+            // file alone instead.
+            Err(Error::Sqlite { source, .. })
+                if matches!(
+                    source.sqlite_error_code(),
+                    Some(ErrorCode::ReadOnly | ErrorCode::CannotOpen)
+                ) =>
+            {
+                view.immutable = true
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    view.wal_unread = has_wal && wal_bytes > 0;
+    let conn = match immutable_uri(&view.path) {
+        Some(uri) => Connection::open_with_flags(
+            &uri,
+            OpenFlags::SQLITE_OPEN_READ_ONLY
+                | OpenFlags::SQLITE_OPEN_URI
+                | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        ),
+        None => {
+            // A path SQLite's URIs cannot carry (not UTF-8): read-only,
+            // which may create the `-wal` and `-shm` of a WAL database.
+            view.immutable = false;
+            view.wal_unread = false;
+            Connection::open_with_flags(
+                &view.path,
+                OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+            )
+        }
+    }
+    .map_err(|e| schema::open_error(&view.path, "open database", e))?;
+    conn.busy_timeout(busy_timeout)
+        .map_err(|e| schema::open_error(&view.path, "set busy_timeout", e))?;
+    validate(&conn, &view.path)?;
+    Ok((conn, view))
+}
+
+/// Runs `f` on an [`open_read`] connection. An `immutable` read cannot see
+/// an engine that opened the database meanwhile (its commits go to a new
+/// `-wal`, its checkpoints rewrite pages under the read); when the files
+/// changed while `f` ran, `f` runs once more on a fresh connection, which
+/// then reads the engine's WAL. `f`'s error is kept only when the files
+/// did not change: a read torn by a checkpoint can look like damage.
+pub fn read<T>(
+    path: impl AsRef<Path>,
+    busy_timeout: Duration,
+    mut f: impl FnMut(&Connection, &ReadView) -> Result<T>,
+) -> Result<(T, ReadView)> {
     let path = path.as_ref();
+    let (conn, view) = open_read(path, busy_timeout)?;
+    if !view.immutable {
+        return f(&conn, &view).map(|t| (t, view));
+    }
+    let before = files_state(&view.path);
+    let out = f(&conn, &view);
+    drop(conn);
+    if files_state(&view.path) == before {
+        return out.map(|t| (t, view));
+    }
+    log::debug!(
+        "{} changed during an immutable read: reading again",
+        path.display()
+    );
+    let (conn, view) = open_read(path, busy_timeout)?;
+    f(&conn, &view).map(|t| (t, view))
+}
+
+/// What tells that a database changed: its size and mtime, and whether
+/// (and how large) its `-wal` is.
+fn files_state(path: &Path) -> (Option<(u64, Option<SystemTime>)>, Option<u64>) {
+    let db = std::fs::metadata(path)
+        .ok()
+        .map(|m| (m.len(), m.modified().ok()));
+    let wal = std::fs::metadata(sibling(path, "-wal"))
+        .ok()
+        .map(|m| m.len());
+    (db, wal)
+}
+
+fn sibling(path: &Path, suffix: &str) -> std::path::PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(suffix);
+    p.into()
+}
+
+/// `file:` URI with `immutable=1` for an absolute path; `None` when the
+/// path is not UTF-8. `%`, `?` and `#` are escaped so they stay part of
+/// the path.
+fn immutable_uri(path: &Path) -> Option<String> {
+    let text = path.to_str()?;
+    let mut uri = String::from("file:");
+    for c in text.chars() {
+        match c {
+            '%' => uri.push_str("%25"),
+            '?' => uri.push_str("%3f"),
+            '#' => uri.push_str("%23"),
+            c => uri.push(c),
+        }
+    }
+    uri.push_str("?immutable=1");
+    Some(uri)
+}
+
+/// Whether the engine's lock on `<db>-postroom` is held, read from
+/// `/proc/locks` without taking it (taking it, even shared and for a
+/// moment, could make an engine that opens just then fail).
+fn engine_running(db: &Path) -> Option<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let lock_file = match std::fs::metadata(sibling(db, "-postroom")) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Some(false),
+        Err(_) => return None,
+    };
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    let dev = lock_file.dev();
+    let id = format!(
+        "{:02x}:{:02x}:{}",
+        rustix::fs::major(dev),
+        rustix::fs::minor(dev),
+        lock_file.ino()
+    );
+    Some(locks.lines().any(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        fields.contains(&"FLOCK") && fields.contains(&id.as_str())
+    }))
+}
+
+/// Checks the busy timeout and the path: an existing regular file with one
+/// name; returns its canonical path.
+fn existing(path: &Path, busy_timeout: Duration) -> Result<std::path::PathBuf> {
     // SQLite counts it in milliseconds, in a C int.
     if busy_timeout > Duration::from_millis(i32::MAX as u64) {
         return Err(Error::invalid(
@@ -116,39 +365,30 @@ pub fn open_with_timeout(
             format!("{busy_timeout:?} is too large: must be at most 2147483647 ms"),
         ));
     }
-    let meta = std::fs::metadata(path).map_err(|e| {
-        if e.kind() == io::ErrorKind::NotFound {
-            Error::Io {
-                op: "open database",
-                source: io::Error::new(
-                    io::ErrorKind::NotFound,
-                    format!("{} does not exist", path.display()),
-                ),
-            }
-        } else {
-            Error::io("open database", e)
-        }
-    })?;
-    if !meta.is_file() {
-        return Err(Error::invalid(
+    match std::fs::metadata(path) {
+        Ok(meta) if !meta.is_file() => Err(Error::invalid(
             "database",
             format!("{} is not a regular file", path.display()),
-        ));
+        )),
+        Ok(_) => schema::resolve(path),
+        Err(e) => Err(Error::Io {
+            op: "open database",
+            source: io::Error::new(
+                e.kind(),
+                if e.kind() == io::ErrorKind::NotFound {
+                    format!("{} does not exist", path.display())
+                } else {
+                    format!("{}: {e}", path.display())
+                },
+            ),
+        }),
     }
-    // READ_WRITE without CREATE: an existing file only. SQLite falls back
-    // to read-only by itself when the file is write-protected; read
-    // commands still need the `-shm` file of a WAL database.
-    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    let conn = Connection::open_with_flags(path, flags)
-        .map_err(|e| schema::open_error(path, "open database", e))?;
-    conn.busy_timeout(busy_timeout)
-        .map_err(|e| schema::open_error(path, "set busy_timeout", e))?;
-    if !writable {
-        conn.pragma_update(None, "query_only", true)
-            .map_err(|e| schema::open_error(path, "set query_only", e))?;
-    }
+}
+
+/// The schema version is one this library reads, and every table is there.
+fn validate(conn: &Connection, path: &Path) -> Result<()> {
     let version =
-        schema::stored_version(&conn).map_err(|e| schema::open_error(path, "read schema", e))?;
+        schema::stored_version(conn).map_err(|e| schema::open_error(path, "read schema", e))?;
     match version {
         None => {
             return Err(Error::invalid(
@@ -184,7 +424,7 @@ pub fn open_with_timeout(
             ),
         ));
     }
-    Ok(conn)
+    Ok(())
 }
 
 /// Runs `f` in one read transaction (one snapshot) unless the caller
@@ -648,10 +888,12 @@ fn family(
 
 // ---------------------------------------------------------------- payloads
 
-/// A stored payload. Serializes (JSON) as
-/// `{"bytes": n, "encoding": "json" | "text" | "hex", "value": …}`: the
-/// payload itself when it is JSON, a string when it is UTF-8 text, else its
-/// bytes in hex.
+/// A stored payload. Serializes (JSON) as `{"bytes": n, "base64": "…",
+/// "encoding": "json" | "text" | "binary", "value": …}`: `base64` is the
+/// exact stored bytes (what a replay should send); `value` is the payload's
+/// own JSON text, embedded as stored (not reparsed: large numbers and
+/// duplicate keys survive), a string when it is other UTF-8 text, and
+/// `null` for binary.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Payload(pub Vec<u8>);
 
@@ -685,10 +927,20 @@ impl Payload {
     }
 
     /// For people: pretty-printed JSON, or the text, or a hex dump (offset,
-    /// 16 bytes in hex, and their printable ASCII).
+    /// 16 bytes in hex, and their printable ASCII). JSON that reformatting
+    /// would change (a number past what a double holds, a duplicate key)
+    /// is shown as stored.
     pub fn pretty(&self) -> String {
         match self.decode() {
-            Decoded::Json(v) => serde_json::to_string_pretty(&v).unwrap_or_default(),
+            Decoded::Json(v) => {
+                let text = String::from_utf8_lossy(&self.0);
+                let compact = serde_json::to_string(&v).unwrap_or_default();
+                if compact == strip_json_space(&text) {
+                    serde_json::to_string_pretty(&v).unwrap_or_default()
+                } else {
+                    text.into_owned()
+                }
+            }
             Decoded::Text(t) => t,
             Decoded::Hex(_) => {
                 let mut s = String::new();
@@ -718,23 +970,56 @@ impl Payload {
     }
 }
 
+/// JSON text without the whitespace between tokens (strings kept as they
+/// are), to compare with `serde_json`'s compact output.
+fn strip_json_space(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let (mut in_string, mut escaped) = (false, false);
+    for c in text.chars() {
+        if in_string {
+            out.push(c);
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => in_string = false,
+                _ => {}
+            }
+        } else if c == '"' {
+            in_string = true;
+            out.push(c);
+        } else if !c.is_ascii_whitespace() {
+            out.push(c);
+        }
+    }
+    out
+}
+
 impl Serialize for Payload {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        let mut st = s.serialize_struct("Payload", 3)?;
+        use base64::Engine as _;
+        let mut st = s.serialize_struct("Payload", 4)?;
         st.serialize_field("bytes", &self.0.len())?;
-        match self.decode() {
-            Decoded::Json(v) => {
+        st.serialize_field(
+            "base64",
+            &base64::engine::general_purpose::STANDARD.encode(&self.0),
+        )?;
+        // The stored JSON text itself, not a reparse: numbers past f64,
+        // duplicate keys and key order come out as they were stored.
+        match serde_json::from_slice::<&serde_json::value::RawValue>(&self.0) {
+            Ok(raw) => {
                 st.serialize_field("encoding", "json")?;
-                st.serialize_field("value", &v)?;
+                st.serialize_field("value", raw)?;
             }
-            Decoded::Text(t) => {
-                st.serialize_field("encoding", "text")?;
-                st.serialize_field("value", &t)?;
-            }
-            Decoded::Hex(h) => {
-                st.serialize_field("encoding", "hex")?;
-                st.serialize_field("value", &h)?;
-            }
+            Err(_) => match std::str::from_utf8(&self.0) {
+                Ok(text) => {
+                    st.serialize_field("encoding", "text")?;
+                    st.serialize_field("value", text)?;
+                }
+                Err(_) => {
+                    st.serialize_field("encoding", "binary")?;
+                    st.serialize_field("value", &())?;
+                }
+            },
         }
         st.end()
     }
@@ -756,8 +1041,8 @@ pub struct InboxFilter {
     pub since_ms: Option<i64>,
     /// Only rows received before this time (unix ms).
     pub until_ms: Option<i64>,
-    /// At most this many rows.
-    pub limit: usize,
+    /// Where a page starts: see [`Page`].
+    pub page: Page,
 }
 
 impl Default for InboxFilter {
@@ -768,8 +1053,50 @@ impl Default for InboxFilter {
             source: None,
             since_ms: None,
             until_ms: None,
+            page: Page::default(),
+        }
+    }
+}
+
+/// One page of a listing: newest first (by row id or `seq`) unless
+/// `oldest_first`; the next page starts after the last row shown, named
+/// by `after` (keyset paging: stable while rows are added).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Page {
+    /// Oldest first instead of newest first.
+    pub oldest_first: bool,
+    /// Only rows past this id in the listing's order (below it newest
+    /// first, above it oldest first): the last id of the previous page.
+    pub after: Option<i64>,
+    /// At most this many rows.
+    pub limit: usize,
+}
+
+impl Default for Page {
+    fn default() -> Self {
+        Page {
+            oldest_first: false,
+            after: None,
             limit: 100,
         }
+    }
+}
+
+impl Page {
+    /// SQL for the page over the integer column `key`, with the bound
+    /// parameters `?{after}` (the cursor) and `?{limit}`: a condition to
+    /// AND into the WHERE clause, and the ORDER BY … LIMIT tail. Only the
+    /// constants passed in reach the SQL text.
+    fn sql(&self, key: &str, after: usize, limit: usize) -> (String, String) {
+        let (cmp, dir) = if self.oldest_first {
+            (">", "ASC")
+        } else {
+            ("<", "DESC")
+        };
+        (
+            format!("(?{after} IS NULL OR {key} {cmp} ?{after})"),
+            format!("ORDER BY {key} {dir} LIMIT ?{limit}"),
+        )
     }
 }
 
@@ -830,15 +1157,17 @@ fn entry_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<InboxEntry> {
     })
 }
 
-/// Inbox rows matching `filter`, in receive order (row id).
+/// Inbox rows matching `filter`, one [`Page`] of them (newest first by
+/// default).
 pub fn inbox_list(conn: &Connection, filter: &InboxFilter) -> Result<Vec<InboxEntry>> {
+    let (after, order) = filter.page.sql("id", 7, 6);
     let mut stmt = conn
         .prepare(&format!(
             "SELECT {ENTRY_COLUMNS} FROM postroom_inbox
              WHERE (?1 IS NULL OR consumer = ?1) AND (?2 IS NULL OR status = ?2)
                AND (?3 IS NULL OR source = ?3) AND (?4 IS NULL OR received_at >= ?4)
-               AND (?5 IS NULL OR received_at < ?5)
-             ORDER BY id LIMIT ?6"
+               AND (?5 IS NULL OR received_at < ?5) AND {after}
+             {order}"
         ))
         .map_err(sql("list inbox"))?;
     let rows = stmt
@@ -849,7 +1178,8 @@ pub fn inbox_list(conn: &Connection, filter: &InboxFilter) -> Result<Vec<InboxEn
                 filter.source,
                 filter.since_ms,
                 filter.until_ms,
-                limit_param(filter.limit),
+                limit_param(filter.page.limit),
+                filter.page.after,
             ],
             entry_from_row,
         )
@@ -989,6 +1319,381 @@ pub fn redrive_outbox(conn: &Connection, seq: i64) -> Result<bool> {
 pub fn discard_outbox(conn: &Connection, seq: i64, now_ms: i64) -> Result<bool> {
     write(conn, "discard outbox row", |c| {
         outbox::discard(c, seq, now_ms)
+    })
+}
+
+/// Which dead letters [`dead_select`] finds. Every filter is optional.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeadFilter {
+    /// Dead outbox rows instead of inbox messages.
+    pub outbox: bool,
+    /// Only this consumer's (inbox only).
+    pub consumer: Option<String>,
+    /// Only those whose last error contains this text.
+    pub error_contains: Option<String>,
+    /// Only those that died at or after this time (unix ms); for outbox
+    /// rows, that were committed at or after it.
+    pub since_ms: Option<i64>,
+    /// Only those that died (outbox: were committed) before this time.
+    pub until_ms: Option<i64>,
+}
+
+/// Row ids (inbox) or `seq`s (outbox) of the dead letters matching
+/// `filter`, oldest first, at most `limit`.
+pub fn dead_select(conn: &Connection, filter: &DeadFilter, limit: usize) -> Result<Vec<i64>> {
+    let sql_text = if filter.outbox {
+        "SELECT seq FROM postroom_outbox
+         WHERE status = 'dead' AND ?1 IS NULL AND (?2 IS NULL OR instr(last_error, ?2) > 0)
+           AND (?3 IS NULL OR created_at >= ?3) AND (?4 IS NULL OR created_at < ?4)
+         ORDER BY seq LIMIT ?5"
+    } else {
+        "SELECT id FROM postroom_inbox INDEXED BY postroom_inbox_dead
+         WHERE status = 'dead' AND (?1 IS NULL OR consumer = ?1)
+           AND (?2 IS NULL OR instr(last_error, ?2) > 0)
+           AND (?3 IS NULL OR updated_at >= ?3) AND (?4 IS NULL OR updated_at < ?4)
+         ORDER BY id LIMIT ?5"
+    };
+    let mut stmt = conn.prepare(sql_text).map_err(sql("select dead letters"))?;
+    let rows = stmt
+        .query_map(
+            params![
+                filter.consumer,
+                filter.error_contains,
+                filter.since_ms,
+                filter.until_ms,
+                limit_param(limit)
+            ],
+            |r| r.get(0),
+        )
+        .map_err(sql("select dead letters"))?;
+    rows.collect::<rusqlite::Result<_>>()
+        .map_err(sql("select dead letters"))
+}
+
+/// What a bulk [`redrive_many`] or [`discard_many`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct BulkSummary {
+    /// Dead letters redriven or discarded.
+    pub done: u64,
+    /// Ids that were no longer dead letters when their turn came (the
+    /// engine or another operator got there first): left as they were.
+    pub skipped: u64,
+    /// Write transactions used.
+    pub transactions: u64,
+}
+
+/// Rows per transaction of a bulk action, as [`cleanup`]'s batches.
+const BULK_BATCH: usize = CLEANUP_BATCH;
+
+/// Whether a bulk action redrives or discards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Bulk {
+    Redrive,
+    Discard,
+}
+
+/// Redrives each dead letter of `ids` (inbox row ids, or outbox `seq`s with
+/// `outbox`) as [`redrive`] / [`redrive_outbox`] do, [`CLEANUP_BATCH`] per
+/// `BEGIN IMMEDIATE` transaction, pausing between batches like
+/// [`cleanup`]. `progress` hears the count handled so far after each
+/// batch.
+pub fn redrive_many(
+    conn: &Connection,
+    outbox: bool,
+    ids: &[i64],
+    now_ms: i64,
+    progress: &mut dyn FnMut(u64),
+) -> Result<BulkSummary> {
+    bulk(conn, Bulk::Redrive, outbox, ids, now_ms, progress)
+}
+
+/// Discards each dead letter of `ids` as [`discard`] /
+/// [`discard_outbox`] do, batched as [`redrive_many`].
+pub fn discard_many(
+    conn: &Connection,
+    outbox: bool,
+    ids: &[i64],
+    now_ms: i64,
+    progress: &mut dyn FnMut(u64),
+) -> Result<BulkSummary> {
+    bulk(conn, Bulk::Discard, outbox, ids, now_ms, progress)
+}
+
+fn bulk(
+    conn: &Connection,
+    action: Bulk,
+    outbox: bool,
+    ids: &[i64],
+    now_ms: i64,
+    progress: &mut dyn FnMut(u64),
+) -> Result<BulkSummary> {
+    let mut summary = BulkSummary::default();
+    for batch in ids.chunks(BULK_BATCH) {
+        let started = Instant::now();
+        let done = write(conn, "act on dead letters", |c| {
+            let mut done = 0;
+            for &id in batch {
+                let acted = match (action, outbox) {
+                    (Bulk::Redrive, false) => queue::redrive(c, id, now_ms)?,
+                    (Bulk::Redrive, true) => outbox::redrive(c, id)?,
+                    (Bulk::Discard, false) => queue::discard(c, id, now_ms)?,
+                    (Bulk::Discard, true) => outbox::discard(c, id, now_ms)?,
+                };
+                done += u64::from(acted);
+            }
+            Ok(done)
+        })?;
+        summary.transactions += 1;
+        summary.done += done;
+        summary.skipped += batch.len() as u64 - done;
+        progress(summary.done + summary.skipped);
+        if batch.len() == BULK_BATCH {
+            pause_after(started);
+        }
+    }
+    Ok(summary)
+}
+
+// ---------------------------------------------------------------- outbox
+
+/// An outbox row's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutboxState {
+    /// Waiting for the relay (possibly backing off after a failed send).
+    Pending,
+    /// Handed to the sink (or discarded by an operator).
+    Sent,
+    /// Out of attempts or refused by the sink: the relay skips it.
+    Dead,
+}
+
+impl OutboxState {
+    /// The name stored in the database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutboxState::Pending => "pending",
+            OutboxState::Sent => "sent",
+            OutboxState::Dead => "dead",
+        }
+    }
+}
+
+impl fmt::Display for OutboxState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for OutboxState {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        [OutboxState::Pending, OutboxState::Sent, OutboxState::Dead]
+            .into_iter()
+            .find(|st| st.as_str() == s)
+            .ok_or_else(|| format!("unknown outbox status {s:?} (pending, sent or dead)"))
+    }
+}
+
+impl rusqlite::types::FromSql for OutboxState {
+    fn column_result(value: rusqlite::types::ValueRef<'_>) -> rusqlite::types::FromSqlResult<Self> {
+        value
+            .as_str()?
+            .parse()
+            .map_err(|e: String| rusqlite::types::FromSqlError::Other(e.into()))
+    }
+}
+
+/// Which outbox rows [`outbox_list`] returns. Every filter is optional.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OutboxFilter {
+    /// Only rows in this state.
+    pub status: Option<OutboxState>,
+    /// Only this topic.
+    pub topic: Option<String>,
+    /// Only this ordering key.
+    pub key: Option<String>,
+    /// Only rows committed at or after this time (unix ms).
+    pub since_ms: Option<i64>,
+    /// Only rows committed before this time (unix ms).
+    pub until_ms: Option<i64>,
+    /// Where a page starts (by `seq`).
+    pub page: Page,
+}
+
+/// An outbox row without its payload, from [`outbox_list`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct OutboxEntry {
+    /// Commit order; what `outbox show` and `dead redrive --outbox` take.
+    pub seq: i64,
+    /// The stable message id a downstream deduplicates on.
+    pub message_id: String,
+    /// The topic.
+    pub topic: String,
+    /// The ordering key, if any.
+    pub key: Option<String>,
+    /// Its state.
+    pub status: OutboxState,
+    /// Hand-overs that failed (sent rows: plus the one that succeeded).
+    pub attempts: u32,
+    /// Payload size in bytes.
+    pub payload_bytes: u64,
+    /// Why it last failed.
+    pub last_error: Option<String>,
+    /// When it was committed (unix ms).
+    pub created_at: i64,
+    /// When a pending row is next tried: `None` when due now.
+    pub next_attempt_at: Option<i64>,
+    /// When it was sent.
+    pub sent_at: Option<i64>,
+    /// The inbox message whose handler published it: consumer, source and
+    /// message id.
+    pub caused_by: Option<[String; 3]>,
+}
+
+const OUTBOX_COLUMNS: &str = "seq, message_id, topic, key, status, attempts, length(payload),
+     last_error, created_at, next_attempt_at, sent_at, cause_consumer, cause_source,
+     cause_message_id";
+
+fn outbox_entry_from_row(r: &rusqlite::Row<'_>, now: i64) -> rusqlite::Result<OutboxEntry> {
+    let text = |idx| inbox::lossy_text(r, idx).map(Option::unwrap_or_default);
+    let status: OutboxState = r.get(4)?;
+    let next: i64 = r.get(9)?;
+    let cause = (
+        inbox::lossy_text(r, 11)?,
+        inbox::lossy_text(r, 12)?,
+        inbox::lossy_text(r, 13)?,
+    );
+    Ok(OutboxEntry {
+        seq: r.get(0)?,
+        message_id: text(1)?,
+        topic: text(2)?,
+        key: inbox::lossy_text(r, 3)?,
+        status,
+        attempts: r.get(5)?,
+        payload_bytes: count(r.get(6)?),
+        last_error: inbox::lossy_text(r, 7)?,
+        created_at: r.get(8)?,
+        next_attempt_at: (status == OutboxState::Pending && next > now).then_some(next),
+        sent_at: r.get(10)?,
+        caused_by: match cause {
+            (Some(c), Some(s), Some(m)) => Some([c, s, m]),
+            _ => None,
+        },
+    })
+}
+
+/// Outbox rows matching `filter`, one [`Page`] of them (newest first by
+/// default).
+pub fn outbox_list(conn: &Connection, filter: &OutboxFilter) -> Result<Vec<OutboxEntry>> {
+    let now = now_ms();
+    let (after, order) = filter.page.sql("seq", 7, 6);
+    let mut stmt = conn
+        .prepare(&format!(
+            "SELECT {OUTBOX_COLUMNS} FROM postroom_outbox
+             WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR topic = ?2)
+               AND (?3 IS NULL OR key = ?3) AND (?4 IS NULL OR created_at >= ?4)
+               AND (?5 IS NULL OR created_at < ?5) AND {after}
+             {order}"
+        ))
+        .map_err(sql("list outbox"))?;
+    let rows = stmt
+        .query_map(
+            params![
+                filter.status.map(OutboxState::as_str),
+                filter.topic,
+                filter.key,
+                filter.since_ms,
+                filter.until_ms,
+                limit_param(filter.page.limit),
+                filter.page.after,
+            ],
+            |r| outbox_entry_from_row(r, now),
+        )
+        .map_err(sql("list outbox"))?;
+    rows.collect::<rusqlite::Result<_>>()
+        .map_err(sql("list outbox"))
+}
+
+/// One outbox row in full, from [`outbox_show`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct OutboxDetail {
+    /// Everything [`outbox_list`] shows.
+    #[serde(flatten)]
+    pub entry: OutboxEntry,
+    /// The headers.
+    pub headers: Headers,
+    /// The payload (empty once discarded).
+    pub payload: Payload,
+    /// For a pending row with a key: the earlier pending row of its key
+    /// that holds it back while that row waits out a backoff (the relay
+    /// hands a key's rows over in `seq` order). `None` when nothing holds
+    /// it back.
+    pub held_back_by: Option<OutboxEntry>,
+    /// Pending rows of the same key after this one, which it holds back
+    /// while it waits out a backoff.
+    pub holding_back: u64,
+}
+
+/// The outbox row `seq` in full, with what holds it back; `None` when
+/// there is none.
+pub fn outbox_show(conn: &Connection, seq: i64) -> Result<Option<OutboxDetail>> {
+    let now = now_ms();
+    snapshot(conn, || {
+        let found = conn
+            .query_row(
+                &format!(
+                    "SELECT {OUTBOX_COLUMNS}, headers, payload FROM postroom_outbox WHERE seq = ?1"
+                ),
+                [seq],
+                |r| {
+                    let headers = inbox::lossy_text(r, 14)?;
+                    Ok(OutboxDetail {
+                        entry: outbox_entry_from_row(r, now)?,
+                        headers: parse_headers(headers.as_deref()),
+                        payload: Payload(r.get(15)?),
+                        held_back_by: None,
+                        holding_back: 0,
+                    })
+                },
+            )
+            .optional()
+            .map_err(sql("show outbox row"))?;
+        let Some(mut detail) = found else {
+            return Ok(None);
+        };
+        let (Some(key), OutboxState::Pending) = (&detail.entry.key, detail.entry.status) else {
+            return Ok(Some(detail));
+        };
+        // The relay's own rule (outbox::fetch_due): held back while an
+        // earlier pending row of the key is not yet due.
+        detail.held_back_by = conn
+            .query_row(
+                &format!(
+                    "SELECT {OUTBOX_COLUMNS} FROM postroom_outbox
+                     WHERE key = ?1 AND seq < ?2 AND status = 'pending' AND next_attempt_at > ?3
+                     ORDER BY seq LIMIT 1"
+                ),
+                params![key, seq, now],
+                |r| outbox_entry_from_row(r, now),
+            )
+            .optional()
+            .map_err(sql("show outbox row"))?;
+        if detail.entry.next_attempt_at.is_some() {
+            let n: i64 = conn
+                .query_row(
+                    "SELECT count(*) FROM postroom_outbox
+                     WHERE key = ?1 AND seq > ?2 AND status = 'pending'",
+                    params![key, seq],
+                    |r| r.get(0),
+                )
+                .map_err(sql("show outbox row"))?;
+            detail.holding_back = count(n);
+        }
+        Ok(Some(detail))
     })
 }
 

@@ -1,0 +1,288 @@
+//! What people read: tables, escaped text, RFC 3339 times, durations.
+//! JSON output never goes through here: it carries the stored values
+//! exactly.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use comfy_table::{CellAlignment, ContentArrangement, Table};
+use postroom::admin::{self, Payload};
+
+/// `s` safe to print on a terminal, on one line: control characters
+/// (escape sequences, carriage returns, newlines), bidirectional overrides
+/// and invisible format characters are shown as `\u{…}` escapes, so a
+/// message id or error text can neither drive the terminal nor forge lines.
+pub fn esc(s: &str) -> String {
+    escape(s, false)
+}
+
+/// As [`esc`] for a block of text (a payload): newlines and tabs are kept.
+pub fn esc_block(s: &str) -> String {
+    escape(s, true)
+}
+
+fn escape(s: &str, block: bool) -> String {
+    if !s.chars().any(|c| unsafe_char(c, block)) {
+        return s.to_owned();
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if unsafe_char(c, block) {
+            let _ = write!(out, "{}", c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+fn unsafe_char(c: char, block: bool) -> bool {
+    if block && (c == '\n' || c == '\t') {
+        return false;
+    }
+    c.is_control()
+        // Zero-width and directional marks, bidi embeddings, overrides and
+        // isolates, word joiners and invisible operators, the BOM, and the
+        // line and paragraph separators: text that reorders or hides what
+        // is around it.
+        || matches!(c, '\u{200b}'..='\u{200f}' | '\u{2028}'..='\u{202e}'
+            | '\u{2060}'..='\u{2069}' | '\u{feff}' | '\u{061c}')
+}
+
+/// At most `max` characters of [`esc`]`(s)`, with `…` when cut.
+pub fn clip(s: &str, max: usize) -> String {
+    let clean = esc(s);
+    if clean.chars().count() <= max {
+        clean
+    } else {
+        let mut cut: String = clean.chars().take(max.saturating_sub(1)).collect();
+        cut.push('…');
+        cut
+    }
+}
+
+/// A borderless table, two spaces between columns, widths by display
+/// width (CJK and emoji take two columns); `right` lists the numeric
+/// columns. Cells must already be escaped.
+pub fn table(out: &mut String, headers: &[&str], right: &[usize], rows: Vec<Vec<String>>) {
+    let mut t = Table::new();
+    t.load_style(comfy_table::presets::NOTHING)
+        .set_content_arrangement(ContentArrangement::Disabled)
+        .set_header(headers.to_vec());
+    for row in rows {
+        t.add_row(row);
+    }
+    let last = headers.len().saturating_sub(1);
+    for (i, column) in t.column_iter_mut().enumerate() {
+        column.set_padding((0, if i == last { 0 } else { 2 }));
+        if right.contains(&i) {
+            column.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    for line in t.lines() {
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+}
+
+/// `key  value` lines, keys aligned. Values must already be escaped.
+pub fn key_values(out: &mut String, fields: &[(&str, String)]) {
+    let width = fields.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (k, v) in fields {
+        let _ = writeln!(out, "{k:<width$}  {v}");
+    }
+}
+
+/// Unix ms as RFC 3339 in UTC, milliseconds when there are any:
+/// `2026-11-25T10:00:00.123Z`.
+pub fn time(ms: i64) -> String {
+    match jiff::Timestamp::from_millisecond(ms) {
+        Ok(t) => t.to_string(),
+        Err(_) => format!("{ms} (unix ms, out of range)"),
+    }
+}
+
+/// [`time`], or `-`.
+pub fn opt_time(ms: Option<i64>) -> String {
+    ms.map_or("-".into(), time)
+}
+
+/// A duration in ms for people: `850ms`, `12s`, `3m 12s`, `5h 3m`, `2d 4h`
+/// (the two largest units).
+pub fn age(ms: i64) -> String {
+    let ms = ms.max(0);
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let span = jiff::SignedDuration::from_secs(ms / 1000);
+    let secs = span.as_secs();
+    let (d, h, m, s) = (
+        secs / 86_400,
+        secs % 86_400 / 3600,
+        secs % 3600 / 60,
+        secs % 60,
+    );
+    match (d, h, m) {
+        (0, 0, 0) => format!("{s}s"),
+        (0, 0, _) => format!("{m}m {s}s"),
+        (0, _, _) => format!("{h}h {m}m"),
+        _ => format!("{d}d {h}h"),
+    }
+}
+
+/// A byte count with binary units.
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    format!("{v:.1} {}", UNITS[unit])
+}
+
+/// A span as people type it: `7d`, `36h`, `1h 30m`, `90s`, or ISO 8601
+/// (`P7D`); days are 24 hours. A bare number is refused: its unit would
+/// be a guess.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let hint = "a duration such as 7d, 36h, 1h30m or 90s";
+    if s.trim().chars().all(|c| c.is_ascii_digit()) {
+        return Err(format!("{s:?} has no unit: give {hint}"));
+    }
+    let span: jiff::Span = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("{s:?} is not {hint} ({e})"))?;
+    let ms = span
+        .total((
+            jiff::Unit::Millisecond,
+            jiff::SpanRelativeTo::days_are_24_hours(),
+        ))
+        .map_err(|e| format!("{s:?}: {e}"))?;
+    if ms < 0.0 {
+        return Err(format!("{s:?} is negative"));
+    }
+    if ms > 100.0 * 365.0 * 86_400_000.0 {
+        return Err(format!("{s:?} is more than 100 years"));
+    }
+    Ok(Duration::from_millis(ms as u64))
+}
+
+/// A point in time as unix ms: RFC 3339 (`2026-11-25T10:00:00Z`, seconds
+/// optional), a date (`2026-11-25`, midnight UTC), or an age counted back
+/// from now (`2h`, `7d`).
+pub fn parse_time(s: &str) -> Result<i64, String> {
+    let s = s.trim();
+    if let Ok(t) = s.parse::<jiff::Timestamp>() {
+        return Ok(t.as_millisecond());
+    }
+    if let Ok(date) = s.parse::<jiff::civil::Date>() {
+        return jiff::tz::TimeZone::UTC
+            .to_timestamp(date.at(0, 0, 0, 0))
+            .map(|t| t.as_millisecond())
+            .map_err(|e| format!("{s:?}: {e}"));
+    }
+    match parse_duration(s) {
+        Ok(ago) => {
+            Ok(admin::now_ms().saturating_sub(i64::try_from(ago.as_millis()).unwrap_or(i64::MAX)))
+        }
+        Err(_) => Err(format!(
+            "{s:?} is not a time: give RFC 3339 (2026-11-25T10:00:00Z, or \
+             2026-11-25T10:00Z), a date (2026-11-25, UTC) or an age (2h, 7d)"
+        )),
+    }
+}
+
+/// A payload for people: the kind, then pretty JSON, text or a hex dump,
+/// escaped.
+pub fn payload(out: &mut String, label: &str, p: Option<&Payload>) {
+    let Some(p) = p else {
+        let _ = writeln!(out, "{label}: not kept");
+        return;
+    };
+    let kind = match p.decode() {
+        admin::Decoded::Json(_) => "JSON",
+        admin::Decoded::Text(_) => "text",
+        _ => "binary, hex dump",
+    };
+    let _ = writeln!(out, "{label} ({} bytes, {kind}):", p.as_bytes().len());
+    let body = esc_block(&p.pretty());
+    out.push_str(&body);
+    if !body.ends_with('\n') {
+        out.push('\n');
+    }
+}
+
+/// Headers, one per line, escaped.
+pub fn headers(out: &mut String, headers: &postroom::Headers) {
+    if headers.is_empty() {
+        let _ = writeln!(out, "headers: none");
+    } else {
+        let _ = writeln!(out, "headers:");
+        for (k, v) in headers {
+            let _ = writeln!(out, "  {}: {}", esc(k), esc(v));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_and_bidi_characters_are_escaped_and_text_is_not() {
+        assert_eq!(esc("plain id"), "plain id");
+        assert_eq!(esc("a\x1b[2Jb"), "a\\u{1b}[2Jb");
+        assert_eq!(esc("x\r\nforged"), "x\\u{d}\\u{a}forged");
+        assert_eq!(esc("abc\u{202e}cba"), "abc\\u{202e}cba");
+        assert_eq!(esc_block("line 1\nline\t2\x07"), "line 1\nline\t2\\u{7}");
+        assert_eq!(esc("日本語 ✓"), "日本語 ✓");
+        assert_eq!(clip("abcdef", 4), "abc…");
+    }
+
+    #[test]
+    fn times_are_rfc3339_and_ages_short() {
+        assert_eq!(time(0), "1970-01-01T00:00:00Z");
+        assert_eq!(time(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(age(850), "850ms");
+        assert_eq!(age(192_000), "3m 12s");
+        assert_eq!(age(2 * 86_400_000 + 4 * 3_600_000), "2d 4h");
+    }
+
+    #[test]
+    fn durations_and_times_parse_as_people_write_them() {
+        assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("P2D"), Ok(Duration::from_secs(2 * 86_400)));
+        assert!(parse_duration("604800").unwrap_err().contains("no unit"));
+        assert!(parse_duration("soon").is_err());
+        assert_eq!(parse_time("2026-11-25T10:00:00Z"), Ok(1_795_600_800_000));
+        assert_eq!(parse_time("2026-11-25T10:00Z"), Ok(1_795_600_800_000));
+        assert_eq!(parse_time("2026-11-25"), Ok(1_795_564_800_000));
+        let two_hours_ago = parse_time("2h").unwrap();
+        let expected = admin::now_ms() - 7_200_000;
+        assert!((two_hours_ago - expected).abs() < 5_000);
+        assert!(parse_time("yesterday-ish").is_err());
+    }
+
+    #[test]
+    fn table_columns_are_aligned_by_display_width() {
+        let mut out = String::new();
+        table(
+            &mut out,
+            &["NAME", "N"],
+            &[1],
+            vec![
+                vec!["日本".into(), "1".into()],
+                vec!["abcd".into(), "22".into()],
+            ],
+        );
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines, ["NAME   N", "日本   1", "abcd  22"]);
+    }
+}
