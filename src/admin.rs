@@ -927,20 +927,12 @@ impl Payload {
     }
 
     /// For people: pretty-printed JSON, or the text, or a hex dump (offset,
-    /// 16 bytes in hex, and their printable ASCII). JSON that reformatting
-    /// would change (a number past what a double holds, a duplicate key)
-    /// is shown as stored.
+    /// 16 bytes in hex, and their printable ASCII). JSON is re-indented
+    /// without being reparsed: large numbers and duplicate keys show as
+    /// stored.
     pub fn pretty(&self) -> String {
         match self.decode() {
-            Decoded::Json(v) => {
-                let text = String::from_utf8_lossy(&self.0);
-                let compact = serde_json::to_string(&v).unwrap_or_default();
-                if compact == strip_json_space(&text) {
-                    serde_json::to_string_pretty(&v).unwrap_or_default()
-                } else {
-                    text.into_owned()
-                }
-            }
+            Decoded::Json(_) => reindent(&String::from_utf8_lossy(&self.0)),
             Decoded::Text(t) => t,
             Decoded::Hex(_) => {
                 let mut s = String::new();
@@ -970,12 +962,20 @@ impl Payload {
     }
 }
 
-/// JSON text without the whitespace between tokens (strings kept as they
-/// are), to compare with `serde_json`'s compact output.
-fn strip_json_space(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
+/// Valid JSON text re-indented by two spaces per level, every token kept
+/// as stored: numbers past what a double holds, duplicate keys, key order
+/// and string escapes come out as they went in (a reparse would change
+/// them).
+fn reindent(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() * 2);
+    let mut depth = 0usize;
     let (mut in_string, mut escaped) = (false, false);
-    for c in text.chars() {
+    let newline = |out: &mut String, depth: usize| {
+        out.push('\n');
+        out.push_str(&"  ".repeat(depth));
+    };
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
         if in_string {
             out.push(c);
             match (escaped, c) {
@@ -984,11 +984,37 @@ fn strip_json_space(text: &str) -> String {
                 (false, '"') => in_string = false,
                 _ => {}
             }
-        } else if c == '"' {
-            in_string = true;
-            out.push(c);
-        } else if !c.is_ascii_whitespace() {
-            out.push(c);
+            continue;
+        }
+        match c {
+            '"' => {
+                in_string = true;
+                out.push(c);
+            }
+            '{' | '[' => {
+                out.push(c);
+                while chars.peek().is_some_and(|c| c.is_ascii_whitespace()) {
+                    chars.next();
+                }
+                if matches!(chars.peek(), Some('}' | ']')) {
+                    out.extend(chars.next());
+                } else {
+                    depth += 1;
+                    newline(&mut out, depth);
+                }
+            }
+            '}' | ']' => {
+                depth = depth.saturating_sub(1);
+                newline(&mut out, depth);
+                out.push(c);
+            }
+            ',' => {
+                out.push(c);
+                newline(&mut out, depth);
+            }
+            ':' => out.push_str(": "),
+            c if c.is_ascii_whitespace() => {}
+            c => out.push(c),
         }
     }
     out

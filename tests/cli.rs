@@ -35,6 +35,30 @@ impl Run {
     }
 }
 
+/// Unix ms as the RFC 3339 text the CLI takes (UTC, milliseconds).
+fn rfc3339(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let tod = secs.rem_euclid(86_400);
+    // Howard Hinnant's civil_from_days, independent of the CLI's parser.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        tod / 3600,
+        tod % 3600 / 60,
+        tod % 60,
+        ms.rem_euclid(1000)
+    )
+}
+
 fn cli(db: &Path, args: &[&str]) -> Run {
     let out = Command::new(BIN)
         .arg(db)
@@ -257,18 +281,28 @@ fn inbox_list_filters_by_consumer_status_source_time_and_limit() {
             .map(|r| r["message_id"].as_str().unwrap().to_owned())
             .collect()
     };
-    assert_eq!(ids(&all), ["o-1", "o-2", "o-3", "f-1", "s-1"]);
+    // Newest first by default; --oldest-first in receive order.
+    assert_eq!(ids(&all), ["s-1", "f-1", "o-3", "o-2", "o-1"]);
+    let oldest = cli_ok(&db, &["inbox", "list", "--oldest-first", "--json"], 0).json();
+    assert_eq!(ids(&oldest), ["o-1", "o-2", "o-3", "f-1", "s-1"]);
 
     let orders = cli_ok(&db, &["inbox", "list", "--consumer", "orders", "--json"], 0).json();
-    assert_eq!(ids(&orders), ["o-1", "o-2", "o-3"]);
+    assert_eq!(ids(&orders), ["o-3", "o-2", "o-1"]);
     let dead = cli_ok(&db, &["inbox", "list", "--status", "dead", "--json"], 0).json();
     assert_eq!(ids(&dead), ["s-1"]);
     assert_eq!(dead[0]["status"], "dead");
     assert_eq!(dead[0]["payload_bytes"], BINARY.len());
     let feed = cli_ok(&db, &["inbox", "list", "--source", "feed", "--json"], 0).json();
-    assert_eq!(ids(&feed), ["f-1", "s-1"]);
+    assert_eq!(ids(&feed), ["s-1", "f-1"]);
     let limited = cli_ok(&db, &["inbox", "list", "--limit", "2", "--json"], 0).json();
-    assert_eq!(ids(&limited), ["o-1", "o-2"]);
+    assert_eq!(ids(&limited), ["s-1", "f-1"]);
+    // Keyset paging: the next page starts after the last id shown, and the
+    // human listing says how to ask for it.
+    let last = limited[1]["id"].as_i64().unwrap().to_string();
+    let next = cli_ok(&db, &["inbox", "list", "--limit", "2", "--after", &last, "--json"], 0);
+    assert_eq!(ids(&next.json()), ["o-3", "o-2"]);
+    let human = cli_ok(&db, &["inbox", "list", "--limit", "2"], 0).stdout;
+    assert!(human.contains(&format!("next page: --after {last}")), "{human}");
 
     // Time range on received_at: [since, until).
     let f1_received = raw(&db)
@@ -284,11 +318,16 @@ fn inbox_list_filters_by_consumer_status_source_time_and_limit() {
             [f1_received],
         )
         .unwrap();
-    let since = (f1_received + 500).to_string();
+    let since = rfc3339(f1_received + 500);
     let late = cli_ok(&db, &["inbox", "list", "--since", &since, "--json"], 0).json();
     assert_eq!(ids(&late), ["s-1"]);
     let early = cli_ok(&db, &["inbox", "list", "--until", &since, "--json"], 0).json();
-    assert_eq!(ids(&early), ["o-1", "o-2", "o-3", "f-1"]);
+    assert_eq!(ids(&early), ["f-1", "o-3", "o-2", "o-1"]);
+    // Ages count back from now; unix milliseconds are not a time.
+    let recent = cli_ok(&db, &["inbox", "list", "--since", "1h", "--json"], 0).json();
+    assert_eq!(recent.as_array().unwrap().len(), 5);
+    let run = cli_ok(&db, &["inbox", "list", "--since", &f1_received.to_string()], 2);
+    assert!(run.stderr.contains("not a time"), "{}", run.stderr);
 
     let human = cli_ok(&db, &["inbox", "list", "--consumer", "flaky"], 0).stdout;
     let row = table_row(&human, &inbox_id(&db, "flaky", "f-1").to_string());
@@ -330,8 +369,9 @@ fn inbox_show_prints_payload_as_json_text_or_hex_with_headers_and_timestamps() {
     assert!(human.contains("00000000  ff 00 10 41 fe"), "{human}");
     assert!(human.contains("bad order: missing amount"), "{human}");
     let json = cli_ok(&db, &["inbox", "show", &s1, "--json"], 0).json();
-    assert_eq!(json["payload"]["encoding"], "hex");
-    assert_eq!(json["payload"]["value"], "ff001041fe");
+    assert_eq!(json["payload"]["encoding"], "binary");
+    assert_eq!(json["payload"]["base64"], "/wAQQf4=");
+    assert_eq!(json["payload"]["value"], Value::Null);
     assert_eq!(json["status"], "dead");
     assert_eq!(json["attempts"], 1);
 
@@ -359,7 +399,7 @@ fn dead_list_shows_inbox_and_outbox_dead_letters() {
     assert_eq!(inbox[0]["consumer"], "strict");
     assert_eq!(inbox[0]["message_id"], "s-1");
     assert_eq!(inbox[0]["last_error"], "bad order: missing amount");
-    assert_eq!(inbox[0]["payload"]["value"], "ff001041fe");
+    assert_eq!(inbox[0]["payload"]["base64"], "/wAQQf4=");
     let none = cli_ok(&db, &["dead", "list", "--consumer", "orders", "--json"], 0).json();
     assert_eq!(none, serde_json::json!([]));
 
@@ -373,7 +413,7 @@ fn dead_list_shows_inbox_and_outbox_dead_letters() {
 
     let human = cli_ok(&db, &["dead", "list", "--outbox"], 0).stdout;
     assert!(human.contains("refused"), "{human}");
-    assert!(human.contains("1 dead outbox row(s)"), "{human}");
+    assert!(human.contains("1 dead letter(s)"), "{human}");
     let human = cli_ok(&db, &["dead", "list"], 0).stdout;
     let row = table_row(&human, &inbox[0]["id"].to_string());
     assert_eq!(row[1..5], ["strict", "feed", "s-1", "1"]);
@@ -444,7 +484,7 @@ fn redrive_while_the_engine_runs_is_processed_by_its_workers() {
         // here: the failed assertion never stopped the load.
         let stopping = SetOnDrop(&stop);
         let run = cli_ok(&path, &["dead", "redrive", &id.to_string(), "--json"], 0).json();
-        let cleanup = cli_ok(&path, &["cleanup", "--retention-secs", "3600", "--json"], 0).json();
+        let cleanup = cli_ok(&path, &["cleanup", "--retention", "1h", "--json"], 0).json();
         assert_eq!(cleanup["inbox_deleted"], 0);
         drop(stopping);
         (run, load.join().unwrap())
@@ -689,7 +729,7 @@ fn cleanup_dry_run_counts_and_the_real_run_deletes_only_expired_rows_in_batches(
     // A shorter retention reaches the new rows too (counted only).
     let all = cli_ok(
         &db,
-        &["cleanup", "--dry-run", "--retention-secs", "0", "--json"],
+        &["cleanup", "--dry-run", "--retention", "0s", "--json"],
         0,
     )
     .json();
@@ -745,13 +785,8 @@ fn cleanup_dry_run_counts_and_the_real_run_deletes_only_expired_rows_in_batches(
         )
     };
     assert_eq!(conflicts(&conn), ["old-0", "new-0"]);
-    let day = "86400";
-    let both = [
-        "--dead-retention-secs",
-        day,
-        "--conflict-retention-secs",
-        day,
-    ];
+    let day = "1d";
+    let both = ["--dead-retention", day, "--conflict-retention", day];
     let dry = cli_ok(
         &db,
         &[&["cleanup", "--dry-run", "--json"][..], &both].concat(),
@@ -779,7 +814,7 @@ fn cleanup_dry_run_counts_and_the_real_run_deletes_only_expired_rows_in_batches(
     assert!(dry["dead_cutoff_ms"].is_null(), "{dry}");
     let longer = cli_ok(
         &db,
-        &["cleanup", "--json", "--dead-retention-secs", "2592000"],
+        &["cleanup", "--json", "--dead-retention", "30d"],
         0,
     )
     .json();
@@ -1126,7 +1161,7 @@ fn a_busy_database_is_exit_code_1() {
     holder.execute_batch("BEGIN IMMEDIATE").unwrap();
     let run = cli_ok(
         &db,
-        &["dead", "redrive", &s1, "--busy-timeout-ms", "200"],
+        &["dead", "redrive", &s1, "--busy-timeout", "200ms"],
         1,
     );
     assert!(run.stderr.contains("busy timeout"), "{}", run.stderr);
@@ -1248,8 +1283,8 @@ fn check_reports_a_missing_key_trigger() {
 fn a_busy_timeout_past_what_sqlite_takes_is_a_usage_error() {
     let dir = tempfile::tempdir().unwrap();
     let db = populated(dir.path());
-    let run = cli_ok(&db, &["status", "--busy-timeout-ms", "2147483648"], 2);
-    assert!(run.stderr.contains("busy-timeout-ms"), "{}", run.stderr);
+    let run = cli_ok(&db, &["status", "--busy-timeout", "2147484s"], 2);
+    assert!(run.stderr.contains("busy-timeout"), "{}", run.stderr);
     assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
-    cli_ok(&db, &["status", "--busy-timeout-ms", "2147483647"], 0);
+    cli_ok(&db, &["status", "--busy-timeout", "2147483s"], 0);
 }
