@@ -196,7 +196,9 @@ impl ReadView {
 ///
 /// * With a `-wal` and a `-shm` beside the file (an engine has it open, or
 ///   one was killed): a `SQLITE_OPEN_READONLY` connection that reads the
-///   WAL as the engine would; SQLite may update the `-shm` index.
+///   WAL as the engine would. Beside a running engine it shares the
+///   engine's `-shm` index as any reader does; with no engine running it
+///   reads the `-shm` without writing it (`readonly_shm`).
 /// * Without a `-wal`, or with one but no usable `-shm`: an `immutable`
 ///   connection on the file alone ([`ReadView::immutable`]). It does not
 ///   see an engine that starts after it opened; [`read`] reruns its work
@@ -215,19 +217,40 @@ pub fn open_read(path: impl AsRef<Path>, busy_timeout: Duration) -> Result<(Conn
         wal_unread: false,
     };
     if !view.immutable {
-        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-        let opened = Connection::open_with_flags(&view.path, flags)
+        // With no engine running, nothing else may rebuild the `-shm`
+        // index a kill left stale, and this read must not either:
+        // `readonly_shm` reads the WAL through private memory instead.
+        // A running engine owns the `-shm`; the read uses it as any reader
+        // does.
+        let idle = view.engine_running == Some(false);
+        let opened = uri(
+            &view.path,
+            if idle {
+                "mode=ro&readonly_shm=1"
+            } else {
+                "mode=ro"
+            },
+        )
+        .ok_or_else(|| Error::invalid("database", "not UTF-8"))
+        .and_then(|uri| {
+            Connection::open_with_flags(
+                uri,
+                OpenFlags::SQLITE_OPEN_READ_ONLY
+                    | OpenFlags::SQLITE_OPEN_URI
+                    | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+            )
             .map_err(|e| schema::open_error(&view.path, "open database", e))
-            .and_then(|conn| {
-                conn.busy_timeout(busy_timeout)
-                    .map_err(|e| schema::open_error(&view.path, "set busy_timeout", e))?;
-                validate(&conn, &view.path)?;
-                Ok(conn)
-            });
+        })
+        .and_then(|conn| {
+            conn.busy_timeout(busy_timeout)
+                .map_err(|e| schema::open_error(&view.path, "set busy_timeout", e))?;
+            validate(&conn, &view.path)?;
+            Ok(conn)
+        });
         match opened {
             Ok(conn) => return Ok((conn, view)),
-            // A `-shm` this user cannot write, needing recovery: read the
-            // file alone instead.
+            // A `-shm` this user cannot use, or a path a URI cannot carry:
+            // read the file alone instead.
             Err(Error::Sqlite { source, .. })
                 if matches!(
                     source.sqlite_error_code(),
@@ -236,11 +259,14 @@ pub fn open_read(path: impl AsRef<Path>, busy_timeout: Duration) -> Result<(Conn
             {
                 view.immutable = true
             }
+            Err(Error::InvalidInput { reason, .. }) if reason == "not UTF-8" => {
+                view.immutable = true
+            }
             Err(e) => return Err(e),
         }
     }
     view.wal_unread = has_wal && wal_bytes > 0;
-    let conn = match immutable_uri(&view.path) {
+    let conn = match uri(&view.path, "immutable=1") {
         Some(uri) => Connection::open_with_flags(
             &uri,
             OpenFlags::SQLITE_OPEN_READ_ONLY
@@ -313,10 +339,9 @@ fn sibling(path: &Path, suffix: &str) -> std::path::PathBuf {
     p.into()
 }
 
-/// `file:` URI with `immutable=1` for an absolute path; `None` when the
-/// path is not UTF-8. `%`, `?` and `#` are escaped so they stay part of
-/// the path.
-fn immutable_uri(path: &Path) -> Option<String> {
+/// `file:` URI with `query` for an absolute path; `None` when the path is
+/// not UTF-8. `%`, `?` and `#` are escaped so they stay part of the path.
+fn uri(path: &Path, query: &str) -> Option<String> {
     let text = path.to_str()?;
     let mut uri = String::from("file:");
     for c in text.chars() {
@@ -327,7 +352,8 @@ fn immutable_uri(path: &Path) -> Option<String> {
             c => uri.push(c),
         }
     }
-    uri.push_str("?immutable=1");
+    uri.push('?');
+    uri.push_str(query);
     Some(uri)
 }
 
@@ -1053,9 +1079,9 @@ impl Serialize for Payload {
 
 // ---------------------------------------------------------------- inbox
 
-/// Which inbox rows [`inbox_list`] returns. Every filter is optional;
-/// `limit` defaults to 100.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Which inbox rows [`inbox_list`] returns. Every filter is optional; the
+/// default [`Page`] is the newest 100.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct InboxFilter {
     /// Only this consumer's rows.
     pub consumer: Option<String>,
@@ -1069,19 +1095,6 @@ pub struct InboxFilter {
     pub until_ms: Option<i64>,
     /// Where a page starts: see [`Page`].
     pub page: Page,
-}
-
-impl Default for InboxFilter {
-    fn default() -> Self {
-        InboxFilter {
-            consumer: None,
-            status: None,
-            source: None,
-            since_ms: None,
-            until_ms: None,
-            page: Page::default(),
-        }
-    }
 }
 
 /// One page of a listing: newest first (by row id or `seq`) unless

@@ -299,10 +299,17 @@ fn inbox_list_filters_by_consumer_status_source_time_and_limit() {
     // Keyset paging: the next page starts after the last id shown, and the
     // human listing says how to ask for it.
     let last = limited[1]["id"].as_i64().unwrap().to_string();
-    let next = cli_ok(&db, &["inbox", "list", "--limit", "2", "--after", &last, "--json"], 0);
+    let next = cli_ok(
+        &db,
+        &["inbox", "list", "--limit", "2", "--after", &last, "--json"],
+        0,
+    );
     assert_eq!(ids(&next.json()), ["o-3", "o-2"]);
     let human = cli_ok(&db, &["inbox", "list", "--limit", "2"], 0).stdout;
-    assert!(human.contains(&format!("next page: --after {last}")), "{human}");
+    assert!(
+        human.contains(&format!("next page: --after {last}")),
+        "{human}"
+    );
 
     // Time range on received_at: [since, until).
     let f1_received = raw(&db)
@@ -326,7 +333,11 @@ fn inbox_list_filters_by_consumer_status_source_time_and_limit() {
     // Ages count back from now; unix milliseconds are not a time.
     let recent = cli_ok(&db, &["inbox", "list", "--since", "1h", "--json"], 0).json();
     assert_eq!(recent.as_array().unwrap().len(), 5);
-    let run = cli_ok(&db, &["inbox", "list", "--since", &f1_received.to_string()], 2);
+    let run = cli_ok(
+        &db,
+        &["inbox", "list", "--since", &f1_received.to_string()],
+        2,
+    );
     assert!(run.stderr.contains("not a time"), "{}", run.stderr);
 
     let human = cli_ok(&db, &["inbox", "list", "--consumer", "flaky"], 0).stdout;
@@ -812,12 +823,7 @@ fn cleanup_dry_run_counts_and_the_real_run_deletes_only_expired_rows_in_batches(
         "{dry}"
     );
     assert!(dry["dead_cutoff_ms"].is_null(), "{dry}");
-    let longer = cli_ok(
-        &db,
-        &["cleanup", "--json", "--dead-retention", "30d"],
-        0,
-    )
-    .json();
+    let longer = cli_ok(&db, &["cleanup", "--json", "--dead-retention", "30d"], 0).json();
     assert_eq!(longer["dead_deleted"], 0, "died 10 days ago, kept for 30");
     assert_eq!(
         count(
@@ -1159,11 +1165,7 @@ fn a_busy_database_is_exit_code_1() {
     let s1 = inbox_id(&db, "strict", "s-1").to_string();
     let holder = raw(&db);
     holder.execute_batch("BEGIN IMMEDIATE").unwrap();
-    let run = cli_ok(
-        &db,
-        &["dead", "redrive", &s1, "--busy-timeout", "200ms"],
-        1,
-    );
+    let run = cli_ok(&db, &["dead", "redrive", &s1, "--busy-timeout", "200ms"], 1);
     assert!(run.stderr.contains("busy timeout"), "{}", run.stderr);
     // Reads do not wait for the writer (WAL).
     cli_ok(&db, &["status"], 0);
@@ -1287,4 +1289,617 @@ fn a_busy_timeout_past_what_sqlite_takes_is_a_usage_error() {
     assert!(run.stderr.contains("busy-timeout"), "{}", run.stderr);
     assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
     cli_ok(&db, &["status", "--busy-timeout", "2147483s"], 0);
+}
+
+// ---------------------------------------------------------------- never makes things worse
+
+/// Entry point of the child processes. Not a test: it only does something
+/// when started by `spawn_child`, and is ignored otherwise.
+#[test]
+#[ignore = "entry point for child processes of the CLI tests"]
+fn child_main() {
+    let Some((role, db)) = common::child_role() else {
+        return;
+    };
+    common::report("");
+    assert_eq!(role, "deliver-then-wait", "unknown child role");
+    let room = Postroom::builder()
+        .workers(0)
+        .consumer("orders", handler_fn(apply))
+        .open(&db)
+        .unwrap();
+    for n in 0..50 {
+        let msg = Message::new("shop", format!("late-{n}"), format!("{{\"n\":{n}}}"));
+        let outcome = room.deliver("orders", msg);
+        if !matches!(outcome, Ok(Outcome::Processed { .. })) {
+            common::report(&format!("FAILED {outcome:?}"));
+        }
+    }
+    common::report("READY");
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// Every file beside `db` (name and bytes), to compare before and after.
+fn files_of(db: &Path) -> Vec<(String, Vec<u8>)> {
+    let dir = db.parent().unwrap();
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            (name, std::fs::read(&p).unwrap())
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+fn file_names(files: &[(String, Vec<u8>)]) -> Vec<&str> {
+    files.iter().map(|(n, _)| n.as_str()).collect()
+}
+
+/// Every command that only reads, with the arguments it needs here.
+const READ_COMMANDS: &[&[&str]] = &[
+    &["status"],
+    &["status", "--json"],
+    &["metrics"],
+    &["check"],
+    &["check", "--full"],
+    &["inbox", "list"],
+    &["outbox", "list"],
+    &["dead", "list"],
+    &["dead", "list", "--outbox"],
+    &["conflicts", "list"],
+    &["cleanup", "--dry-run", "--retention", "0s"],
+    &["dead", "redrive", "--all", "--dry-run"],
+    &["dead", "discard", "--outbox", "--all", "--dry-run"],
+    &["top", "--iterations", "1"],
+];
+
+/// After a kill -9 left a WAL, no read command checkpoints it or deletes
+/// it: the database, the WAL and the `-shm` keep their bytes, and the
+/// reads see the killed engine's last commits (they are in the WAL).
+#[test]
+fn read_commands_leave_a_killed_engines_files_byte_for_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let mut child = common::spawn_child("deliver-then-wait", &db, &[]);
+    let lines = common::lines_of(&mut child);
+    common::wait_for(&lines, "READY");
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let before = files_of(&db);
+    assert!(
+        file_names(&before).contains(&"app.db-wal"),
+        "the kill left a WAL: {:?}",
+        file_names(&before)
+    );
+    for args in READ_COMMANDS {
+        let run = cli(&db, args);
+        assert!(
+            run.code == 0 || (args[0] == "check" && run.code == 4),
+            "postroom {args:?}: exit {}\n{}",
+            run.code,
+            run.stderr
+        );
+        assert!(
+            files_of(&db) == before,
+            "postroom {args:?} changed the files: {:?} -> {:?}",
+            file_names(&before),
+            file_names(&files_of(&db))
+        );
+    }
+    // The killed engine's 50 commits were read from the WAL.
+    let status = cli_ok(&db, &["status", "--json"], 0).json();
+    assert_eq!(consumer(&status, "orders")["completed"], 53, "{status}");
+    // And the operator is told who should recover the WAL.
+    let run = cli_ok(&db, &["status"], 0);
+    assert!(
+        run.stderr.contains("no engine has the database open"),
+        "{}",
+        run.stderr
+    );
+}
+
+/// On a write-protected database with no WAL (an engine shut down
+/// cleanly), reads create no `-wal` or `-shm`; and a user who may not
+/// write the file or its directory can read it.
+#[test]
+fn read_commands_create_no_file_and_work_for_a_user_without_write_access() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    std::fs::set_permissions(&db, std::fs::Permissions::from_mode(0o444)).unwrap();
+    let before = files_of(&db);
+    assert_eq!(
+        file_names(&before),
+        ["app.db", "app.db-postroom"],
+        "a clean shutdown leaves no WAL"
+    );
+    for args in READ_COMMANDS {
+        let run = cli(&db, args);
+        assert_eq!(run.code, 0, "postroom {args:?}: {}", run.stderr);
+        assert!(
+            files_of(&db) == before,
+            "postroom {args:?}: {:?}",
+            file_names(&files_of(&db))
+        );
+    }
+    // Another user, with read access only (the test runs as root in CI).
+    let root = std::process::Command::new("id").arg("-u").output().unwrap();
+    if String::from_utf8_lossy(&root.stdout).trim() != "0" {
+        eprintln!("skipped the other-user half: not root");
+        return;
+    }
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(BIN)
+        .arg(&db)
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(consumer(&status, "orders")["completed"], 3);
+    assert!(files_of(&db) == before);
+}
+
+/// Damage the inbox table's pages (the schema stays readable).
+fn damage_inbox(db: &Path) {
+    raw(db)
+        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+        .unwrap();
+    let pages: Vec<u64> = raw(db)
+        .prepare("SELECT pageno FROM dbstat WHERE name = 'postroom_inbox'")
+        .unwrap()
+        .query_map([], |r| r.get::<_, i64>(0))
+        .unwrap()
+        .map(|p| p.unwrap() as u64)
+        .collect();
+    use std::io::{Seek, SeekFrom, Write};
+    let mut f = std::fs::OpenOptions::new().write(true).open(db).unwrap();
+    for page in pages {
+        f.seek(SeekFrom::Start((page - 1) * 4096)).unwrap();
+        let mut junk = vec![0x0d, 0, 0, 0, 5, 0x0f, 0];
+        junk.resize(4000, 0xaa);
+        f.write_all(&junk).unwrap();
+    }
+}
+
+/// Write commands run the engine's integrity check first and refuse a
+/// damaged file with exit code 3, changing nothing; listing commands that
+/// meet the damage say so (exit 3), not a partial list.
+#[test]
+fn write_commands_refuse_a_damaged_database_and_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let s1 = inbox_id(&db, "strict", "s-1").to_string();
+    damage_inbox(&db);
+    let before = files_of(&db);
+    for args in [
+        &["cleanup", "--retention", "0s"][..],
+        &["dead", "redrive", &s1],
+        &["dead", "discard", &s1],
+        &["dead", "redrive", "--outbox", "--all", "--yes"],
+        &["conflicts", "discard", "1"],
+    ] {
+        let run = cli_ok(&db, args, 3);
+        assert!(run.stderr.contains("corrupt"), "{args:?}: {}", run.stderr);
+        assert!(
+            files_of(&db) == before,
+            "postroom {args:?} changed the file"
+        );
+    }
+    let run = cli_ok(&db, &["inbox", "list"], 3);
+    assert!(run.stdout.is_empty(), "no partial list: {}", run.stdout);
+}
+
+/// A read-only filesystem (EROFS, even for root) or a write-protected file
+/// is exit code 3 for a write command, before anything is tried.
+#[test]
+fn a_read_only_database_is_exit_code_3_for_write_commands() {
+    let Some(fs) = common::Tmpfs::mount(16 * 1024 * 1024) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let made = populated(dir.path());
+    let db = fs.path().join("app.db");
+    std::fs::copy(&made, &db).unwrap();
+    fs.remount_read_only();
+    let s1 = inbox_id(&made, "strict", "s-1").to_string();
+    for args in [
+        &["dead", "redrive", &s1][..],
+        &["cleanup", "--retention", "0s"],
+    ] {
+        let run = cli_ok(&db, args, 3);
+        assert!(run.stderr.contains("read-only"), "{args:?}: {}", run.stderr);
+    }
+    // Reads still work on it.
+    cli_ok(&db, &["status"], 0);
+}
+
+/// A symbolic link loop is a bad database path (3), not an operational
+/// error; under `--json` even usage errors are the documented JSON object.
+#[test]
+fn a_symlink_loop_is_exit_code_3_and_json_usage_errors_are_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.db");
+    let b = dir.path().join("b.db");
+    std::os::unix::fs::symlink(&b, &a).unwrap();
+    std::os::unix::fs::symlink(&a, &b).unwrap();
+    let run = cli_ok(&a, &["status"], 3);
+    assert!(run.stderr.contains("a.db"), "{}", run.stderr);
+
+    let db = populated(dir.path());
+    let run = cli_ok(&db, &["inbox", "list", "--status", "sleeping", "--json"], 2);
+    let err: Value = serde_json::from_str(run.stderr.trim()).expect("a JSON error object");
+    assert_eq!(err["exit_code"], 2);
+    assert!(err["error"].as_str().unwrap().contains("sleeping"), "{err}");
+    let run = cli_ok(&db, &["--json", "no-such-command"], 2);
+    let err: Value = serde_json::from_str(run.stderr.trim()).expect("a JSON error object");
+    assert_eq!(err["exit_code"], 2);
+}
+
+/// Output that cannot be written (a full disk) is exit code 1 with the
+/// reason, not a silent success.
+#[test]
+fn a_failed_output_write_is_exit_code_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let out = Command::new(BIN)
+        .arg(&db)
+        .arg("status")
+        .stdout(std::fs::File::create("/dev/full").unwrap())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("writing the output"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// What a sender controls (message ids, errors, header names and values,
+/// text payloads) cannot drive the terminal or forge lines in human
+/// output; `--json` carries it exactly.
+#[test]
+fn control_characters_from_senders_are_escaped_for_people_and_exact_in_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let evil_id = "s-9\x1b[2J\rFORGED";
+    let room = Postroom::builder()
+        .workers(0)
+        .consumer(
+            "strict",
+            handler_fn(|_, _| Err(Failure::reject("boom\x1b]0;title\x07\nok line"))),
+        )
+        .open(&db)
+        .unwrap();
+    let payload = b"text \x1b[2J payload\nsecond line".to_vec();
+    let outcome = room
+        .deliver("strict", Message::new("feed", evil_id, payload))
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Dead { .. }), "{outcome:?}");
+    room.shutdown(Duration::from_secs(5)).unwrap();
+    let s1 = inbox_id(&db, "strict", evil_id);
+    // Header names the engine would refuse, as an older or hostile writer
+    // could have stored them.
+    raw(&db)
+        .execute(
+            "UPDATE postroom_inbox SET headers = ?1 WHERE id = ?2",
+            params![
+                r#"{"x-\u001b[31m":"v\u001b[0m\r\n","bidi":"abc\u202ecba"}"#,
+                s1
+            ],
+        )
+        .unwrap();
+    for args in [
+        vec!["inbox", "show", &s1.to_string()[..]],
+        vec!["inbox", "list"],
+        vec!["dead", "list"],
+        vec!["dead", "redrive", "--all", "--dry-run"],
+    ] {
+        let run = cli_ok(&db, &args, 0);
+        assert!(
+            !run.stdout.contains('\x1b'),
+            "{args:?}: raw ESC in\n{}",
+            run.stdout
+        );
+        assert!(!run.stdout.contains('\r'), "{args:?}: raw CR");
+        assert!(
+            !run.stdout.contains('\u{202e}'),
+            "{args:?}: raw bidi override"
+        );
+        assert!(
+            run.stdout.contains("\\u{1b}"),
+            "{args:?}: escaped\n{}",
+            run.stdout
+        );
+    }
+    let show = cli_ok(&db, &["inbox", "show", &s1.to_string()], 0).stdout;
+    assert!(
+        show.contains("payload\nsecond line"),
+        "payload newlines kept:\n{show}"
+    );
+    let json = cli_ok(&db, &["inbox", "show", &s1.to_string(), "--json"], 0).json();
+    assert_eq!(json["message_id"], evil_id);
+    assert_eq!(json["headers"]["x-\u{1b}[31m"], "v\u{1b}[0m\r\n");
+    assert_eq!(
+        json["payload"]["value"],
+        "text \x1b[2J payload\nsecond line"
+    );
+}
+
+/// `--json` keeps a payload as stored: numbers past a double, duplicate
+/// keys and key order, and the exact bytes in base64 for a replay.
+#[test]
+fn json_output_carries_payloads_exactly() {
+    use base64::Engine as _;
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let s1 = inbox_id(&db, "strict", "s-1").to_string();
+    let stored = br#"{"z":1,"big":123456789012345678901234567890,"a":1,"a":2}"#;
+    raw(&db)
+        .execute(
+            "UPDATE postroom_inbox SET payload = ?1 WHERE id = ?2",
+            params![stored.to_vec(), s1],
+        )
+        .unwrap();
+    let run = cli_ok(&db, &["dead", "list", "--json"], 0);
+    assert!(
+        run.stdout.contains("123456789012345678901234567890"),
+        "{}",
+        run.stdout
+    );
+    assert!(run.stdout.contains(r#""a":1,"a":2"#), "{}", run.stdout);
+    let rows = run.json();
+    let b64 = rows[0]["payload"]["base64"].as_str().unwrap();
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .unwrap();
+    assert_eq!(bytes, stored);
+    let human = cli_ok(&db, &["inbox", "show", &s1], 0).stdout;
+    assert!(
+        human.contains("\"big\": 123456789012345678901234567890"),
+        "{human}"
+    );
+    assert!(human.contains("\"a\": 1,\n  \"a\": 2"), "{human}");
+}
+
+// ---------------------------------------------------------------- what operators can now do
+
+/// A populated database plus key `k-1`'s two pending rows: the first
+/// backing off after failures, the second held back by it.
+fn with_held_back_key(dir: &Path) -> (PathBuf, i64, i64) {
+    let db = populated(dir);
+    let conn = raw(&db);
+    let future = postroom::admin::now_ms() + 3_600_000;
+    let mut seqs = Vec::new();
+    for (id, attempts, next) in [("k-first", 2, future), ("k-second", 0, 0)] {
+        conn.execute(
+            "INSERT INTO postroom_outbox (message_id, topic, key, payload, status, attempts,
+                 last_error, created_at, next_attempt_at)
+             VALUES (?1, 'billing', 'k-1', x'7b7d', 'pending', ?2, ?3, 1, ?4)",
+            params![id, attempts, (attempts > 0).then_some("broker down"), next],
+        )
+        .unwrap();
+        seqs.push(conn.last_insert_rowid());
+    }
+    (db, seqs[0], seqs[1])
+}
+
+#[test]
+fn outbox_list_and_show_say_which_key_holds_the_rest_back_and_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let (db, first, second) = with_held_back_key(dir.path());
+    let all = cli_ok(&db, &["outbox", "list", "--json"], 0).json();
+    let seqs: Vec<i64> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(seqs.len(), 5);
+    assert!(
+        seqs.windows(2).all(|w| w[0] > w[1]),
+        "newest first: {seqs:?}"
+    );
+    let pending = cli_ok(&db, &["outbox", "list", "--status", "pending", "--json"], 0).json();
+    assert_eq!(pending.as_array().unwrap().len(), 2);
+    let keyed = cli_ok(
+        &db,
+        &["outbox", "list", "--key", "k-1", "--oldest-first", "--json"],
+        0,
+    )
+    .json();
+    assert_eq!(keyed[0]["seq"], first);
+    assert_eq!(keyed[0]["last_error"], "broker down");
+    assert!(keyed[0]["next_attempt_at"].is_i64(), "{keyed}");
+    let shipping = cli_ok(&db, &["outbox", "list", "--topic", "shipping", "--json"], 0).json();
+    assert_eq!(shipping.as_array().unwrap().len(), 2);
+
+    let show = cli_ok(&db, &["outbox", "show", &second.to_string(), "--json"], 0).json();
+    assert_eq!(show["held_back_by"]["seq"], first, "{show}");
+    assert_eq!(show["held_back_by"]["last_error"], "broker down");
+    let human = cli_ok(&db, &["outbox", "show", &second.to_string()], 0).stdout;
+    assert!(
+        human.contains(&format!("held back by     seq {first} of the same key")),
+        "{human}"
+    );
+    assert!(human.contains("broker down"), "{human}");
+    let holder = cli_ok(&db, &["outbox", "show", &first.to_string(), "--json"], 0).json();
+    assert_eq!(holder["holding_back"], 1);
+    assert!(holder["held_back_by"].is_null());
+    let human = cli_ok(&db, &["outbox", "list"], 0).stdout;
+    assert!(human.contains("NEXT TRY / SENT"), "{human}");
+    cli_ok(&db, &["outbox", "show", "424242"], 5);
+}
+
+/// Several dead letters of two consumers with two errors.
+fn with_dead_letters(dir: &Path) -> PathBuf {
+    let path = dir.join("dead.db");
+    let room = Postroom::builder()
+        .workers(0)
+        .consumer(
+            "a",
+            handler_fn(|_, m| Err(Failure::reject(format!("bad {}", m.payload().len())))),
+        )
+        .consumer(
+            "b",
+            handler_fn(|_, _| Err(Failure::reject("timeout talking to bank"))),
+        )
+        .open(&path)
+        .unwrap();
+    for n in 0..4 {
+        room.deliver(
+            "a",
+            Message::new("s", format!("a-{n}"), "x".repeat(n % 2 + 1)),
+        )
+        .unwrap();
+        room.deliver("b", Message::new("s", format!("b-{n}"), "y"))
+            .unwrap();
+    }
+    room.shutdown(Duration::from_secs(5)).unwrap();
+    path
+}
+
+#[test]
+fn bulk_redrive_and_discard_dry_run_first_and_need_a_confirmation() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = with_dead_letters(dir.path());
+    let dead = |db: &Path| {
+        count(
+            &raw(db),
+            "SELECT count(*) FROM postroom_inbox WHERE status = 'dead'",
+        )
+    };
+    assert_eq!(dead(&db), 8);
+
+    // Dry run: what it would do, nothing done.
+    let dry = cli_ok(
+        &db,
+        &[
+            "dead",
+            "redrive",
+            "--consumer",
+            "a",
+            "--error",
+            "bad 2",
+            "--dry-run",
+            "--json",
+        ],
+        0,
+    )
+    .json();
+    assert_eq!(dry["matched"], 2, "{dry}");
+    assert_eq!(dry["dry_run"], true);
+    let human = cli_ok(&db, &["dead", "redrive", "--error", "bank", "--dry-run"], 0).stdout;
+    assert!(
+        human.contains("would redrive 4 inbox dead letter(s)"),
+        "{human}"
+    );
+    assert_eq!(dead(&db), 8);
+
+    // No terminal to confirm on and no --yes: refused, nothing done.
+    let run = cli_ok(&db, &["dead", "redrive", "--consumer", "b"], 2);
+    assert!(run.stderr.contains("--yes"), "{}", run.stderr);
+    assert_eq!(dead(&db), 8);
+    // Neither an id nor a selection: a usage error.
+    cli_ok(&db, &["dead", "redrive"], 2);
+
+    let done = cli_ok(
+        &db,
+        &["dead", "redrive", "--consumer", "b", "--yes", "--json"],
+        0,
+    )
+    .json();
+    assert_eq!(done["done"], 4, "{done}");
+    assert_eq!(done["skipped"], 0);
+    assert_eq!(dead(&db), 4);
+    assert_eq!(
+        count(&raw(&db), "SELECT count(*) FROM postroom_inbox WHERE consumer = 'b' AND status = 'pending' AND attempts = 0"),
+        4
+    );
+    let human = cli_ok(&db, &["dead", "discard", "--all", "--yes"], 0).stdout;
+    assert!(
+        human.contains("discard: 4 inbox dead letter(s) done"),
+        "{human}"
+    );
+    assert_eq!(dead(&db), 0);
+}
+
+#[test]
+fn top_refreshes_with_rates_and_json_frames() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let run = cli_ok(&db, &["top", "--iterations", "2", "--interval", "100ms"], 0);
+    assert_eq!(
+        run.stdout.matches("postroom top").count(),
+        2,
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains("rates/s    received 0.0"),
+        "{}",
+        run.stdout
+    );
+    assert!(run.stdout.contains("relay lag  none"), "{}", run.stdout);
+    assert!(
+        !run.stdout.contains('\x1b'),
+        "no screen control when not a terminal"
+    );
+    let run = cli_ok(
+        &db,
+        &["top", "--iterations", "2", "--interval", "50ms", "--json"],
+        0,
+    );
+    let frames: Vec<Value> = run
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(frames.len(), 2);
+    assert!(frames[0]["rates"].is_null());
+    assert_eq!(frames[1]["rates"]["completed_per_sec"], 0.0);
+    assert_eq!(frames[1]["status"]["outbox"]["sent"], 2);
+}
+
+#[test]
+fn help_names_every_command_with_the_database_and_one_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("x.db");
+    let top = cli_ok(&db, &["--help"], 0).stdout;
+    for name in [
+        "status",
+        "top",
+        "inbox",
+        "outbox",
+        "dead",
+        "conflicts",
+        "cleanup",
+        "check",
+        "metrics",
+    ] {
+        assert!(top.contains(&format!("\n  {name} ")), "{name} in\n{top}");
+    }
+    for (args, usage) in [
+        (&["inbox", "list", "--help"][..], "postroom <DB> inbox list"),
+        (&["outbox", "show", "--help"], "postroom <DB> outbox show"),
+        (&["dead", "redrive", "--help"], "postroom <DB> dead redrive"),
+        (&["top", "--help"], "postroom <DB> top"),
+    ] {
+        let help = cli_ok(&db, args, 0).stdout;
+        assert!(help.contains(usage), "{usage} in\n{help}");
+    }
+    let cleanup = cli_ok(&db, &["cleanup", "--help"], 0).stdout;
+    assert!(cleanup.contains("[default: 7d]"), "{cleanup}");
+    assert!(!cleanup.contains("(default: 7 days)"), "{cleanup}");
 }

@@ -25,58 +25,6 @@ const PAYLOAD: usize = 2000;
 /// whole filesystem.
 const WAL_LIMIT: u64 = FS_BYTES / 2;
 
-/// A tmpfs mounted on a fresh temporary directory, unmounted when dropped
-/// (also when the test panics; the engine on it is declared after it, so
-/// it is dropped first).
-struct Tmpfs {
-    dir: tempfile::TempDir,
-}
-
-impl Tmpfs {
-    /// `None` when this process may not mount one (not root, a container
-    /// without the capability): the caller skips.
-    fn mount(bytes: u64) -> Option<Tmpfs> {
-        let dir = tempfile::tempdir().unwrap();
-        let status = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
-            .arg(dir.path())
-            .stderr(std::process::Stdio::null())
-            .status();
-        match status {
-            Ok(s) if s.success() => Some(Tmpfs { dir }),
-            Ok(s) => {
-                eprintln!("skipped: cannot mount a tmpfs here (mount: {s})");
-                None
-            }
-            Err(e) => {
-                eprintln!("skipped: cannot mount a tmpfs here (no mount command: {e})");
-                None
-            }
-        }
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let ok = Command::new("umount")
-            .arg(self.dir.path())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !ok {
-            // Something still has a file open on it: detach it lazily so
-            // the temporary directory can go.
-            let _ = Command::new("umount")
-                .arg("-l")
-                .arg(self.dir.path())
-                .status();
-        }
-    }
-}
-
 fn wal_len(db: &Path) -> u64 {
     let mut wal = db.as_os_str().to_owned();
     wal.push("-wal");

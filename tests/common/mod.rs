@@ -359,3 +359,65 @@ pub fn within<T: Send + 'static>(
 ) -> T {
     join_within(std::thread::spawn(f), secs, what)
 }
+
+/// A tmpfs mounted on a fresh temporary directory, unmounted when dropped
+/// (also when the test panics; the engine on it is declared after it, so
+/// it is dropped first).
+pub struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    /// `None` when this process may not mount one (not root, a container
+    /// without the capability): the caller skips.
+    pub fn mount(bytes: u64) -> Option<Tmpfs> {
+        let dir = tempfile::tempdir().unwrap();
+        let status = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
+            .arg(dir.path())
+            .stderr(std::process::Stdio::null())
+            .status();
+        match status {
+            Ok(s) if s.success() => Some(Tmpfs { dir }),
+            Ok(s) => {
+                eprintln!("skipped: cannot mount a tmpfs here (mount: {s})");
+                None
+            }
+            Err(e) => {
+                eprintln!("skipped: cannot mount a tmpfs here (no mount command: {e})");
+                None
+            }
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Makes it read-only: every write fails with `EROFS`, even root's.
+    pub fn remount_read_only(&self) {
+        let ok = Command::new("mount")
+            .args(["-o", "remount,ro"])
+            .arg(self.dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "remount {} read-only", self.dir.path().display());
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let ok = Command::new("umount")
+            .arg(self.dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            // Something still has a file open on it: detach it lazily so
+            // the temporary directory can go.
+            let _ = Command::new("umount")
+                .arg("-l")
+                .arg(self.dir.path())
+                .status();
+        }
+    }
+}

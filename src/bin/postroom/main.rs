@@ -180,11 +180,11 @@ struct PageArgs {
 
 impl PageArgs {
     fn page(&self) -> Page {
-        let mut page = Page::default();
-        page.oldest_first = self.oldest_first;
-        page.after = self.after;
-        page.limit = self.limit;
-        page
+        Page {
+            oldest_first: self.oldest_first,
+            after: self.after,
+            limit: self.limit,
+        }
     }
 }
 
@@ -274,13 +274,13 @@ struct DeadSelect {
 
 impl DeadSelect {
     fn filter(&self) -> admin::DeadFilter {
-        let mut f = admin::DeadFilter::default();
-        f.outbox = self.outbox;
-        f.consumer = self.consumer.clone();
-        f.error_contains = self.error.clone();
-        f.since_ms = self.since;
-        f.until_ms = self.until;
-        f
+        admin::DeadFilter {
+            outbox: self.outbox,
+            consumer: self.consumer.clone(),
+            error_contains: self.error.clone(),
+            since_ms: self.since,
+            until_ms: self.until,
+        }
     }
 
     fn narrowed(&self) -> bool {
@@ -419,20 +419,31 @@ fn not_found(message: String) -> Failed {
     }
 }
 
-/// The command line parser, with `<DB>` in every subcommand's usage line
-/// (clap leaves a parent's positional arguments out of them).
+/// The command line parser, with `<DB>` in every subcommand's usage line.
+/// clap writes a subcommand's usage as its parent's name, the parent's
+/// required arguments, then its own name, so a nested one
+/// (`inbox list`) loses `<DB>`. Named `postroom <DB>`, the root passes it
+/// down to every level; the first level, which would then show it twice,
+/// gets its usage line fixed.
 fn command() -> clap::Command {
-    fn name_paths(cmd: clap::Command, prefix: &str) -> clap::Command {
-        let names: Vec<String> = cmd
-            .get_subcommands()
-            .map(|s| s.get_name().to_owned())
-            .collect();
-        names.into_iter().fold(cmd, |cmd, name| {
-            let path = format!("{prefix} {name}");
-            cmd.mut_subcommand(&name, |sub| name_paths(sub.bin_name(path.clone()), &path))
+    let mut cmd = Cli::command()
+        .bin_name("postroom <DB>")
+        .override_usage("postroom [OPTIONS] <DB> <COMMAND>");
+    cmd.build();
+    let fixed: Vec<(String, String)> = cmd
+        .get_subcommands_mut()
+        .map(|sc| {
+            let usage = sc.render_usage().to_string();
+            let usage = usage.trim_start_matches("Usage: ");
+            (
+                sc.get_name().to_owned(),
+                usage.replacen("postroom <DB> <DB>", "postroom <DB>", 1),
+            )
         })
-    }
-    name_paths(Cli::command(), "postroom <DB>")
+        .collect();
+    fixed.into_iter().fold(cmd, |cmd, (name, usage)| {
+        cmd.mut_subcommand(name, |sc| sc.override_usage(usage))
+    })
 }
 
 fn main() -> ExitCode {
@@ -614,13 +625,14 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
             }
         }
         Command::Inbox(InboxCommand::List(args)) => {
-            let mut filter = admin::InboxFilter::default();
-            filter.consumer = args.consumer.clone();
-            filter.status = args.status;
-            filter.source = args.source.clone();
-            filter.since_ms = args.since;
-            filter.until_ms = args.until;
-            filter.page = args.page.page();
+            let filter = admin::InboxFilter {
+                consumer: args.consumer.clone(),
+                status: args.status,
+                source: args.source.clone(),
+                since_ms: args.since,
+                until_ms: args.until,
+                page: args.page.page(),
+            };
             let rows = ctx.read("inbox list", |c| admin::inbox_list(c, &filter))?;
             if cli.json {
                 ctx.json(&rows);
@@ -676,13 +688,14 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
             }
         }
         Command::Outbox(OutboxCommand::List(args)) => {
-            let mut filter = admin::OutboxFilter::default();
-            filter.status = args.status;
-            filter.topic = args.topic.clone();
-            filter.key = args.key.clone();
-            filter.since_ms = args.since;
-            filter.until_ms = args.until;
-            filter.page = args.page.page();
+            let filter = admin::OutboxFilter {
+                status: args.status,
+                topic: args.topic.clone(),
+                key: args.key.clone(),
+                since_ms: args.since,
+                until_ms: args.until,
+                page: args.page.page(),
+            };
             let rows = ctx.read("outbox list", |c| admin::outbox_list(c, &filter))?;
             if cli.json {
                 ctx.json(&rows);
