@@ -1903,3 +1903,36 @@ fn help_names_every_command_with_the_database_and_one_default() {
     assert!(cleanup.contains("[default: 7d]"), "{cleanup}");
     assert!(!cleanup.contains("(default: 7 days)"), "{cleanup}");
 }
+
+/// An immutable read (no WAL when it opened) cannot see an engine that
+/// opens meanwhile; `admin::read` notices the files changed and reads
+/// again, through the engine's WAL.
+#[test]
+fn an_immutable_read_runs_again_when_an_engine_opened_meanwhile() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let mut engine = None;
+    let mut calls = 0;
+    let (completed, view) = postroom::admin::read(&db, Duration::from_secs(5), |conn, view| {
+        calls += 1;
+        if engine.is_none() {
+            assert!(view.immutable, "no WAL beside a cleanly shut down database");
+            let room = Postroom::builder()
+                .workers(0)
+                .consumer("orders", handler_fn(apply))
+                .open(&db)?;
+            room.deliver("orders", Message::new("shop", "o-new", "{}"))?;
+            engine = Some(room);
+        }
+        Ok(count(
+            conn,
+            "SELECT count(*) FROM postroom_inbox WHERE status = 'completed'",
+        ))
+    })
+    .unwrap();
+    assert_eq!(calls, 2, "read again after the engine opened");
+    assert!(!view.immutable, "the second read goes through the WAL");
+    assert_eq!(view.engine_running, Some(true));
+    assert_eq!(completed, 4, "the engine's commit is seen");
+    engine.unwrap().shutdown(Duration::from_secs(5)).unwrap();
+}
