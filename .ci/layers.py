@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""The crate's module graph, drawn from its own `crate::` paths, checked
+against the layers in docs/DESIGN.md: each module may use only modules of
+its own layer or below, and no two modules may need each other (no cycle).
+
+Usage: python3 .ci/layers.py [--graph]   (exit 1 on a violation)
+"""
+import os
+import re
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+SRC = os.path.join(ROOT, "src")
+
+# Lowest first. A module not listed is an error: every new file gets a floor.
+LAYERS = [
+    ("values", ["message", "error", "clock", "failpoint", "limits"]),
+    ("config", ["config", "handler", "sink"]),
+    ("store", ["store"]),
+    ("state machines", ["delivery", "recovery"]),
+    ("runtime", ["runtime"]),
+    ("engine", ["engine"]),
+    ("tools", ["admin", "sim", "sinks", "mqtt"]),
+]
+
+
+def module_of(path):
+    rel = os.path.relpath(path, SRC)
+    parts = rel[:-3].split(os.sep)
+    if parts[-1] in ("mod", "lib"):
+        parts = parts[:-1]
+    return parts[0] if parts else "lib"
+
+
+def graph():
+    edges = {}
+    for dirpath, _, files in os.walk(SRC):
+        if os.path.relpath(dirpath, SRC).startswith("bin"):
+            continue
+        for f in files:
+            if not f.endswith(".rs"):
+                continue
+            path = os.path.join(dirpath, f)
+            mod = module_of(path)
+            if mod == "lib":
+                continue
+            text = open(path, encoding="utf-8").read()
+            # Tests inside a module may reach anywhere.
+            text = re.split(r"#\[cfg\(test\)\]\s*mod tests", text)[0]
+            text = re.sub(r"//[^\n]*", "", text)
+            uses = set(re.findall(r"crate::([a-z_][a-z0-9_]*)", text))
+            for block in re.findall(r"crate::\{([^}]*)\}", text):
+                uses |= set(re.findall(r"(?:^|,)\s*([a-z_][a-z0-9_]*)", block))
+            edges.setdefault(mod, set()).update(u for u in uses if u != mod)
+    return edges
+
+
+def sccs(edges):
+    index, low, stack, on, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in edges:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def main():
+    edges = graph()
+    layer_of = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
+    problems = []
+    for mod in sorted(edges):
+        if mod not in layer_of:
+            problems.append(f"{mod}: not in any layer (add it to .ci/layers.py and docs/DESIGN.md)")
+    for mod, uses in sorted(edges.items()):
+        for used in sorted(uses):
+            if used not in edges:
+                continue  # a re-export or an external path
+            if mod in layer_of and used in layer_of and layer_of[used] > layer_of[mod]:
+                problems.append(
+                    f"{mod} ({LAYERS[layer_of[mod]][0]}) uses {used} "
+                    f"({LAYERS[layer_of[used]][0]}), a layer above it"
+                )
+    for comp in sccs(edges):
+        if len(comp) > 1:
+            problems.append(f"import cycle of {len(comp)} modules: {', '.join(comp)}")
+    if "--graph" in sys.argv:
+        for mod, uses in sorted(edges.items()):
+            print(f"{mod} -> {', '.join(sorted(u for u in uses if u in edges))}")
+    for p in problems:
+        print(p)
+    print(f"{len(edges)} modules, {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
