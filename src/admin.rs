@@ -42,13 +42,13 @@ use serde::{Serialize, Serializer};
 
 use crate::clock;
 use crate::error::{Error, Result};
-use crate::inbox::{self, Status};
 use crate::message::Headers;
-use crate::outbox::{self, OutboxMessage};
-use crate::queue::{self, DeadLetter};
-use crate::retired;
-use crate::schema;
-use crate::stats;
+use crate::store::inbox::{self, Status};
+use crate::store::outbox::{self, OutboxMessage};
+use crate::store::queue::{self, DeadLetter};
+use crate::store::retired;
+use crate::store::schema;
+use crate::store::stats;
 
 /// How long [`open`] waits for another connection's lock (the engine's
 /// writer) before a statement fails with [`Error::Busy`].
@@ -1178,7 +1178,7 @@ const ENTRY_COLUMNS: &str = "id, consumer, source, message_id, status, attempts,
 
 fn entry_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<InboxEntry> {
     // Lossy: a row whose text does not decode is shown, not an error.
-    let text = |idx| inbox::lossy_text(r, idx).map(Option::unwrap_or_default);
+    let text = |idx| crate::store::text::lossy_text(r, idx).map(Option::unwrap_or_default);
     Ok(InboxEntry {
         id: r.get(0)?,
         consumer: text(1)?,
@@ -1186,7 +1186,7 @@ fn entry_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<InboxEntry> {
         message_id: text(3)?,
         status: r.get(4)?,
         attempts: r.get(5)?,
-        ordering_key: inbox::lossy_text(r, 6)?,
+        ordering_key: crate::store::text::lossy_text(r, 6)?,
         payload_bytes: r.get::<_, Option<i64>>(7)?.map(count),
         last_error: r.get(8)?,
         received_at: r.get(9)?,
@@ -1597,23 +1597,23 @@ const OUTBOX_COLUMNS: &str = "seq, message_id, topic, key, status, attempts, len
      cause_message_id";
 
 fn outbox_entry_from_row(r: &rusqlite::Row<'_>, now: i64) -> rusqlite::Result<OutboxEntry> {
-    let text = |idx| inbox::lossy_text(r, idx).map(Option::unwrap_or_default);
+    let text = |idx| crate::store::text::lossy_text(r, idx).map(Option::unwrap_or_default);
     let status: OutboxState = r.get(4)?;
     let next: i64 = r.get(9)?;
     let cause = (
-        inbox::lossy_text(r, 11)?,
-        inbox::lossy_text(r, 12)?,
-        inbox::lossy_text(r, 13)?,
+        crate::store::text::lossy_text(r, 11)?,
+        crate::store::text::lossy_text(r, 12)?,
+        crate::store::text::lossy_text(r, 13)?,
     );
     Ok(OutboxEntry {
         seq: r.get(0)?,
         message_id: text(1)?,
         topic: text(2)?,
-        key: inbox::lossy_text(r, 3)?,
+        key: crate::store::text::lossy_text(r, 3)?,
         status,
         attempts: r.get(5)?,
         payload_bytes: count(r.get(6)?),
-        last_error: inbox::lossy_text(r, 7)?,
+        last_error: crate::store::text::lossy_text(r, 7)?,
         created_at: r.get(8)?,
         next_attempt_at: (status == OutboxState::Pending && next > now).then_some(next),
         sent_at: r.get(10)?,
@@ -1689,7 +1689,7 @@ pub fn outbox_show(conn: &Connection, seq: i64) -> Result<Option<OutboxDetail>> 
                 ),
                 [seq],
                 |r| {
-                    let headers = inbox::lossy_text(r, 14)?;
+                    let headers = crate::store::text::lossy_text(r, 14)?;
                     Ok(OutboxDetail {
                         entry: outbox_entry_from_row(r, now)?,
                         headers: parse_headers(headers.as_deref()),

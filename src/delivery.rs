@@ -12,11 +12,12 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
-use crate::handler::{Cause, Handler, Tx};
-use crate::inbox::{self, Found, Key, Record, Status};
-use crate::inflight::{Inflight, InflightLog};
+use crate::handler::{Handler, Tx};
 use crate::message::{Failure, Message, Outcome};
-use crate::queue::{self, Claimed};
+use crate::store::inbox::{self, Found, Key, Record, Status};
+use crate::store::inflight::{Inflight, InflightLog};
+use crate::store::outbox::Cause;
+use crate::store::queue::{self, Claimed};
 
 /// What one delivery runs against.
 pub(crate) struct Env<'a> {
@@ -600,7 +601,7 @@ mod tests {
     //! The state machine driven directly: no threads, a manual clock.
     use super::*;
     use crate::handler::handler_fn;
-    use crate::inflight::NoInflightLog;
+    use crate::store::inflight::NoInflightLog;
 
     struct Fixture {
         _dir: tempfile::TempDir,
@@ -616,9 +617,9 @@ mod tests {
             ..Config::default()
         };
         let path = dir.path().join("t.db");
-        crate::schema::create_private(&path).unwrap();
-        let mut conn = crate::schema::open_writer(&path, &config).unwrap();
-        crate::schema::migrate(&mut conn).unwrap();
+        crate::store::schema::create_private(&path).unwrap();
+        let mut conn = crate::store::schema::open_writer(&path, &config).unwrap();
+        crate::store::schema::migrate(&mut conn).unwrap();
         conn.execute_batch("CREATE TABLE effects (id TEXT)")
             .unwrap();
         let guard = UserCodeGuard::install(&conn).unwrap();

@@ -14,25 +14,28 @@ use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::hooks::Action;
 use rusqlite::{Connection, OpenFlags};
 
-use crate::checkpoint;
+use crate::builder::{Builder, ConsumerKind};
 use crate::clock::Clock;
-use crate::config::{Builder, Config, ConsumerKind, Durability};
+use crate::config::{check_name, Config, Durability};
 use crate::delivery::{self, exec, panic_message, Step};
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
 use crate::handler::Tx;
-use crate::inbox;
-use crate::inflight::{ClaimSlot, EngineFile, Inflight, StartedClaim};
 use crate::message::{Failure, Message, Outcome, Receipt};
-use crate::outbox::{self, OutboxMessage};
-use crate::queue::{self, DeadLetter};
-use crate::reaper::{self, CleanupReport};
-use crate::relay::{self, Sink};
-use crate::schema;
-use crate::stats::{self, Stats};
-use crate::workers::{self, Consumer, Leases, Shared};
-use crate::writer::{self, Counters, WriterCtx, WriterState};
+use crate::runtime::checkpoint;
+use crate::runtime::reaper::{self, CleanupReport};
+use crate::runtime::relay;
+use crate::runtime::workers::{self, Consumer, Leases, Shared};
+use crate::runtime::writer::{self, Counters, WriterCtx, WriterState};
+use crate::runtime::{read_connection, Readers};
+use crate::sink::Sink;
+use crate::store::inbox;
+use crate::store::inflight::{ClaimSlot, EngineFile, Inflight, StartedClaim};
+use crate::store::outbox::{self, OutboxMessage};
+use crate::store::queue::{self, DeadLetter};
+use crate::store::schema;
+use crate::store::stats::{self, Stats};
 
 const WRITER_THREAD: &str = "postroom-writer";
 
@@ -202,6 +205,29 @@ impl std::fmt::Debug for Postroom {
             .field("path", &self.shared.path)
             .field("closed", &self.control.closed.load(Ordering::Relaxed))
             .finish_non_exhaustive()
+    }
+}
+
+impl Builder {
+    /// Opens (creating if needed, with mode 0600) the database at `path`,
+    /// applies or checks the schema, recovers what a crashed process left
+    /// behind, and starts the writer thread.
+    ///
+    /// A setting outside the range its method documents is refused here
+    /// with [`Error::InvalidInput`] naming it, before any file is touched.
+    pub fn open(self, path: impl AsRef<Path>) -> Result<Postroom> {
+        self.config.validate()?;
+        let mut seen = HashMap::new();
+        for (name, _) in &self.consumers {
+            check_name("consumer", name)?;
+            if seen.insert(name.as_str(), ()).is_some() {
+                return Err(Error::invalid(
+                    "consumer",
+                    format!("{name:?} is registered twice"),
+                ));
+            }
+        }
+        Postroom::open_with(self, path.as_ref())
     }
 }
 
@@ -853,7 +879,7 @@ fn recover(
 }
 
 /// Recovers what a process that died left behind, in one transaction: the
-/// attempt of an inline handler it died in (see [`crate::inflight`]), and
+/// attempt of an inline handler it died in (see [`crate::store::inflight`]), and
 /// rows it left `processing` (nothing else can hold them: the caller holds
 /// the engine lock). Of those, claims whose user code was running
 /// (`started`, under the same lease token) become due again with their
@@ -919,19 +945,6 @@ pub(crate) fn recover_after_crash(
     recovered
 }
 
-/// The engine's read connections (`query_only`).
-pub(crate) type Readers = r2d2::Pool<SqliteConnectionManager>;
-
-/// A read connection from the pool; the pool's error as an I/O error.
-pub(crate) fn read_connection(
-    readers: &Readers,
-) -> Result<r2d2::PooledConnection<SqliteConnectionManager>> {
-    readers.get().map_err(|e| Error::Io {
-        op: "get read connection",
-        source: std::io::Error::other(e.to_string()),
-    })
-}
-
 /// The answer for a message whose fate is already committed: completed, or
 /// dead, with the same payload digest. Those states are final (only an
 /// operator's redrive leaves `dead`, and a redelivery racing a redrive may
@@ -961,9 +974,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.db");
         let config = Config::default();
-        crate::schema::create_private(&path).unwrap();
-        let mut conn = crate::schema::open_writer(&path, &config).unwrap();
-        crate::schema::migrate(&mut conn).unwrap();
+        crate::store::schema::create_private(&path).unwrap();
+        let mut conn = crate::store::schema::open_writer(&path, &config).unwrap();
+        crate::store::schema::migrate(&mut conn).unwrap();
         let msg = Message::new("s", "m", "p");
         let hash = *blake3::hash(msg.payload()).as_bytes();
         let status = |conn: &Connection| -> (String, u32) {

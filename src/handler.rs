@@ -6,7 +6,8 @@ use rusqlite::Connection;
 
 use crate::config::Config;
 use crate::message::{Failure, Message, Outgoing};
-use crate::outbox;
+use crate::store::outbox;
+use crate::store::outbox::Cause;
 
 /// Processes one consumer's messages.
 ///
@@ -133,22 +134,11 @@ impl<H: EffectHandler> ErasedEffect for H {
 /// The idempotency key of a message: 32 hex digits of a length-prefixed
 /// blake3 of `(consumer, source, id)`.
 pub(crate) fn idempotency_key(consumer: &str, msg: &Message) -> String {
-    crate::outbox::digest_hex(
+    crate::store::outbox::digest_hex(
         b"postroom-idempotency\0",
         &[consumer, &msg.source, &msg.id],
         &[],
     )
-}
-
-/// The inbox message that caused a transaction.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Cause<'a> {
-    pub consumer: &'a str,
-    pub msg: &'a Message,
-    pub attempt: u32,
-    /// `received_at` of the inbox row: the same on every attempt, different
-    /// for a message received again after retention forgot it.
-    pub received_at: i64,
 }
 
 /// The write transaction a handler runs in. Derefs to

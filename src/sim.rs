@@ -28,15 +28,16 @@ use crate::delivery::{self, exec, Env};
 use crate::engine::recover_after_crash;
 use crate::guard::UserCodeGuard;
 use crate::handler::{Handler, Tx};
-use crate::inbox::Status;
-use crate::inflight::{ClaimMarks, Inflight, InflightLog, StartedClaim};
 use crate::message::{Failure, Message, Outcome, Outgoing, Receipt};
-use crate::outbox;
-use crate::queue;
-use crate::relay::{self, SendResult};
-use crate::retired;
-use crate::schema;
-use crate::workers;
+use crate::runtime::relay;
+use crate::runtime::workers;
+use crate::sink::{self, SendResult};
+use crate::store::inbox::Status;
+use crate::store::inflight::{ClaimMarks, Inflight, InflightLog, StartedClaim};
+use crate::store::outbox;
+use crate::store::queue;
+use crate::store::retired;
+use crate::store::schema;
 
 /// What the simulated handler does with a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -616,7 +617,7 @@ impl Machine {
             .into_iter()
             .map(|(msg, _)| msg)
             .collect();
-        let results = relay::per_message(&batch, |msg| {
+        let results = sink::per_message(&batch, |msg| {
             if fail_every > 0 && msg.seq % i64::from(fail_every) == 0 {
                 SendResult::Retry {
                     reason: "sim sink down".into(),
@@ -1294,7 +1295,7 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
 /// model.
 fn check(m: &Machine, model: &Model) -> SimResult<()> {
     let mut broken = Vec::new();
-    crate::inbox::key_mismatches(m.conn(), |table, id, what| {
+    crate::store::inbox::key_mismatches(m.conn(), |table, id, what| {
         broken.push(format!("{table} {id}: {what}"))
     })
     .map_err(|e| format!("check inbox keys: {e}"))?;

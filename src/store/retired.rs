@@ -218,7 +218,8 @@ mod tests {
     #[test]
     fn clearing_takes_the_oldest_notes_by_a_rowid_range() {
         let conn = Connection::open_in_memory().unwrap();
-        conn.execute_batch(crate::schema::SCHEMA_SQL).unwrap();
+        conn.execute_batch(crate::store::schema::SCHEMA_SQL)
+            .unwrap();
         let notes = |n: usize| {
             conn.execute_batch(&format!(
                 "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {n})

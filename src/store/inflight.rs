@@ -40,7 +40,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::message::Message;
-use crate::outbox::headers_json;
+use crate::store::text::headers_json;
 
 /// Version 2 added the batch's clock; a version-1 marker left by an older
 /// release is ignored (at most one attempt goes uncounted on upgrade).
@@ -50,6 +50,9 @@ const RECORD_OFFSET: u64 = 4096;
 const SLOT_BYTES: u64 = 32;
 /// Claim slots: the writer's and one per worker.
 pub(crate) const SLOTS: usize = (RECORD_OFFSET / SLOT_BYTES) as usize;
+
+// One slot per worker, and one for the writer's inline and batch handlers.
+const _: () = assert!(crate::config::MAX_WORKERS < SLOTS);
 const SLOT_MAGIC: &[u8; 8] = b"PRMCLM01";
 /// A marker larger than this is garbage (payloads are capped well below).
 const MAX_RECORD: u64 = 300 * 1024 * 1024;
@@ -267,7 +270,13 @@ fn open_engine_file(path: &Path) -> Result<Option<(File, bool)>> {
     match options.clone().create_new(true).open(path) {
         Ok(file) => return Ok(Some((file, true))),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(crate::schema::cannot_create(path, "create engine file", e)),
+        Err(e) => {
+            return Err(crate::store::schema::cannot_create(
+                path,
+                "create engine file",
+                e,
+            ))
+        }
     }
     match options.open(path) {
         Ok(file) => Ok(Some((file, false))),
@@ -275,7 +284,11 @@ fn open_engine_file(path: &Path) -> Result<Option<(File, bool)>> {
         Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Err(Error::ReadOnly {
             path: path.to_path_buf(),
         }),
-        Err(e) => Err(crate::schema::cannot_create(path, "open engine file", e)),
+        Err(e) => Err(crate::store::schema::cannot_create(
+            path,
+            "open engine file",
+            e,
+        )),
     }
 }
 

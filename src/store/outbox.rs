@@ -4,14 +4,24 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rusqlite::{params, Connection, Row};
 
-use crate::handler::Cause;
-use crate::inbox;
-use crate::message::{Headers, Outgoing};
+use crate::message::{Headers, Message, Outgoing};
+use crate::store::text::headers_json;
 
 /// Header naming the message that caused an outgoing one.
 pub const CAUSATION_HEADER: &str = "causation-id";
 /// Header carried along a chain of messages; starts as the first message's id.
 pub const CORRELATION_HEADER: &str = "correlation-id";
+
+/// The inbox message that caused a transaction.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Cause<'a> {
+    pub consumer: &'a str,
+    pub msg: &'a Message,
+    pub attempt: u32,
+    /// `received_at` of the inbox row: the same on every attempt, different
+    /// for a message received again after retention forgot it.
+    pub received_at: i64,
+}
 
 /// Inserts one pending outbox row and returns its message id.
 ///
@@ -94,16 +104,6 @@ pub(crate) fn add_causation(headers: &mut Headers, cause: Option<Cause<'_>>) {
     headers
         .entry(CORRELATION_HEADER.to_owned())
         .or_insert_with(|| correlation.to_owned());
-}
-
-/// Headers as stored: a JSON object, or NULL when there are none.
-pub(crate) fn headers_json(headers: &Headers) -> Option<String> {
-    if headers.is_empty() {
-        None
-    } else {
-        // A map of strings to strings always serializes.
-        serde_json::to_string(headers).ok()
-    }
 }
 
 /// The id of the `index`-th publish of `receipt`: 0 for the first receipt
@@ -189,10 +189,10 @@ const COLUMNS: &str =
     "seq, message_id, topic, key, payload, headers, attempts, created_at, last_error";
 
 /// A row as stored, with the first column that did not decode (read
-/// lossily, see [`inbox::stored_text`]).
+/// lossily, see [`crate::store::text::stored_text`]).
 fn from_row(r: &Row<'_>) -> rusqlite::Result<(OutboxMessage, Option<&'static str>)> {
     let mut damage = None;
-    let mut text = |idx, column| inbox::stored_text(r, idx, column, &mut damage);
+    let mut text = |idx, column| crate::store::text::stored_text(r, idx, column, &mut damage);
     let msg = OutboxMessage {
         seq: r.get(0)?,
         id: text(1, "message_id")?.unwrap_or_default(),
@@ -204,7 +204,7 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<(OutboxMessage, Option<&'static str
             .unwrap_or_default(),
         attempts: r.get(6)?,
         created_at: r.get(7)?,
-        last_error: inbox::lossy_text(r, 8)?,
+        last_error: crate::store::text::lossy_text(r, 8)?,
     };
     Ok((msg, damage))
 }

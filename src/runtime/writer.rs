@@ -44,14 +44,14 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError};
 use rusqlite::Connection;
 
-use crate::checkpoint::WalBounds;
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::delivery::exec;
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
-use crate::inflight::EngineFile;
+use crate::runtime::checkpoint::WalBounds;
+use crate::store::inflight::EngineFile;
 
 /// What a job can use while it runs.
 pub(crate) struct WriterCtx<'a> {
@@ -725,7 +725,7 @@ impl WriterState {
                 .jobs
                 .fetch_add(batch.len() as u64, Ordering::Relaxed);
             if let Some(wake) = &self.relay_wake {
-                crate::relay::wake(wake, &self.outbox_dirty);
+                crate::runtime::relay::wake(wake, &self.outbox_dirty);
             }
         } else {
             self.outbox_dirty.store(false, Ordering::Release);

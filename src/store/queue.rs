@@ -11,9 +11,9 @@
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use crate::inbox::{self, Found};
 use crate::message::{Headers, Message, Receipt};
-use crate::outbox::headers_json;
+use crate::store::inbox::{self, Found};
+use crate::store::text::headers_json;
 
 /// Stores a received message as `pending` unless its key is known: then it
 /// is a duplicate (same payload digest) or a conflict (quarantined).
@@ -189,7 +189,7 @@ fn decode(
     while let Some(r) = rows.next()? {
         let hash: Vec<u8> = r.get(4)?;
         let mut damage = None;
-        let mut text = |idx, column| inbox::stored_text(r, idx, column, &mut damage);
+        let mut text = |idx, column| crate::store::text::stored_text(r, idx, column, &mut damage);
         let msg = Message {
             source: text(1, "source")?.unwrap_or_default(),
             id: text(2, "message_id")?.unwrap_or_default(),
@@ -207,7 +207,7 @@ fn decode(
             attempt: attempts.saturating_add(next_attempt),
             received_at: r.get(8)?,
         };
-        read.push((row, inbox::lossy_text(r, 9)?, damage));
+        read.push((row, crate::store::text::lossy_text(r, 9)?, damage));
     }
     Ok(read)
 }
@@ -229,9 +229,9 @@ fn triage(
                 "postroom: row {} ({}): {}; dead-lettered",
                 c.row_id,
                 c.consumer,
-                inbox::undecodable(column)
+                crate::store::text::undecodable(column)
             );
-            (c.attempt, inbox::undecodable(column))
+            (c.attempt, crate::store::text::undecodable(column))
         } else if c.attempt > max_attempts {
             // Not an attempt: the attempt about to run is not counted.
             let used = c.attempt - 1;
@@ -462,7 +462,7 @@ pub(crate) fn dead_letters(
     let rows = stmt.query_map(params![consumer, limit], |r| {
         // Lossy: a row dead-lettered because its text did not decode must
         // still be listed.
-        let text = |idx| inbox::lossy_text(r, idx).map(Option::unwrap_or_default);
+        let text = |idx| crate::store::text::lossy_text(r, idx).map(Option::unwrap_or_default);
         Ok(DeadLetter {
             id: r.get(0)?,
             consumer: text(1)?,
@@ -470,11 +470,11 @@ pub(crate) fn dead_letters(
                 source: text(2)?,
                 id: text(3)?,
                 payload: r.get::<_, Option<Vec<u8>>>(4)?.unwrap_or_default(),
-                headers: parse_headers(inbox::lossy_text(r, 5)?.as_deref()),
-                ordering_key: inbox::lossy_text(r, 6)?,
+                headers: parse_headers(crate::store::text::lossy_text(r, 5)?.as_deref()),
+                ordering_key: crate::store::text::lossy_text(r, 6)?,
             },
             attempts: r.get(7)?,
-            last_error: inbox::lossy_text(r, 8)?,
+            last_error: crate::store::text::lossy_text(r, 8)?,
             received_at: r.get(9)?,
             updated_at: r.get(10)?,
         })
@@ -548,8 +548,11 @@ mod tests {
         for (sql, index) in [
             (DELETE_COMPLETED, "postroom_inbox_done"),
             (DELETE_DEAD, "postroom_inbox_dead"),
-            (crate::outbox::DELETE_SENT, "postroom_outbox_sent"),
-            (crate::inbox::DELETE_CONFLICTS, "postroom_conflicts_seen"),
+            (crate::store::outbox::DELETE_SENT, "postroom_outbox_sent"),
+            (
+                crate::store::inbox::DELETE_CONFLICTS,
+                "postroom_conflicts_seen",
+            ),
         ] {
             let plan = plan(&conn, sql);
             assert!(plan.contains(index), "{sql}: {plan}");
@@ -568,7 +571,7 @@ mod tests {
             }
             let inbox = plan(&conn, DEAD_LETTERS);
             assert!(inbox.contains("postroom_inbox_dead"), "{inbox}");
-            let outbox = plan(&conn, &crate::outbox::dead_letters_sql());
+            let outbox = plan(&conn, &crate::store::outbox::dead_letters_sql());
             assert!(outbox.contains("postroom_outbox_dead"), "{outbox}");
         }
     }
@@ -581,8 +584,8 @@ mod tests {
         for sql in [
             DELETE_COMPLETED,
             DELETE_DEAD,
-            crate::outbox::DELETE_SENT,
-            crate::inbox::DELETE_CONFLICTS,
+            crate::store::outbox::DELETE_SENT,
+            crate::store::inbox::DELETE_CONFLICTS,
         ] {
             let counted = count_expired(&conn, sql, 1500).unwrap();
             let deleted = delete_expired(&conn, sql, 1500, usize::MAX).unwrap();
@@ -595,7 +598,8 @@ mod tests {
     /// every tenth inbox row dead.
     fn retention_fixture() -> Connection {
         let conn = Connection::open_in_memory().unwrap();
-        conn.execute_batch(crate::schema::SCHEMA_SQL).unwrap();
+        conn.execute_batch(crate::store::schema::SCHEMA_SQL)
+            .unwrap();
         conn.execute_batch(
             "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2000)
              INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,

@@ -14,7 +14,6 @@
 //! built-in sinks do not).
 
 use std::collections::HashSet;
-use std::io::Write;
 use std::panic::{self, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -24,295 +23,15 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use rusqlite::{Connection, OpenFlags};
 
-use crate::checkpoint;
 use crate::clock;
 use crate::config::{Config, Durability};
 use crate::delivery::panic_message;
-use crate::engine::Postroom;
 use crate::error::{Error, Result};
 use crate::failpoint;
-use crate::inbox;
-use crate::message::{Message, Outcome};
-use crate::outbox::{self, OutboxMessage};
-use crate::workers::Shared;
-
-/// What became of one message handed to a [`Sink`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum SendResult {
-    /// Handed over; the row is marked sent.
-    Sent,
-    /// Not handed over this time; try again after `after` (or the backoff).
-    Retry {
-        /// Stored as the row's `last_error`.
-        reason: String,
-        /// When to try again; `None` uses exponential backoff.
-        after: Option<Duration>,
-    },
-    /// Will never go through: the row is dead at once.
-    Dead {
-        /// Stored as the row's `last_error`.
-        reason: String,
-    },
-}
-
-impl SendResult {
-    /// A retryable failure with the default backoff.
-    pub fn retry(reason: impl std::fmt::Display) -> Self {
-        SendResult::Retry {
-            reason: reason.to_string(),
-            after: None,
-        }
-    }
-
-    /// A permanent failure.
-    pub fn dead(reason: impl std::fmt::Display) -> Self {
-        SendResult::Dead {
-            reason: reason.to_string(),
-        }
-    }
-}
-
-/// Where the relay sends outbox messages. Owned by the relay thread.
-///
-/// `send` gets a batch in commit order and returns one result per message,
-/// in the same order. Messages of one key appear in commit order; after
-/// failing one, do not deliver later messages of the same key in that
-/// batch (return `Retry` for them): the relay hands them over again once
-/// the failed one went through. A missing result counts as `Retry`.
-pub trait Sink: Send + 'static {
-    /// Hands `batch` over.
-    fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult>;
-}
-
-/// Calls `each` per message in order, skipping (as `Retry`) later messages
-/// of a key once one of that key was not sent.
-pub(crate) fn per_message(
-    batch: &[OutboxMessage],
-    mut each: impl FnMut(&OutboxMessage) -> SendResult,
-) -> Vec<SendResult> {
-    let mut failed_keys: HashSet<&str> = HashSet::new();
-    batch
-        .iter()
-        .map(|msg| {
-            if let Some(key) = msg.key.as_deref() {
-                if failed_keys.contains(key) {
-                    return held_back();
-                }
-            }
-            let result = each(msg);
-            if result != SendResult::Sent {
-                if let Some(key) = msg.key.as_deref() {
-                    failed_keys.insert(key);
-                }
-            }
-            result
-        })
-        .collect()
-}
-
-fn held_back() -> SendResult {
-    SendResult::retry("held back behind an earlier message of its key")
-}
-
-/// A [`Sink`] made from a closure called once per message; see [`sink_fn`].
-pub struct FnSink<F>(F);
-
-/// Makes a [`Sink`] from a closure called once per message, in order. After
-/// a message of some key is not `Sent`, the closure is not called for later
-/// messages of that key in the batch.
-pub fn sink_fn<F>(f: F) -> FnSink<F>
-where
-    F: FnMut(&OutboxMessage) -> SendResult + Send + 'static,
-{
-    FnSink(f)
-}
-
-impl<F> Sink for FnSink<F>
-where
-    F: FnMut(&OutboxMessage) -> SendResult + Send + 'static,
-{
-    fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
-        per_message(batch, &mut self.0)
-    }
-}
-
-/// A [`Sink`] that sends each message into a crossbeam channel. A full
-/// channel makes the relay wait up to `timeout` per batch (default 1 s),
-/// then retry what did not fit; a disconnected one is retried too.
-#[derive(Debug, Clone)]
-pub struct ChannelSink {
-    tx: Sender<OutboxMessage>,
-    timeout: Duration,
-}
-
-impl ChannelSink {
-    /// Sends into `tx`.
-    pub fn new(tx: Sender<OutboxMessage>) -> Self {
-        ChannelSink {
-            tx,
-            timeout: Duration::from_secs(1),
-        }
-    }
-
-    /// How long one batch may wait for room in a full channel.
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-}
-
-impl Sink for ChannelSink {
-    fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
-        // One deadline for the whole batch: a full channel holds the relay
-        // (and a shutdown's flush) for `timeout`, not `timeout` per message.
-        let deadline = Instant::now() + self.timeout;
-        per_message(batch, |msg| {
-            match self.tx.send_deadline(msg.clone(), deadline) {
-                Ok(()) => SendResult::Sent,
-                Err(e) => SendResult::retry(format_args!("channel: {e}")),
-            }
-        })
-    }
-}
-
-/// A [`Sink`] writing one JSON object per line to any [`Write`] (stdout, a
-/// file, a pipe), flushed after each batch: `{"id", "seq", "topic", "key",
-/// "headers", "payload"}`, where `payload` is the JSON value itself when
-/// the payload is JSON, else a string when it is UTF-8, else absent and
-/// `payload_hex` given instead.
-#[derive(Debug)]
-pub struct NdjsonSink<W> {
-    out: W,
-}
-
-impl<W: Write + Send + 'static> NdjsonSink<W> {
-    /// Writes to `out`.
-    pub fn new(out: W) -> Self {
-        NdjsonSink { out }
-    }
-}
-
-/// One outbox message as an NDJSON line.
-pub(crate) fn ndjson_line(msg: &OutboxMessage) -> serde_json::Value {
-    let mut line = serde_json::json!({
-        "id": msg.id,
-        "seq": msg.seq,
-        "topic": msg.topic,
-        "key": msg.key,
-        "headers": msg.headers,
-    });
-    if let Ok(value) = serde_json::from_slice::<serde_json::Value>(&msg.payload) {
-        line["payload"] = value;
-    } else if let Ok(text) = std::str::from_utf8(&msg.payload) {
-        line["payload"] = text.into();
-    } else {
-        let hex: String = msg.payload.iter().map(|b| format!("{b:02x}")).collect();
-        line["payload_hex"] = hex.into();
-    }
-    line
-}
-
-impl<W: Write + Send + 'static> Sink for NdjsonSink<W> {
-    fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
-        let mut buf = Vec::new();
-        for msg in batch {
-            // A `Value` always serializes.
-            let _ = serde_json::to_writer(&mut buf, &ndjson_line(msg));
-            buf.push(b'\n');
-        }
-        // All or nothing: a partly written batch is re-sent whole (at least
-        // once), never split around a failure.
-        match self.out.write_all(&buf).and_then(|()| self.out.flush()) {
-            Ok(()) => vec![SendResult::Sent; batch.len()],
-            Err(e) => vec![SendResult::retry(format_args!("write: {e}")); batch.len()],
-        }
-    }
-}
-
-/// A [`Sink`] that delivers into another postroom engine — two components
-/// on one device chained exactly-once end to end. Each message becomes a
-/// [`Message`] with source = topic, id = the outbox message id (so the
-/// target deduplicates re-sends), the same headers, and ordering key = key.
-///
-/// By default a batch is stored with one `receive_batch` (queued: the
-/// target's workers process it). [`InboxSink::inline`] delivers each message
-/// inline instead, and only counts it sent once the target says to ack.
-pub struct InboxSink {
-    target: Arc<Postroom>,
-    consumer: String,
-    inline: bool,
-}
-
-impl InboxSink {
-    /// Sends into `consumer` of `target`.
-    pub fn new(target: Arc<Postroom>, consumer: impl Into<String>) -> Self {
-        InboxSink {
-            target,
-            consumer: consumer.into(),
-            inline: false,
-        }
-    }
-
-    /// Deliver each message inline (`deliver`) rather than queue the batch.
-    pub fn inline(mut self) -> Self {
-        self.inline = true;
-        self
-    }
-
-    fn message(msg: &OutboxMessage) -> Message {
-        let mut m = Message::new(msg.topic.clone(), msg.id.clone(), msg.payload.clone());
-        m.headers = msg.headers.clone();
-        m.ordering_key = msg.key.clone();
-        m
-    }
-}
-
-impl Sink for InboxSink {
-    fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
-        if self.inline {
-            return per_message(batch, |msg| {
-                match self.target.deliver(&self.consumer, Self::message(msg)) {
-                    Ok(outcome) if outcome.should_ack() => SendResult::Sent,
-                    Ok(Outcome::Failed {
-                        error, retry_after, ..
-                    }) => SendResult::Retry {
-                        reason: format!("target: {error}"),
-                        after: Some(retry_after),
-                    },
-                    Ok(other) => SendResult::Retry {
-                        reason: format!("target: {other:?}"),
-                        after: other.retry_after(),
-                    },
-                    Err(e) if e.is_retryable() => SendResult::retry(format_args!("target: {e}")),
-                    Err(e @ (Error::InvalidInput { .. } | Error::UnknownConsumer { .. })) => {
-                        SendResult::dead(format_args!("target: {e}"))
-                    }
-                    Err(e) => SendResult::retry(format_args!("target: {e}")),
-                }
-            });
-        }
-        // A message the target refuses never will be accepted: it alone is
-        // dead; the rest go in one receive_batch (one commit).
-        let mut results = vec![SendResult::Sent; batch.len()];
-        let mut valid = Vec::with_capacity(batch.len());
-        for (i, out) in batch.iter().enumerate() {
-            let msg = Self::message(out);
-            match self.target.check_message(&msg) {
-                Ok(()) => valid.push((i, msg)),
-                Err(e) => results[i] = SendResult::dead(format_args!("target: {e}")),
-            }
-        }
-        let (indexes, msgs): (Vec<usize>, Vec<Message>) = valid.into_iter().unzip();
-        if let Err(e) = self.target.receive_batch(&self.consumer, msgs) {
-            let reason = format!("target: {e}");
-            for i in indexes {
-                results[i] = SendResult::retry(&reason);
-            }
-        }
-        results
-    }
-}
+use crate::runtime::checkpoint;
+use crate::runtime::workers::Shared;
+use crate::sink::{SendResult, Sink};
+use crate::store::outbox::{self, OutboxMessage};
 
 /// How the relay thread is told to stop: flush what is due until the
 /// deadline, then return.
@@ -346,7 +65,7 @@ pub(crate) fn relay(
             }
         }
     };
-    let wal = checkpoint::wal_path(&shared.path);
+    let wal = crate::store::wal_path(&shared.path);
     let mut stop_at: Option<Instant> = None;
     loop {
         if stop_at.is_some_and(|at| Instant::now() >= at) {
@@ -373,7 +92,7 @@ pub(crate) fn relay(
         }
         let (batch, results) = match next(fetched) {
             Next::Undecodable(msg, column) => {
-                let reason = inbox::undecodable(column);
+                let reason = crate::store::text::undecodable(column);
                 log::error!(
                     "postroom relay: outbox row {}: {reason}; dead-lettered",
                     msg.seq

@@ -15,14 +15,14 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use crate::clock;
-use crate::engine::{read_connection, Readers};
 use crate::error::{Error, Result};
 use crate::failpoint;
-use crate::inbox;
-use crate::outbox;
-use crate::queue;
-use crate::retired;
-use crate::workers::{LeaseState, Shared};
+use crate::runtime::workers::{LeaseState, Shared};
+use crate::runtime::{read_connection, Readers};
+use crate::store::inbox;
+use crate::store::outbox;
+use crate::store::queue;
+use crate::store::retired;
 
 /// Rows deleted per writer job: a few milliseconds of work, the longest a
 /// delivery queued behind it waits.

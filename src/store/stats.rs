@@ -7,7 +7,7 @@ use std::time::Duration;
 use rusqlite::Connection;
 
 use crate::error::{Error, Result};
-use crate::inbox::Status;
+use crate::store::inbox::Status;
 
 /// Inbox rows of one consumer, by status.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -146,7 +146,7 @@ pub(crate) fn read(conn: &Connection, db_path: &Path) -> Result<Stats> {
             .map_err(sql)?,
     );
     stats.db_bytes = file_len(db_path);
-    stats.wal_bytes = file_len(&crate::checkpoint::wal_path(db_path));
+    stats.wal_bytes = file_len(&crate::store::wal_path(db_path));
     Ok(stats)
 }
 

@@ -20,17 +20,18 @@ use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
 
+use crate::builder::ConsumerKind;
 use crate::clock::{self, Clock};
-use crate::config::{Config, ConsumerKind};
+use crate::config::Config;
 use crate::delivery::{self, attempt_of, finish, panic_message, run_user_step, Attempt, Env};
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
 use crate::handler::{idempotency_key, EffectContext, Handler, Tx};
-use crate::inflight::{ClaimMarks, ClaimSlot, NoInflightLog};
 use crate::message::{Failure, Outcome};
-use crate::queue::{self, Claimed};
-use crate::writer::{WriterCtx, WriterHandle};
+use crate::runtime::writer::{WriterCtx, WriterHandle};
+use crate::store::inflight::{ClaimMarks, ClaimSlot, NoInflightLog};
+use crate::store::queue::{self, Claimed};
 
 /// A registered consumer.
 pub(crate) struct Consumer {
@@ -395,7 +396,7 @@ fn record_failure(
 /// Runs the transactional step of `claim` and records its result, if the
 /// claim's lease token still holds the row. Must run inside a transaction.
 /// `marks` records that this claim's user code runs (see
-/// [`crate::inflight`]), so a crash inside it is counted and a crash while
+/// [`crate::store::inflight`]), so a crash inside it is counted and a crash while
 /// it only waited is not.
 pub(crate) fn complete_claim(
     conn: &rusqlite::Connection,

@@ -49,7 +49,7 @@ use crossbeam_channel::Receiver;
 use rusqlite::{Connection, OpenFlags};
 
 use crate::config::{Config, Durability};
-use crate::writer::{Counters, WriterHandle, CHECKPOINT_PAGES, INLINE_CHECKPOINT_PAGES};
+use crate::runtime::writer::{Counters, WriterHandle, CHECKPOINT_PAGES, INLINE_CHECKPOINT_PAGES};
 
 /// How often the WAL size is looked at.
 const TICK: Duration = Duration::from_millis(100);
@@ -191,7 +191,7 @@ impl Checkpointer {
                 return;
             }
         };
-        let wal = wal_path(&self.db);
+        let wal = crate::store::wal_path(&self.db);
         let mut last_batches = self.counters.batches.load(Ordering::Relaxed);
         // Batches committed when a pass last synced the WAL, and when.
         let mut synced_batches = last_batches;
@@ -311,7 +311,7 @@ fn checkpoint(conn: &Connection, mode: &str) -> Option<(i64, i64)> {
 /// is, larger than `threshold` ([`WalBounds::truncate_bytes`]). Waits at
 /// most briefly for readers of other processes; best effort.
 pub(crate) fn at_open(conn: &Connection, db: &Path, threshold: u64, busy_timeout: Duration) {
-    let size = std::fs::metadata(wal_path(db))
+    let size = std::fs::metadata(crate::store::wal_path(db))
         .map(|m| m.len())
         .unwrap_or(0);
     if size <= threshold {
@@ -332,12 +332,6 @@ fn open(db: &Path, config: &Config) -> rusqlite::Result<Connection> {
     // TRUNCATE waits this long for the writer at most, and only when idle.
     conn.busy_timeout(Duration::from_millis(20))?;
     Ok(conn)
-}
-
-pub(crate) fn wal_path(db: &Path) -> PathBuf {
-    let mut p = db.as_os_str().to_owned();
-    p.push("-wal");
-    PathBuf::from(p)
 }
 
 #[cfg(test)]

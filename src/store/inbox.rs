@@ -8,7 +8,7 @@ use rusqlite::types::{FromSql, FromSqlError, FromSqlResult, ToSql, ToSqlOutput, 
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::message::Message;
-use crate::outbox::headers_json;
+use crate::store::text::headers_json;
 
 /// The state of an inbox row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -357,52 +357,6 @@ pub(crate) fn mark_dead(
     )?
     .execute(params![row_id, error, now_ms])?;
     Ok(())
-}
-
-/// A stored TEXT column, `None` for NULL. A value that is not valid UTF-8
-/// text (bit rot, a hand edit) is read lossily and the column named in
-/// `damage`, so the caller dead-letters the row: failing the read instead
-/// would fail every claim or relay batch that reaches the row, for good.
-pub(crate) fn stored_text(
-    r: &rusqlite::Row<'_>,
-    idx: usize,
-    column: &'static str,
-    damage: &mut Option<&'static str>,
-) -> rusqlite::Result<Option<String>> {
-    let bytes = match r.get_ref(idx)? {
-        ValueRef::Null => return Ok(None),
-        ValueRef::Text(bytes) => bytes,
-        ValueRef::Blob(bytes) => {
-            damage.get_or_insert(column);
-            bytes
-        }
-        ValueRef::Integer(i) => {
-            damage.get_or_insert(column);
-            return Ok(Some(i.to_string()));
-        }
-        ValueRef::Real(f) => {
-            damage.get_or_insert(column);
-            return Ok(Some(f.to_string()));
-        }
-    };
-    Ok(Some(match std::str::from_utf8(bytes) {
-        Ok(text) => text.to_owned(),
-        Err(_) => {
-            damage.get_or_insert(column);
-            String::from_utf8_lossy(bytes).into_owned()
-        }
-    }))
-}
-
-/// [`stored_text`] for listings, which show a damaged value lossily
-/// (U+FFFD for each bad byte) rather than fail.
-pub(crate) fn lossy_text(r: &rusqlite::Row<'_>, idx: usize) -> rusqlite::Result<Option<String>> {
-    stored_text(r, idx, "", &mut None)
-}
-
-/// Why a row [`stored_text`] found damaged is dead-lettered.
-pub(crate) fn undecodable(column: &str) -> String {
-    format!("stored {column} is not valid UTF-8 text (corrupted)")
 }
 
 /// Retention's delete of quarantined deliveries last seen before the cutoff

@@ -15,7 +15,7 @@ use crate::failpoint;
 pub const SCHEMA_VERSION: i64 = 5;
 
 /// The schema, applied in one transaction to a database without one.
-pub const SCHEMA_SQL: &str = include_str!("../schema.sql");
+pub const SCHEMA_SQL: &str = include_str!("../../schema.sql");
 
 /// Creates the database file with mode 0600 if it does not exist. SQLite
 /// gives its `-wal` and `-shm` files the database file's mode.

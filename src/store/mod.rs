@@ -1,0 +1,22 @@
+//! The store: postroom's SQL as plain functions over a
+//! `&rusqlite::Connection`, with `now` passed in; no threads, no engine.
+//! Everything above (the state machines, the threads, the operator
+//! functions) reads and writes the database through these.
+
+pub(crate) mod inbox;
+pub(crate) mod inflight;
+pub(crate) mod outbox;
+pub(crate) mod queue;
+pub(crate) mod retired;
+pub(crate) mod schema;
+pub(crate) mod stats;
+pub(crate) mod text;
+
+use std::path::{Path, PathBuf};
+
+/// The `-wal` file SQLite keeps beside `db`.
+pub(crate) fn wal_path(db: &Path) -> PathBuf {
+    let mut p = db.as_os_str().to_owned();
+    p.push("-wal");
+    PathBuf::from(p)
+}

@@ -1,0 +1,62 @@
+//! How text is stored and read back: TEXT columns that may have rotted,
+//! and headers as a JSON object.
+
+use rusqlite::types::ValueRef;
+
+use crate::message::Headers;
+
+/// A stored TEXT column, `None` for NULL. A value that is not valid UTF-8
+/// text (bit rot, a hand edit) is read lossily and the column named in
+/// `damage`, so the caller dead-letters the row: failing the read instead
+/// would fail every claim or relay batch that reaches the row, for good.
+pub(crate) fn stored_text(
+    r: &rusqlite::Row<'_>,
+    idx: usize,
+    column: &'static str,
+    damage: &mut Option<&'static str>,
+) -> rusqlite::Result<Option<String>> {
+    let bytes = match r.get_ref(idx)? {
+        ValueRef::Null => return Ok(None),
+        ValueRef::Text(bytes) => bytes,
+        ValueRef::Blob(bytes) => {
+            damage.get_or_insert(column);
+            bytes
+        }
+        ValueRef::Integer(i) => {
+            damage.get_or_insert(column);
+            return Ok(Some(i.to_string()));
+        }
+        ValueRef::Real(f) => {
+            damage.get_or_insert(column);
+            return Ok(Some(f.to_string()));
+        }
+    };
+    Ok(Some(match std::str::from_utf8(bytes) {
+        Ok(text) => text.to_owned(),
+        Err(_) => {
+            damage.get_or_insert(column);
+            String::from_utf8_lossy(bytes).into_owned()
+        }
+    }))
+}
+
+/// [`stored_text`] for listings, which show a damaged value lossily
+/// (U+FFFD for each bad byte) rather than fail.
+pub(crate) fn lossy_text(r: &rusqlite::Row<'_>, idx: usize) -> rusqlite::Result<Option<String>> {
+    stored_text(r, idx, "", &mut None)
+}
+
+/// Why a row [`stored_text`] found damaged is dead-lettered.
+pub(crate) fn undecodable(column: &str) -> String {
+    format!("stored {column} is not valid UTF-8 text (corrupted)")
+}
+
+/// Headers as stored: a JSON object, or NULL when there are none.
+pub(crate) fn headers_json(headers: &Headers) -> Option<String> {
+    if headers.is_empty() {
+        None
+    } else {
+        // A map of strings to strings always serializes.
+        serde_json::to_string(headers).ok()
+    }
+}
