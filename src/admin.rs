@@ -644,9 +644,9 @@ pub struct StatusReport {
 
 /// Counts by status per consumer, oldest unfinished message and attempts
 /// histogram per consumer, outbox backlog and its oldest row, conflicts,
-/// and file sizes. One read transaction making four passes over the inbox:
-/// 0.76 s at a million rows, 4.2 s at five million (page cache warm, 2-core
-/// VM), during which the checkpointer cannot restart the WAL past the read.
+/// and file sizes. One read transaction making four passes over the inbox
+/// (seconds at millions of rows), during which the checkpointer cannot
+/// restart the WAL past the read.
 /// `path` is the database file (for the sizes).
 pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
     let now = now_ms();

@@ -652,9 +652,9 @@ impl Postroom {
     /// sizes, read through the read pool (it does not wait for the writer).
     ///
     /// Cost: one pass over the inbox and one over the outbox, in proportion
-    /// to the rows retained (0.4–0.6 s at a million inbox rows, 2.6–2.9 s at
-    /// five million, page cache warm), and the WAL cannot be restarted past
-    /// the read while it runs. Poll it every few seconds at most at that size.
+    /// to the rows retained (docs/BENCHMARKS.md has what that costs at
+    /// millions of rows), and the WAL cannot be restarted past the read
+    /// while it runs. At millions of rows, poll it every few seconds at most.
     pub fn stats(&self) -> Result<Stats> {
         let conn = self.reader()?;
         let mut stats = stats::read(&conn, &self.shared.path)?;

@@ -3,14 +3,12 @@
 //!
 //! SQLite's automatic checkpoint copies the WAL back inside whichever commit
 //! crosses 1000 frames: a caller's, which then waits for the copy and its
-//! fsync (tens to hundreds of ms while retention kept the disk busy). The
-//! writer's WAL hook replaces it and wakes this thread instead, which copies
-//! from its own connection while commits go on, then makes one last pass
-//! with writes paused. That last pass matters: a checkpoint that never
-//! catches up with the writer never lets the WAL restart from its
-//! beginning, every commit then extends the file, and each fsync pays for
-//! the size change (single-caller latency rose by half when an earlier
-//! version copied from this thread without it). With writes
+//! fsync. The writer's WAL hook replaces it and wakes this thread instead,
+//! which copies from its own connection while commits go on, then makes one
+//! last pass with writes paused. Invariant: the WAL restarts from its
+//! beginning after every paused pass. A checkpoint that never catches up
+//! with the writer never lets it restart, every commit then extends the
+//! file, and each fsync pays for the size change. With writes
 //! paused the pass is complete (unless a reader still needs old frames),
 //! and the next commit restarts the WAL. Because callers wait for it (its
 //! fsync included), it waits up to 25 ms for a 1 ms lull in their traffic
@@ -19,9 +17,8 @@
 //!
 //! That fsync is most of the paused pass: SQLite syncs the database file
 //! only after a pass that reached the WAL's live end, so the live passes'
-//! pages are all still to write. Syncing after each live pass instead
-//! shortened the paused pass but slowed the callers' own commits more than
-//! that saved (docs/BENCHMARKS.md); not kept.
+//! pages are all still to write (why not sync after each live pass:
+//! docs/BENCHMARKS.md).
 //!
 //! At `Durability::Normal` commits are not fsynced, so this thread is also
 //! what bounds a power cut's loss: see [`NORMAL_SYNC`].
@@ -73,9 +70,8 @@ const TRICKLE_BATCHES: u64 = 10;
 /// callers wait for) has little left.
 const LIVE_PASSES: usize = 2;
 /// Frames past which the paused pass is made even if callers never leave
-/// the writer quiet: it holds them up for its fsync (up to 170 ms measured
-/// on a disk kept busy by retention), so below this it waits for a pause
-/// in their traffic, and the WAL keeps growing meanwhile.
+/// the writer quiet: it holds them up for its fsync, so below this it waits
+/// for a pause in their traffic, and the WAL keeps growing meanwhile.
 const FORCE_PAGES: i64 = 4000;
 
 /// On a small filesystem, the WAL frames from which the writer copies back

@@ -392,8 +392,8 @@ fn refuse_incomplete_schema(conn: &Connection) -> Result<()> {
 /// Version 1 to 2: the inbox's key moves from a UNIQUE constraint on the
 /// table to `postroom_inbox_keys`. SQLite cannot drop a table constraint, so
 /// the inbox is rebuilt ([`rebuild`]; the insert trigger fills the key
-/// table). Takes time in proportion to the inbox, once: 11.7 s for a
-/// million rows on the 2-core CI VM. The old table's pages stay in the file
+/// table). Takes time in proportion to the inbox, once (docs/DESIGN.md has
+/// a measurement). The old table's pages stay in the file
 /// as free pages, reused by later writes (`VACUUM` returns them).
 fn migrate_v1(tx: &Connection) -> Result<()> {
     let rows: i64 = tx
