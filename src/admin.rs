@@ -32,7 +32,7 @@
 use std::fmt::{self, Write as _};
 use std::io;
 use std::path::Path;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use rusqlite::{
     params, Connection, ErrorCode, OpenFlags, OptionalExtension, Transaction, TransactionBehavior,
@@ -40,7 +40,7 @@ use rusqlite::{
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
 
-use crate::clock;
+use crate::clock::{self, Clock as _};
 use crate::error::{Error, Result};
 use crate::message::Headers;
 use crate::store::inbox::{self, Status};
@@ -52,13 +52,13 @@ use crate::store::stats;
 
 /// How long [`open`] waits for another connection's lock (the engine's
 /// writer) before a statement fails with [`Error::Busy`].
-pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+pub const DEFAULT_BUSY_TIMEOUT: Duration = crate::config::DEFAULT_BUSY_TIMEOUT;
 
 /// Rows deleted per transaction by [`cleanup`] (as the engine's retention).
 pub const CLEANUP_BATCH: usize = 256;
 
 /// The engine's default retention, 7 days: the dedupe horizon.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+pub const DEFAULT_RETENTION: Duration = crate::config::DEFAULT_RETENTION;
 
 /// At most this many findings of each kind (violations, warnings) are kept
 /// in a [`CheckReport`]; the totals count all of them.
@@ -75,12 +75,9 @@ const TABLES: [&str; 6] = [
     "postroom_conflicts",
 ];
 
-/// The wall clock in unix milliseconds, as the engine's `SystemClock`.
+/// The wall clock in unix milliseconds: the engine's [`SystemClock`](crate::SystemClock).
 pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(clock::millis)
-        .unwrap_or(0)
+    clock::SystemClock.now_ms()
 }
 
 /// Opens an existing postroom database for operator work, with

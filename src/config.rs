@@ -6,6 +6,12 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::message::{Headers, Message, Outgoing};
 
+/// How long completed and sent rows are kept by default: the dedupe
+/// horizon.
+pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How long a connection waits for another's lock by default.
+pub(crate) const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Longest message id, in bytes.
 pub const MAX_ID_BYTES: usize = 512;
 /// Longest consumer, source, topic, key or ordering-key name, in bytes.
@@ -102,7 +108,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             durability: Durability::Full,
-            busy_timeout: Duration::from_secs(5),
+            busy_timeout: DEFAULT_BUSY_TIMEOUT,
             max_batch: 256,
             max_attempts: 5,
             retry: RetryPolicy {
@@ -119,7 +125,7 @@ impl Default for Config {
             process_batch: 64,
             poll_interval: Duration::from_millis(250),
             reaper_interval: Duration::from_secs(5),
-            retention: Duration::from_secs(7 * 24 * 3600),
+            retention: DEFAULT_RETENTION,
             dead_retention: None,
             conflict_retention: None,
             checkpoint_wal_bytes: 4 * 1024 * 1024,

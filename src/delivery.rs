@@ -84,7 +84,7 @@ pub(crate) fn deliver(
         }
         Some((id, row)) => match row.status {
             Status::Completed | Status::Dead => {
-                return Ok(settled(row).expect("completed and dead are settled"))
+                return Ok(final_outcome(row).expect("completed and dead are settled"))
             }
             Status::Processing => {
                 return Ok(Outcome::InFlight {
@@ -126,7 +126,7 @@ pub(crate) fn deliver(
 
 /// The final answer for a row whose fate is decided (completed or dead, so
 /// the same for every later delivery of the same payload), or `None`.
-pub(crate) fn settled(row: inbox::Row) -> Option<Outcome> {
+pub(crate) fn final_outcome(row: inbox::Row) -> Option<Outcome> {
     match row.status {
         Status::Completed => Some(Outcome::Duplicate),
         Status::Dead => Some(Outcome::Dead {
@@ -400,8 +400,11 @@ pub(crate) fn finish(
             error: reason,
         });
     }
-    let delay =
-        after.unwrap_or_else(|| config.retry.delay(attempt, jitter(consumer, msg, attempt)));
+    let delay = after.unwrap_or_else(|| {
+        config
+            .retry
+            .delay(attempt, retry_jitter(consumer, msg, attempt))
+    });
     let next = now.saturating_add(clock::millis(delay));
     record(env, at, Status::Failed, Some(&reason), Some(next))?;
     Ok(Outcome::Failed {
@@ -575,7 +578,7 @@ fn until(now: i64, then: i64) -> Duration {
     Duration::from_millis(u64::try_from(then.saturating_sub(now)).unwrap_or(0))
 }
 
-fn jitter(consumer: &str, msg: &Message, attempt: u32) -> u64 {
+fn retry_jitter(consumer: &str, msg: &Message, attempt: u32) -> u64 {
     let mut h = blake3::Hasher::new();
     for part in [consumer, &msg.source, &msg.id] {
         h.update(&(part.len() as u64).to_le_bytes());

@@ -521,11 +521,11 @@ impl Postroom {
         let _caller = self.shared.writer.caller();
         let mut leader = self.shared.writer.lead();
         let known = match &mut leader {
-            Some(leader) => settled(leader.conn(), &consumer.name, &msg, &hash),
+            Some(leader) => answer_if_settled(leader.conn(), &consumer.name, &msg, &hash),
             None => self
                 .reader()
                 .ok()
-                .and_then(|conn| settled(&conn, &consumer.name, &msg, &hash)),
+                .and_then(|conn| answer_if_settled(&conn, &consumer.name, &msg, &hash)),
         };
         if let Some(outcome) = known {
             return Ok(outcome);
@@ -950,7 +950,12 @@ pub(crate) fn recover_after_crash(
 /// operator's redrive leaves `dead`, and a redelivery racing a redrive may
 /// be told either), so a duplicate storm costs one indexed read per
 /// message. Anything else, or any error, is `None`: the writer decides.
-fn settled(conn: &Connection, consumer: &str, msg: &Message, hash: &[u8; 32]) -> Option<Outcome> {
+fn answer_if_settled(
+    conn: &Connection,
+    consumer: &str,
+    msg: &Message,
+    hash: &[u8; 32],
+) -> Option<Outcome> {
     let key = inbox::Key {
         consumer,
         source: &msg.source,
@@ -958,7 +963,7 @@ fn settled(conn: &Connection, consumer: &str, msg: &Message, hash: &[u8; 32]) ->
     };
     match inbox::find(conn, key, hash).ok()?? {
         inbox::Found::CompletedDuplicate => Some(Outcome::Duplicate),
-        inbox::Found::Row { row, .. } if row.payload_hash == *hash => delivery::settled(row),
+        inbox::Found::Row { row, .. } if row.payload_hash == *hash => delivery::final_outcome(row),
         inbox::Found::Row { .. } => None,
     }
 }

@@ -90,8 +90,8 @@ pub(crate) fn relay(
             }
             continue;
         }
-        let (batch, results) = match next(fetched) {
-            Next::Undecodable(msg, column) => {
+        let (batch, results) = match triage(fetched) {
+            Fetched::Undecodable(msg, column) => {
                 let reason = crate::store::text::undecodable(column);
                 log::error!(
                     "postroom relay: outbox row {}: {reason}; dead-lettered",
@@ -99,7 +99,7 @@ pub(crate) fn relay(
                 );
                 (vec![msg], vec![SendResult::Dead { reason }])
             }
-            Next::Send(batch) => {
+            Fetched::Send(batch) => {
                 // At `Normal` the batch's commits may not be on disk yet (the
                 // relay is woken at COMMIT). The sink must not get a row a
                 // power cut could still take back: it would keep an effect
@@ -156,7 +156,7 @@ pub(crate) fn relay(
 }
 
 /// What the relay does with a fetched batch.
-enum Next {
+enum Fetched {
     /// Hand these to the sink.
     Send(Vec<OutboxMessage>),
     /// Dead-letter this row, whose named column did not decode.
@@ -166,16 +166,16 @@ enum Next {
 /// The rows before the first that did not decode go to the sink. When that
 /// row is the first, it alone is dead-lettered; the rows after it wait for
 /// the next batch, so none of its key goes ahead of it.
-fn next(mut fetched: Vec<(OutboxMessage, Option<&'static str>)>) -> Next {
+fn triage(mut fetched: Vec<(OutboxMessage, Option<&'static str>)>) -> Fetched {
     let first_damaged = fetched
         .iter()
         .enumerate()
         .find_map(|(i, (_, damage))| damage.map(|column| (i, column)));
     match first_damaged {
-        Some((0, column)) => Next::Undecodable(fetched.swap_remove(0).0, column),
+        Some((0, column)) => Fetched::Undecodable(fetched.swap_remove(0).0, column),
         first => {
             fetched.truncate(first.map_or(fetched.len(), |(i, _)| i));
-            Next::Send(fetched.into_iter().map(|(msg, _)| msg).collect())
+            Fetched::Send(fetched.into_iter().map(|(msg, _)| msg).collect())
         }
     }
 }
@@ -229,8 +229,9 @@ pub(crate) fn record_results(
             SendResult::Sent => outbox::mark_sent(conn, msg.seq, now).map_err(sql)?,
             SendResult::Retry { reason, after } => {
                 let attempt = msg.attempts.saturating_add(1);
-                let delay =
-                    after.unwrap_or_else(|| config.retry.delay(attempt, jitter(msg.seq, attempt)));
+                let delay = after.unwrap_or_else(|| {
+                    config.retry.delay(attempt, resend_jitter(msg.seq, attempt))
+                });
                 let next = now.saturating_add(clock::millis(delay));
                 outbox::mark_failed(conn, msg.seq, &reason, next, config.max_attempts, false)
                     .map_err(sql)?;
@@ -253,7 +254,7 @@ pub(crate) fn record_results(
     Ok(())
 }
 
-fn jitter(seq: i64, attempt: u32) -> u64 {
+fn resend_jitter(seq: i64, attempt: u32) -> u64 {
     let h = blake3::hash(&[seq.to_le_bytes(), i64::from(attempt).to_le_bytes()].concat());
     u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
 }

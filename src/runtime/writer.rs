@@ -969,7 +969,7 @@ enum Ran {
     RolledBackBy(usize, Error),
 }
 
-enum Next {
+enum Turn {
     Job(Box<dyn Job>),
     /// The rider's turn to run, with or without callers' jobs.
     Rider,
@@ -1031,14 +1031,14 @@ impl WriterThread {
         let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(self.max_batch);
         loop {
             match self.next() {
-                Next::Job(job) => {
+                Turn::Job(job) => {
                     batch.push(job);
                     let mut held = self.core.lock_as_writer();
                     take_queued(&self.commands, &mut batch, self.max_batch);
                     self.gather(&mut batch);
                     self.core.run_callers_batch(held.state(), &mut batch);
                 }
-                Next::Rider => {
+                Turn::Rider => {
                     let mut held = self.core.lock_as_writer();
                     take_queued(&self.commands, &mut batch, self.max_batch);
                     if batch.is_empty() {
@@ -1052,12 +1052,12 @@ impl WriterThread {
                         self.core.run_callers_batch(held.state(), &mut batch);
                     }
                 }
-                Next::Background(job) => {
+                Turn::Background(job) => {
                     // Alone in its transaction: nobody waits for its commit.
                     batch.push(job);
                     self.core.lock_as_writer().state().run_batch(&mut batch);
                 }
-                Next::Stop => break,
+                Turn::Stop => break,
             }
         }
         // Run what was queued before the stop, then close under the lock so
@@ -1100,7 +1100,7 @@ impl WriterThread {
     /// microseconds after its answer must not find itself behind a delete
     /// batch — or once it has been put off for [`BACKGROUND_MAX_DEFER`], so
     /// that it still progresses under full load (one batch at a time).
-    fn next(&mut self) -> Next {
+    fn next(&mut self) -> Turn {
         loop {
             if self.deferred.is_none() {
                 if let Ok(job) = self.background.try_recv() {
@@ -1111,16 +1111,16 @@ impl WriterThread {
                 .deferred
                 .take_if(|(_, since)| since.elapsed() >= BACKGROUND_MAX_DEFER)
             {
-                return Next::Background(job);
+                return Turn::Background(job);
             }
             match self.commands.try_recv() {
-                Ok(job) => return Next::Job(job),
+                Ok(job) => return Turn::Job(job),
                 // Every handle is gone.
-                Err(TryRecvError::Disconnected) => return Next::Stop,
+                Err(TryRecvError::Disconnected) => return Turn::Stop,
                 Err(TryRecvError::Empty) => {}
             }
             if !matches!(self.stop.try_recv(), Err(TryRecvError::Empty)) {
-                return Next::Stop;
+                return Turn::Stop;
             }
             if self.rider_rung.try_recv().is_ok() {
                 self.rider_waits = true;
@@ -1129,31 +1129,31 @@ impl WriterThread {
             let quiet = self.core.callers_quiet_for() >= BACKGROUND_GRACE;
             if self.rider_waits && quiet {
                 self.rider_waits = false;
-                return Next::Rider;
+                return Turn::Rider;
             }
             if quiet {
                 if let Some((job, _)) = self.deferred.take() {
-                    return Next::Background(job);
+                    return Turn::Background(job);
                 }
             }
             if self.deferred.is_some() || self.rider_waits {
                 crossbeam_channel::select! {
-                    recv(self.commands) -> job => return job.map_or(Next::Stop, Next::Job),
-                    recv(self.stop) -> _ => return Next::Stop,
+                    recv(self.commands) -> job => return job.map_or(Turn::Stop, Turn::Job),
+                    recv(self.stop) -> _ => return Turn::Stop,
                     default(BACKGROUND_GRACE) => {}
                 }
             } else {
                 crossbeam_channel::select! {
-                    recv(self.commands) -> job => return job.map_or(Next::Stop, Next::Job),
-                    recv(self.stop) -> _ => return Next::Stop,
+                    recv(self.commands) -> job => return job.map_or(Turn::Stop, Turn::Job),
+                    recv(self.stop) -> _ => return Turn::Stop,
                     recv(self.rider_rung) -> rung => match rung {
                         Ok(()) => self.rider_waits = true,
-                        Err(_) => return Next::Stop,
+                        Err(_) => return Turn::Stop,
                     },
                     recv(self.background) -> job => match job {
                         Ok(job) => self.deferred = Some((job, Instant::now())),
                         // Every handle is gone.
-                        Err(_) => return Next::Stop,
+                        Err(_) => return Turn::Stop,
                     },
                 }
             }
