@@ -46,6 +46,7 @@ use crate::message::Headers;
 use crate::store::inbox::{self, Status};
 use crate::store::outbox::{self, OutboxMessage};
 use crate::store::queue::{self, DeadLetter};
+use crate::store::retention as store_retention;
 use crate::store::retired;
 use crate::store::schema;
 use crate::store::stats;
@@ -55,7 +56,7 @@ use crate::store::stats;
 pub const DEFAULT_BUSY_TIMEOUT: Duration = crate::config::DEFAULT_BUSY_TIMEOUT;
 
 /// Rows deleted per transaction by [`cleanup`] (as the engine's retention).
-pub const CLEANUP_BATCH: usize = 256;
+pub const CLEANUP_BATCH: usize = store_retention::BATCH;
 
 /// The engine's default retention, 7 days: the dedupe horizon.
 pub const DEFAULT_RETENTION: Duration = crate::config::DEFAULT_RETENTION;
@@ -1988,14 +1989,16 @@ pub fn cleanup(
     dry_run: bool,
 ) -> Result<CleanupSummary> {
     let retention = retention.into();
-    let cutoff_of = |keep: Duration| now_ms.saturating_sub(clock::millis(keep));
-    let cutoff = cutoff_of(retention.completed);
-    let dead_cutoff = retention.dead.map(cutoff_of);
-    let conflicts_cutoff = retention.conflicts.map(cutoff_of);
+    let keep = store_retention::Keep {
+        completed: retention.completed,
+        dead: retention.dead,
+        conflicts: retention.conflicts,
+    };
+    let cutoffs = keep.cutoffs(now_ms);
     let mut summary = CleanupSummary {
-        cutoff_ms: cutoff,
-        dead_cutoff_ms: dead_cutoff,
-        conflicts_cutoff_ms: conflicts_cutoff,
+        cutoff_ms: cutoffs.completed,
+        dead_cutoff_ms: cutoffs.dead,
+        conflicts_cutoff_ms: cutoffs.conflicts,
         dry_run,
         inbox_deleted: 0,
         keys_deleted: 0,
@@ -2009,88 +2012,76 @@ pub fn cleanup(
             let expired = |statement, cutoff| {
                 queue::count_expired(conn, statement, cutoff).map_err(sql("count expired rows"))
             };
-            summary.inbox_deleted = expired(queue::DELETE_COMPLETED, cutoff)?;
-            summary.outbox_deleted = expired(outbox::DELETE_SENT, cutoff)?;
-            if let Some(c) = dead_cutoff {
+            summary.inbox_deleted = expired(queue::DELETE_COMPLETED, cutoffs.completed)?;
+            summary.outbox_deleted = expired(outbox::DELETE_SENT, cutoffs.completed)?;
+            if let Some(c) = cutoffs.dead {
                 summary.dead_deleted = Some(expired(queue::DELETE_DEAD, c)?);
             }
-            if let Some(c) = conflicts_cutoff {
+            if let Some(c) = cutoffs.conflicts {
                 summary.conflicts_deleted = Some(expired(inbox::DELETE_CONFLICTS, c)?);
             }
             Ok(summary)
         });
     }
-    // Both closures count transactions.
-    let transactions = std::cell::Cell::new(0);
-    (summary.inbox_deleted, summary.keys_deleted) = retired::retire(
-        |max| {
-            let op = "delete expired inbox rows";
-            let sql = queue::DELETE_COMPLETED;
-            delete_in_batches(conn, op, sql, cutoff, max, &transactions)
-        },
-        || drain_retired(conn, &transactions),
-    )?;
-    let all = |op, sql, cutoff| {
-        delete_in_batches(conn, op, sql, cutoff, u64::MAX, &transactions).map(|(n, _)| n)
+    let mut cleaner = Cleaner {
+        conn,
+        transactions: 0,
+        started: Instant::now(),
     };
-    summary.outbox_deleted = all("delete expired outbox rows", outbox::DELETE_SENT, cutoff)?;
-    if let Some(c) = dead_cutoff {
-        summary.dead_deleted = Some(all("delete expired dead letters", queue::DELETE_DEAD, c)?);
-    }
-    if let Some(c) = conflicts_cutoff {
-        let op = "delete expired conflicts";
-        summary.conflicts_deleted = Some(all(op, inbox::DELETE_CONFLICTS, c)?);
-    }
-    summary.transactions = transactions.get();
+    let deleted = store_retention::run(cutoffs, &mut cleaner)?;
+    summary.inbox_deleted = deleted.inbox;
+    summary.keys_deleted = deleted.keys;
+    summary.outbox_deleted = deleted.outbox;
+    summary.dead_deleted = deleted.dead;
+    summary.conflicts_deleted = deleted.conflicts;
+    summary.transactions = cleaner.transactions;
     Ok(summary)
 }
 
-/// Deletes what `sql` (one of retention's statements) finds before
-/// `cutoff`, [`CLEANUP_BATCH`] rows per transaction, until none is left
-/// (`(deleted, true)`) or at least `max` were deleted (`(deleted, false)`).
-fn delete_in_batches(
-    conn: &Connection,
-    op: &'static str,
-    sql: &'static str,
-    cutoff: i64,
-    max: u64,
-    transactions: &std::cell::Cell<u64>,
-) -> Result<(u64, bool)> {
-    let mut total = 0;
-    loop {
+/// Retention on an operator's connection: each batch its own
+/// `BEGIN IMMEDIATE`, with a pause after it as long as it took, so a
+/// running engine's writer gets the lock at least half of the time.
+struct Cleaner<'c> {
+    conn: &'c Connection,
+    transactions: u64,
+    /// When the last batch began.
+    started: Instant,
+}
+
+impl store_retention::Driver for Cleaner<'_> {
+    type Error = Error;
+
+    fn delete(&mut self, statement: &'static str, cutoff: i64) -> Result<usize> {
+        self.started = Instant::now();
+        self.transactions += 1;
+        write(self.conn, "delete expired rows", |c| {
+            queue::delete_expired(c, statement, cutoff, CLEANUP_BATCH)
+        })
+    }
+
+    fn read_retired(&mut self) -> Result<Option<retired::Retired>> {
+        retired::read(self.conn).map_err(sql("read retired keys"))
+    }
+
+    fn apply_retired(&mut self, batch: retired::Batch) -> Result<usize> {
         let started = Instant::now();
-        let n = write(conn, op, |c| {
-            queue::delete_expired(c, sql, cutoff, CLEANUP_BATCH)
+        self.transactions += 1;
+        let n = write(self.conn, "delete retired keys", |c| {
+            retired::apply(c, &batch)
         })?;
-        transactions.set(transactions.get() + 1);
-        total += n as u64;
-        if n < CLEANUP_BATCH {
-            return Ok((total, true));
-        }
         pause_after(started);
-        if total >= max {
-            return Ok((total, false));
-        }
+        Ok(n)
+    }
+
+    fn between_batches(&mut self) -> bool {
+        pause_after(self.started);
+        true
     }
 }
 
 /// Lets a running engine's writer have the lock at least half of the time.
 fn pause_after(started: Instant) {
     std::thread::sleep(started.elapsed().max(Duration::from_millis(1)));
-}
-
-/// [`cleanup`]'s share of `retired::drain`, counting its transactions.
-fn drain_retired(conn: &Connection, transactions: &std::cell::Cell<u64>) -> Result<u64> {
-    retired::drain(
-        || retired::read(conn).map_err(sql("read retired keys")),
-        |batch| {
-            let started = Instant::now();
-            let n = write(conn, "delete retired keys", |c| retired::apply(c, &batch))?;
-            transactions.set(transactions.get() + 1);
-            pause_after(started);
-            Ok(n)
-        },
-    )
 }
 
 // ---------------------------------------------------------------- check

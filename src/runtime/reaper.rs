@@ -2,31 +2,21 @@
 //! retention allows: completed inbox rows, sent outbox rows, and dead
 //! letters and conflicts when configured. (The WAL is the checkpointer's job.)
 //!
-//! Retention deletes in small batches, each a background writer job: it
-//! runs only when no caller's job is waiting (or after being put off for
-//! 25 ms), in a transaction of its own, so a million-row cleanup never holds
-//! a delivery up for more than one batch. The deleted rows' key entries
-//! follow in key order, during and at the end of the pass
-//! ([`retired::retire`]).
+//! Retention is `store::retention`'s pass, each batch a background writer
+//! job: it runs only when no caller's job is waiting (or after being put
+//! off), in a transaction of its own, so a million-row cleanup never holds
+//! a delivery up for more than one batch.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
-use crate::clock;
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::runtime::workers::{LeaseState, Shared};
 use crate::runtime::{read_connection, Readers};
-use crate::store::inbox;
-use crate::store::outbox;
-use crate::store::queue;
-use crate::store::retired;
-
-/// Rows deleted per writer job: a few milliseconds of work, the longest a
-/// delivery queued behind it waits.
-const RETENTION_BATCH: usize = 256;
+use crate::store::{queue, retention, retired};
 
 /// What one reaper pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -77,41 +67,69 @@ pub(crate) fn run_once(shared: &Shared, readers: &Readers) -> Result<CleanupRepo
     if report.leases_expired > 0 {
         shared.wake();
     }
-    let retention = shared.config.retention;
-    (report.inbox_deleted, report.keys_deleted) = retired::retire(
-        |max| delete_in_batches(shared, retention, queue::DELETE_COMPLETED, max),
-        || drain_retired(shared, readers),
+    let keep = retention::Keep {
+        completed: shared.config.retention,
+        dead: shared.config.dead_retention,
+        conflicts: shared.config.conflict_retention,
+    };
+    let deleted = retention::run(
+        keep.cutoffs(shared.clock.now_ms()),
+        &mut Reaper { shared, readers },
     )?;
-    let all = |keep_for, sql| delete_in_batches(shared, keep_for, sql, u64::MAX).map(|(n, _)| n);
-    report.outbox_deleted = all(retention, outbox::DELETE_SENT)?;
-    if let Some(dead_retention) = shared.config.dead_retention {
-        report.dead_deleted = all(dead_retention, queue::DELETE_DEAD)?;
-    }
-    if let Some(conflict_retention) = shared.config.conflict_retention {
-        report.conflicts_deleted = all(conflict_retention, inbox::DELETE_CONFLICTS)?;
-    }
+    report.inbox_deleted = deleted.inbox;
+    report.keys_deleted = deleted.keys;
+    report.outbox_deleted = deleted.outbox;
+    report.dead_deleted = deleted.dead.unwrap_or(0);
+    report.conflicts_deleted = deleted.conflicts.unwrap_or(0);
     Ok(report)
 }
 
-/// Deletes the key entries of deleted rows (`retired.rs`): reads on a read
-/// connection, deletes in background writer jobs.
-fn drain_retired(shared: &Shared, readers: &Readers) -> Result<u64> {
-    retired::drain(
-        || {
-            failpoint::hit("reaper.retired_keys")?;
-            retired::read(&*read_connection(readers)?)
-                .map_err(|e| Error::sqlite("read retired keys", e))
-        },
-        |batch| {
-            if shared.stopping.load(std::sync::atomic::Ordering::Acquire) {
-                return Err(Error::Closed);
-            }
-            failpoint::hit("reaper.retired_keys")?;
-            shared.writer.submit_background(move |w| {
-                retired::apply(w.conn, &batch).map_err(|e| Error::sqlite("delete retired keys", e))
-            })
-        },
-    )
+/// Retention through the writer: each batch a background job (it runs
+/// only when no caller's job waits, or after being put off), key entries
+/// read on a read connection.
+struct Reaper<'a> {
+    shared: &'a Shared,
+    readers: &'a Readers,
+}
+
+impl retention::Driver for Reaper<'_> {
+    type Error = Error;
+
+    fn delete(&mut self, sql: &'static str, cutoff: i64) -> Result<usize> {
+        failpoint::hit("reaper.retention")?;
+        self.shared.writer.submit_background(move |w| {
+            queue::delete_expired(w.conn, sql, cutoff, retention::BATCH)
+                .map_err(|e| Error::sqlite("retention", e))
+        })
+    }
+
+    fn read_retired(&mut self) -> Result<Option<retired::Retired>> {
+        failpoint::hit("reaper.retired_keys")?;
+        retired::read(&*read_connection(self.readers)?)
+            .map_err(|e| Error::sqlite("read retired keys", e))
+    }
+
+    fn apply_retired(&mut self, batch: retired::Batch) -> Result<usize> {
+        if self.stopping() {
+            return Err(Error::Closed);
+        }
+        failpoint::hit("reaper.retired_keys")?;
+        self.shared.writer.submit_background(move |w| {
+            retired::apply(w.conn, &batch).map_err(|e| Error::sqlite("delete retired keys", e))
+        })
+    }
+
+    fn between_batches(&mut self) -> bool {
+        !self.stopping()
+    }
+}
+
+impl Reaper<'_> {
+    fn stopping(&self) -> bool {
+        self.shared
+            .stopping
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
 }
 
 fn expire_leases(shared: &Shared) -> Result<u64> {
@@ -144,33 +162,4 @@ fn expire_leases(shared: &Shared) -> Result<u64> {
         }
         Ok(expired)
     })
-}
-
-/// Deletes what `sql` (one of retention's statements, see
-/// `queue::delete_expired`) finds past `keep_for`, a batch per writer job,
-/// until none is left (returns `(deleted, true)`) or at least `max` rows
-/// were deleted (`(deleted, false)`).
-fn delete_in_batches(
-    shared: &Shared,
-    keep_for: Duration,
-    sql: &'static str,
-    max: u64,
-) -> Result<(u64, bool)> {
-    let keep_ms = clock::millis(keep_for);
-    let cutoff = shared.clock.now_ms().saturating_sub(keep_ms);
-    let mut total = 0u64;
-    loop {
-        failpoint::hit("reaper.retention")?;
-        let deleted = shared.writer.submit_background(move |w| {
-            queue::delete_expired(w.conn, sql, cutoff, RETENTION_BATCH)
-                .map_err(|e| Error::sqlite("retention", e))
-        })?;
-        total += deleted as u64;
-        if deleted < RETENTION_BATCH || shared.stopping.load(std::sync::atomic::Ordering::Acquire) {
-            return Ok((total, true));
-        }
-        if total >= max {
-            return Ok((total, false));
-        }
-    }
 }

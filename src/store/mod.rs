@@ -7,6 +7,7 @@ pub(crate) mod inbox;
 pub(crate) mod inflight;
 pub(crate) mod outbox;
 pub(crate) mod queue;
+pub(crate) mod retention;
 pub(crate) mod retired;
 pub(crate) mod schema;
 pub(crate) mod stats;

@@ -1,0 +1,132 @@
+//! Retention as one pass, driven by the engine's reaper and by
+//! `admin::cleanup` alike: what is deleted, in which order, in batches of
+//! [`BATCH`] rows, each batch a transaction of its own (the driver decides
+//! how it gets the write lock and what it does between batches).
+//!
+//! Order: completed inbox rows, with their key entries following in key
+//! order during and at the end of that step ([`retired::retire`]); sent
+//! outbox rows; dead letters (when kept for a limited time); conflicts
+//! (likewise). Invariant: pending, failed and processing rows are never
+//! deleted, nor the newest row of the inbox or the outbox (see the
+//! statements' own comments).
+
+use std::time::Duration;
+
+use crate::clock;
+use crate::store::{inbox, outbox, queue, retired};
+
+/// Rows deleted per transaction: a few milliseconds of work, the longest a
+/// delivery waits behind one.
+pub(crate) const BATCH: usize = 256;
+
+/// How long each kind of finished row is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Keep {
+    /// Completed inbox rows and sent outbox rows.
+    pub completed: Duration,
+    /// Dead letters; `None` keeps them.
+    pub dead: Option<Duration>,
+    /// Conflicts; `None` keeps them.
+    pub conflicts: Option<Duration>,
+}
+
+/// The times before which rows are past retention, for a pass at `now_ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Cutoffs {
+    pub completed: i64,
+    pub dead: Option<i64>,
+    pub conflicts: Option<i64>,
+}
+
+impl Keep {
+    pub fn cutoffs(&self, now_ms: i64) -> Cutoffs {
+        let cutoff = |keep: Duration| now_ms.saturating_sub(clock::millis(keep));
+        Cutoffs {
+            completed: cutoff(self.completed),
+            dead: self.dead.map(cutoff),
+            conflicts: self.conflicts.map(cutoff),
+        }
+    }
+}
+
+/// What one pass deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Deleted {
+    pub inbox: u64,
+    pub keys: u64,
+    pub outbox: u64,
+    /// `None` when dead letters are kept.
+    pub dead: Option<u64>,
+    /// `None` when conflicts are kept.
+    pub conflicts: Option<u64>,
+}
+
+/// How a pass reaches the database.
+pub(crate) trait Driver {
+    type Error;
+    /// Runs `queue::delete_expired(sql, cutoff, BATCH)` in a transaction
+    /// of its own; returns the rows deleted.
+    fn delete(&mut self, sql: &'static str, cutoff: i64) -> Result<usize, Self::Error>;
+    /// Reads the key entries of deleted rows ([`retired::read`]).
+    fn read_retired(&mut self) -> Result<Option<retired::Retired>, Self::Error>;
+    /// Applies one batch of them in a transaction of its own.
+    fn apply_retired(&mut self, batch: retired::Batch) -> Result<usize, Self::Error>;
+    /// Called after each full batch: pause, or say to stop (`false`).
+    fn between_batches(&mut self) -> bool;
+}
+
+/// Runs one retention pass.
+pub(crate) fn run<D: Driver>(cutoffs: Cutoffs, d: &mut D) -> Result<Deleted, D::Error> {
+    let mut deleted = Deleted::default();
+    (deleted.inbox, deleted.keys) = {
+        // Both closures need the driver, one at a time.
+        let d = std::cell::RefCell::new(&mut *d);
+        retired::retire(
+            |max| {
+                batches(
+                    *d.borrow_mut(),
+                    queue::DELETE_COMPLETED,
+                    cutoffs.completed,
+                    max,
+                )
+            },
+            || {
+                retired::drain(
+                    || d.borrow_mut().read_retired(),
+                    |batch| d.borrow_mut().apply_retired(batch),
+                )
+            },
+        )?
+    };
+    let mut all = |sql, cutoff| batches(d, sql, cutoff, u64::MAX).map(|(n, _)| n);
+    deleted.outbox = all(outbox::DELETE_SENT, cutoffs.completed)?;
+    if let Some(cutoff) = cutoffs.dead {
+        deleted.dead = Some(all(queue::DELETE_DEAD, cutoff)?);
+    }
+    if let Some(cutoff) = cutoffs.conflicts {
+        deleted.conflicts = Some(all(inbox::DELETE_CONFLICTS, cutoff)?);
+    }
+    Ok(deleted)
+}
+
+/// Deletes what `sql` finds before `cutoff`, batch by batch, until none is
+/// left (`(deleted, true)`), the driver says stop (likewise), or at least
+/// `max` rows were deleted (`(deleted, false)`).
+fn batches<D: Driver>(
+    d: &mut D,
+    sql: &'static str,
+    cutoff: i64,
+    max: u64,
+) -> Result<(u64, bool), D::Error> {
+    let mut total = 0u64;
+    loop {
+        let n = d.delete(sql, cutoff)?;
+        total += n as u64;
+        if n < BATCH || !d.between_batches() {
+            return Ok((total, true));
+        }
+        if total >= max {
+            return Ok((total, false));
+        }
+    }
+}
