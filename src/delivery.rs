@@ -621,7 +621,7 @@ mod tests {
         crate::schema::migrate(&mut conn).unwrap();
         conn.execute_batch("CREATE TABLE effects (id TEXT)")
             .unwrap();
-        let guard = UserCodeGuard::install(&conn).unwrap();
+        let guard = UserCodeGuard::install(&mut conn).unwrap();
         Fixture {
             _dir: dir,
             conn,

@@ -10,7 +10,6 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{RecvTimeoutError, Sender};
-use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::hooks::Action;
 use rusqlite::{Connection, OpenFlags};
 
@@ -219,6 +218,8 @@ impl Postroom {
             sink,
             handle_signals,
         } = builder;
+        // Before any file is touched: an old system SQLite changes nothing.
+        schema::check_sqlite_version(rusqlite::version_number())?;
         let given = path;
         let path = &schema::resolve(given)?;
         let mut engine_file = EngineFile::lock(path).map_err(|e| match e {
@@ -236,7 +237,7 @@ impl Postroom {
             schema::migrate(&mut conn)?;
             Ok(conn)
         })();
-        let conn = match opened {
+        let mut conn = match opened {
             Ok(conn) => conn,
             Err(e) => {
                 let empty = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
@@ -251,13 +252,14 @@ impl Postroom {
         let wal_bounds =
             checkpoint::WalBounds::for_database(&conn, path, config.checkpoint_wal_bytes);
         checkpoint::at_open(&conn, path, wal_bounds.truncate_bytes, config.busy_timeout);
-        let guard =
-            UserCodeGuard::install(&conn).map_err(|e| Error::sqlite("install authorizer", e))?;
+        let guard = UserCodeGuard::install(&mut conn)
+            .map_err(|e| Error::sqlite("install authorizer", e))?;
 
         let (alive_tx, writer_alive) = crossbeam_channel::bounded::<()>(0);
         let counters = Arc::new(Counters::default());
         // Replaces SQLite's automatic checkpoint: see `checkpoint`.
-        conn.wal_hook(Some(writer::note_wal_pages));
+        conn.wal_hook(Some(writer::note_wal_pages))
+            .map_err(|e| Error::sqlite("install WAL hook", e))?;
         let outbox_dirty = Arc::new(AtomicBool::new(false));
         {
             let dirty = Arc::clone(&outbox_dirty);
@@ -293,12 +295,10 @@ impl Postroom {
         })?;
 
         let busy_timeout = config.busy_timeout;
-        let manager = SqliteConnectionManager::file(path)
-            .with_flags(OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX)
-            .with_init(move |c| {
-                c.busy_timeout(busy_timeout)?;
-                c.pragma_update(None, "query_only", true)
-            });
+        let manager = ReadManager {
+            path: path.to_path_buf(),
+            busy_timeout,
+        };
         let readers = r2d2::Pool::builder()
             .max_size(config.read_pool_size)
             .min_idle(Some(0))
@@ -717,7 +717,7 @@ impl Postroom {
         self.control.shutdown(deadline)
     }
 
-    fn reader(&self) -> Result<r2d2::PooledConnection<SqliteConnectionManager>> {
+    fn reader(&self) -> Result<r2d2::PooledConnection<ReadManager>> {
         if self.control.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
@@ -920,12 +920,43 @@ pub(crate) fn recover_after_crash(
 }
 
 /// The engine's read connections (`query_only`).
-pub(crate) type Readers = r2d2::Pool<SqliteConnectionManager>;
+pub(crate) type Readers = r2d2::Pool<ReadManager>;
+
+/// Opens the read pool's connections: `query_only`, with the engine's busy
+/// timeout. Written here rather than taken from `r2d2_sqlite` because that
+/// crate pins one rusqlite minor version, and through `links = "sqlite3"`
+/// an application on any other rusqlite could not add postroom at all.
+#[derive(Debug)]
+pub(crate) struct ReadManager {
+    path: std::path::PathBuf,
+    busy_timeout: Duration,
+}
+
+impl r2d2::ManageConnection for ReadManager {
+    type Connection = Connection;
+    type Error = rusqlite::Error;
+
+    fn connect(&self) -> std::result::Result<Connection, rusqlite::Error> {
+        let conn = Connection::open_with_flags(
+            &self.path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        conn.busy_timeout(self.busy_timeout)?;
+        conn.pragma_update(None, "query_only", true)?;
+        Ok(conn)
+    }
+
+    fn is_valid(&self, conn: &mut Connection) -> std::result::Result<(), rusqlite::Error> {
+        conn.execute_batch("")
+    }
+
+    fn has_broken(&self, _: &mut Connection) -> bool {
+        false
+    }
+}
 
 /// A read connection from the pool; the pool's error as an I/O error.
-pub(crate) fn read_connection(
-    readers: &Readers,
-) -> Result<r2d2::PooledConnection<SqliteConnectionManager>> {
+pub(crate) fn read_connection(readers: &Readers) -> Result<r2d2::PooledConnection<ReadManager>> {
     readers.get().map_err(|e| Error::Io {
         op: "get read connection",
         source: std::io::Error::other(e.to_string()),

@@ -127,5 +127,5 @@ pub use outbox::{OutboxMessage, CAUSATION_HEADER, CORRELATION_HEADER};
 pub use queue::DeadLetter;
 pub use reaper::CleanupReport;
 pub use relay::{sink_fn, ChannelSink, FnSink, InboxSink, NdjsonSink, SendResult, Sink};
-pub use schema::{SCHEMA_SQL, SCHEMA_VERSION};
+pub use schema::{MIN_SQLITE_VERSION, SCHEMA_SQL, SCHEMA_VERSION};
 pub use stats::{OutboxCounts, Stats, StatusCounts};

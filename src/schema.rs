@@ -17,6 +17,32 @@ pub const SCHEMA_VERSION: i64 = 5;
 /// The schema, applied in one transaction to a database without one.
 pub const SCHEMA_SQL: &str = include_str!("../schema.sql");
 
+/// The oldest SQLite the engine works with: its statements use `RETURNING`
+/// (3.35.0) and `INSERT … ON CONFLICT … DO UPDATE` (3.24.0); nothing newer.
+/// With the default `bundled` feature the compiled-in SQLite is far newer;
+/// with a system library, [`Builder::open`](crate::Builder::open) refuses an
+/// older one with [`Error::SqliteTooOld`](crate::Error::SqliteTooOld).
+pub const MIN_SQLITE_VERSION: &str = "3.35.0";
+/// [`MIN_SQLITE_VERSION`] as SQLite numbers versions (`sqlite3_libversion_number`).
+const MIN_SQLITE_VERSION_NUMBER: i32 = 3_035_000;
+
+/// Refuses a linked SQLite older than [`MIN_SQLITE_VERSION`]; `number` is
+/// `sqlite3_libversion_number()` (`X*1000000 + Y*1000 + Z`).
+pub(crate) fn check_sqlite_version(number: i32) -> Result<()> {
+    if number >= MIN_SQLITE_VERSION_NUMBER {
+        return Ok(());
+    }
+    Err(Error::SqliteTooOld {
+        found: format!(
+            "{}.{}.{}",
+            number / 1_000_000,
+            number / 1000 % 1000,
+            number % 1000
+        ),
+        required: MIN_SQLITE_VERSION,
+    })
+}
+
 /// Creates the database file with mode 0600 if it does not exist. SQLite
 /// gives its `-wal` and `-shm` files the database file's mode.
 #[cfg(any(test, feature = "sim"))]
@@ -536,5 +562,26 @@ mod tests {
         assert!(objects.contains(&("table".into(), "postroom_conflicts")));
         assert!(objects.contains(&("index".into(), "postroom_outbox_dead")));
         assert!(objects.contains(&("trigger".into(), "postroom_inbox_key_fixed")));
+    }
+
+    /// A system SQLite without `RETURNING` is refused with the typed error,
+    /// naming both versions; the first version that has it is accepted, and
+    /// so is the SQLite this build links.
+    #[test]
+    fn a_sqlite_older_than_3_35_is_refused_by_name() {
+        match check_sqlite_version(3_034_001) {
+            Err(Error::SqliteTooOld { found, required }) => {
+                assert_eq!(found, "3.34.1");
+                assert_eq!(required, "3.35.0");
+            }
+            other => panic!("3.34.1 was not refused: {other:?}"),
+        }
+        check_sqlite_version(3_035_000).unwrap();
+        check_sqlite_version(rusqlite::version_number()).unwrap();
+        let text = check_sqlite_version(3_024_000).unwrap_err().to_string();
+        assert!(
+            text.contains("3.24.0") && text.contains("bundled"),
+            "{text}"
+        );
     }
 }

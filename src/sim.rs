@@ -331,7 +331,7 @@ impl Machine {
         .map_err(err)?;
         self.marker = None;
         self.started_claim = None;
-        let guard = UserCodeGuard::install(&conn).map_err(err)?;
+        let guard = UserCodeGuard::install(&mut conn).map_err(err)?;
         self.conn = Some((conn, guard));
         Ok(())
     }

@@ -135,7 +135,7 @@ thread_local! {
 /// checkpoint, which copied the WAL back inside whichever commit crossed
 /// 1000 frames — a caller's, which then waited for the copy and its fsync
 /// (40 to 240 ms measured while retention kept the disk busy).
-pub(crate) fn note_wal_pages(wal: &rusqlite::hooks::Wal, pages: c_int) -> rusqlite::Result<()> {
+pub(crate) fn note_wal_pages(wal: &mut rusqlite::hooks::Wal, pages: c_int) -> rusqlite::Result<()> {
     // A handler may write to an attached database; its WAL is not ours.
     if wal.name() == c"main" {
         WAL_PAGES.set(pages);
