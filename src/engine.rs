@@ -155,7 +155,7 @@ struct Threads {
 }
 
 /// What [`Postroom::shutdown`] found.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub struct ShutdownReport {
     /// Threads that finished and were joined.

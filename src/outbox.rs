@@ -160,7 +160,7 @@ fn hex32(bytes: &[u8; 32]) -> String {
 }
 
 /// An outbox row as the relay hands it to a [`Sink`](crate::Sink).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub struct OutboxMessage {
     /// Commit order: rows of one key are handed over in increasing `seq`.

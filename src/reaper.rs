@@ -29,7 +29,7 @@ use crate::workers::{LeaseState, Shared};
 const RETENTION_BATCH: usize = 256;
 
 /// What one reaper pass did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub struct CleanupReport {
     /// `processing` rows whose lease had expired, now `failed` (or `dead`).
