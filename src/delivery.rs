@@ -390,6 +390,7 @@ pub(crate) fn finish(
     if rejected || attempt >= config.max_attempts {
         record(env, at, Status::Dead, Some(&reason), None)?;
         log::warn!(
+            consumer, message_id = msg.id.as_str();
             "consumer {consumer:?}: message {}/{} dead after {attempt} attempt(s): {reason}",
             msg.source,
             msg.id

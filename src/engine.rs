@@ -30,6 +30,7 @@ use crate::reaper::{self, CleanupReport};
 use crate::relay::{self, Sink};
 use crate::schema;
 use crate::stats::{self, Stats};
+use crate::telemetry;
 use crate::workers::{self, Consumer, Leases, Shared};
 use crate::writer::{self, Counters, WriterCtx, WriterState};
 
@@ -472,6 +473,16 @@ impl Postroom {
     /// On `Err` nothing was stored and nothing may be acknowledged; the
     /// error says what went wrong ([`Error::is_retryable`]).
     pub fn deliver(&self, consumer: &str, msg: Message) -> Result<Outcome> {
+        let started = Instant::now();
+        let outcome = self.deliver_now(consumer, msg);
+        if let Ok(outcome) = &outcome {
+            telemetry::outcome(consumer, outcome);
+            telemetry::deliver_latency(consumer, started.elapsed());
+        }
+        outcome
+    }
+
+    fn deliver_now(&self, consumer: &str, msg: Message) -> Result<Outcome> {
         let consumer = self.consumer(consumer)?;
         let ConsumerKind::Transactional(handler) = consumer.kind.clone() else {
             return Err(Error::invalid(
@@ -547,6 +558,7 @@ impl Postroom {
         consumer: &str,
         msgs: impl IntoIterator<Item = Message>,
     ) -> Result<Vec<Receipt>> {
+        let name = consumer;
         let consumer = self.consumer(consumer)?;
         let msgs: Vec<Message> = msgs.into_iter().collect();
         for (i, msg) in msgs.iter().enumerate() {
@@ -582,6 +594,9 @@ impl Postroom {
             }))?;
         if receipts.contains(&Receipt::Accepted) {
             self.shared.wake();
+        }
+        for receipt in &receipts {
+            telemetry::receipt(name, receipt);
         }
         Ok(receipts)
     }

@@ -628,7 +628,7 @@ impl Machine {
         });
         let n = batch.len();
         self.in_tx(move |m| {
-            relay::record_results(m.conn(), &m.config, m.now_ms, &batch, &results)
+            relay::record_results(m.conn(), &m.config, m.now_ms, &batch, &results).map(drop)
         })?;
         Ok(n)
     }

@@ -720,6 +720,7 @@ impl WriterState {
                     })
                 });
         if let Ok(true) = outcome {
+            crate::telemetry::group_size(batch.len());
             self.counters.batches.fetch_add(1, Ordering::Relaxed);
             self.counters
                 .jobs
