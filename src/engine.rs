@@ -472,6 +472,32 @@ impl Postroom {
     ///
     /// On `Err` nothing was stored and nothing may be acknowledged; the
     /// error says what went wrong ([`Error::is_retryable`]).
+    ///
+    /// ```
+    /// use postroom::{handler_fn, Failure, Message, Outcome, Postroom};
+    ///
+    /// # fn main() -> postroom::Result<()> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// let room = Postroom::builder()
+    ///     .consumer("greeter", handler_fn(|_tx, msg| match msg.payload() {
+    ///         b"" => Err(Failure::reject("empty greeting")),
+    ///         _ => Ok(()),
+    ///     }))
+    ///     .open(dir.path().join("app.db"))?;
+    ///
+    /// // In the broker's callback:
+    /// let outcome = room.deliver("greeter", Message::new("chat", "m-1", "hello"))?;
+    /// assert_eq!(outcome, Outcome::Processed { attempts: 1 });
+    /// if outcome.should_ack() {
+    ///     // broker.ack(..)
+    /// } else {
+    ///     // broker.nack(..), redeliver after outcome.retry_after()
+    /// }
+    /// let rejected = room.deliver("greeter", Message::new("chat", "m-2", ""))?;
+    /// assert!(matches!(rejected, Outcome::Dead { attempts: 1, .. }));
+    /// assert!(rejected.should_ack()); // parked as a dead letter: nothing lost
+    /// # Ok(()) }
+    /// ```
     pub fn deliver(&self, consumer: &str, msg: Message) -> Result<Outcome> {
         let started = Instant::now();
         let outcome = self.deliver_now(consumer, msg);
@@ -544,6 +570,33 @@ impl Postroom {
     /// right away. A message seen before is not stored again
     /// ([`Receipt::Duplicate`]); one whose id was seen with another payload
     /// is quarantined ([`Receipt::Conflict`]).
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use postroom::{handler_fn, Message, Postroom, Receipt};
+    ///
+    /// # fn main() -> postroom::Result<()> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// let room = Postroom::builder()
+    ///     .consumer("sync", handler_fn(|tx, msg| {
+    ///         tx.execute("INSERT INTO notes (id) VALUES (?1)", [msg.id()])?;
+    ///         Ok(())
+    ///     }))
+    ///     .open(dir.path().join("app.db"))?;
+    /// room.transaction(|tx| Ok(tx.execute_batch("CREATE TABLE notes (id TEXT)")?))?;
+    ///
+    /// let note = Message::new("phone", "note-1", "…").with_ordering_key("notebook-7");
+    /// assert_eq!(room.receive("sync", note.clone())?, Receipt::Accepted); // ack now
+    /// assert_eq!(room.receive("sync", note)?, Receipt::Duplicate);
+    ///
+    /// // Processed in the background, in receive order per ordering key.
+    /// let deadline = Instant::now() + Duration::from_secs(10);
+    /// while room.stats()?.inbox["sync"].completed < 1 && Instant::now() < deadline {
+    ///     std::thread::sleep(Duration::from_millis(10));
+    /// }
+    /// assert_eq!(room.stats()?.inbox["sync"].completed, 1);
+    /// # Ok(()) }
+    /// ```
     pub fn receive(&self, consumer: &str, msg: Message) -> Result<Receipt> {
         let mut receipts = self.receive_batch(consumer, vec![msg])?;
         Ok(receipts.pop().unwrap_or(Receipt::Duplicate))
