@@ -30,8 +30,13 @@ def main():
             continue
         bars = [("postroom", r["msgs_per_s"], ENGINE)]
         for field, colour in (("vs", FLOOR), ("seeds_vs", SEEDS)):
+            # Only floors: a row may be compared with another engine row.
             floor = by_name.get(r[field]) if r[field] else None
+            if floor and floor["kind"] != "floor":
+                floor = None
             bars.append((r[field], floor["msgs_per_s"] if floor else None, colour))
+        if all(value is None for _, value, _ in bars[1:]):
+            continue
         panels.setdefault(r["prefilled_rows"], []).append((r["scenario"], bars))
 
     values = [v for p in panels.values() for _, bars in p for _, v, _ in bars if v]
@@ -48,6 +53,7 @@ def main():
         out.append(f'<text x="{PAD}" y="{y}" font-weight="bold">{escape(title)}</text>')
         y += 10
         top = y
+        grid_at = len(out)
         for scenario, bars in panels[prefilled]:
             out.append(f'<text x="{LABEL_W - 8}" y="{y + 19}" text-anchor="end">'
                        f'{escape(scenario)}</text>')
@@ -61,14 +67,15 @@ def main():
                 out.append(f'<text x="{x(value) + 4:.1f}" y="{by + 9}" font-size="10">'
                            f'{value:,.0f}</text>')
             y += ROW_H
-        decade = lo
+        grid, decade = [], lo
         while decade <= hi:
             gx = x(decade)
-            out.append(f'<line x1="{gx:.1f}" y1="{top}" x2="{gx:.1f}" y2="{y}" '
-                       f'stroke="#e2e8f0"/>')
-            out.append(f'<text x="{gx:.1f}" y="{y + 12}" font-size="10" '
-                       f'text-anchor="middle">{decade:,}</text>')
+            grid.append(f'<line x1="{gx:.1f}" y1="{top}" x2="{gx:.1f}" y2="{y}" '
+                        f'stroke="#e2e8f0"/>')
+            grid.append(f'<text x="{gx:.1f}" y="{y + 12}" font-size="10" '
+                        f'text-anchor="middle">{decade:,}</text>')
             decade *= 10
+        out[grid_at:grid_at] = grid  # under the bars
         y += 40
 
     legend = [("postroom", ENGINE, 0),
