@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 use log::kv::{Key, Value, VisitSource};
 use postroom::{handler_fn, Failure, Message, Postroom};
 
-/// Each record's level, text and key-values.
-static RECORDS: Mutex<Vec<(log::Level, String, Vec<(String, String)>)>> = Mutex::new(Vec::new());
+/// One record's level, text and key-values.
+type Captured = (log::Level, String, Vec<(String, String)>);
+
+static RECORDS: Mutex<Vec<Captured>> = Mutex::new(Vec::new());
 
 struct Capture;
 
