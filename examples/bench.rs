@@ -1272,7 +1272,7 @@ mod seeds {
 
     /// Opens (creating if needed): WAL, `sync`, default cache.
     pub fn open(path: &Path, sync: SyncMode) -> Res<Connection> {
-        let conn = Connection::open(path)?;
+        let mut conn = Connection::open(path)?;
         conn.busy_timeout(Duration::from_secs(5))?;
         let mode: String =
             conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
@@ -1282,7 +1282,7 @@ mod seeds {
         conn.pragma_update(None, "synchronous", sync.label())?;
         conn.execute_batch(DDL)?;
         conn.execute_batch(COUNTERS_DDL)?;
-        conn.wal_hook(Some(note_frames));
+        conn.wal_hook(Some(note_frames))?;
         Ok(conn)
     }
 
@@ -1292,7 +1292,7 @@ mod seeds {
         static FRAMES: std::cell::Cell<(u64, i32)> = const { std::cell::Cell::new((0, 0)) };
     }
 
-    fn note_frames(_: &rusqlite::hooks::Wal, pages: i32) -> rusqlite::Result<()> {
+    fn note_frames(_: &mut rusqlite::hooks::Wal, pages: i32) -> rusqlite::Result<()> {
         FRAMES.with(|f| {
             let (sum, last) = f.get();
             let grown = if pages > last { pages - last } else { pages };

@@ -298,15 +298,15 @@ pub fn open_read(path: impl AsRef<Path>, busy_timeout: Duration) -> Result<(Conn
 pub fn read<T>(
     path: impl AsRef<Path>,
     busy_timeout: Duration,
-    mut f: impl FnMut(&Connection, &ReadView) -> Result<T>,
+    mut f: impl FnMut(&mut Connection, &ReadView) -> Result<T>,
 ) -> Result<(T, ReadView)> {
     let path = path.as_ref();
-    let (conn, view) = open_read(path, busy_timeout)?;
+    let (mut conn, view) = open_read(path, busy_timeout)?;
     if !view.immutable {
-        return f(&conn, &view).map(|t| (t, view));
+        return f(&mut conn, &view).map(|t| (t, view));
     }
     let before = files_state(&view.path);
-    let out = f(&conn, &view);
+    let out = f(&mut conn, &view);
     drop(conn);
     if files_state(&view.path) == before {
         return out.map(|t| (t, view));
@@ -315,8 +315,8 @@ pub fn read<T>(
         "{} changed during an immutable read: reading again",
         path.display()
     );
-    let (conn, view) = open_read(path, busy_timeout)?;
-    f(&conn, &view).map(|t| (t, view))
+    let (mut conn, view) = open_read(path, busy_timeout)?;
+    f(&mut conn, &view).map(|t| (t, view))
 }
 
 /// What tells that a database changed: its size and mtime, and whether
@@ -379,9 +379,11 @@ fn engine_running(db: &Path) -> Option<bool> {
     }))
 }
 
-/// Checks the busy timeout and the path: an existing regular file with one
-/// name; returns its canonical path.
+/// Checks the linked SQLite (as the engine's open does), the busy timeout
+/// and the path: an existing regular file with one name; returns its
+/// canonical path.
 fn existing(path: &Path, busy_timeout: Duration) -> Result<std::path::PathBuf> {
+    schema::check_sqlite_version(rusqlite::version_number())?;
     // SQLite counts it in milliseconds, in a C int.
     if busy_timeout > Duration::from_millis(i32::MAX as u64) {
         return Err(Error::invalid(

@@ -14,6 +14,37 @@ use crate::sink::Sink;
 /// method; `Postroom::builder().consumer(..).open(path)` is a complete setup.
 ///
 /// The builder is taken and returned by value, like r2d2's.
+///
+/// ```
+/// use std::time::Duration;
+/// use postroom::{handler_fn, Durability, NdjsonSink, Postroom};
+///
+/// # fn main() -> postroom::Result<()> {
+/// # let dir = tempfile::tempdir().unwrap();
+/// let room = Postroom::builder()
+///     .consumer("audit", handler_fn(|tx, msg| {
+///         tx.execute_batch("CREATE TABLE IF NOT EXISTS audit (id TEXT)")?;
+///         tx.execute("INSERT INTO audit (id) VALUES (?1)", [msg.id()])?;
+///         Ok(())
+///     }))
+///     .durability(Durability::Normal)      // survives a crash; a power cut may lose ~1 s
+///     .max_attempts(3)
+///     .backoff(Duration::from_millis(100), Duration::from_secs(30))
+///     .retention(Duration::from_secs(24 * 3600))
+///     .sink(NdjsonSink::new(std::io::sink())) // the relay's destination
+///     .open(dir.path().join("app.db"))?;
+/// # room.shutdown(Duration::from_secs(5))?;
+/// # Ok(()) }
+/// ```
+///
+/// A setting out of its range is refused at `open`, naming it:
+///
+/// ```
+/// # let dir = tempfile::tempdir().unwrap();
+/// let refused = postroom::Postroom::builder().max_attempts(0).open(dir.path().join("app.db"));
+/// assert!(matches!(refused, Err(postroom::Error::InvalidInput { .. })));
+/// assert!(!dir.path().join("app.db").exists()); // nothing created
+/// ```
 pub struct Builder {
     pub(crate) config: Config,
     pub(crate) consumers: Vec<(String, ConsumerKind)>,

@@ -391,6 +391,7 @@ pub(crate) fn finish(
     if rejected || attempt >= config.max_attempts {
         record(env, at, Status::Dead, Some(&reason), None)?;
         log::warn!(
+            consumer, message_id = msg.id.as_str();
             "consumer {consumer:?}: message {}/{} dead after {attempt} attempt(s): {reason}",
             msg.source,
             msg.id
@@ -625,7 +626,7 @@ mod tests {
         crate::store::schema::migrate(&mut conn).unwrap();
         conn.execute_batch("CREATE TABLE effects (id TEXT)")
             .unwrap();
-        let guard = UserCodeGuard::install(&conn).unwrap();
+        let guard = UserCodeGuard::install(&mut conn).unwrap();
         Fixture {
             _dir: dir,
             conn,

@@ -10,9 +10,8 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{RecvTimeoutError, Sender};
-use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::hooks::Action;
-use rusqlite::{Connection, OpenFlags};
+use rusqlite::Connection;
 
 use crate::builder::{Builder, ConsumerKind};
 use crate::clock::Clock;
@@ -28,7 +27,7 @@ use crate::runtime::reaper::{self, CleanupReport};
 use crate::runtime::relay;
 use crate::runtime::workers::{self, Consumer, Leases, Shared};
 use crate::runtime::writer::{self, Counters, WriterCtx, WriterState};
-use crate::runtime::{read_connection, Readers};
+use crate::runtime::{read_connection, ReadManager, Readers};
 use crate::sink::Sink;
 use crate::store::inbox;
 use crate::store::inflight::{ClaimSlot, EngineFile, Inflight, StartedClaim};
@@ -36,6 +35,7 @@ use crate::store::outbox::{self, OutboxMessage};
 use crate::store::queue::{self, DeadLetter};
 use crate::store::schema;
 use crate::store::stats::{self, Stats};
+use crate::telemetry;
 
 const WRITER_THREAD: &str = "postroom-writer";
 
@@ -159,7 +159,7 @@ struct Threads {
 }
 
 /// What [`Postroom::shutdown`] found.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub struct ShutdownReport {
     /// Threads that finished and were joined.
@@ -245,6 +245,8 @@ impl Postroom {
             sink,
             handle_signals,
         } = builder;
+        // Before any file is touched: an old system SQLite changes nothing.
+        schema::check_sqlite_version(rusqlite::version_number())?;
         let given = path;
         let path = &schema::resolve(given)?;
         let mut engine_file = EngineFile::lock(path).map_err(|e| match e {
@@ -262,7 +264,7 @@ impl Postroom {
             schema::migrate(&mut conn)?;
             Ok(conn)
         })();
-        let conn = match opened {
+        let mut conn = match opened {
             Ok(conn) => conn,
             Err(e) => {
                 let empty = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
@@ -277,13 +279,14 @@ impl Postroom {
         let wal_bounds =
             checkpoint::WalBounds::for_database(&conn, path, config.checkpoint_wal_bytes);
         checkpoint::at_open(&conn, path, wal_bounds.truncate_bytes, config.busy_timeout);
-        let guard =
-            UserCodeGuard::install(&conn).map_err(|e| Error::sqlite("install authorizer", e))?;
+        let guard = UserCodeGuard::install(&mut conn)
+            .map_err(|e| Error::sqlite("install authorizer", e))?;
 
         let (alive_tx, writer_alive) = crossbeam_channel::bounded::<()>(0);
         let counters = Arc::new(Counters::default());
         // Replaces SQLite's automatic checkpoint: see `checkpoint`.
-        conn.wal_hook(Some(writer::note_wal_pages));
+        conn.wal_hook(Some(writer::note_wal_pages))
+            .map_err(|e| Error::sqlite("install WAL hook", e))?;
         let outbox_dirty = Arc::new(AtomicBool::new(false));
         {
             let dirty = Arc::clone(&outbox_dirty);
@@ -319,12 +322,10 @@ impl Postroom {
         })?;
 
         let busy_timeout = config.busy_timeout;
-        let manager = SqliteConnectionManager::file(path)
-            .with_flags(OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX)
-            .with_init(move |c| {
-                c.busy_timeout(busy_timeout)?;
-                c.pragma_update(None, "query_only", true)
-            });
+        let manager = ReadManager {
+            path: path.to_path_buf(),
+            busy_timeout,
+        };
         let readers = r2d2::Pool::builder()
             .max_size(config.read_pool_size)
             .min_idle(Some(0))
@@ -497,7 +498,43 @@ impl Postroom {
     ///
     /// On `Err` nothing was stored and nothing may be acknowledged; the
     /// error says what went wrong ([`Error::is_retryable`]).
+    ///
+    /// ```
+    /// use postroom::{handler_fn, Failure, Message, Outcome, Postroom};
+    ///
+    /// # fn main() -> postroom::Result<()> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// let room = Postroom::builder()
+    ///     .consumer("greeter", handler_fn(|_tx, msg| match msg.payload() {
+    ///         b"" => Err(Failure::reject("empty greeting")),
+    ///         _ => Ok(()),
+    ///     }))
+    ///     .open(dir.path().join("app.db"))?;
+    ///
+    /// // In the broker's callback:
+    /// let outcome = room.deliver("greeter", Message::new("chat", "m-1", "hello"))?;
+    /// assert_eq!(outcome, Outcome::Processed { attempts: 1 });
+    /// if outcome.should_ack() {
+    ///     // broker.ack(..)
+    /// } else {
+    ///     // broker.nack(..), redeliver after outcome.retry_after()
+    /// }
+    /// let rejected = room.deliver("greeter", Message::new("chat", "m-2", ""))?;
+    /// assert!(matches!(rejected, Outcome::Dead { attempts: 1, .. }));
+    /// assert!(rejected.should_ack()); // parked as a dead letter: nothing lost
+    /// # Ok(()) }
+    /// ```
     pub fn deliver(&self, consumer: &str, msg: Message) -> Result<Outcome> {
+        let started = Instant::now();
+        let outcome = self.deliver_now(consumer, msg);
+        if let Ok(outcome) = &outcome {
+            telemetry::outcome(consumer, outcome);
+            telemetry::deliver_latency(consumer, started.elapsed());
+        }
+        outcome
+    }
+
+    fn deliver_now(&self, consumer: &str, msg: Message) -> Result<Outcome> {
         let consumer = self.consumer(consumer)?;
         let ConsumerKind::Transactional(handler) = consumer.kind.clone() else {
             return Err(Error::invalid(
@@ -559,6 +596,33 @@ impl Postroom {
     /// right away. A message seen before is not stored again
     /// ([`Receipt::Duplicate`]); one whose id was seen with another payload
     /// is quarantined ([`Receipt::Conflict`]).
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use postroom::{handler_fn, Message, Postroom, Receipt};
+    ///
+    /// # fn main() -> postroom::Result<()> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// let room = Postroom::builder()
+    ///     .consumer("sync", handler_fn(|tx, msg| {
+    ///         tx.execute("INSERT INTO notes (id) VALUES (?1)", [msg.id()])?;
+    ///         Ok(())
+    ///     }))
+    ///     .open(dir.path().join("app.db"))?;
+    /// room.transaction(|tx| Ok(tx.execute_batch("CREATE TABLE notes (id TEXT)")?))?;
+    ///
+    /// let note = Message::new("phone", "note-1", "…").with_ordering_key("notebook-7");
+    /// assert_eq!(room.receive("sync", note.clone())?, Receipt::Accepted); // ack now
+    /// assert_eq!(room.receive("sync", note)?, Receipt::Duplicate);
+    ///
+    /// // Processed in the background, in receive order per ordering key.
+    /// let deadline = Instant::now() + Duration::from_secs(10);
+    /// while room.stats()?.inbox["sync"].completed < 1 && Instant::now() < deadline {
+    ///     std::thread::sleep(Duration::from_millis(10));
+    /// }
+    /// assert_eq!(room.stats()?.inbox["sync"].completed, 1);
+    /// # Ok(()) }
+    /// ```
     pub fn receive(&self, consumer: &str, msg: Message) -> Result<Receipt> {
         let mut receipts = self.receive_batch(consumer, vec![msg])?;
         Ok(receipts.pop().unwrap_or(Receipt::Duplicate))
@@ -573,6 +637,7 @@ impl Postroom {
         consumer: &str,
         msgs: impl IntoIterator<Item = Message>,
     ) -> Result<Vec<Receipt>> {
+        let name = consumer;
         let consumer = self.consumer(consumer)?;
         let msgs: Vec<Message> = msgs.into_iter().collect();
         for (i, msg) in msgs.iter().enumerate() {
@@ -608,6 +673,9 @@ impl Postroom {
             }))?;
         if receipts.contains(&Receipt::Accepted) {
             self.shared.wake();
+        }
+        for receipt in &receipts {
+            telemetry::receipt(name, receipt);
         }
         Ok(receipts)
     }
@@ -743,7 +811,7 @@ impl Postroom {
         self.control.shutdown(deadline)
     }
 
-    fn reader(&self) -> Result<r2d2::PooledConnection<SqliteConnectionManager>> {
+    fn reader(&self) -> Result<r2d2::PooledConnection<ReadManager>> {
         if self.control.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }

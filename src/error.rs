@@ -41,6 +41,16 @@ pub enum Error {
         /// The newest version this library knows.
         supported: i64,
     },
+    /// The SQLite library linked in (the system's, when the default
+    /// `bundled` feature is off) is older than the engine's SQL needs.
+    /// Refused at open, before any file is touched.
+    SqliteTooOld {
+        /// The linked library's version, e.g. `"3.31.1"`.
+        found: String,
+        /// The oldest version postroom works with
+        /// ([`MIN_SQLITE_VERSION`](crate::MIN_SQLITE_VERSION)).
+        required: &'static str,
+    },
     /// SQLite reports the database as damaged (`quick_check` failed, or
     /// `SQLITE_CORRUPT` while reading).
     Corrupt {
@@ -190,6 +200,10 @@ impl Error {
                 found: *found,
                 supported: *supported,
             },
+            Error::SqliteTooOld { found, required } => Error::SqliteTooOld {
+                found: found.clone(),
+                required,
+            },
             Error::Corrupt { detail } => Error::Corrupt {
                 detail: detail.clone(),
             },
@@ -246,6 +260,11 @@ impl fmt::Display for Error {
                 f,
                 "database schema version {found} is newer than this postroom supports \
                  ({supported}); upgrade postroom"
+            ),
+            Error::SqliteTooOld { found, required } => write!(
+                f,
+                "the linked SQLite is {found}; postroom needs {required} or newer \
+                 (enable the `bundled` feature, or link a newer libsqlite3)"
             ),
             Error::Corrupt { detail } => write!(f, "database is corrupt: {detail}"),
             Error::ReadOnly { path } => write!(

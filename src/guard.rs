@@ -133,7 +133,7 @@ pub(crate) struct UserCodeGuard(Arc<AtomicBool>);
 
 impl UserCodeGuard {
     /// Installs the authorizer and the commit hook on `conn`.
-    pub fn install(conn: &Connection) -> rusqlite::Result<UserCodeGuard> {
+    pub fn install(conn: &mut Connection) -> rusqlite::Result<UserCodeGuard> {
         let guard = UserCodeGuard::default();
         let in_user_code = Arc::clone(&guard.0);
         conn.authorizer(Some(move |ctx: AuthContext<'_>| {

@@ -69,6 +69,48 @@ where
 /// call, an expired lease): pass [`EffectContext::idempotency_key`] to the
 /// external service so it recognises the repeat. Use a plain [`Handler`]
 /// when everything the message does is in this database.
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use postroom::{EffectContext, EffectHandler, Failure, Message, Postroom, Tx};
+///
+/// /// Charges a card through an external API, then records the charge.
+/// struct Charge;
+///
+/// impl EffectHandler for Charge {
+///     type Output = String; // the payment provider's charge id
+///
+///     fn effect(&self, ctx: &EffectContext<'_>, msg: &Message) -> Result<String, Failure> {
+///         // payments.charge(amount, idempotency_key = ctx.idempotency_key())?
+///         Ok(format!("ch_{}", &ctx.idempotency_key()[..8]))
+///     }
+///
+///     fn apply(&self, tx: &mut Tx<'_>, msg: &Message, charge: String) -> Result<(), Failure> {
+///         tx.execute(
+///             "INSERT INTO charges (order_id, charge) VALUES (?1, ?2)",
+///             [msg.id(), charge.as_str()],
+///         )?;
+///         Ok(())
+///     }
+/// }
+///
+/// # fn main() -> postroom::Result<()> {
+/// # let dir = tempfile::tempdir().unwrap();
+/// let room = Postroom::builder()
+///     .effectful_consumer("payments", Charge)
+///     .open(dir.path().join("app.db"))?;
+/// room.transaction(|tx| {
+///     Ok(tx.execute_batch("CREATE TABLE charges (order_id TEXT, charge TEXT)")?)
+/// })?;
+/// room.receive("payments", Message::new("orders", "order-7", "{}"))?;
+///
+/// let deadline = Instant::now() + Duration::from_secs(10);
+/// while room.stats()?.inbox["payments"].completed < 1 && Instant::now() < deadline {
+///     std::thread::sleep(Duration::from_millis(10));
+/// }
+/// assert_eq!(room.stats()?.inbox["payments"].completed, 1);
+/// # Ok(()) }
+/// ```
 pub trait EffectHandler: Send + Sync + 'static {
     /// What the external step hands to the transactional step.
     type Output: Send + 'static;

@@ -65,6 +65,62 @@
 //!   process is counted as an attempt, so a crash-looping message is
 //!   dead-lettered after `max_attempts` restarts (see [`Builder::max_attempts`]).
 //!
+//! ## Async runtimes
+//!
+//! The engine is thread-based and its calls block: [`Postroom::deliver`],
+//! [`Postroom::receive`] and [`Postroom::transaction`] return once their
+//! commit is durable (an fsync at [`Durability::Full`]), typically well
+//! under a millisecond to a few milliseconds, longer while another process
+//! holds the lock. Do not call them on an async executor's threads: share
+//! the engine as an `Arc<Postroom>` and call through
+//! `tokio::task::spawn_blocking` (or your runtime's equivalent), as
+//! `examples/tokio.rs` does. Handlers and sinks run on the engine's own
+//! threads and must not block on the runtime either; a sink that needs an
+//! async client can hand messages over a channel and wait for the reply
+//! (`Handle::block_on` from a non-runtime thread).
+//!
+//! ## Metrics
+//!
+//! Counters and histograms go through the [`metrics`](https://docs.rs/metrics)
+//! facade, so any exporter the application installs receives them; with
+//! none installed they cost next to nothing. Each is reported after the
+//! commit it describes.
+//!
+//! | name | kind | labels | what |
+//! |---|---|---|---|
+//! | `postroom_delivered_total` | counter | `consumer` | messages processed: handler's writes committed (inline or queued) |
+//! | `postroom_duplicates_total` | counter | `consumer` | redeliveries recognised (a `Duplicate` answer or receipt) |
+//! | `postroom_conflicts_total` | counter | `consumer` | ids reused with another payload, quarantined |
+//! | `postroom_failed_total` | counter | `consumer` | attempts that failed and will be retried |
+//! | `postroom_dead_total` | counter | `consumer` | `Dead` answers and results (a redelivery of a dead message is answered `Dead` again) |
+//! | `postroom_deliver_seconds` | histogram | `consumer` | `deliver` latency, call to durable answer |
+//! | `postroom_group_size` | histogram | | jobs committed together in one group commit |
+//! | `postroom_outbox_sent_total` | counter | | outbox messages marked sent by the relay |
+//! | `postroom_relay_lag_seconds` | histogram | | from an outbox message's commit to its being marked sent |
+//! | `postroom_outbox_dead_total` | counter | | outbox messages dead (refused, or out of attempts) |
+//!
+//! ## Logs
+//!
+//! Through the [`log`](https://docs.rs/log) crate; records about one
+//! message (a dead letter, a queued result) carry `consumer` and
+//! `message_id` as key-values for structured loggers.
+//!
+//! ## Serde
+//!
+//! The value types ([`Message`], [`OutboxMessage`], [`Outcome`],
+//! [`Receipt`], [`Stats`], [`DeadLetter`], …) implement `Serialize` and
+//! `Deserialize`: outcomes as `{"outcome": "failed", "attempts": 2, …}`.
+//!
+//! ## SQLite
+//!
+//! The default `bundled` feature compiles SQLite in. Without it the
+//! system's library is linked (or SQLCipher, through rusqlite's features),
+//! and [`Builder::open`] refuses one older than [`MIN_SQLITE_VERSION`] with
+//! [`Error::SqliteTooOld`]. Use [`rusqlite`] as re-exported here rather
+//! than a rusqlite of your own: a program can link only one
+//! `libsqlite3-sys`, so an application with its own rusqlite dependency
+//! must be on the version postroom uses.
+//!
 //! ## Limits
 //!
 //! Message ids: 1 to 512 bytes. Consumer, source, topic, key and
@@ -92,6 +148,7 @@ mod error;
 pub mod failpoint;
 mod guard;
 mod message;
+mod telemetry;
 // store: SQL as plain functions over a connection, `now` passed in.
 mod store;
 // What user code implements and calls.
@@ -112,7 +169,25 @@ mod sinks;
 
 /// The rusqlite this crate is built on: [`Tx`] derefs to its `Connection`,
 /// so handlers can use its traits (`OptionalExtension`, …) without pinning
-/// the version themselves.
+/// the version themselves. Use this path rather than a rusqlite dependency
+/// of your own: only one `libsqlite3-sys` can be linked into a program, so
+/// a second rusqlite version cannot be added beside this one.
+///
+/// ```
+/// use postroom::rusqlite::OptionalExtension;
+/// use postroom::{handler_fn, Failure};
+///
+/// let handler = handler_fn(|tx, msg| {
+///     let seen: Option<i64> = tx
+///         .query_row("SELECT 1 FROM seen WHERE id = ?1", [msg.id()], |r| r.get(0))
+///         .optional()?;
+///     if seen.is_none() {
+///         tx.execute("INSERT INTO seen (id) VALUES (?1)", [msg.id()])?;
+///     }
+///     Ok::<(), Failure>(())
+/// });
+/// # let _ = handler;
+/// ```
 pub use rusqlite;
 
 pub use builder::Builder;
@@ -131,5 +206,5 @@ pub use sinks::InboxSink;
 pub use store::inbox::Status;
 pub use store::outbox::{OutboxMessage, CAUSATION_HEADER, CORRELATION_HEADER};
 pub use store::queue::DeadLetter;
-pub use store::schema::{SCHEMA_SQL, SCHEMA_VERSION};
+pub use store::schema::{MIN_SQLITE_VERSION, SCHEMA_SQL, SCHEMA_VERSION};
 pub use store::stats::{OutboxCounts, Stats, StatusCounts};

@@ -7,7 +7,7 @@ use std::fmt;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Message headers: names to values, kept in name order.
 pub type Headers = BTreeMap<String, String>;
@@ -17,12 +17,14 @@ pub type Headers = BTreeMap<String, String>;
 /// `source` names the stream it came from (a topic, a queue, a peer device),
 /// so that two streams may reuse the same ids. The id must be stable across
 /// redeliveries: it is what deduplication keys on.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
     pub(crate) source: String,
     pub(crate) id: String,
     pub(crate) payload: Vec<u8>,
+    #[serde(default)]
     pub(crate) headers: Headers,
+    #[serde(default)]
     pub(crate) ordering_key: Option<String>,
 }
 
@@ -104,12 +106,15 @@ impl Message {
 
 /// A message a handler publishes through the outbox
 /// ([`Tx::publish`](crate::Tx::publish)).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Outgoing {
     pub(crate) topic: String,
+    #[serde(default)]
     pub(crate) key: Option<String>,
+    #[serde(default)]
     pub(crate) id: Option<String>,
     pub(crate) payload: Vec<u8>,
+    #[serde(default)]
     pub(crate) headers: Headers,
 }
 
@@ -157,7 +162,8 @@ impl Outgoing {
 
 /// What became of a delivery. Acknowledge the message to the broker when
 /// [`Outcome::should_ack`] says so, and not before `deliver` has returned.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum Outcome {
     /// The handler ran and its effects were committed. Acknowledge.
@@ -229,7 +235,8 @@ impl Outcome {
 /// What became of a message handed to
 /// [`Postroom::receive`](crate::Postroom::receive): every receipt means the
 /// message is safely stored (or was before), so the broker may be told.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "receipt", rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum Receipt {
     /// Stored as `pending`; queued processing will run it.

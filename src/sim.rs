@@ -332,7 +332,7 @@ impl Machine {
         .map_err(err)?;
         self.marker = None;
         self.started_claim = None;
-        let guard = UserCodeGuard::install(&conn).map_err(err)?;
+        let guard = UserCodeGuard::install(&mut conn).map_err(err)?;
         self.conn = Some((conn, guard));
         Ok(())
     }
@@ -629,7 +629,7 @@ impl Machine {
         });
         let n = batch.len();
         self.in_tx(move |m| {
-            relay::record_results(m.conn(), &m.config, m.now_ms, &batch, &results)
+            relay::record_results(m.conn(), &m.config, m.now_ms, &batch, &results).map(drop)
         })?;
         Ok(n)
     }

@@ -54,6 +54,57 @@ impl SendResult {
 /// failing one, do not deliver later messages of the same key in that
 /// batch (return `Retry` for them): the relay hands them over again once
 /// the failed one went through. A missing result counts as `Retry`.
+///
+/// Return [`SendResult::Sent`] only once the destination has the message
+/// (the broker acknowledged it), not when a client library merely queued
+/// it: a row marked sent is never handed over again.
+///
+/// ```
+/// use std::collections::HashSet;
+/// use postroom::{OutboxMessage, SendResult, Sink};
+///
+/// /// Writes each message to a store, all of a batch acknowledged at once.
+/// struct Store {
+///     saved: Vec<String>,
+/// }
+///
+/// impl Sink for Store {
+///     fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
+///         let mut failed_keys: HashSet<&str> = HashSet::new();
+///         let mut results = Vec::with_capacity(batch.len());
+///         for m in batch {
+///             let key = m.key.as_deref();
+///             // After a failure, later messages of its key wait their turn.
+///             let result = if key.is_some_and(|k| failed_keys.contains(k)) {
+///                 SendResult::retry("behind an earlier failure of its key")
+///             } else if m.payload.is_empty() {
+///                 SendResult::dead("empty payload") // will never go through
+///             } else {
+///                 self.saved.push(m.id.clone()); // the store has it: acknowledged
+///                 SendResult::Sent
+///             };
+///             if result != SendResult::Sent {
+///                 failed_keys.extend(key);
+///             }
+///             results.push(result);
+///         }
+///         results
+///     }
+/// }
+///
+/// # fn main() -> postroom::Result<()> {
+/// # let dir = tempfile::tempdir().unwrap();
+/// let room = postroom::Postroom::builder()
+///     .sink(Store { saved: Vec::new() })
+///     .open(dir.path().join("app.db"))?;
+/// room.transaction(|tx| Ok(tx.publish(postroom::Outgoing::new("events", "hi"))?))?;
+/// let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+/// while room.stats()?.outbox.sent < 1 && std::time::Instant::now() < deadline {
+///     std::thread::sleep(std::time::Duration::from_millis(10));
+/// }
+/// assert_eq!(room.stats()?.outbox.sent, 1);
+/// # Ok(()) }
+/// ```
 pub trait Sink: Send + 'static {
     /// Hands `batch` over.
     fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult>;

@@ -9,17 +9,50 @@ pub(crate) mod relay;
 pub(crate) mod workers;
 pub(crate) mod writer;
 
-use r2d2_sqlite::SqliteConnectionManager;
+use std::time::Duration;
+
+use rusqlite::{Connection, OpenFlags};
 
 use crate::error::{Error, Result};
 
 /// The engine's read connections (`query_only`).
-pub(crate) type Readers = r2d2::Pool<SqliteConnectionManager>;
+pub(crate) type Readers = r2d2::Pool<ReadManager>;
+
+/// Opens the read pool's connections: `query_only`, with the engine's busy
+/// timeout. Written here rather than taken from `r2d2_sqlite` because that
+/// crate pins one rusqlite minor version, and through `links = "sqlite3"`
+/// an application on any other rusqlite could not add postroom at all.
+#[derive(Debug)]
+pub(crate) struct ReadManager {
+    pub(crate) path: std::path::PathBuf,
+    pub(crate) busy_timeout: Duration,
+}
+
+impl r2d2::ManageConnection for ReadManager {
+    type Connection = Connection;
+    type Error = rusqlite::Error;
+
+    fn connect(&self) -> std::result::Result<Connection, rusqlite::Error> {
+        let conn = Connection::open_with_flags(
+            &self.path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        conn.busy_timeout(self.busy_timeout)?;
+        conn.pragma_update(None, "query_only", true)?;
+        Ok(conn)
+    }
+
+    fn is_valid(&self, conn: &mut Connection) -> std::result::Result<(), rusqlite::Error> {
+        conn.execute_batch("")
+    }
+
+    fn has_broken(&self, _: &mut Connection) -> bool {
+        false
+    }
+}
 
 /// A read connection from the pool; the pool's error as an I/O error.
-pub(crate) fn read_connection(
-    readers: &Readers,
-) -> Result<r2d2::PooledConnection<SqliteConnectionManager>> {
+pub(crate) fn read_connection(readers: &Readers) -> Result<r2d2::PooledConnection<ReadManager>> {
     readers.get().map_err(|e| Error::Io {
         op: "get read connection",
         source: std::io::Error::other(e.to_string()),

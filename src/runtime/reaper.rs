@@ -19,7 +19,7 @@ use crate::runtime::{read_connection, Readers};
 use crate::store::{queue, retention, retired};
 
 /// What one reaper pass did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub struct CleanupReport {
     /// `processing` rows whose lease had expired, now `failed` (or `dead`).

@@ -32,6 +32,7 @@ use crate::runtime::checkpoint;
 use crate::runtime::workers::Shared;
 use crate::sink::{SendResult, Sink};
 use crate::store::outbox::{self, OutboxMessage};
+use crate::telemetry;
 
 /// How the relay thread is told to stop: flush what is due until the
 /// deadline, then return.
@@ -198,12 +199,29 @@ fn pause_after_failure(
     }
 }
 
-/// Marks a batch's results through the writer, in one job.
+/// Marks a batch's results through the writer, in one job; once that has
+/// committed, reports them to the metrics recorder.
 fn record(shared: &Shared, batch: Vec<OutboxMessage>, results: Vec<SendResult>) -> Result<()> {
-    shared.writer.submit(move |w| {
+    let marked = shared.writer.submit(move |w| {
         let now = w.clock.now_ms();
         record_results(w.conn, w.config, now, &batch, &results)
-    })
+    })?;
+    for lag_ms in marked.sent_lag_ms {
+        telemetry::relayed(lag_ms);
+    }
+    for _ in 0..marked.dead {
+        telemetry::outbox_dead();
+    }
+    Ok(())
+}
+
+/// What [`record_results`] marked, for the metrics.
+#[derive(Debug, Default)]
+pub(crate) struct Marked {
+    /// Per message marked sent: milliseconds from its commit.
+    pub sent_lag_ms: Vec<i64>,
+    /// Messages now dead.
+    pub dead: u64,
 }
 
 /// Marks what became of each message of a batch. A message after a failed
@@ -214,7 +232,8 @@ pub(crate) fn record_results(
     now: i64,
     batch: &[OutboxMessage],
     results: &[SendResult],
-) -> Result<()> {
+) -> Result<Marked> {
+    let mut marked = Marked::default();
     let mut held: HashSet<&str> = HashSet::new();
     let sql = |e| Error::sqlite("record relay result", e);
     for (i, msg) in batch.iter().enumerate() {
@@ -226,22 +245,32 @@ pub(crate) fn record_results(
             .cloned()
             .unwrap_or_else(|| SendResult::retry("the sink returned no result"));
         match result {
-            SendResult::Sent => outbox::mark_sent(conn, msg.seq, now).map_err(sql)?,
+            SendResult::Sent => {
+                if outbox::mark_sent(conn, msg.seq, now).map_err(sql)? {
+                    marked.sent_lag_ms.push(now.saturating_sub(msg.created_at));
+                }
+            }
             SendResult::Retry { reason, after } => {
                 let attempt = msg.attempts.saturating_add(1);
                 let delay = after.unwrap_or_else(|| {
                     config.retry.delay(attempt, resend_jitter(msg.seq, attempt))
                 });
                 let next = now.saturating_add(clock::millis(delay));
-                outbox::mark_failed(conn, msg.seq, &reason, next, config.max_attempts, false)
-                    .map_err(sql)?;
+                if outbox::mark_failed(conn, msg.seq, &reason, next, config.max_attempts, false)
+                    .map_err(sql)?
+                {
+                    marked.dead += 1;
+                }
                 if let Some(key) = msg.key.as_deref() {
                     held.insert(key);
                 }
             }
             SendResult::Dead { reason } => {
-                outbox::mark_failed(conn, msg.seq, &reason, now, config.max_attempts, true)
-                    .map_err(sql)?;
+                if outbox::mark_failed(conn, msg.seq, &reason, now, config.max_attempts, true)
+                    .map_err(sql)?
+                {
+                    marked.dead += 1;
+                }
                 log::warn!("postroom relay: outbox message {} dead: {reason}", msg.id);
                 // Later rows of the key were held back by the sink in this
                 // batch; they go next time (a dead row blocks nothing).
@@ -251,7 +280,7 @@ pub(crate) fn record_results(
             }
         }
     }
-    Ok(())
+    Ok(marked)
 }
 
 fn resend_jitter(seq: i64, attempt: u32) -> u64 {

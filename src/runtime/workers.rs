@@ -245,7 +245,9 @@ fn process_batch(
         Ok(done)
     })?;
     for p in &done {
+        crate::telemetry::outcome(&p.consumer, &p.outcome);
         log::debug!(
+            consumer = p.consumer.as_str(), message_id = p.message_id.as_str();
             "postroom: {}/{} (row {}): {:?}",
             p.consumer,
             p.message_id,
@@ -299,9 +301,14 @@ fn run(shared: &Shared, claim: Claimed, slot: &mut ClaimSlot) -> bool {
         );
         return false;
     };
+    let message_id = claim.msg.id.clone();
     match process(shared, consumer, claim, slot) {
         Ok(Some(outcome)) => {
-            log::debug!("postroom worker: row {row_id}: {outcome:?}");
+            crate::telemetry::outcome(&consumer.name, &outcome);
+            log::debug!(
+                consumer = consumer.name.as_str(), message_id = message_id.as_str();
+                "postroom worker: row {row_id}: {outcome:?}"
+            );
             true
         }
         Ok(None) => {

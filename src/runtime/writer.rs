@@ -134,7 +134,7 @@ thread_local! {
 /// The write connection's WAL hook. It replaces SQLite's automatic
 /// checkpoint, which copied the WAL back inside whichever commit crossed
 /// 1000 frames — a caller's, which then waited for the copy and its fsync.
-pub(crate) fn note_wal_pages(wal: &rusqlite::hooks::Wal, pages: c_int) -> rusqlite::Result<()> {
+pub(crate) fn note_wal_pages(wal: &mut rusqlite::hooks::Wal, pages: c_int) -> rusqlite::Result<()> {
     // A handler may write to an attached database; its WAL is not ours.
     if wal.name() == c"main" {
         WAL_PAGES.set(pages);
@@ -719,6 +719,7 @@ impl WriterState {
                     })
                 });
         if let Ok(true) = outcome {
+            crate::telemetry::group_size(batch.len());
             self.counters.batches.fetch_add(1, Ordering::Relaxed);
             self.counters
                 .jobs

@@ -11,7 +11,10 @@ use crate::message::Message;
 use crate::store::text::headers_json;
 
 /// The state of an inbox row.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 pub enum Status {
     /// Stored, waiting for a worker (queued mode).
     Pending,

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use rusqlite::{params, Connection, Row};
+use rusqlite::{params, Connection, OptionalExtension, Row};
 
 use crate::message::{Headers, Message, Outgoing};
 use crate::store::text::headers_json;
@@ -160,7 +160,7 @@ fn hex32(bytes: &[u8; 32]) -> String {
 }
 
 /// An outbox row as the relay hands it to a [`Sink`](crate::Sink).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub struct OutboxMessage {
     /// Commit order: rows of one key are handed over in increasing `seq`.
@@ -231,17 +231,18 @@ pub(crate) fn fetch_due(
     rows.collect()
 }
 
-pub(crate) fn mark_sent(conn: &Connection, seq: i64, now_ms: i64) -> rusqlite::Result<()> {
-    conn.prepare_cached(
-        "UPDATE postroom_outbox SET status = 'sent', sent_at = ?2, attempts = attempts + 1
-         WHERE seq = ?1 AND status = 'pending'",
-    )?
-    .execute(params![seq, now_ms])?;
-    Ok(())
+pub(crate) fn mark_sent(conn: &Connection, seq: i64, now_ms: i64) -> rusqlite::Result<bool> {
+    let marked = conn
+        .prepare_cached(
+            "UPDATE postroom_outbox SET status = 'sent', sent_at = ?2, attempts = attempts + 1
+             WHERE seq = ?1 AND status = 'pending'",
+        )?
+        .execute(params![seq, now_ms])?;
+    Ok(marked == 1)
 }
 
 /// Counts a failed hand-over: retried at `next_attempt_at`, or dead when
-/// it was the last attempt (or `dead` is set).
+/// it was the last attempt (or `dead` is set). True when it is now dead.
 pub(crate) fn mark_failed(
     conn: &Connection,
     seq: i64,
@@ -249,15 +250,21 @@ pub(crate) fn mark_failed(
     next_attempt_at: i64,
     max_attempts: u32,
     dead: bool,
-) -> rusqlite::Result<()> {
-    conn.prepare_cached(
-        "UPDATE postroom_outbox
-         SET attempts = attempts + 1, last_error = ?2, next_attempt_at = ?3,
-             status = CASE WHEN ?5 OR attempts + 1 >= ?4 THEN 'dead' ELSE 'pending' END
-         WHERE seq = ?1 AND status = 'pending'",
-    )?
-    .execute(params![seq, error, next_attempt_at, max_attempts, dead])?;
-    Ok(())
+) -> rusqlite::Result<bool> {
+    let status: Option<String> = conn
+        .prepare_cached(
+            "UPDATE postroom_outbox
+             SET attempts = attempts + 1, last_error = ?2, next_attempt_at = ?3,
+                 status = CASE WHEN ?5 OR attempts + 1 >= ?4 THEN 'dead' ELSE 'pending' END
+             WHERE seq = ?1 AND status = 'pending'
+             RETURNING status",
+        )?
+        .query_row(
+            params![seq, error, next_attempt_at, max_attempts, dead],
+            |r| r.get(0),
+        )
+        .optional()?;
+    Ok(status.as_deref() == Some("dead"))
 }
 
 /// Retention's delete of rows sent before the cutoff, never the newest row

@@ -421,7 +421,7 @@ pub(crate) const DELETE_DEAD: &str = "DELETE FROM postroom_inbox WHERE id IN (
        AND +id < (SELECT max(id) FROM postroom_inbox) LIMIT ?2)";
 
 /// A dead-lettered inbox message.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub struct DeadLetter {
     /// Row id in `postroom_inbox`: what `redrive` and `discard` take.

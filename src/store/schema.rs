@@ -17,6 +17,35 @@ pub const SCHEMA_VERSION: i64 = 5;
 /// The schema, applied in one transaction to a database without one.
 pub const SCHEMA_SQL: &str = include_str!("../../schema.sql");
 
+/// The oldest SQLite the engine works with. Its own statements need 3.35.0
+/// (`RETURNING`; `INSERT … ON CONFLICT … DO UPDATE` needs 3.24.0), but the
+/// rusqlite it is built on (0.43) is compiled against SQLite 3.45.3's
+/// interface and needs that (it calls `sqlite3_set_clientdata`, new in
+/// 3.44). With the default `bundled` feature the compiled-in SQLite is
+/// newer; with a system library, [`Builder::open`](crate::Builder::open)
+/// refuses an older one with [`Error::SqliteTooOld`](crate::Error::SqliteTooOld)
+/// (one too old to have `sqlite3_set_clientdata` fails to link at all).
+pub const MIN_SQLITE_VERSION: &str = "3.45.3";
+/// [`MIN_SQLITE_VERSION`] as SQLite numbers versions (`sqlite3_libversion_number`).
+const MIN_SQLITE_VERSION_NUMBER: i32 = 3_045_003;
+
+/// Refuses a linked SQLite older than [`MIN_SQLITE_VERSION`]; `number` is
+/// `sqlite3_libversion_number()` (`X*1000000 + Y*1000 + Z`).
+pub(crate) fn check_sqlite_version(number: i32) -> Result<()> {
+    if number >= MIN_SQLITE_VERSION_NUMBER {
+        return Ok(());
+    }
+    Err(Error::SqliteTooOld {
+        found: format!(
+            "{}.{}.{}",
+            number / 1_000_000,
+            number / 1000 % 1000,
+            number % 1000
+        ),
+        required: MIN_SQLITE_VERSION,
+    })
+}
+
 /// Creates the database file with mode 0600 if it does not exist. SQLite
 /// gives its `-wal` and `-shm` files the database file's mode.
 #[cfg(any(test, feature = "sim"))]
@@ -536,5 +565,26 @@ mod tests {
         assert!(objects.contains(&("table".into(), "postroom_conflicts")));
         assert!(objects.contains(&("index".into(), "postroom_outbox_dead")));
         assert!(objects.contains(&("trigger".into(), "postroom_inbox_key_fixed")));
+    }
+
+    /// A system SQLite older than rusqlite's floor is refused with the
+    /// typed error, naming both versions; the floor itself is accepted, and
+    /// so is the SQLite this build links.
+    #[test]
+    fn a_sqlite_older_than_3_45_3_is_refused_by_name() {
+        match check_sqlite_version(3_045_002) {
+            Err(Error::SqliteTooOld { found, required }) => {
+                assert_eq!(found, "3.45.2");
+                assert_eq!(required, "3.45.3");
+            }
+            other => panic!("3.45.2 was not refused: {other:?}"),
+        }
+        check_sqlite_version(3_045_003).unwrap();
+        check_sqlite_version(rusqlite::version_number()).unwrap();
+        let text = check_sqlite_version(3_024_000).unwrap_err().to_string();
+        assert!(
+            text.contains("3.24.0") && text.contains("bundled"),
+            "{text}"
+        );
     }
 }

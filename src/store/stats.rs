@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::store::inbox::Status;
 
 /// Inbox rows of one consumer, by status.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub struct StatusCounts {
     /// Stored, waiting for a worker.
@@ -54,7 +54,7 @@ impl StatusCounts {
 }
 
 /// Outbox rows by status.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub struct OutboxCounts {
     /// Not yet handed to the sink (the backlog).
@@ -66,7 +66,7 @@ pub struct OutboxCounts {
 }
 
 /// A snapshot of the database's contents.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub struct Stats {
     /// Inbox rows per consumer, by status.

@@ -396,6 +396,7 @@ impl From<Error> for Failed {
                 EXIT_BAD_DATABASE
             }
             Error::InvalidInput { .. } => EXIT_USAGE,
+            // The linked SQLite, not the database: an operational error.
             _ => EXIT_ERROR,
         };
         Failed {
@@ -550,8 +551,8 @@ impl Ctx<'_> {
     /// damaged or read-only.
     fn write(&self, what: &str) -> Result<(Connection, Progress), Failed> {
         let progress = Progress::spinner(&format!("{what}: checking the database"));
-        let conn = admin::open_with_timeout(&self.cli.db, true, self.cli.busy_timeout)?;
-        progress.watch(&conn);
+        let mut conn = admin::open_with_timeout(&self.cli.db, true, self.cli.busy_timeout)?;
+        progress.watch(&mut conn);
         progress.message(what);
         Ok((conn, progress))
     }
@@ -580,7 +581,7 @@ impl Progress {
         Progress(bar)
     }
 
-    fn watch(&self, conn: &Connection) {
+    fn watch(&self, conn: &mut Connection) {
         let bar = self.0.clone();
         // Only the spinner depends on it: a refusal is not worth failing for.
         let _ = conn.progress_handler(

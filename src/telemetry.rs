@@ -1,0 +1,58 @@
+//! Counters and histograms through the [`metrics`] facade: whatever
+//! recorder the application installed (Prometheus, StatsD, …) receives
+//! them; without one each call costs a key built and dropped, nothing
+//! more. The names and labels are listed in the crate docs ("Metrics").
+//!
+//! Every call here happens after the commit it reports on, so a batch
+//! rolled back and run again is not counted twice.
+
+use std::time::Duration;
+
+use crate::message::{Outcome, Receipt};
+
+/// `deliver` answers and queued results, by kind. `InFlight` is not
+/// counted: the message was neither settled nor attempted.
+pub(crate) fn outcome(consumer: &str, outcome: &Outcome) {
+    let name = match outcome {
+        Outcome::Processed { .. } => "postroom_delivered_total",
+        Outcome::Duplicate => "postroom_duplicates_total",
+        Outcome::Conflict { .. } => "postroom_conflicts_total",
+        Outcome::Failed { .. } => "postroom_failed_total",
+        Outcome::Dead { .. } => "postroom_dead_total",
+        Outcome::InFlight { .. } => return,
+    };
+    metrics::counter!(name, "consumer" => consumer.to_owned()).increment(1);
+}
+
+/// `receive` receipts: repeats and quarantined ids (an accepted message is
+/// counted once processed).
+pub(crate) fn receipt(consumer: &str, receipt: &Receipt) {
+    let name = match receipt {
+        Receipt::Duplicate => "postroom_duplicates_total",
+        Receipt::Conflict { .. } => "postroom_conflicts_total",
+        Receipt::Accepted => return,
+    };
+    metrics::counter!(name, "consumer" => consumer.to_owned()).increment(1);
+}
+
+/// From `deliver` being called to its answer, durable.
+pub(crate) fn deliver_latency(consumer: &str, took: Duration) {
+    metrics::histogram!("postroom_deliver_seconds", "consumer" => consumer.to_owned())
+        .record(took.as_secs_f64());
+}
+
+/// Jobs committed together in one group commit.
+pub(crate) fn group_size(jobs: usize) {
+    metrics::histogram!("postroom_group_size").record(jobs as f64);
+}
+
+/// An outbox message marked sent: how long after its commit.
+pub(crate) fn relayed(lag_ms: i64) {
+    metrics::counter!("postroom_outbox_sent_total").increment(1);
+    metrics::histogram!("postroom_relay_lag_seconds").record(lag_ms.max(0) as f64 / 1000.0);
+}
+
+/// An outbox message dead (refused by the sink, or out of attempts).
+pub(crate) fn outbox_dead() {
+    metrics::counter!("postroom_outbox_dead_total").increment(1);
+}
