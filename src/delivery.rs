@@ -17,6 +17,7 @@ use crate::inbox::{self, Found, Key, Record, Status};
 use crate::inflight::{Inflight, InflightLog};
 use crate::message::{Failure, Message, Outcome};
 use crate::queue::{self, Claimed};
+use crate::watermark;
 
 /// What one delivery runs against.
 pub(crate) struct Env<'a> {
@@ -61,10 +62,51 @@ pub(crate) fn deliver(
     let found = match inbox::find_live(conn, key, hash)
         .map_err(|e| Error::sqlite("look up inbox row", e))?
     {
-        Some(Found::CompletedDuplicate) => return Ok(Outcome::Duplicate),
+        Some(Found::CompletedDuplicate) if msg.sequence.is_none() => {
+            return Ok(Outcome::Duplicate)
+        }
+        Some(Found::CompletedDuplicate) => {
+            let answer = match watermark::stored(conn, key)
+                .map_err(|e| Error::sqlite("look up inbox row", e))?
+            {
+                Some((seq, stream, stored)) => {
+                    watermark::against_row(msg, (seq, stream.as_deref()), &stored)
+                }
+                None => watermark::Answer::New,
+            };
+            return match answer {
+                watermark::Answer::Conflict { stored_hash, why } => {
+                    seq_conflict(env, consumer, msg, &stored_hash, hash, &why)
+                }
+                _ => Ok(Outcome::Duplicate),
+            };
+        }
         Some(Found::Row { id, row }) => Some((id, row)),
         None => None,
     };
+    if msg.sequence.is_some() {
+        let answer = match &found {
+            Some((_, row)) if row.payload_hash == *hash => watermark::against_row(
+                msg,
+                (row.seq, row.seq_stream.as_deref()),
+                &row.payload_hash,
+            ),
+            Some(_) => watermark::Answer::New,
+            None => watermark::against_stream(conn, consumer, msg, hash)
+                .map_err(|e| Error::sqlite("look up sequence watermark", e))?,
+        };
+        match answer {
+            watermark::Answer::New => {}
+            watermark::Answer::Duplicate => {
+                return Ok(Outcome::DuplicateBySequence {
+                    sequence: msg.sequence.unwrap_or_default(),
+                })
+            }
+            watermark::Answer::Conflict { stored_hash, why } => {
+                return seq_conflict(env, consumer, msg, &stored_hash, hash, &why)
+            }
+        }
+    }
     let row_id = found.as_ref().map(|(id, _)| *id);
     // The row's incarnation: a new row gets `now` as its received_at.
     let received_at = found.as_ref().map_or(now, |(_, r)| r.received_at);
@@ -121,6 +163,26 @@ pub(crate) fn deliver(
         row_id,
     };
     attempt(env, step, at)
+}
+
+/// Quarantines a delivery whose sequence number conflicts (see
+/// [`watermark::Answer::Conflict`]), as a reused id is.
+fn seq_conflict(
+    env: &Env<'_>,
+    consumer: &str,
+    msg: &Message,
+    stored_hash: &[u8; 32],
+    hash: &[u8; 32],
+    why: &str,
+) -> Result<Outcome> {
+    let conflict_id = inbox::quarantine(env.conn, consumer, msg, stored_hash, hash, env.now_ms)
+        .map_err(|e| Error::sqlite("quarantine conflicting delivery", e))?;
+    log::warn!(
+        "consumer {consumer:?}: message {}/{}: {why}; quarantined as conflict {conflict_id}",
+        msg.source,
+        msg.id
+    );
+    Ok(Outcome::Conflict { conflict_id })
 }
 
 /// The final answer for a row whose fate is decided (completed or dead, so

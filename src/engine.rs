@@ -643,6 +643,30 @@ impl Postroom {
         Ok(stats)
     }
 
+    /// Starts `consumer`'s sequence stream `stream` (the source, for
+    /// [`Message::with_sequence`]) afresh at `next`: for a sender whose
+    /// counter was reset (a new epoch), or one whose numbers start above
+    /// 1. Everything below `next` counts as settled from now on, nothing
+    /// above it; the stream's retained rows keep deduplicating by key but
+    /// lose their numbers, so the new epoch's numbers conflict with none
+    /// of them. Returns false when the stream was not known (it is created).
+    ///
+    /// Careful: a message of the old epoch below `next` that never
+    /// settled and whose row is gone is answered as a duplicate after
+    /// this. Reset once the old epoch is drained (`stats().sequences`
+    /// shows what it is missing), or name a new stream instead
+    /// ([`Message::with_sequence_in`]).
+    pub fn reset_sequence(&self, consumer: &str, stream: &str, next: u64) -> Result<bool> {
+        crate::config::check_name("consumer", consumer)?;
+        crate::config::check_name("sequence stream", stream)?;
+        crate::config::check_sequence(next)?;
+        let (consumer, stream) = (consumer.to_owned(), stream.to_owned());
+        self.submit(move |w| {
+            crate::watermark::reset(w.conn, &consumer, &stream, next)
+                .map_err(|e| Error::sqlite("reset sequence stream", e))
+        })
+    }
+
     /// Dead-lettered inbox messages, oldest first, of one consumer or all,
     /// at most `limit`.
     pub fn dead_letters(&self, consumer: Option<&str>, limit: usize) -> Result<Vec<DeadLetter>> {
@@ -938,6 +962,11 @@ pub(crate) fn read_connection(
 /// be told either), so a duplicate storm costs one indexed read per
 /// message. Anything else, or any error, is `None`: the writer decides.
 fn settled(conn: &Connection, consumer: &str, msg: &Message, hash: &[u8; 32]) -> Option<Outcome> {
+    if msg.sequence.is_some() {
+        // Its number must be checked against the stored row's (a counter
+        // reset is a conflict): the writer does that.
+        return None;
+    }
     let key = inbox::Key {
         consumer,
         source: &msg.source,

@@ -374,6 +374,14 @@ fn encode(
         None => buf.push(0),
     }
     put_bytes(buf, &msg.payload);
+    // A sequenced message's number, so that the row recovery records for
+    // it carries it (the watermark waits for that row). Nothing for a
+    // message without one: its marker is as before sequences existed.
+    if let (Some(seq), Some(stream)) = (msg.sequence, msg.sequence_stream()) {
+        buf.push(1);
+        buf.extend_from_slice(&seq.to_le_bytes());
+        put_bytes(buf, stream.as_bytes());
+    }
     let body_len = (buf.len() - body_start) as u32;
     buf[MAGIC.len()..body_start].copy_from_slice(&body_len.to_le_bytes());
     let sum = blake3::hash(&buf[body_start..]);
@@ -425,6 +433,14 @@ fn decode(bytes: &[u8]) -> Option<Inflight> {
         _ => Some(b.string()?),
     };
     let payload = b.bytes()?.to_vec();
+    let (sequence, sequence_stream) = match b.take(1) {
+        None => (None, None),
+        Some([1]) => {
+            let seq = u64::from_le_bytes(b.take(8)?.try_into().ok()?);
+            (Some(seq), Some(b.string()?))
+        }
+        Some(_) => return None,
+    };
     let headers = if headers_text.is_empty() {
         Default::default()
     } else {
@@ -438,6 +454,8 @@ fn decode(bytes: &[u8]) -> Option<Inflight> {
             payload,
             headers,
             ordering_key,
+            sequence,
+            sequence_stream,
         },
         hash,
         prior_attempts,

@@ -105,6 +105,7 @@ mod schema;
 #[cfg(feature = "sim")]
 pub mod sim;
 mod stats;
+mod watermark;
 mod workers;
 mod writer;
 
@@ -122,10 +123,11 @@ pub use engine::{Postroom, ShutdownReport};
 pub use error::{Error, Result};
 pub use handler::{handler_fn, EffectContext, EffectHandler, Handler, HandlerFn, Tx};
 pub use inbox::Status;
-pub use message::{Failure, Headers, Message, Outcome, Outgoing, Receipt};
+pub use message::{Failure, Headers, Message, Outcome, Outgoing, Receipt, MAX_SEQUENCE};
 pub use outbox::{OutboxMessage, CAUSATION_HEADER, CORRELATION_HEADER};
 pub use queue::DeadLetter;
 pub use reaper::CleanupReport;
-pub use relay::{sink_fn, ChannelSink, FnSink, InboxSink, NdjsonSink, SendResult, Sink};
+pub use relay::{outbox_stream, sink_fn, ChannelSink, FnSink, InboxSink, NdjsonSink, SendResult, Sink};
 pub use schema::{SCHEMA_SQL, SCHEMA_VERSION};
 pub use stats::{OutboxCounts, Stats, StatusCounts};
+pub use watermark::{StreamWatermark, MAX_LISTED};

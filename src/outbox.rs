@@ -183,10 +183,19 @@ pub struct OutboxMessage {
     pub created_at: i64,
     /// Why it last failed, for dead or retried rows.
     pub last_error: Option<String>,
+    /// The instance id of the database whose outbox holds it (made when
+    /// the file is created, kept by a copy): `seq` numbers messages within
+    /// it. A downstream postroom uses it as the sequence stream of `seq`
+    /// ([`InboxSink`](crate::InboxSink) does), so that it keeps one
+    /// watermark per upstream database.
+    pub origin: String,
 }
 
+/// The columns [`from_row`] reads. The last is the database's instance id
+/// (an uncorrelated subquery: SQLite reads it once per statement).
 const COLUMNS: &str =
-    "seq, message_id, topic, key, payload, headers, attempts, created_at, last_error";
+    "seq, message_id, topic, key, payload, headers, attempts, created_at, last_error,
+     coalesce((SELECT value FROM postroom_meta WHERE key = 'instance_id'), '')";
 
 /// A row as stored, with the first column that did not decode (read
 /// lossily, see [`inbox::stored_text`]).
@@ -205,6 +214,7 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<(OutboxMessage, Option<&'static str
         attempts: r.get(6)?,
         created_at: r.get(7)?,
         last_error: inbox::lossy_text(r, 8)?,
+        origin: inbox::lossy_text(r, 9)?.unwrap_or_default(),
     };
     Ok((msg, damage))
 }

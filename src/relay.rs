@@ -230,10 +230,20 @@ impl<W: Write + Send + 'static> Sink for NdjsonSink<W> {
     }
 }
 
+/// The sequence stream [`InboxSink`] files an upstream's outbox `seq`
+/// under: `outbox:` and the upstream's instance id
+/// ([`OutboxMessage::origin`]).
+pub fn outbox_stream(origin: &str) -> String {
+    format!("outbox:{origin}")
+}
+
 /// A [`Sink`] that delivers into another postroom engine — two components
 /// on one device chained exactly-once end to end. Each message becomes a
 /// [`Message`] with source = topic, id = the outbox message id (so the
-/// target deduplicates re-sends), the same headers, and ordering key = key.
+/// target deduplicates re-sends), the same headers, ordering key = key,
+/// and the outbox `seq` as its sequence in the stream
+/// [`outbox_stream`]`(origin)`: the target keeps a watermark per upstream
+/// database, so a re-send after its retention is still a duplicate.
 ///
 /// By default a batch is stored with one `receive_batch` (queued: the
 /// target's workers process it). [`InboxSink::inline`] delivers each message
@@ -264,6 +274,11 @@ impl InboxSink {
         let mut m = Message::new(msg.topic.clone(), msg.id.clone(), msg.payload.clone());
         m.headers = msg.headers.clone();
         m.ordering_key = msg.key.clone();
+        // The upstream's seq numbers all its topics at once: one stream per
+        // upstream database (docs/DESIGN.md, "Sequence watermarks").
+        if let (false, Ok(seq)) = (msg.origin.is_empty(), u64::try_from(msg.seq)) {
+            m = m.with_sequence_in(outbox_stream(&msg.origin), seq);
+        }
         m
     }
 }
