@@ -33,6 +33,11 @@ CREATE TABLE IF NOT EXISTS postroom_meta (
 -- clock set back later (an RTC kept in local time, corrected by NTP after
 -- boot) must not hold it, and its ordering key, until the clock reads that
 -- time again. (Files written before version 5 hold "now" there.)
+-- `seq` and `seq_stream` (schema version 6): the message's sequence number
+-- in its sequence stream (`Message::with_sequence`), both NULL for a
+-- message without one; see postroom_watermarks. They are laid out as
+-- `ALTER TABLE … ADD COLUMN` writes them into a migrated file's schema, so
+-- that a migrated file's schema reads the same as a new one's.
 CREATE TABLE IF NOT EXISTS postroom_inbox (
     id              INTEGER PRIMARY KEY,
     consumer        TEXT    NOT NULL,
@@ -55,13 +60,8 @@ CREATE TABLE IF NOT EXISTS postroom_inbox (
     -- 1 when the engine's workers own this message's retries: it was
     -- received (queued) or redriven. 0 when it was delivered inline: the
     -- broker redelivers it, and workers leave it alone.
-    queued          INTEGER NOT NULL DEFAULT 0 CHECK (queued IN (0, 1)),
-    -- The message's sequence number in its sequence stream
-    -- (`Message::with_sequence`), both NULL for a message without one
-    -- (schema version 6; see postroom_watermarks).
-    seq             INTEGER CHECK (seq IS NULL OR seq >= 1),
-    seq_stream      TEXT
-);
+    queued          INTEGER NOT NULL DEFAULT 0 CHECK (queued IN (0, 1))
+, seq INTEGER CHECK (seq IS NULL OR seq >= 1), seq_stream TEXT);
 
 -- The inbox's key, with what a redelivery of a completed message needs to
 -- be answered from this one B-tree: which row, the first 16 bytes of its
