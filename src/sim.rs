@@ -270,6 +270,21 @@ fn payload(id: u8, variant: u8) -> Vec<u8> {
     format!("message {id} variant {variant}").into_bytes()
 }
 
+/// The sequence of message `id`, for the ids that carry one: ids 3 to 5
+/// are numbered 1 to 3 in stream `sim` (their source), so watermarks move,
+/// wait on gaps and answer after retention; ids 0 to 2 carry none.
+fn sequence_of(id: u8) -> Option<u64> {
+    (3..=5).contains(&id).then(|| u64::from(id) - 2)
+}
+
+fn sim_message(id: u8, variant: u8) -> Message {
+    let msg = Message::new("sim", id.to_string(), payload(id, variant));
+    match sequence_of(id) {
+        Some(seq) => msg.with_sequence(seq),
+        None => msg,
+    }
+}
+
 fn hash_of(bytes: &[u8]) -> [u8; 32] {
     *blake3::hash(bytes).as_bytes()
 }
@@ -380,7 +395,7 @@ impl Machine {
         plan: Plan,
     ) -> SimResult<Option<Outcome>> {
         *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = plan;
-        let msg = Message::new("sim", id.to_string(), payload(id, variant));
+        let msg = sim_message(id, variant);
         let hash = hash_of(&msg.payload);
         // As the writer does: a handler that rolled the transaction back
         // has its delivery run again, recording that attempt as failed.
@@ -423,7 +438,7 @@ impl Machine {
         let consumer = consumer.to_owned();
         let msgs: Vec<Message> = msgs
             .iter()
-            .map(|&(id, v)| Message::new("sim", id.to_string(), payload(id, v)))
+            .map(|&(id, v)| sim_message(id, v))
             .collect();
         self.in_tx(move |m| {
             msgs.iter()
@@ -700,6 +715,34 @@ impl Machine {
         rows.collect::<rusqlite::Result<_>>().map_err(err)
     }
 
+    /// `consumer`'s stream `sim`: settled_below (1 when unknown) and the
+    /// sequences listed settled above the watermark.
+    fn watermark(&self, consumer: &str) -> SimResult<(u64, Vec<u64>)> {
+        let below: i64 = self
+            .conn()
+            .query_row(
+                "SELECT coalesce((SELECT settled_below FROM postroom_watermarks
+                                  WHERE consumer = ?1 AND stream = 'sim'), 1)",
+                [consumer],
+                |r| r.get(0),
+            )
+            .map_err(err)?;
+        let mut stmt = self
+            .conn()
+            .prepare(
+                "SELECT seq FROM postroom_watermark_settled
+                 WHERE consumer = ?1 AND stream = 'sim' ORDER BY seq",
+            )
+            .map_err(err)?;
+        let listed = stmt
+            .query_map([consumer], |r| r.get::<_, i64>(0))
+            .map_err(err)?
+            .map(|r| r.map(|s| s as u64))
+            .collect::<rusqlite::Result<_>>()
+            .map_err(err)?;
+        Ok((below as u64, listed))
+    }
+
     /// How many times each (consumer, id) had its effect committed, and how
     /// many outbox rows each caused.
     fn effects(&self, sql: &str) -> SimResult<BTreeMap<(String, String), u32>> {
@@ -741,6 +784,10 @@ struct Model {
     read_retired: Option<(BTreeSet<(String, String)>, u64)>,
     applied: BTreeMap<(String, String), u32>,
     created: u64,
+    /// Per consumer, every sequence that ever settled (completed or
+    /// dead), with the payload variant it settled with: what the
+    /// watermark and its listed sequences must stand for.
+    settled: BTreeMap<String, BTreeMap<u64, u8>>,
 }
 
 /// What a run did.
@@ -762,6 +809,8 @@ pub struct RunStats {
     /// Keys a split drain read that had an inbox row again (delivered
     /// anew) when its deletions landed: their entries stayed.
     pub live_at_apply: u64,
+    /// Deliveries or receipts answered by a sequence watermark.
+    pub by_sequence: u64,
 }
 
 impl Model {
@@ -870,6 +919,51 @@ impl Model {
             .collect()
     }
 
+    /// Notes every sequenced entry that is settled now (settled is final:
+    /// nothing in the simulation takes a message out of completed or dead,
+    /// and retention deletes a row only in a later step).
+    fn note_settled(&mut self) {
+        for ((consumer, id), e) in &self.entries {
+            let seq = id.parse().ok().and_then(sequence_of);
+            if let (Some(seq), Status::Completed | Status::Dead) = (seq, e.status) {
+                self.settled
+                    .entry(consumer.clone())
+                    .or_default()
+                    .entry(seq)
+                    .or_insert(e.variant);
+            }
+        }
+    }
+
+    /// The watermark of `consumer`'s stream, and the settled sequences
+    /// listed above it.
+    fn watermark(&self, consumer: &str) -> (u64, Vec<u64>) {
+        let Some(settled) = self.settled.get(consumer) else {
+            return (0, Vec::new());
+        };
+        let mut w = 0;
+        while settled.contains_key(&(w + 1)) {
+            w += 1;
+        }
+        (w, settled.keys().copied().filter(|&s| s > w).collect())
+    }
+
+    /// What the sequence of a message without an inbox row says (its key
+    /// entry, if retired with another payload, already dropped): `None`,
+    /// it is new; else the answer.
+    fn by_sequence(&self, consumer: &str, id: u8, variant: u8) -> Option<SeqAnswer> {
+        let seq = sequence_of(id)?;
+        let (w, _) = self.watermark(consumer);
+        if seq <= w {
+            return Some(SeqAnswer::Duplicate(seq));
+        }
+        match self.settled.get(consumer)?.get(&seq) {
+            Some(&v) if v == variant => Some(SeqAnswer::Duplicate(seq)),
+            Some(_) => Some(SeqAnswer::Conflict),
+            None => None,
+        }
+    }
+
     /// A claimed or in-flight attempt whose process died: counted, due at
     /// once, or dead if it was the last.
     fn died(&mut self, key: &(String, String)) {
@@ -882,6 +976,12 @@ impl Model {
             e.next_at = None;
         }
     }
+}
+
+/// The model's answer for a sequenced message without a row.
+enum SeqAnswer {
+    Duplicate(u64),
+    Conflict,
 }
 
 /// Compares a real outcome with the model's, allowing the jittered backoff
@@ -929,7 +1029,10 @@ pub fn run(dir: &Path, ops: &[Op]) -> SimResult<RunStats> {
     let mut stats = RunStats::default();
     for (step, op) in ops.iter().enumerate() {
         apply(&mut machine, &mut model, &mut stats, op)
-            .and_then(|()| check(&machine, &model))
+            .and_then(|()| {
+                model.note_settled();
+                check(&machine, &model)
+            })
             .map_err(|e| format!("step {step} {op:?}: {e}"))?;
         stats.ops += 1;
     }
@@ -980,10 +1083,19 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                     }
                 },
                 None => {
-                    // A retired key with another payload: forgotten, new.
+                    // A retired key with another payload: forgotten, new,
+                    // unless its sequence says otherwise.
                     model.retired.remove(&key);
-                    model.create(&key, *variant, false).attempts = 1;
-                    model.attempt(&key, *plan, now)
+                    match model.by_sequence(consumer, *id, *variant) {
+                        Some(SeqAnswer::Duplicate(sequence)) => {
+                            Some(Outcome::DuplicateBySequence { sequence })
+                        }
+                        Some(SeqAnswer::Conflict) => Some(Outcome::Conflict { conflict_id: 0 }),
+                        None => {
+                            model.create(&key, *variant, false).attempts = 1;
+                            model.attempt(&key, *plan, now)
+                        }
+                    }
                 }
             };
             let real = m.deliver(consumer, *id, *variant, *plan)?;
@@ -998,6 +1110,10 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                 // A retired key's duplicate: no row, nothing more to compare.
                 (Some(Outcome::Duplicate), Some(Outcome::Duplicate))
                     if !model.entries.contains_key(&key) => {}
+                (
+                    Some(Outcome::DuplicateBySequence { sequence: a }),
+                    Some(Outcome::DuplicateBySequence { sequence: b }),
+                ) if a == b => stats.by_sequence += 1,
                 (Some(real), Some(expected)) => {
                     let entry = model.entries.get_mut(&key).expect("entry");
                     let ok = match (&real, &expected) {
@@ -1044,8 +1160,16 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                     None if model.retired.get(&key) == Some(&variant) => Receipt::Duplicate,
                     None => {
                         model.retired.remove(&key);
-                        model.create(&key, variant, true);
-                        Receipt::Accepted
+                        match model.by_sequence(consumer, id, variant) {
+                            Some(SeqAnswer::Duplicate(sequence)) => {
+                                Receipt::DuplicateBySequence { sequence }
+                            }
+                            Some(SeqAnswer::Conflict) => Receipt::Conflict { conflict_id: 0 },
+                            None => {
+                                model.create(&key, variant, true);
+                                Receipt::Accepted
+                            }
+                        }
                     }
                     Some(e) if e.variant == variant => {
                         // An acked receipt hands an unfinished inline
@@ -1071,6 +1195,10 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
             stats.conflicts += real
                 .iter()
                 .filter(|r| matches!(r, Receipt::Conflict { .. }))
+                .count() as u64;
+            stats.by_sequence += real
+                .iter()
+                .filter(|r| matches!(r, Receipt::DuplicateBySequence { .. }))
                 .count() as u64;
         }
         Op::Batch { limit, plans } => {
@@ -1338,6 +1466,16 @@ fn check(m: &Machine, model: &Model) -> SimResult<()> {
             return Err(format!(
                 "{key:?}: next_attempt_at {next_at:?}, model {:?}",
                 e.next_at
+            ));
+        }
+    }
+    for consumer in CONSUMERS {
+        let (below, listed) = m.watermark(consumer)?;
+        let (w, model_listed) = model.watermark(consumer);
+        if (below.saturating_sub(1), &listed) != (w, &model_listed) {
+            return Err(format!(
+                "{consumer}: watermark {} listing {listed:?}, model {w} listing {model_listed:?}",
+                below.saturating_sub(1)
             ));
         }
     }
