@@ -49,6 +49,7 @@ use crate::queue::{self, DeadLetter};
 use crate::retired;
 use crate::schema;
 use crate::stats;
+use crate::watermark::StreamWatermark;
 
 /// How long [`open`] waits for another connection's lock (the engine's
 /// writer) before a statement fails with [`Error::Busy`].
@@ -352,6 +353,71 @@ pub struct OutboxStatus {
     pub oldest_pending_ms: Option<i64>,
     /// Its age at the time of the report, in milliseconds.
     pub oldest_pending_age_ms: Option<i64>,
+}
+
+/// Per consumer and sequence stream: the watermark, the highest sequence
+/// stored, what is listed settled above the watermark and the missing
+/// ranges ([`Message::with_sequence`](crate::Message::with_sequence)), in
+/// consumer and stream order. Empty for a file without sequenced messages
+/// (or not yet at schema version 6). Reads at most 4096 listed sequences
+/// per stream.
+pub fn sequences(conn: &Connection) -> Result<Vec<StreamWatermark>> {
+    crate::watermark::read_all(conn).map_err(sql("read sequence watermarks"))
+}
+
+/// [`sequences`] in the Prometheus text format, to append to
+/// [`prometheus`]'s: `postroom_sequence_watermark`,
+/// `postroom_sequence_highest`, `postroom_sequence_listed`,
+/// `postroom_sequence_unrecorded` and `postroom_sequence_missing` (the
+/// count of sequences in the missing ranges shown), gauges labelled
+/// `consumer` and `stream`.
+pub fn sequences_prometheus(streams: &[StreamWatermark]) -> String {
+    let mut out = String::new();
+    let labels = |w: &StreamWatermark| {
+        format!(
+            "consumer=\"{}\",stream=\"{}\"",
+            label(&w.consumer),
+            label(&w.stream)
+        )
+    };
+    type Field = fn(&StreamWatermark) -> u64;
+    let families: [(&str, &str, Field); 5] = [
+        (
+            "postroom_sequence_watermark",
+            "Every sequence up to this one has settled (completed or dead).",
+            |w| w.watermark,
+        ),
+        (
+            "postroom_sequence_highest",
+            "The highest sequence stored; 0 when none since a reset.",
+            |w| w.highest.unwrap_or(0),
+        ),
+        (
+            "postroom_sequence_listed",
+            "Settled sequences listed above the watermark (at most 4096).",
+            |w| w.listed,
+        ),
+        (
+            "postroom_sequence_unrecorded",
+            "Settled sequences past the listing bound; non-zero: reset the stream.",
+            |w| w.unrecorded,
+        ),
+        (
+            "postroom_sequence_missing",
+            "Sequences up to the highest that have not settled, in the ranges shown.",
+            |w| w.missing.iter().map(|&(lo, hi)| hi - lo + 1).sum(),
+        ),
+    ];
+    for (name, help, field) in families {
+        family(
+            &mut out,
+            name,
+            "gauge",
+            help,
+            streams.iter().map(|w| (labels(w), field(w).to_string())),
+        );
+    }
+    out
 }
 
 /// What is in a postroom database, from [`status`].

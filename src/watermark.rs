@@ -199,7 +199,7 @@ pub(crate) fn reset(
 
 /// One stream's watermark, as [`Stats::sequences`](crate::Stats) and the
 /// CLI show it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct StreamWatermark {
     /// The consumer.
@@ -252,6 +252,16 @@ impl StreamWatermark {
 /// listed sequences (at most 4096 each).
 pub(crate) fn read_all(conn: &Connection) -> rusqlite::Result<Vec<StreamWatermark>> {
     let mut streams = Vec::new();
+    // A file not yet migrated to version 6 (the CLI reads it as it is).
+    let present: bool = conn
+        .prepare_cached(
+            "SELECT count(*) > 0 FROM sqlite_master
+             WHERE type = 'table' AND name = 'postroom_watermarks'",
+        )?
+        .query_row([], |r| r.get(0))?;
+    if !present {
+        return Ok(streams);
+    }
     let mut stmt = conn.prepare_cached(
         "SELECT consumer, stream, settled_below, highest, unrecorded FROM postroom_watermarks
          ORDER BY consumer, stream",

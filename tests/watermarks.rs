@@ -481,3 +481,49 @@ fn a_chain_replayed_whole_after_retention_applies_nothing_twice() {
     a.shutdown(Duration::from_secs(10)).unwrap();
     b.shutdown(Duration::from_secs(10)).unwrap();
 }
+
+/// What an operator sees for a gap: `postroom status` lists the stream
+/// with its watermark, highest and missing ranges; `postroom metrics`
+/// exports them.
+#[test]
+fn the_cli_shows_a_streams_gap() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let room = open(&dir.path().join("w.db"), &clock, 0, &Arc::default());
+    for seq in (1..=40).chain(46..=50) {
+        room.deliver("orders", seq_msg(&format!("s-{seq}"), seq))
+            .unwrap();
+    }
+    let w = stream(&room, "orders", "device-7");
+    assert_eq!(w.missing_text(), "41-45");
+    let path = room.path().to_path_buf();
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_postroom"))
+            .arg(&path)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let status = run(&["status"]);
+    let line = status
+        .lines()
+        .find(|l| l.contains("device-7"))
+        .unwrap_or_else(|| panic!("no stream line in:\n{status}"));
+    let cells: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(
+        cells,
+        ["orders", "device-7", "40", "50", "5", "0", "41-45"],
+        "{status}"
+    );
+    let metrics = run(&["metrics"]);
+    for sample in [
+        "postroom_sequence_watermark{consumer=\"orders\",stream=\"device-7\"} 40",
+        "postroom_sequence_highest{consumer=\"orders\",stream=\"device-7\"} 50",
+        "postroom_sequence_missing{consumer=\"orders\",stream=\"device-7\"} 5",
+    ] {
+        assert!(metrics.contains(sample), "{sample} missing from:\n{metrics}");
+    }
+}

@@ -292,6 +292,7 @@ fn run(cli: &Cli, out: &mut String) -> Result<u8, Failed> {
                 to_json(out, &report);
             } else {
                 print_status(out, &report);
+                print_sequences(out, &admin::sequences(&conn)?);
             }
         }
         Command::Metrics => {
@@ -301,6 +302,7 @@ fn run(cli: &Cli, out: &mut String) -> Result<u8, Failed> {
                 to_json(out, &report);
             } else {
                 out.push_str(&admin::prometheus(&report));
+                out.push_str(&admin::sequences_prometheus(&admin::sequences(&conn)?));
             }
         }
         Command::Inbox(InboxCommand::List(args)) => {
@@ -781,6 +783,40 @@ fn print_status(out: &mut String, r: &admin::StatusReport) {
         r.outbox.dead.to_string(),
         r.outbox.oldest_pending_age_ms.map_or("-".into(), fmt_age),
     ]);
+    t.render(out);
+}
+
+/// The sequence watermarks, when there are any: an operator reads
+/// "missing 41-45" per stream.
+fn print_sequences(out: &mut String, streams: &[postroom::StreamWatermark]) {
+    if streams.is_empty() {
+        return;
+    }
+    let _ = writeln!(out);
+    let mut t = Table::new(&[
+        "SEQUENCES",
+        "STREAM",
+        "WATERMARK",
+        "HIGHEST",
+        "LISTED",
+        "UNRECORDED",
+        "MISSING",
+    ]);
+    t.right(&[2, 3, 4, 5]);
+    for w in streams {
+        t.row(vec![
+            w.consumer.clone(),
+            w.stream.clone(),
+            w.watermark.to_string(),
+            w.highest.map_or("-".into(), |h| h.to_string()),
+            w.listed.to_string(),
+            w.unrecorded.to_string(),
+            match w.missing_text() {
+                text if text.is_empty() => "-".into(),
+                text => text,
+            },
+        ]);
+    }
     t.render(out);
 }
 
