@@ -667,6 +667,18 @@ impl Postroom {
         })
     }
 
+    /// Creates `consumer`'s stream `stream` starting at `next` unless it
+    /// exists (for [`InboxSink`](crate::InboxSink)'s first batch from an
+    /// upstream).
+    pub(crate) fn start_sequence(&self, consumer: &str, stream: &str, next: u64) -> Result<()> {
+        crate::config::check_sequence(next)?;
+        let (consumer, stream) = (consumer.to_owned(), stream.to_owned());
+        self.submit(move |w| {
+            crate::watermark::start(w.conn, &consumer, &stream, next)
+                .map_err(|e| Error::sqlite("start sequence stream", e))
+        })
+    }
+
     /// Dead-lettered inbox messages, oldest first, of one consumer or all,
     /// at most `limit`.
     pub fn dead_letters(&self, consumer: Option<&str>, limit: usize) -> Result<Vec<DeadLetter>> {

@@ -189,13 +189,26 @@ pub struct OutboxMessage {
     /// ([`InboxSink`](crate::InboxSink) does), so that it keeps one
     /// watermark per upstream database.
     pub origin: String,
+    /// Every `seq` of `origin` below this one has been handed over
+    /// (`sent`, or discarded by an operator) when the batch was read:
+    /// none is pending or dead. [`InboxSink`](crate::InboxSink) starts a
+    /// downstream stream it is the first to number there, so that an
+    /// upstream with history does not leave the downstream watermark
+    /// waiting at 1 for rows handed over before.
+    pub unsettled_from: i64,
 }
 
-/// The columns [`from_row`] reads. The last is the database's instance id
-/// (an uncorrelated subquery: SQLite reads it once per statement).
+/// The columns [`from_row`] reads. The last two are the database's
+/// instance id and the lowest `seq` still pending or dead, each through
+/// its own index (uncorrelated subqueries: SQLite reads them once per
+/// statement).
 const COLUMNS: &str =
     "seq, message_id, topic, key, payload, headers, attempts, created_at, last_error,
-     coalesce((SELECT value FROM postroom_meta WHERE key = 'instance_id'), '')";
+     coalesce((SELECT value FROM postroom_meta WHERE key = 'instance_id'), ''),
+     min(coalesce((SELECT min(seq) FROM postroom_outbox WHERE status = 'pending'),
+                  9223372036854775807),
+         coalesce((SELECT min(seq) FROM postroom_outbox WHERE status = 'dead'),
+                  9223372036854775807))";
 
 /// A row as stored, with the first column that did not decode (read
 /// lossily, see [`inbox::stored_text`]).
@@ -215,6 +228,7 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<(OutboxMessage, Option<&'static str
         created_at: r.get(7)?,
         last_error: inbox::lossy_text(r, 8)?,
         origin: inbox::lossy_text(r, 9)?.unwrap_or_default(),
+        unsettled_from: r.get(10)?,
     };
     Ok((msg, damage))
 }

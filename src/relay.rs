@@ -252,6 +252,8 @@ pub struct InboxSink {
     target: Arc<Postroom>,
     consumer: String,
     inline: bool,
+    /// The sequence streams this sink has made sure exist at the target.
+    started: HashSet<String>,
 }
 
 impl InboxSink {
@@ -261,7 +263,32 @@ impl InboxSink {
             target,
             consumer: consumer.into(),
             inline: false,
+            started: HashSet::new(),
         }
+    }
+
+    /// Makes sure the target knows the streams of `batch`, each starting
+    /// where its upstream's unsettled rows start (see
+    /// [`OutboxMessage::unsettled_from`]), for a target that has not seen
+    /// them: a stream the target knows is left alone. Once per stream per
+    /// sink.
+    fn start_streams(&mut self, batch: &[OutboxMessage]) -> Result<()> {
+        for msg in batch {
+            if msg.origin.is_empty() || self.started.contains(&msg.origin) {
+                continue;
+            }
+            let lowest = batch
+                .iter()
+                .filter(|m| m.origin == msg.origin)
+                .map(|m| m.seq)
+                .min()
+                .unwrap_or(msg.seq);
+            let next = u64::try_from(msg.unsettled_from.min(lowest)).unwrap_or(1);
+            self.target
+                .start_sequence(&self.consumer, &outbox_stream(&msg.origin), next.max(1))?;
+            self.started.insert(msg.origin.clone());
+        }
+        Ok(())
     }
 
     /// Deliver each message inline (`deliver`) rather than queue the batch.
@@ -285,6 +312,10 @@ impl InboxSink {
 
 impl Sink for InboxSink {
     fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
+        if let Err(e) = self.start_streams(batch) {
+            let reason = format!("target: {e}");
+            return vec![SendResult::retry(reason); batch.len()];
+        }
         if self.inline {
             return per_message(batch, |msg| {
                 match self.target.deliver(&self.consumer, Self::message(msg)) {

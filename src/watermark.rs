@@ -197,6 +197,23 @@ pub(crate) fn reset(
     Ok(known)
 }
 
+/// Creates `consumer`'s `stream` with `next` as its next sequence, unless
+/// the stream exists.
+pub(crate) fn start(
+    conn: &Connection,
+    consumer: &str,
+    stream: &str,
+    next: u64,
+) -> rusqlite::Result<()> {
+    let next = i64::try_from(next).unwrap_or(i64::MAX);
+    conn.prepare_cached(
+        "INSERT OR IGNORE INTO postroom_watermarks (consumer, stream, settled_below)
+         VALUES (?1, ?2, ?3)",
+    )?
+    .execute(params![consumer, stream, next])?;
+    Ok(())
+}
+
 /// One stream's watermark, as [`Stats::sequences`](crate::Stats) and the
 /// CLI show it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]

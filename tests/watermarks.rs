@@ -527,3 +527,98 @@ fn the_cli_shows_a_streams_gap() {
         assert!(metrics.contains(sample), "{sample} missing from:\n{metrics}");
     }
 }
+
+/// An upstream with history (its first rows handed to another sink, one
+/// of them dead) gets an inbox sink: the downstream stream starts where
+/// the upstream's unsettled rows start (the dead one), not at 1, so its
+/// watermark is not left waiting for rows that went elsewhere; the dead
+/// row shows as missing until redriven, then the watermark passes it.
+#[test]
+fn an_upstream_with_history_starts_the_downstream_stream_at_its_first_unsettled_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Arc::new(
+        Postroom::builder()
+            .workers(1)
+            .poll_interval(Duration::from_millis(5))
+            .consumer("orders", handler_fn(apply))
+            .open(dir.path().join("b.db"))
+            .unwrap(),
+    );
+    create_domain(&b);
+    let publisher = || {
+        handler_fn(|tx, msg: &Message| -> Result<(), Failure> {
+            tx.publish(Outgoing::new("order.placed", msg.payload().to_vec()))?;
+            Ok(())
+        })
+    };
+    let a_db = dir.path().join("a.db");
+    // Before: rows 1-10 go to a sink that drops row 5 as dead.
+    let a = Postroom::builder()
+        .workers(0)
+        .relay_poll(Duration::from_millis(5))
+        .consumer("checkout", publisher())
+        .sink(postroom::sink_fn(|m: &OutboxMessage| {
+            if m.seq == 5 {
+                SendResult::dead("refused")
+            } else {
+                SendResult::Sent
+            }
+        }))
+        .open(&a_db)
+        .unwrap();
+    for i in 0..10 {
+        a.deliver("checkout", Message::new("web", format!("o-{i}"), format!("{i}")))
+            .unwrap();
+    }
+    let a_conn = raw(&a_db);
+    eventually(30, "A's relay handed rows 1-10 over", || {
+        count(
+            &a_conn,
+            "SELECT count(*) FROM postroom_outbox WHERE status != 'pending'",
+        ) == 10
+    });
+    a.shutdown(Duration::from_secs(10)).unwrap();
+    // After: the inbox sink, and rows 11-20.
+    let a = Postroom::builder()
+        .workers(0)
+        .relay_poll(Duration::from_millis(5))
+        .consumer("checkout", publisher())
+        .sink(InboxSink::new(Arc::clone(&b), "orders"))
+        .open(&a_db)
+        .unwrap();
+    for i in 10..20 {
+        a.deliver("checkout", Message::new("web", format!("o-{i}"), format!("{i}")))
+            .unwrap();
+    }
+    let b_conn = raw(b.path());
+    eventually(30, "B applied rows 11-20", || {
+        count(&b_conn, "SELECT count(*) FROM applied") == 10
+    });
+    let origin: String = a_conn
+        .query_row(
+            "SELECT value FROM postroom_meta WHERE key = 'instance_id'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let name = postroom::outbox_stream(&origin);
+    eventually(30, "B's watermark waits at the dead row", || {
+        let w = stream(&b, "orders", &name);
+        w.watermark == 4 && w.highest == Some(20) && w.listed == 10
+    });
+    assert_eq!(stream(&b, "orders", &name).missing_text(), "5-10");
+    // Rows 6-10 were handed to the other sink: they never come. Redriving
+    // row 5 sends it here; B's watermark moves past it to 5, and rows
+    // 6-10 stay missing (the upstream gave them to another sink before
+    // this one's first batch, which did not start the stream past them
+    // because row 5 was dead then).
+    assert!(a.redrive_outbox(5).unwrap());
+    eventually(30, "B applied the redriven row", || {
+        count(&b_conn, "SELECT count(*) FROM applied") == 11
+    });
+    eventually(30, "B's watermark passed row 5", || {
+        stream(&b, "orders", &name).watermark == 5
+    });
+    a.shutdown(Duration::from_secs(10)).unwrap();
+    b.shutdown(Duration::from_secs(10)).unwrap();
+}
