@@ -2085,9 +2085,15 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
             };
             engine::drive_with(&room, 1, sequenced(warm), plan.warmup, None, expect, None)?;
             let before = engine::counters(&room)?.0;
+            let frames = engine::frames(&room)?;
+            let cells = seeds::cells(&engine::probe(&path)?)?;
             m.run = engine::drive_with(&room, 1, sequenced(seed), count, Some(cap), expect, None)?;
             let after = engine::counters(&room)?.0;
             m.group = Some((after.0 - before.0, after.1 - before.1));
+            m.footprint = Some(Footprint {
+                frames: engine::frames(&room)? - frames,
+                cells: seeds::cells(&engine::probe(&path)?)? - cells,
+            });
             engine::close(room, &mut m.notes)?;
         }
         Work::DuplicateStorm => {
