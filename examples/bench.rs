@@ -577,8 +577,11 @@ fn scenarios(plan: &Plan) -> Vec<Vec<Scenario>> {
     one.insert(0, seeds(1, SyncMode::Full, plan.one_full));
     let seeds_one = seeds_name(1, SyncMode::Full);
     one.push(
-        Scenario::new(DELIVER_SEQUENCED, Work::DeliverSequenced, plan.one_full)
-            .vs(&deliver_name(1, SyncMode::Full, 0)),
+        Scenario::new(DELIVER_SEQUENCED, Work::DeliverSequenced, plan.one_full).vs(&deliver_name(
+            1,
+            SyncMode::Full,
+            0,
+        )),
     );
     one.push(Scenario::new(RECEIVE_ONE, Work::ReceiveOne, plan.one_full).seeds(seeds_one.clone()));
     one.push(Scenario::new(RECEIVE_PROCESS, Work::ReceiveProcess, plan.one_full).seeds(seeds_one));
@@ -2507,9 +2510,7 @@ fn row_of(s: &Scenario, mut m: Measured, peak: Option<u64>, delta: Option<i64>) 
         Work::DuplicateStorm
         | Work::DeliverSequenced
         | Work::RelayLatency
-        | Work::Retention { .. } => {
-            ("engine", Some(1), None, None)
-        }
+        | Work::Retention { .. } => ("engine", Some(1), None, None),
         Work::FloorWrites { batch } | Work::FloorReceive { batch } | Work::FloorRelay { batch } => {
             ("floor", None, None, Some(batch))
         }

@@ -370,9 +370,14 @@ pub fn sequences(conn: &Connection) -> Result<Vec<StreamWatermark>> {
 /// `postroom_sequence_highest`, `postroom_sequence_listed`,
 /// `postroom_sequence_unrecorded` and `postroom_sequence_missing` (the
 /// count of sequences in the missing ranges shown), gauges labelled
-/// `consumer` and `stream`.
+/// `consumer` and `stream`; nothing when there are no streams.
 pub fn sequences_prometheus(streams: &[StreamWatermark]) -> String {
     let mut out = String::new();
+    if streams.is_empty() {
+        // No family at all: the output of a file without sequences is as
+        // before.
+        return out;
+    }
     let labels = |w: &StreamWatermark| {
         format!(
             "consumer=\"{}\",stream=\"{}\"",

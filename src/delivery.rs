@@ -62,9 +62,7 @@ pub(crate) fn deliver(
     let found = match inbox::find_live(conn, key, hash)
         .map_err(|e| Error::sqlite("look up inbox row", e))?
     {
-        Some(Found::CompletedDuplicate) if msg.sequence.is_none() => {
-            return Ok(Outcome::Duplicate)
-        }
+        Some(Found::CompletedDuplicate) if msg.sequence.is_none() => return Ok(Outcome::Duplicate),
         Some(Found::CompletedDuplicate) => {
             let answer = match watermark::stored(conn, key)
                 .map_err(|e| Error::sqlite("look up inbox row", e))?
@@ -86,11 +84,9 @@ pub(crate) fn deliver(
     };
     if msg.sequence.is_some() {
         let answer = match &found {
-            Some((_, row)) if row.payload_hash == *hash => watermark::against_row(
-                msg,
-                (row.seq, row.seq_stream.as_deref()),
-                &row.payload_hash,
-            ),
+            Some((_, row)) if row.payload_hash == *hash => {
+                watermark::against_row(msg, (row.seq, row.seq_stream.as_deref()), &row.payload_hash)
+            }
             Some(_) => watermark::Answer::New,
             None => watermark::against_stream(conn, consumer, msg, hash)
                 .map_err(|e| Error::sqlite("look up sequence watermark", e))?,

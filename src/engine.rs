@@ -645,8 +645,8 @@ impl Postroom {
 
     /// Starts `consumer`'s sequence stream `stream` (the source, for
     /// [`Message::with_sequence`]) afresh at `next`: for a sender whose
-    /// counter was reset (a new epoch), or one whose numbers start above
-    /// 1. Everything below `next` counts as settled from now on, nothing
+    /// counter was reset (a new epoch), or one whose numbers do not start
+    /// at 1. Everything below `next` counts as settled from now on, nothing
     /// above it; the stream's retained rows keep deduplicating by key but
     /// lose their numbers, so the new epoch's numbers conflict with none
     /// of them. Returns false when the stream was not known (it is created).

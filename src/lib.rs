@@ -127,7 +127,9 @@ pub use message::{Failure, Headers, Message, Outcome, Outgoing, Receipt, MAX_SEQ
 pub use outbox::{OutboxMessage, CAUSATION_HEADER, CORRELATION_HEADER};
 pub use queue::DeadLetter;
 pub use reaper::CleanupReport;
-pub use relay::{outbox_stream, sink_fn, ChannelSink, FnSink, InboxSink, NdjsonSink, SendResult, Sink};
+pub use relay::{
+    outbox_stream, sink_fn, ChannelSink, FnSink, InboxSink, NdjsonSink, SendResult, Sink,
+};
 pub use schema::{SCHEMA_SQL, SCHEMA_VERSION};
 pub use stats::{OutboxCounts, Stats, StatusCounts};
 pub use watermark::{StreamWatermark, MAX_LISTED};

@@ -39,11 +39,9 @@ pub(crate) fn receive(
                 }
                 None => watermark::Answer::New,
             },
-            Some(Found::Row { row, .. }) if row.payload_hash == *hash => watermark::against_row(
-                msg,
-                (row.seq, row.seq_stream.as_deref()),
-                &row.payload_hash,
-            ),
+            Some(Found::Row { row, .. }) if row.payload_hash == *hash => {
+                watermark::against_row(msg, (row.seq, row.seq_stream.as_deref()), &row.payload_hash)
+            }
             Some(Found::Row { .. }) => watermark::Answer::New,
             None => watermark::against_stream(conn, consumer, msg, hash)?,
         };

@@ -436,10 +436,7 @@ impl Machine {
     /// Queued receipt of a batch, in one transaction.
     pub fn receive(&mut self, consumer: &str, msgs: &[(u8, u8)]) -> SimResult<Vec<Receipt>> {
         let consumer = consumer.to_owned();
-        let msgs: Vec<Message> = msgs
-            .iter()
-            .map(|&(id, v)| sim_message(id, v))
-            .collect();
+        let msgs: Vec<Message> = msgs.iter().map(|&(id, v)| sim_message(id, v)).collect();
         self.in_tx(move |m| {
             msgs.iter()
                 .map(|msg| {

@@ -28,10 +28,7 @@ pub(crate) enum Answer {
     /// Its number is held by another message, or by this one under other
     /// numbers: quarantine it. `stored_hash` is the other message's
     /// payload digest.
-    Conflict {
-        stored_hash: [u8; 32],
-        why: String,
-    },
+    Conflict { stored_hash: [u8; 32], why: String },
 }
 
 /// The stored message's sequence against the delivery's, for a message
@@ -62,12 +59,12 @@ pub(crate) fn against_row(
     }
 }
 
+/// A stored row's sequence, stream and payload digest.
+pub(crate) type Stored = (Option<i64>, Option<String>, [u8; 32]);
+
 /// The `(seq, stream)` and digest of the row stored under `key`, if any
 /// (for a completed duplicate the key table answered without the row).
-pub(crate) fn stored(
-    conn: &Connection,
-    key: Key<'_>,
-) -> rusqlite::Result<Option<(Option<i64>, Option<String>, [u8; 32])>> {
+pub(crate) fn stored(conn: &Connection, key: Key<'_>) -> rusqlite::Result<Option<Stored>> {
     conn.prepare_cached(
         "SELECT i.seq, i.seq_stream, i.payload_hash FROM postroom_inbox_keys k
          JOIN postroom_inbox i ON i.id = k.inbox_id

@@ -792,7 +792,11 @@ fn watermark_is_borne_out(conn: &rusqlite::Connection, when: &str) -> i64 {
         )
         .unwrap()
     };
-    assert_eq!(settled_up_to(w), w, "{when}: the watermark {w} passed an unsettled message");
+    assert_eq!(
+        settled_up_to(w),
+        w,
+        "{when}: the watermark {w} passed an unsettled message"
+    );
     assert_eq!(
         settled_up_to(w + 1),
         w,
@@ -880,7 +884,10 @@ fn random_sigkills_never_move_the_watermark_past_an_unsettled_message() {
     let conn = raw(&db);
     let w = watermark_is_borne_out(&conn, "after the kills");
     room.cleanup().unwrap();
-    assert!(w < 10, "sequence 10 was held back, yet the watermark is {w}");
+    assert!(
+        w < 10,
+        "sequence 10 was held back, yet the watermark is {w}"
+    );
     let listed = count(&conn, "SELECT count(*) FROM postroom_watermark_settled");
     let mut by_sequence = 0;
     for n in 0..SEQUENCED_IDS {
@@ -894,13 +901,20 @@ fn random_sigkills_never_move_the_watermark_past_an_unsettled_message() {
             other => panic!("q{n}: {other:?}"),
         }
     }
-    assert!(by_sequence >= w + listed - 1, "{by_sequence}, {w} + {listed} settled");
+    assert!(
+        by_sequence >= w + listed - 1,
+        "{by_sequence}, {w} + {listed} settled"
+    );
     for n in 0..SEQUENCED_IDS {
         let id = format!("q{n}");
         assert_eq!(applied_count(&conn, &id), 1, "seed {seed}: {id}");
     }
     for id in &acked {
-        assert_eq!(applied_count(&conn, id), 1, "seed {seed}: acknowledged {id}");
+        assert_eq!(
+            applied_count(&conn, id),
+            1,
+            "seed {seed}: acknowledged {id}"
+        );
     }
     let streams = room.stats().unwrap().sequences;
     assert_eq!(streams.len(), 1);

@@ -448,8 +448,11 @@ fn a_chain_replayed_whole_after_retention_applies_nothing_twice() {
         .unwrap();
     let orders = 20;
     for i in 0..orders {
-        a.deliver("checkout", Message::new("web", format!("o-{i}"), format!("{i}")))
-            .unwrap();
+        a.deliver(
+            "checkout",
+            Message::new("web", format!("o-{i}"), format!("{i}")),
+        )
+        .unwrap();
     }
     let b_conn = raw(b.path());
     eventually(60, "B applied every message once", || {
@@ -524,7 +527,10 @@ fn the_cli_shows_a_streams_gap() {
         "postroom_sequence_highest{consumer=\"orders\",stream=\"device-7\"} 50",
         "postroom_sequence_missing{consumer=\"orders\",stream=\"device-7\"} 5",
     ] {
-        assert!(metrics.contains(sample), "{sample} missing from:\n{metrics}");
+        assert!(
+            metrics.contains(sample),
+            "{sample} missing from:\n{metrics}"
+        );
     }
 }
 
@@ -567,8 +573,11 @@ fn an_upstream_with_history_starts_the_downstream_stream_at_its_first_unsettled_
         .open(&a_db)
         .unwrap();
     for i in 0..10 {
-        a.deliver("checkout", Message::new("web", format!("o-{i}"), format!("{i}")))
-            .unwrap();
+        a.deliver(
+            "checkout",
+            Message::new("web", format!("o-{i}"), format!("{i}")),
+        )
+        .unwrap();
     }
     let a_conn = raw(&a_db);
     eventually(30, "A's relay handed rows 1-10 over", || {
@@ -587,8 +596,11 @@ fn an_upstream_with_history_starts_the_downstream_stream_at_its_first_unsettled_
         .open(&a_db)
         .unwrap();
     for i in 10..20 {
-        a.deliver("checkout", Message::new("web", format!("o-{i}"), format!("{i}")))
-            .unwrap();
+        a.deliver(
+            "checkout",
+            Message::new("web", format!("o-{i}"), format!("{i}")),
+        )
+        .unwrap();
     }
     let b_conn = raw(b.path());
     eventually(30, "B applied rows 11-20", || {
