@@ -136,6 +136,13 @@ pub enum Op {
     ApplyRetired,
     /// The process dies between operations, then re-opens.
     CrashReopen,
+    /// The operator starts a consumer's sequence stream `sim` afresh at 1
+    /// (`Postroom::reset_sequence`): a new epoch, whose numbers the
+    /// retained rows of the old one no longer hold.
+    ResetSequence {
+        /// Consumer index.
+        consumer: u8,
+    },
 }
 
 struct SimHandler {
@@ -688,6 +695,16 @@ impl Machine {
         .map(Option::unwrap_or_default)
     }
 
+    /// Starts `consumer`'s stream `sim` afresh at 1.
+    pub fn reset_sequence(&mut self, consumer: &str) -> SimResult<()> {
+        let consumer = consumer.to_owned();
+        self.in_tx(move |m| {
+            crate::watermark::reset(m.conn(), &consumer, "sim", 1)
+                .map_err(|e| crate::Error::sqlite("reset sequence", e))
+        })
+        .map(drop)
+    }
+
     /// The process dies between operations and re-opens.
     pub fn crash_reopen(&mut self) -> SimResult<()> {
         self.crash()
@@ -763,6 +780,9 @@ struct Entry {
     order: u64,
     /// Received (workers retry it) rather than delivered inline.
     queued: bool,
+    /// Its row holds its sequence (ids 3 to 5), until a reset of its
+    /// stream takes the numbers off the old epoch's rows.
+    numbered: bool,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -808,6 +828,8 @@ pub struct RunStats {
     pub live_at_apply: u64,
     /// Deliveries or receipts answered by a sequence watermark.
     pub by_sequence: u64,
+    /// Sequence streams reset.
+    pub resets: u64,
 }
 
 impl Model {
@@ -828,6 +850,7 @@ impl Model {
                 processed_at: None,
                 order,
                 queued,
+                numbered: key.1.parse().ok().and_then(sequence_of).is_some(),
             },
         );
         self.entries.get_mut(key).expect("just inserted")
@@ -921,7 +944,7 @@ impl Model {
     /// and retention deletes a row only in a later step).
     fn note_settled(&mut self) {
         for ((consumer, id), e) in &self.entries {
-            let seq = id.parse().ok().and_then(sequence_of);
+            let seq = id.parse().ok().and_then(sequence_of).filter(|_| e.numbered);
             if let (Some(seq), Status::Completed | Status::Dead) = (seq, e.status) {
                 self.settled
                     .entry(consumer.clone())
@@ -1411,6 +1434,17 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
             stats.crashes += 1;
             m.crash_reopen()?;
         }
+        Op::ResetSequence { consumer } => {
+            let consumer = CONSUMERS[usize::from(*consumer) % 2];
+            m.reset_sequence(consumer)?;
+            model.settled.remove(consumer);
+            for ((c, _), e) in model.entries.iter_mut() {
+                if c == consumer {
+                    e.numbered = false;
+                }
+            }
+            stats.resets += 1;
+        }
     }
     Ok(())
 }
@@ -1587,6 +1621,9 @@ fn op(c: &mut dyn Choices) -> Op {
         92..=95 => Op::Cleanup {
             retention_ms: [0, 500, 5_000][c.below(3) as usize],
             keys: c.below(3) != 0,
+        },
+        96 => Op::ResetSequence {
+            consumer: c.below(2) as u8,
         },
         _ => Op::CrashReopen,
     }
