@@ -973,21 +973,49 @@ pub(crate) fn read_connection(
 /// operator's redrive leaves `dead`, and a redelivery racing a redrive may
 /// be told either), so a duplicate storm costs one indexed read per
 /// message. Anything else, or any error, is `None`: the writer decides.
+///
+/// A sequenced message is also answered here when its number says it
+/// settled ([`Outcome::DuplicateBySequence`]), and left to the writer when
+/// its number conflicts (quarantining writes).
 fn settled(conn: &Connection, consumer: &str, msg: &Message, hash: &[u8; 32]) -> Option<Outcome> {
-    if msg.sequence.is_some() {
-        // Its number must be checked against the stored row's (a counter
-        // reset is a conflict): the writer does that.
-        return None;
-    }
+    use crate::watermark::{self, Answer};
     let key = inbox::Key {
         consumer,
         source: &msg.source,
         message_id: &msg.id,
     };
-    match inbox::find(conn, key, hash).ok()?? {
-        inbox::Found::CompletedDuplicate => Some(Outcome::Duplicate),
-        inbox::Found::Row { row, .. } if row.payload_hash == *hash => delivery::settled(row),
-        inbox::Found::Row { .. } => None,
+    let found = inbox::find(conn, key, hash).ok()?;
+    if msg.sequence.is_none() {
+        return match found? {
+            inbox::Found::CompletedDuplicate => Some(Outcome::Duplicate),
+            inbox::Found::Row { row, .. } if row.payload_hash == *hash => delivery::settled(row),
+            inbox::Found::Row { .. } => None,
+        };
+    }
+    let no_conflict = |answer: Answer| (answer == Answer::New).then_some(());
+    match found {
+        Some(inbox::Found::CompletedDuplicate) => {
+            if let Some((seq, stream, stored)) = watermark::stored(conn, key).ok()? {
+                no_conflict(watermark::against_row(
+                    msg,
+                    (seq, stream.as_deref()),
+                    &stored,
+                ))?;
+            }
+            Some(Outcome::Duplicate)
+        }
+        Some(inbox::Found::Row { row, .. }) if row.payload_hash == *hash => {
+            let stored = (row.seq, row.seq_stream.as_deref());
+            no_conflict(watermark::against_row(msg, stored, &row.payload_hash))?;
+            delivery::settled(row)
+        }
+        Some(inbox::Found::Row { .. }) => None,
+        None => match watermark::against_stream(conn, consumer, msg, hash).ok()? {
+            Answer::Duplicate => Some(Outcome::DuplicateBySequence {
+                sequence: msg.sequence?,
+            }),
+            Answer::New | Answer::Conflict { .. } => None,
+        },
     }
 }
 
