@@ -59,50 +59,26 @@ pub(crate) fn deliver(
         source: &msg.source,
         message_id: &msg.id,
     };
-    let found = match inbox::find_live(conn, key, hash)
-        .map_err(|e| Error::sqlite("look up inbox row", e))?
+    let found =
+        inbox::find_live(conn, key, hash).map_err(|e| Error::sqlite("look up inbox row", e))?;
+    match watermark::check(conn, consumer, msg, hash, found.as_ref())
+        .map_err(|e| Error::sqlite("look up sequence watermark", e))?
     {
-        Some(Found::CompletedDuplicate) if msg.sequence.is_none() => return Ok(Outcome::Duplicate),
-        Some(Found::CompletedDuplicate) => {
-            let answer = match watermark::stored(conn, key)
-                .map_err(|e| Error::sqlite("look up inbox row", e))?
-            {
-                Some((seq, stream, stored)) => {
-                    watermark::against_row(msg, (seq, stream.as_deref()), &stored)
-                }
-                None => watermark::Answer::New,
-            };
-            return match answer {
-                watermark::Answer::Conflict { stored_hash, why } => {
-                    seq_conflict(env, consumer, msg, &stored_hash, hash, &why)
-                }
-                _ => Ok(Outcome::Duplicate),
-            };
+        watermark::Answer::New => {}
+        watermark::Answer::Duplicate => {
+            return Ok(Outcome::DuplicateBySequence {
+                sequence: msg.sequence.unwrap_or_default(),
+            })
         }
+        watermark::Answer::Conflict { stored_hash, why } => {
+            return seq_conflict(env, consumer, msg, &stored_hash, hash, &why)
+        }
+    }
+    let found = match found {
+        Some(Found::CompletedDuplicate) => return Ok(Outcome::Duplicate),
         Some(Found::Row { id, row }) => Some((id, row)),
         None => None,
     };
-    if msg.sequence.is_some() {
-        let answer = match &found {
-            Some((_, row)) if row.payload_hash == *hash => {
-                watermark::against_row(msg, (row.seq, row.seq_stream.as_deref()), &row.payload_hash)
-            }
-            Some(_) => watermark::Answer::New,
-            None => watermark::against_stream(conn, consumer, msg, hash)
-                .map_err(|e| Error::sqlite("look up sequence watermark", e))?,
-        };
-        match answer {
-            watermark::Answer::New => {}
-            watermark::Answer::Duplicate => {
-                return Ok(Outcome::DuplicateBySequence {
-                    sequence: msg.sequence.unwrap_or_default(),
-                })
-            }
-            watermark::Answer::Conflict { stored_hash, why } => {
-                return seq_conflict(env, consumer, msg, &stored_hash, hash, &why)
-            }
-        }
-    }
     let row_id = found.as_ref().map(|(id, _)| *id);
     // The row's incarnation: a new row gets `now` as its received_at.
     let received_at = found.as_ref().map_or(now, |(_, r)| r.received_at);

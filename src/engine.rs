@@ -985,37 +985,19 @@ fn settled(conn: &Connection, consumer: &str, msg: &Message, hash: &[u8; 32]) ->
         message_id: &msg.id,
     };
     let found = inbox::find(conn, key, hash).ok()?;
-    if msg.sequence.is_none() {
-        return match found? {
-            inbox::Found::CompletedDuplicate => Some(Outcome::Duplicate),
-            inbox::Found::Row { row, .. } if row.payload_hash == *hash => delivery::settled(row),
-            inbox::Found::Row { .. } => None,
-        };
-    }
-    let no_conflict = |answer: Answer| (answer == Answer::New).then_some(());
-    match found {
-        Some(inbox::Found::CompletedDuplicate) => {
-            if let Some((seq, stream, stored)) = watermark::stored(conn, key).ok()? {
-                no_conflict(watermark::against_row(
-                    msg,
-                    (seq, stream.as_deref()),
-                    &stored,
-                ))?;
-            }
-            Some(Outcome::Duplicate)
-        }
-        Some(inbox::Found::Row { row, .. }) if row.payload_hash == *hash => {
-            let stored = (row.seq, row.seq_stream.as_deref());
-            no_conflict(watermark::against_row(msg, stored, &row.payload_hash))?;
-            delivery::settled(row)
-        }
-        Some(inbox::Found::Row { .. }) => None,
-        None => match watermark::against_stream(conn, consumer, msg, hash).ok()? {
-            Answer::Duplicate => Some(Outcome::DuplicateBySequence {
+    match watermark::check(conn, consumer, msg, hash, found.as_ref()).ok()? {
+        Answer::New => {}
+        Answer::Duplicate => {
+            return Some(Outcome::DuplicateBySequence {
                 sequence: msg.sequence?,
-            }),
-            Answer::New | Answer::Conflict { .. } => None,
-        },
+            })
+        }
+        Answer::Conflict { .. } => return None,
+    }
+    match found? {
+        inbox::Found::CompletedDuplicate => Some(Outcome::Duplicate),
+        inbox::Found::Row { row, .. } if row.payload_hash == *hash => delivery::settled(row),
+        inbox::Found::Row { .. } => None,
     }
 }
 

@@ -31,38 +31,22 @@ pub(crate) fn receive(
         message_id: &msg.id,
     };
     let found = inbox::find_live(conn, key, hash)?;
-    if msg.sequence.is_some() {
-        let answer = match &found {
-            Some(Found::CompletedDuplicate) => match watermark::stored(conn, key)? {
-                Some((seq, stream, stored)) => {
-                    watermark::against_row(msg, (seq, stream.as_deref()), &stored)
-                }
-                None => watermark::Answer::New,
-            },
-            Some(Found::Row { row, .. }) if row.payload_hash == *hash => {
-                watermark::against_row(msg, (row.seq, row.seq_stream.as_deref()), &row.payload_hash)
-            }
-            Some(Found::Row { .. }) => watermark::Answer::New,
-            None => watermark::against_stream(conn, consumer, msg, hash)?,
-        };
-        match answer {
-            watermark::Answer::New => {}
-            watermark::Answer::Duplicate => {
-                return Ok(Receipt::DuplicateBySequence {
-                    sequence: msg.sequence.unwrap_or_default(),
-                })
-            }
-            watermark::Answer::Conflict { stored_hash, why } => {
-                let conflict_id =
-                    inbox::quarantine(conn, consumer, msg, &stored_hash, hash, now_ms)?;
-                log::warn!(
-                    "consumer {consumer:?}: message {}/{}: {why}; quarantined as conflict \
-                     {conflict_id}",
-                    msg.source,
-                    msg.id
-                );
-                return Ok(Receipt::Conflict { conflict_id });
-            }
+    match watermark::check(conn, consumer, msg, hash, found.as_ref())? {
+        watermark::Answer::New => {}
+        watermark::Answer::Duplicate => {
+            return Ok(Receipt::DuplicateBySequence {
+                sequence: msg.sequence.unwrap_or_default(),
+            })
+        }
+        watermark::Answer::Conflict { stored_hash, why } => {
+            let conflict_id = inbox::quarantine(conn, consumer, msg, &stored_hash, hash, now_ms)?;
+            log::warn!(
+                "consumer {consumer:?}: message {}/{}: {why}; quarantined as conflict \
+                 {conflict_id}",
+                msg.source,
+                msg.id
+            );
+            return Ok(Receipt::Conflict { conflict_id });
         }
     }
     let row_id = match found {

@@ -8,7 +8,7 @@
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use crate::inbox::Key;
+use crate::inbox::{Found, Key};
 use crate::message::Message;
 
 /// How many settled sequences above the watermark a stream lists at most
@@ -29,6 +29,41 @@ pub(crate) enum Answer {
     /// numbers: quarantine it. `stored_hash` is the other message's
     /// payload digest.
     Conflict { stored_hash: [u8; 32], why: String },
+}
+
+/// What a delivery's sequence number says, given what the key table
+/// found for it (`found`, from [`inbox::find`](crate::inbox) or
+/// `find_live`): for a message with a row, [`against_row`]; without,
+/// [`against_stream`]. A message without a sequence gets [`Answer::New`]
+/// without a statement.
+pub(crate) fn check(
+    conn: &Connection,
+    consumer: &str,
+    msg: &Message,
+    hash: &[u8; 32],
+    found: Option<&Found>,
+) -> rusqlite::Result<Answer> {
+    if msg.sequence.is_none() {
+        return Ok(Answer::New);
+    }
+    let key = Key {
+        consumer,
+        source: &msg.source,
+        message_id: &msg.id,
+    };
+    Ok(match found {
+        // The key table answered without the row: read its number.
+        Some(Found::CompletedDuplicate) => match stored(conn, key)? {
+            Some((seq, stream, stored)) => against_row(msg, (seq, stream.as_deref()), &stored),
+            None => Answer::New,
+        },
+        Some(Found::Row { row, .. }) if row.payload_hash == *hash => {
+            against_row(msg, (row.seq, row.seq_stream.as_deref()), &row.payload_hash)
+        }
+        // Another payload: the key's own conflict, as without a number.
+        Some(Found::Row { .. }) => Answer::New,
+        None => against_stream(conn, consumer, msg, hash)?,
+    })
 }
 
 /// The stored message's sequence against the delivery's, for a message
