@@ -531,8 +531,10 @@ impl Postroom {
     /// Stores `msg` for `consumer`'s workers to process later (queued
     /// mode), and returns once it is durable: acknowledge it to the broker
     /// right away. A message seen before is not stored again
-    /// ([`Receipt::Duplicate`]); one whose id was seen with another payload
-    /// is quarantined ([`Receipt::Conflict`]).
+    /// ([`Receipt::Duplicate`], or [`Receipt::DuplicateBySequence`] when
+    /// only its sequence number remembers it); one whose id was seen with
+    /// another payload, or whose number conflicts, is quarantined
+    /// ([`Receipt::Conflict`]).
     pub fn receive(&self, consumer: &str, msg: Message) -> Result<Receipt> {
         let mut receipts = self.receive_batch(consumer, vec![msg])?;
         Ok(receipts.pop().unwrap_or(Receipt::Duplicate))
@@ -649,7 +651,9 @@ impl Postroom {
     /// at 1. Everything below `next` counts as settled from now on, nothing
     /// above it; the stream's retained rows keep deduplicating by key but
     /// lose their numbers, so the new epoch's numbers conflict with none
-    /// of them. Returns false when the stream was not known (it is created).
+    /// of them. Returns false when the stream was not known (it is
+    /// created); [`Error::UnknownConsumer`] for a consumer this engine does
+    /// not have.
     ///
     /// Careful: a message of the old epoch below `next` that never
     /// settled and whose row is gone is answered as a duplicate after
@@ -657,7 +661,8 @@ impl Postroom {
     /// shows what it is missing), or name a new stream instead
     /// ([`Message::with_sequence_in`]).
     pub fn reset_sequence(&self, consumer: &str, stream: &str, next: u64) -> Result<bool> {
-        crate::config::check_name("consumer", consumer)?;
+        // A consumer of this engine: a typo must not create a stream.
+        self.consumer(consumer)?;
         crate::config::check_name("sequence stream", stream)?;
         crate::config::check_sequence(next)?;
         let (consumer, stream) = (consumer.to_owned(), stream.to_owned());

@@ -65,12 +65,25 @@
 //!   process is counted as an attempt, so a crash-looping message is
 //!   dead-lettered after `max_attempts` restarts (see [`Builder::max_attempts`]).
 //!
+//! ## After the dedupe window
+//!
+//! An id is remembered until retention deletes its row (7 days by
+//! default). A sender that numbers its messages
+//! ([`Message::with_sequence`]) is remembered for good: per consumer and
+//! source the engine keeps a watermark below which every message has
+//! settled, and a redelivery weeks later is answered
+//! [`Outcome::DuplicateBySequence`]. Out-of-order and missing numbers are
+//! never dropped; [`Stats::sequences`] shows what is missing.
+//! [`InboxSink`] numbers what it forwards, so postroom-to-postroom chains
+//! get this without code.
+//!
 //! ## Limits
 //!
 //! Message ids: 1 to 512 bytes. Consumer, source, topic, key and
 //! ordering-key names: 1 to 128 bytes, no control characters. Payloads: up
 //! to `max_payload` (1 MiB by default); empty payloads are allowed. Headers:
-//! at most 64, names 1 to 128 bytes, 16 KiB in all. Anything outside these is
+//! at most 64, names 1 to 128 bytes, 16 KiB in all. Sequences: 1 to
+//! [`MAX_SEQUENCE`], sequence stream names as source names. Anything outside these is
 //! refused with [`Error::InvalidInput`] before anything is stored.
 //!
 //! ## Files

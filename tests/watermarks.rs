@@ -336,6 +336,19 @@ fn a_counter_reset_is_a_conflict_and_reset_sequence_starts_an_epoch() {
         .unwrap_err();
     assert!(matches!(err, postroom::Error::InvalidInput { .. }), "{err}");
     assert_eq!(applied_count(&conn, "bad"), 0);
+    // An operator's typo creates nothing.
+    let err = room.reset_sequence("ordres", "device-7", 1).unwrap_err();
+    assert!(
+        matches!(err, postroom::Error::UnknownConsumer { .. }),
+        "{err}"
+    );
+    let err = room.reset_sequence("orders", "bad\u{7}", 1).unwrap_err();
+    assert!(matches!(err, postroom::Error::InvalidInput { .. }), "{err}");
+    assert_eq!(
+        count(&conn, "SELECT count(*) FROM postroom_watermarks"),
+        1,
+        "only orders/device-7"
+    );
     integrity_ok(&conn);
 }
 
