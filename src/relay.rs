@@ -256,6 +256,8 @@ pub struct InboxSink {
     target: Arc<Postroom>,
     consumer: String,
     inline: bool,
+    /// Whether messages carry the outbox `seq` (see [`InboxSink::unsequenced`]).
+    sequenced: bool,
     /// The sequence streams this sink has made sure exist at the target.
     started: HashSet<String>,
 }
@@ -267,8 +269,19 @@ impl InboxSink {
             target,
             consumer: consumer.into(),
             inline: false,
+            sequenced: true,
             started: HashSet::new(),
         }
+    }
+
+    /// Forward messages without their outbox `seq` (deduplicated by id
+    /// alone, kept until the target's retention): for a sink that gets only
+    /// some of its upstream's rows (a filter in front, or several targets
+    /// sharing the rows), where the rows sent elsewhere would be gaps in
+    /// the target's watermark that never fill.
+    pub fn unsequenced(mut self) -> Self {
+        self.sequenced = false;
+        self
     }
 
     /// Makes sure the target knows the streams of `batch`, each starting
@@ -277,6 +290,9 @@ impl InboxSink {
     /// them: a stream the target knows is left alone. Once per stream per
     /// sink.
     fn start_streams(&mut self, batch: &[OutboxMessage]) -> Result<()> {
+        if !self.sequenced {
+            return Ok(());
+        }
         for msg in batch {
             if msg.origin.is_empty() || self.started.contains(&msg.origin) {
                 continue;
@@ -301,13 +317,17 @@ impl InboxSink {
         self
     }
 
-    fn message(msg: &OutboxMessage) -> Message {
+    fn message(&self, msg: &OutboxMessage) -> Message {
         let mut m = Message::new(msg.topic.clone(), msg.id.clone(), msg.payload.clone());
         m.headers = msg.headers.clone();
         m.ordering_key = msg.key.clone();
         // The upstream's seq numbers all its topics at once: one stream per
         // upstream database (docs/DESIGN.md, "Sequence watermarks").
-        if let (false, Ok(seq)) = (msg.origin.is_empty(), u64::try_from(msg.seq)) {
+        if let (true, false, Ok(seq)) = (
+            self.sequenced,
+            msg.origin.is_empty(),
+            u64::try_from(msg.seq),
+        ) {
             m = m.with_sequence_in(outbox_stream(&msg.origin), seq);
         }
         m
@@ -322,7 +342,7 @@ impl Sink for InboxSink {
         }
         if self.inline {
             return per_message(batch, |msg| {
-                match self.target.deliver(&self.consumer, Self::message(msg)) {
+                match self.target.deliver(&self.consumer, self.message(msg)) {
                     Ok(outcome) if outcome.should_ack() => SendResult::Sent,
                     Ok(Outcome::Failed {
                         error, retry_after, ..
@@ -347,7 +367,7 @@ impl Sink for InboxSink {
         let mut results = vec![SendResult::Sent; batch.len()];
         let mut valid = Vec::with_capacity(batch.len());
         for (i, out) in batch.iter().enumerate() {
-            let msg = Self::message(out);
+            let msg = self.message(out);
             match self.target.check_message(&msg) {
                 Ok(()) => valid.push((i, msg)),
                 Err(e) => results[i] = SendResult::dead(format_args!("target: {e}")),

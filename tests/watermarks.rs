@@ -647,3 +647,51 @@ fn an_upstream_with_history_starts_the_downstream_stream_at_its_first_unsettled_
     a.shutdown(Duration::from_secs(10)).unwrap();
     b.shutdown(Duration::from_secs(10)).unwrap();
 }
+
+/// An inbox sink told `unsequenced()` forwards without numbers: the target
+/// keeps no stream (a sink that gets only some of the upstream's rows
+/// would otherwise leave it gaps that never fill) and dedupes by id.
+#[test]
+fn an_unsequenced_inbox_sink_forwards_without_numbers() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Arc::new(
+        Postroom::builder()
+            .workers(1)
+            .poll_interval(Duration::from_millis(5))
+            .consumer("orders", handler_fn(apply))
+            .open(dir.path().join("b.db"))
+            .unwrap(),
+    );
+    create_domain(&b);
+    let a = Postroom::builder()
+        .workers(0)
+        .relay_poll(Duration::from_millis(5))
+        .consumer(
+            "checkout",
+            handler_fn(|tx, msg: &Message| -> Result<(), Failure> {
+                tx.publish(Outgoing::new("order.placed", msg.payload().to_vec()))?;
+                Ok(())
+            }),
+        )
+        .sink(InboxSink::new(Arc::clone(&b), "orders").unsequenced())
+        .open(dir.path().join("a.db"))
+        .unwrap();
+    for i in 0..5 {
+        a.deliver("checkout", Message::new("web", format!("o-{i}"), format!("{i}")))
+            .unwrap();
+    }
+    let b_conn = raw(b.path());
+    eventually(30, "B applied all five", || {
+        count(&b_conn, "SELECT count(*) FROM applied") == 5
+    });
+    assert!(b.stats().unwrap().sequences.is_empty());
+    assert_eq!(
+        count(
+            &b_conn,
+            "SELECT count(*) FROM postroom_inbox WHERE seq IS NOT NULL"
+        ),
+        0
+    );
+    a.shutdown(Duration::from_secs(10)).unwrap();
+    b.shutdown(Duration::from_secs(10)).unwrap();
+}
