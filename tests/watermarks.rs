@@ -677,8 +677,11 @@ fn an_unsequenced_inbox_sink_forwards_without_numbers() {
         .open(dir.path().join("a.db"))
         .unwrap();
     for i in 0..5 {
-        a.deliver("checkout", Message::new("web", format!("o-{i}"), format!("{i}")))
-            .unwrap();
+        a.deliver(
+            "checkout",
+            Message::new("web", format!("o-{i}"), format!("{i}")),
+        )
+        .unwrap();
     }
     let b_conn = raw(b.path());
     eventually(30, "B applied all five", || {
