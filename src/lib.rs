@@ -145,4 +145,4 @@ pub use relay::{
 };
 pub use schema::{SCHEMA_SQL, SCHEMA_VERSION};
 pub use stats::{OutboxCounts, Stats, StatusCounts};
-pub use watermark::{StreamWatermark, MAX_LISTED};
+pub use watermark::{StreamWatermark, MAX_LISTED_SEQUENCES};

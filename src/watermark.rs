@@ -13,7 +13,7 @@ use crate::message::Message;
 
 /// How many settled sequences above the watermark a stream lists at most
 /// (the triggers in schema.sql hold the same number).
-pub const MAX_LISTED: u64 = 4096;
+pub const MAX_LISTED_SEQUENCES: u64 = 4096;
 
 /// How many missing ranges [`StreamWatermark::missing`] names at most.
 pub const MAX_MISSING_RANGES: usize = 16;
@@ -366,7 +366,7 @@ mod tests {
     /// The triggers hold the bound as a literal: it must be this one.
     #[test]
     fn the_schema_lists_at_most_max_listed() {
-        let bound = format!("< {MAX_LISTED})");
+        let bound = format!("< {MAX_LISTED_SEQUENCES})");
         assert_eq!(crate::schema::SCHEMA_SQL.matches(&bound).count(), 2);
     }
 

@@ -360,7 +360,7 @@ fn the_listed_settled_sequences_are_bounded() {
     let clock = ManualClock::new(T0);
     let room = open(&dir.path().join("w.db"), &clock, 0, &Arc::default());
     let extra = 3;
-    let last = 1 + postroom::MAX_LISTED + extra;
+    let last = 1 + postroom::MAX_LISTED_SEQUENCES + extra;
     // Sequence 1 is the gap; 2..=last complete, in one batch of raw rows
     // settled the way any path settles them (the triggers do the work).
     let mut conn = raw(room.path());
@@ -379,7 +379,7 @@ fn the_listed_settled_sequences_are_bounded() {
     let w = stream(&room, "orders", "device-7");
     assert_eq!(
         (w.watermark, w.listed, w.unrecorded),
-        (0, postroom::MAX_LISTED, extra)
+        (0, postroom::MAX_LISTED_SEQUENCES, extra)
     );
     assert_eq!(w.missing_text(), format!("1, {}-{last}", last - extra + 1));
     // The gap closes: the watermark runs to the end of what is listed.
