@@ -1,4 +1,4 @@
--- postroom schema, version 5.
+-- postroom schema, version 6.
 --
 -- Applied in one transaction when a database is opened for the first time.
 -- Every statement is `IF NOT EXISTS`: the migration from version 1 renames
@@ -33,6 +33,11 @@ CREATE TABLE IF NOT EXISTS postroom_meta (
 -- clock set back later (an RTC kept in local time, corrected by NTP after
 -- boot) must not hold it, and its ordering key, until the clock reads that
 -- time again. (Files written before version 5 hold "now" there.)
+-- `seq` and `seq_stream` (schema version 6): the message's sequence number
+-- in its sequence stream (`Message::with_sequence`), both NULL for a
+-- message without one; see postroom_watermarks. They are laid out as
+-- `ALTER TABLE … ADD COLUMN` writes them into a migrated file's schema, so
+-- that a migrated file's schema reads the same as a new one's.
 CREATE TABLE IF NOT EXISTS postroom_inbox (
     id              INTEGER PRIMARY KEY,
     consumer        TEXT    NOT NULL,
@@ -56,7 +61,7 @@ CREATE TABLE IF NOT EXISTS postroom_inbox (
     -- received (queued) or redriven. 0 when it was delivered inline: the
     -- broker redelivers it, and workers leave it alone.
     queued          INTEGER NOT NULL DEFAULT 0 CHECK (queued IN (0, 1))
-);
+, seq INTEGER CHECK (seq IS NULL OR seq >= 1), seq_stream TEXT);
 
 -- The inbox's key, with what a redelivery of a completed message needs to
 -- be answered from this one B-tree: which row, the first 16 bytes of its
@@ -194,6 +199,170 @@ CREATE INDEX IF NOT EXISTS postroom_inbox_done
 CREATE INDEX IF NOT EXISTS postroom_inbox_dead
     ON postroom_inbox (updated_at)
     WHERE status = 'dead';
+
+-- Sequenced rows by stream and sequence (schema version 6): a new message
+-- whose sequence a retained row of another id holds is a conflict (a
+-- counter that went back). Partial: rows without a sequence pay nothing.
+CREATE INDEX IF NOT EXISTS postroom_inbox_seq
+    ON postroom_inbox (consumer, seq_stream, seq)
+    WHERE seq IS NOT NULL;
+
+-- Per (consumer, sequence stream): every sequence below `settled_below`
+-- has settled (completed or dead) — the watermark is settled_below - 1;
+-- sequences start at 1, so a new stream's watermark is 0 —
+-- and postroom_watermark_settled holds the settled sequences above it
+-- while there are gaps. A message whose row retention deleted is answered
+-- from here: a sequence below settled_below, or one listed above it with
+-- the same key and payload digest, is a duplicate. `highest` is the
+-- highest sequence stored; `unrecorded` counts settled sequences that
+-- were not listed because the stream already had 4096 listed (the bound):
+-- the watermark cannot pass such a sequence, and a redelivery of it after
+-- retention is taken as new (as without a sequence) — never dropped.
+--
+-- Kept by the triggers below, in the transaction that settles the row,
+-- whatever settles it (a handler, a dead-letter, the reaper, recovery).
+-- The engine writes it directly only for `reset_sequence`.
+CREATE TABLE IF NOT EXISTS postroom_watermarks (
+    consumer      TEXT    NOT NULL,
+    stream        TEXT    NOT NULL,
+    settled_below INTEGER NOT NULL DEFAULT 1,
+    highest       INTEGER,
+    unrecorded    INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (consumer, stream)
+) WITHOUT ROWID;
+
+-- Settled sequences above a stream's watermark, with the key and digest
+-- of the message that settled each (a redelivery at that sequence with
+-- another key or payload is a conflict). At most 4096 per stream, plus
+-- the one about to close the gap.
+CREATE TABLE IF NOT EXISTS postroom_watermark_settled (
+    consumer     TEXT    NOT NULL,
+    stream       TEXT    NOT NULL,
+    seq          INTEGER NOT NULL,
+    source       TEXT    NOT NULL,
+    message_id   TEXT    NOT NULL,
+    payload_hash BLOB    NOT NULL,
+    PRIMARY KEY (consumer, stream, seq)
+) WITHOUT ROWID;
+
+-- A sequenced row is stored: its stream gets a watermark row, `highest`
+-- follows.
+CREATE TRIGGER IF NOT EXISTS postroom_inbox_seq_seen
+AFTER INSERT ON postroom_inbox
+WHEN NEW.seq IS NOT NULL
+BEGIN
+    INSERT OR IGNORE INTO postroom_watermarks (consumer, stream)
+    VALUES (NEW.consumer, NEW.seq_stream);
+    UPDATE postroom_watermarks SET highest = NEW.seq
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+      AND (highest IS NULL OR highest < NEW.seq);
+END;
+
+-- A sequenced row settles, stored settled (inline, first attempt) or
+-- updated to it: the watermark advances (postroom_watermarks). The two
+-- triggers share one body; SQLite has no trigger for both events.
+CREATE TRIGGER IF NOT EXISTS postroom_inbox_seq_settled_insert
+AFTER INSERT ON postroom_inbox
+WHEN NEW.seq IS NOT NULL AND NEW.status IN ('completed', 'dead')
+BEGIN
+    INSERT OR IGNORE INTO postroom_watermarks (consumer, stream)
+    VALUES (NEW.consumer, NEW.seq_stream);
+    -- In order, no gap above: the watermark moves up by one.
+    UPDATE postroom_watermarks SET settled_below = NEW.seq + 1
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream AND settled_below = NEW.seq
+      AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
+                      WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                        AND seq = NEW.seq + 1);
+    -- Otherwise listed: always when it closes the gap, else within the bound.
+    INSERT INTO postroom_watermark_settled
+        (consumer, stream, seq, source, message_id, payload_hash)
+    SELECT NEW.consumer, NEW.seq_stream, NEW.seq, NEW.source, NEW.message_id, NEW.payload_hash
+    FROM postroom_watermarks w
+    WHERE w.consumer = NEW.consumer AND w.stream = NEW.seq_stream
+      AND NEW.seq >= w.settled_below
+      AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
+                      WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                        AND seq = NEW.seq)
+      AND (NEW.seq = w.settled_below
+           OR (SELECT count(*) FROM postroom_watermark_settled
+               WHERE consumer = NEW.consumer AND stream = NEW.seq_stream) < 4096);
+    -- The gap closed: up to the end of the listed run, which is unlisted.
+    UPDATE postroom_watermarks SET settled_below = 1 + (
+        SELECT s.seq FROM postroom_watermark_settled s
+        WHERE s.consumer = NEW.consumer AND s.stream = NEW.seq_stream
+          AND s.seq >= postroom_watermarks.settled_below
+          AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled t
+                          WHERE t.consumer = NEW.consumer AND t.stream = NEW.seq_stream
+                            AND t.seq = s.seq + 1)
+        ORDER BY s.seq LIMIT 1)
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+      AND EXISTS (SELECT 1 FROM postroom_watermark_settled
+                  WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                    AND seq = postroom_watermarks.settled_below);
+    DELETE FROM postroom_watermark_settled
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+      AND seq < (SELECT settled_below FROM postroom_watermarks
+                 WHERE consumer = NEW.consumer AND stream = NEW.seq_stream);
+    -- Past the bound: counted, not listed.
+    UPDATE postroom_watermarks SET unrecorded = unrecorded + 1
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+      AND NEW.seq >= settled_below
+      AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
+                      WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                        AND seq = NEW.seq);
+END;
+
+CREATE TRIGGER IF NOT EXISTS postroom_inbox_seq_settled_update
+AFTER UPDATE OF status ON postroom_inbox
+WHEN NEW.seq IS NOT NULL AND NEW.status IN ('completed', 'dead')
+  AND OLD.status NOT IN ('completed', 'dead')
+BEGIN
+    INSERT OR IGNORE INTO postroom_watermarks (consumer, stream)
+    VALUES (NEW.consumer, NEW.seq_stream);
+    -- In order, no gap above: the watermark moves up by one.
+    UPDATE postroom_watermarks SET settled_below = NEW.seq + 1
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream AND settled_below = NEW.seq
+      AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
+                      WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                        AND seq = NEW.seq + 1);
+    -- Otherwise listed: always when it closes the gap, else within the bound.
+    INSERT INTO postroom_watermark_settled
+        (consumer, stream, seq, source, message_id, payload_hash)
+    SELECT NEW.consumer, NEW.seq_stream, NEW.seq, NEW.source, NEW.message_id, NEW.payload_hash
+    FROM postroom_watermarks w
+    WHERE w.consumer = NEW.consumer AND w.stream = NEW.seq_stream
+      AND NEW.seq >= w.settled_below
+      AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
+                      WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                        AND seq = NEW.seq)
+      AND (NEW.seq = w.settled_below
+           OR (SELECT count(*) FROM postroom_watermark_settled
+               WHERE consumer = NEW.consumer AND stream = NEW.seq_stream) < 4096);
+    -- The gap closed: up to the end of the listed run, which is unlisted.
+    UPDATE postroom_watermarks SET settled_below = 1 + (
+        SELECT s.seq FROM postroom_watermark_settled s
+        WHERE s.consumer = NEW.consumer AND s.stream = NEW.seq_stream
+          AND s.seq >= postroom_watermarks.settled_below
+          AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled t
+                          WHERE t.consumer = NEW.consumer AND t.stream = NEW.seq_stream
+                            AND t.seq = s.seq + 1)
+        ORDER BY s.seq LIMIT 1)
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+      AND EXISTS (SELECT 1 FROM postroom_watermark_settled
+                  WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                    AND seq = postroom_watermarks.settled_below);
+    DELETE FROM postroom_watermark_settled
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+      AND seq < (SELECT settled_below FROM postroom_watermarks
+                 WHERE consumer = NEW.consumer AND stream = NEW.seq_stream);
+    -- Past the bound: counted, not listed.
+    UPDATE postroom_watermarks SET unrecorded = unrecorded + 1
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+      AND NEW.seq >= settled_below
+      AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
+                      WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                        AND seq = NEW.seq);
+END;
 
 -- Outgoing messages, committed in the same transaction as the handler that
 -- published them. `seq` is commit order; `message_id` is stable across re-sends

@@ -34,6 +34,10 @@
 //!
 //! * `deliver …` rows drive the engine (`Postroom::deliver` from 1 or 8
 //!   threads; the handler runs one domain `UPDATE` and one `publish`).
+//!   `deliver 1 caller FULL, sequenced` is the one-caller row with each
+//!   message carrying a sequence number (`Message::with_sequence_in`, in
+//!   order, so the watermark moves up by one per message), compared with
+//!   the same row without.
 //!   `floor …` rows are a hand-written rusqlite loop doing the same SQL per
 //!   message (inbox row with postroom_inbox's columns, the domain `UPDATE`,
 //!   the outbox `INSERT`) on a separate file with postroom's own schema, with
@@ -327,6 +331,9 @@ impl SyncMode {
 enum Work {
     /// Engine: fresh messages from `callers` threads calling `deliver`.
     Deliver { callers: usize },
+    /// Engine: as `Deliver`, each message carrying a sequence number (in
+    /// order, one stream per pass) so that the watermark advances with it.
+    DeliverSequenced,
     /// Engine: every message was processed before; one caller re-delivers.
     DuplicateStorm,
     /// Floor: inbox insert + domain update + outbox insert, `batch` per
@@ -488,6 +495,7 @@ fn seeds_name(batch: usize, sync: SyncMode) -> String {
     format!("seeds floor {batch}/tx {}", sync.label())
 }
 
+const DELIVER_SEQUENCED: &str = "deliver 1 caller FULL, sequenced";
 const RECEIVE_ONE: &str = "receive 1 by 1 FULL";
 const RECEIVE_PROCESS: &str = "receive 1 by 1 + processing FULL";
 const DUPLICATE_STORM: &str = "duplicate storm (1 caller)";
@@ -568,6 +576,13 @@ fn scenarios(plan: &Plan) -> Vec<Vec<Scenario>> {
     let mut one: Vec<Scenario> = pair(1, 1, SyncMode::Full, 0, plan.one_full).into();
     one.insert(0, seeds(1, SyncMode::Full, plan.one_full));
     let seeds_one = seeds_name(1, SyncMode::Full);
+    one.push(
+        Scenario::new(DELIVER_SEQUENCED, Work::DeliverSequenced, plan.one_full).vs(&deliver_name(
+            1,
+            SyncMode::Full,
+            0,
+        )),
+    );
     one.push(Scenario::new(RECEIVE_ONE, Work::ReceiveOne, plan.one_full).seeds(seeds_one.clone()));
     one.push(Scenario::new(RECEIVE_PROCESS, Work::ReceiveProcess, plan.one_full).seeds(seeds_one));
     groups.push(one);
@@ -2064,6 +2079,26 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
             }
             engine::close(room, &mut m.notes)?;
         }
+        Work::DeliverSequenced => {
+            let (room, _) = engine::open(&path, s.sync)?;
+            let expect = engine::Expect::Processed;
+            // One stream per seed, numbered in delivery order from 1.
+            let sequenced = |seed: u64| {
+                move |i: u64| message(seed, i).with_sequence_in(format!("bench-{seed:x}"), i + 1)
+            };
+            engine::drive_with(&room, 1, sequenced(warm), plan.warmup, None, expect, None)?;
+            let before = engine::counters(&room)?.0;
+            let frames = engine::frames(&room)?;
+            let cells = seeds::cells(&engine::probe(&path)?)?;
+            m.run = engine::drive_with(&room, 1, sequenced(seed), count, Some(cap), expect, None)?;
+            let after = engine::counters(&room)?.0;
+            m.group = Some((after.0 - before.0, after.1 - before.1));
+            m.footprint = Some(Footprint {
+                frames: engine::frames(&room)? - frames,
+                cells: seeds::cells(&engine::probe(&path)?)? - cells,
+            });
+            engine::close(room, &mut m.notes)?;
+        }
         Work::DuplicateStorm => {
             let (room, opened) = engine::open(&path, s.sync)?;
             engine::note_open(rows, opened, &mut m.notes);
@@ -2472,9 +2507,10 @@ fn row_of(s: &Scenario, mut m: Measured, peak: Option<u64>, delta: Option<i64>) 
     let secs = m.run.elapsed.as_secs_f64();
     let (kind, callers, workers, batch) = match s.work {
         Work::Deliver { callers } => ("engine", Some(callers), None, None),
-        Work::DuplicateStorm | Work::RelayLatency | Work::Retention { .. } => {
-            ("engine", Some(1), None, None)
-        }
+        Work::DuplicateStorm
+        | Work::DeliverSequenced
+        | Work::RelayLatency
+        | Work::Retention { .. } => ("engine", Some(1), None, None),
         Work::FloorWrites { batch } | Work::FloorReceive { batch } | Work::FloorRelay { batch } => {
             ("floor", None, None, Some(batch))
         }

@@ -14,6 +14,10 @@
 //!   batches overlap.
 //!
 //! Every repeat is answered `Receipt::Duplicate` and stored once. Each
+//! change carries the server's change number as its sequence
+//! (`Message::with_sequence`), so the device's watermark reaches the last
+//! change once all are applied, and a resend weeks later, after retention,
+//! would still be recognised (`Receipt::DuplicateBySequence`). Each
 //! change carries its document id as ordering key, so four workers apply
 //! edits of different documents in parallel and edits of one document one
 //! at a time, in the order received. Each change also carries the version
@@ -83,7 +87,9 @@ fn change_log(rng: &mut Rng) -> Res<(Vec<Message>, Vec<u32>)> {
         };
         log.push(
             Message::from_json("server", format!("chg-{seq}"), &change)?
-                .with_ordering_key(format!("doc-{doc}")),
+                .with_ordering_key(format!("doc-{doc}"))
+                // The server's change counter, from 1.
+                .with_sequence(seq as u64 + 1),
         );
     }
     Ok((log, versions))
@@ -194,7 +200,7 @@ fn main() -> Res<()> {
         for receipt in &receipts {
             match receipt {
                 Receipt::Accepted => new += 1,
-                Receipt::Duplicate => dup += 1,
+                Receipt::Duplicate | Receipt::DuplicateBySequence { .. } => dup += 1,
                 _ => tally.conflicts += 1,
             }
         }
@@ -293,6 +299,14 @@ fn main() -> Res<()> {
         "final versions all correct",
         if wrong_versions == 0 { "yes" } else { "NO" }.to_string(),
     );
+    let watermark = stats
+        .sequences
+        .iter()
+        .find(|w| w.consumer == CONSUMER && w.stream == "server");
+    row(
+        "watermark of the server's changes",
+        watermark.map_or("-".into(), |w| w.watermark.to_string()),
+    );
     row(
         "group commits / jobs (engine)",
         format!("{}/{}", stats.batches_committed, stats.jobs_committed),
@@ -317,6 +331,10 @@ fn main() -> Res<()> {
         (
             "every document at its final version",
             wrong_versions == 0 && docs.len() == edited,
+        ),
+        (
+            "the watermark reached the last change",
+            watermark.is_some_and(|w| w.watermark == CHANGES as u64 && w.missing.is_empty()),
         ),
     ];
     let mut ok = true;

@@ -50,6 +50,7 @@ use crate::store::retention as store_retention;
 use crate::store::retired;
 use crate::store::schema;
 use crate::store::stats;
+use crate::store::watermark::StreamWatermark;
 
 /// How long [`open`] waits for another connection's lock (the engine's
 /// writer) before a statement fails with [`Error::Busy`].
@@ -620,6 +621,76 @@ pub struct OutboxStatus {
     pub oldest_pending_age_ms: Option<i64>,
 }
 
+/// Per consumer and sequence stream: the watermark, the highest sequence
+/// stored, what is listed settled above the watermark and the missing
+/// ranges ([`Message::with_sequence`](crate::Message::with_sequence)), in
+/// consumer and stream order. Empty for a file without sequenced messages
+/// (or not yet at schema version 6). Reads at most 4096 listed sequences
+/// per stream.
+pub fn sequences(conn: &Connection) -> Result<Vec<StreamWatermark>> {
+    crate::store::watermark::read_all(conn).map_err(sql("read sequence watermarks"))
+}
+
+/// [`sequences`] in the Prometheus text format, to append to
+/// [`prometheus`]'s: `postroom_sequence_watermark`,
+/// `postroom_sequence_highest`, `postroom_sequence_listed`,
+/// `postroom_sequence_unrecorded` and `postroom_sequence_missing` (the
+/// count of sequences in the missing ranges shown), gauges labelled
+/// `consumer` and `stream`; nothing when there are no streams.
+pub fn sequences_prometheus(streams: &[StreamWatermark]) -> String {
+    let mut out = String::new();
+    if streams.is_empty() {
+        // No family at all: the output of a file without sequences is as
+        // before.
+        return out;
+    }
+    let labels = |w: &StreamWatermark| {
+        format!(
+            "consumer=\"{}\",stream=\"{}\"",
+            label(&w.consumer),
+            label(&w.stream)
+        )
+    };
+    type Field = fn(&StreamWatermark) -> u64;
+    let families: [(&str, &str, Field); 5] = [
+        (
+            "postroom_sequence_watermark",
+            "Every sequence up to this one has settled (completed or dead).",
+            |w| w.watermark,
+        ),
+        (
+            "postroom_sequence_highest",
+            "The highest sequence stored; 0 when none since a reset.",
+            |w| w.highest.unwrap_or(0),
+        ),
+        (
+            "postroom_sequence_listed",
+            "Settled sequences listed above the watermark (at most 4096).",
+            |w| w.listed,
+        ),
+        (
+            "postroom_sequence_unrecorded",
+            "Settled sequences past the listing bound; non-zero: reset the stream.",
+            |w| w.unrecorded,
+        ),
+        (
+            "postroom_sequence_missing",
+            "Sequences up to the highest that have not settled, in the ranges shown.",
+            |w| w.missing.iter().map(|&(lo, hi)| hi - lo + 1).sum(),
+        ),
+    ];
+    for (name, help, field) in families {
+        family(
+            &mut out,
+            name,
+            "gauge",
+            help,
+            streams.iter().map(|w| (labels(w), field(w).to_string())),
+        );
+    }
+    out
+}
+
 /// What is in a postroom database, from [`status`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
@@ -640,6 +711,9 @@ pub struct StatusReport {
     pub db_bytes: u64,
     /// Size of the `-wal` file, in bytes (0 when absent).
     pub wal_bytes: u64,
+    /// Per consumer and sequence stream: the watermark, the highest
+    /// sequence seen and what is missing (see [`sequences`]).
+    pub sequences: Vec<StreamWatermark>,
 }
 
 /// Counts by status per consumer, oldest unfinished message and attempts
@@ -750,6 +824,7 @@ pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
                     .map(|t| now.saturating_sub(t).max(0)),
             },
             conflicts: st.conflicts,
+            sequences: st.sequences,
             db_bytes: st.db_bytes,
             wal_bytes: st.wal_bytes,
         })

@@ -240,6 +240,12 @@ impl Config {
         if let Some(key) = &msg.ordering_key {
             check_name("ordering key", key)?;
         }
+        if let Some(stream) = &msg.sequence_stream {
+            check_name("sequence stream", stream)?;
+        }
+        if let Some(seq) = msg.sequence {
+            check_sequence(seq)?;
+        }
         Ok(())
     }
 
@@ -269,6 +275,21 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// A sequence number: from 1 (0 is the watermark of a stream nothing of
+/// which has settled) to [`MAX_SEQUENCE`](crate::MAX_SEQUENCE).
+pub(crate) fn check_sequence(seq: u64) -> Result<()> {
+    if seq == 0 || seq > crate::message::MAX_SEQUENCE {
+        return Err(Error::invalid(
+            "sequence",
+            format!(
+                "{seq} is outside 1..={}: sequences start at 1 (add 1 to one counting from 0)",
+                crate::message::MAX_SEQUENCE
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Consumer, source, topic and key names: 1..=128 bytes, no control

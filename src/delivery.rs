@@ -18,6 +18,7 @@ use crate::store::inbox::{self, Found, Key, Record, Status};
 use crate::store::inflight::{Inflight, InflightLog};
 use crate::store::outbox::Cause;
 use crate::store::queue::{self, Claimed};
+use crate::store::watermark;
 
 /// What one delivery runs against.
 pub(crate) struct Env<'a> {
@@ -59,9 +60,22 @@ pub(crate) fn deliver(
         source: &msg.source,
         message_id: &msg.id,
     };
-    let found = match inbox::find_live(conn, key, hash)
-        .map_err(|e| Error::sqlite("look up inbox row", e))?
+    let found =
+        inbox::find_live(conn, key, hash).map_err(|e| Error::sqlite("look up inbox row", e))?;
+    match watermark::check(conn, consumer, msg, hash, found.as_ref())
+        .map_err(|e| Error::sqlite("look up sequence watermark", e))?
     {
+        watermark::Answer::New => {}
+        watermark::Answer::Duplicate => {
+            return Ok(Outcome::DuplicateBySequence {
+                sequence: msg.sequence.unwrap_or_default(),
+            })
+        }
+        watermark::Answer::Conflict { stored_hash, why } => {
+            return seq_conflict(env, consumer, msg, &stored_hash, hash, &why)
+        }
+    }
+    let found = match found {
         Some(Found::CompletedDuplicate) => return Ok(Outcome::Duplicate),
         Some(Found::Row { id, row }) => Some((id, row)),
         None => None,
@@ -122,6 +136,26 @@ pub(crate) fn deliver(
         row_id,
     };
     attempt(env, step, at)
+}
+
+/// Quarantines a delivery whose sequence number conflicts (see
+/// [`watermark::Answer::Conflict`]), as a reused id is.
+fn seq_conflict(
+    env: &Env<'_>,
+    consumer: &str,
+    msg: &Message,
+    stored_hash: &[u8; 32],
+    hash: &[u8; 32],
+    why: &str,
+) -> Result<Outcome> {
+    let conflict_id = inbox::quarantine(env.conn, consumer, msg, stored_hash, hash, env.now_ms)
+        .map_err(|e| Error::sqlite("quarantine conflicting delivery", e))?;
+    log::warn!(
+        "consumer {consumer:?}: message {}/{}: {why}; quarantined as conflict {conflict_id}",
+        msg.source,
+        msg.id
+    );
+    Ok(Outcome::Conflict { conflict_id })
 }
 
 /// The final answer for a row whose fate is decided (completed or dead, so

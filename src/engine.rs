@@ -594,8 +594,10 @@ impl Postroom {
     /// Stores `msg` for `consumer`'s workers to process later (queued
     /// mode), and returns once it is durable: acknowledge it to the broker
     /// right away. A message seen before is not stored again
-    /// ([`Receipt::Duplicate`]); one whose id was seen with another payload
-    /// is quarantined ([`Receipt::Conflict`]).
+    /// ([`Receipt::Duplicate`], or [`Receipt::DuplicateBySequence`] when
+    /// only its sequence number remembers it); one whose id was seen with
+    /// another payload, or whose number conflicts, is quarantined
+    /// ([`Receipt::Conflict`]).
     ///
     /// ```
     /// use std::time::{Duration, Instant};
@@ -735,6 +737,45 @@ impl Postroom {
         stats.wal_paused_max =
             Duration::from_micros(self.counters.paused_max_us.load(Ordering::Relaxed));
         Ok(stats)
+    }
+
+    /// Starts `consumer`'s sequence stream `stream` (the source, for
+    /// [`Message::with_sequence`]) afresh at `next`: for a sender whose
+    /// counter was reset (a new epoch), or one whose numbers do not start
+    /// at 1. Everything below `next` counts as settled from now on, nothing
+    /// above it; the stream's retained rows keep deduplicating by key but
+    /// lose their numbers, so the new epoch's numbers conflict with none
+    /// of them. Returns false when the stream was not known (it is
+    /// created); [`Error::UnknownConsumer`] for a consumer this engine does
+    /// not have.
+    ///
+    /// Careful: a message of the old epoch below `next` that never
+    /// settled and whose row is gone is answered as a duplicate after
+    /// this. Reset once the old epoch is drained (`stats().sequences`
+    /// shows what it is missing), or name a new stream instead
+    /// ([`Message::with_sequence_in`]).
+    pub fn reset_sequence(&self, consumer: &str, stream: &str, next: u64) -> Result<bool> {
+        // A consumer of this engine: a typo must not create a stream.
+        self.consumer(consumer)?;
+        crate::config::check_name("sequence stream", stream)?;
+        crate::config::check_sequence(next)?;
+        let (consumer, stream) = (consumer.to_owned(), stream.to_owned());
+        self.submit(move |w| {
+            crate::store::watermark::reset(w.conn, &consumer, &stream, next)
+                .map_err(|e| Error::sqlite("reset sequence stream", e))
+        })
+    }
+
+    /// Creates `consumer`'s stream `stream` starting at `next` unless it
+    /// exists (for [`InboxSink`](crate::InboxSink)'s first batch from an
+    /// upstream).
+    pub(crate) fn start_sequence(&self, consumer: &str, stream: &str, next: u64) -> Result<()> {
+        crate::config::check_sequence(next)?;
+        let (consumer, stream) = (consumer.to_owned(), stream.to_owned());
+        self.submit(move |w| {
+            crate::store::watermark::start(w.conn, &consumer, &stream, next)
+                .map_err(|e| Error::sqlite("start sequence stream", e))
+        })
     }
 
     /// Dead-lettered inbox messages, oldest first, of one consumer or all,
@@ -1018,18 +1059,33 @@ pub(crate) fn recover_after_crash(
 /// operator's redrive leaves `dead`, and a redelivery racing a redrive may
 /// be told either), so a duplicate storm costs one indexed read per
 /// message. Anything else, or any error, is `None`: the writer decides.
+///
+/// A sequenced message is also answered here when its number says it
+/// settled ([`Outcome::DuplicateBySequence`]), and left to the writer when
+/// its number conflicts (quarantining writes).
 fn answer_if_settled(
     conn: &Connection,
     consumer: &str,
     msg: &Message,
     hash: &[u8; 32],
 ) -> Option<Outcome> {
+    use crate::store::watermark::{self, Answer};
     let key = inbox::Key {
         consumer,
         source: &msg.source,
         message_id: &msg.id,
     };
-    match inbox::find(conn, key, hash).ok()?? {
+    let found = inbox::find(conn, key, hash).ok()?;
+    match watermark::check(conn, consumer, msg, hash, found.as_ref()).ok()? {
+        Answer::New => {}
+        Answer::Duplicate => {
+            return Some(Outcome::DuplicateBySequence {
+                sequence: msg.sequence?,
+            })
+        }
+        Answer::Conflict { .. } => return None,
+    }
+    match found? {
         inbox::Found::CompletedDuplicate => Some(Outcome::Duplicate),
         inbox::Found::Row { row, .. } if row.payload_hash == *hash => delivery::final_outcome(row),
         inbox::Found::Row { .. } => None,

@@ -121,12 +121,25 @@
 //! `libsqlite3-sys`, so an application with its own rusqlite dependency
 //! must be on the version postroom uses.
 //!
+//! ## After the dedupe window
+//!
+//! An id is remembered until retention deletes its row (7 days by
+//! default). A sender that numbers its messages
+//! ([`Message::with_sequence`]) is remembered for good: per consumer and
+//! source the engine keeps a watermark below which every message has
+//! settled, and a redelivery weeks later is answered
+//! [`Outcome::DuplicateBySequence`]. Out-of-order and missing numbers are
+//! never dropped; [`Stats::sequences`] shows what is missing.
+//! [`InboxSink`] numbers what it forwards, so postroom-to-postroom chains
+//! get this without code.
+//!
 //! ## Limits
 //!
 //! Message ids: 1 to 512 bytes. Consumer, source, topic, key and
 //! ordering-key names: 1 to 128 bytes, no control characters. Payloads: up
 //! to `max_payload` (1 MiB by default); empty payloads are allowed. Headers:
-//! at most 64, names 1 to 128 bytes, 16 KiB in all. Anything outside these is
+//! at most 64, names 1 to 128 bytes, 16 KiB in all. Sequences: 1 to
+//! [`MAX_SEQUENCE`], sequence stream names as source names. Anything outside these is
 //! refused with [`Error::InvalidInput`] before anything is stored.
 //!
 //! ## Files
@@ -199,12 +212,13 @@ pub use config::{
 pub use engine::{Postroom, ShutdownReport};
 pub use error::{Error, Result};
 pub use handler::{handler_fn, EffectContext, EffectHandler, Handler, HandlerFn, Tx};
-pub use message::{Failure, Headers, Message, Outcome, Outgoing, Receipt};
+pub use message::{Failure, Headers, Message, Outcome, Outgoing, Receipt, MAX_SEQUENCE};
 pub use runtime::reaper::CleanupReport;
 pub use sink::{sink_fn, ChannelSink, FnSink, NdjsonSink, SendResult, Sink};
 pub use sinks::InboxSink;
 pub use store::inbox::Status;
-pub use store::outbox::{OutboxMessage, CAUSATION_HEADER, CORRELATION_HEADER};
+pub use store::outbox::{outbox_stream, OutboxMessage, CAUSATION_HEADER, CORRELATION_HEADER};
 pub use store::queue::DeadLetter;
 pub use store::schema::{MIN_SQLITE_VERSION, SCHEMA_SQL, SCHEMA_VERSION};
 pub use store::stats::{OutboxCounts, Stats, StatusCounts};
+pub use store::watermark::{StreamWatermark, MAX_LISTED_SEQUENCES};

@@ -26,7 +26,15 @@ pub struct Message {
     pub(crate) headers: Headers,
     #[serde(default)]
     pub(crate) ordering_key: Option<String>,
+    /// The sequence number and, when it is not `source`, the stream it
+    /// numbers (see [`Message::with_sequence`]).
+    pub(crate) sequence: Option<u64>,
+    pub(crate) sequence_stream: Option<String>,
 }
+
+/// The largest sequence number a message may carry: the database stores
+/// sequences as signed 64-bit integers and the watermark one past them.
+pub const MAX_SEQUENCE: u64 = (i64::MAX - 1) as u64;
 
 impl Message {
     /// A message with raw payload bytes. A zero-length payload is allowed
@@ -42,6 +50,8 @@ impl Message {
             payload: payload.into(),
             headers: Headers::new(),
             ordering_key: None,
+            sequence: None,
+            sequence_stream: None,
         }
     }
 
@@ -65,6 +75,46 @@ impl Message {
     pub fn with_ordering_key(mut self, key: impl Into<String>) -> Self {
         self.ordering_key = Some(key.into());
         self
+    }
+
+    /// Sets the message's sequence number in its source: the sender
+    /// numbers its messages 1, 2, 3, … (a source counting from 0, such as
+    /// a partition offset, adds 1; one starting elsewhere, see
+    /// [`Postroom::reset_sequence`](crate::Postroom::reset_sequence)), each
+    /// number used once. Per consumer and source the engine then keeps a
+    /// watermark (every sequence up to it settled) that outlives
+    /// retention: a redelivery whose row retention deleted is still
+    /// answered as a duplicate ([`Outcome::DuplicateBySequence`]). The
+    /// numbers may arrive in any order; a gap only holds the watermark
+    /// back. From 1 to [`MAX_SEQUENCE`]. docs/DESIGN.md ("Sequence
+    /// watermarks") has the whole contract.
+    pub fn with_sequence(mut self, seq: u64) -> Self {
+        self.sequence = Some(seq);
+        self.sequence_stream = None;
+        self
+    }
+
+    /// [`with_sequence`](Message::with_sequence) for a counter that numbers
+    /// several sources at once (one sender's topics, a postroom outbox):
+    /// the watermark is kept per consumer and `stream` instead of per
+    /// source. Deduplication still keys on `(source, id)`.
+    pub fn with_sequence_in(mut self, stream: impl Into<String>, seq: u64) -> Self {
+        self.sequence = Some(seq);
+        self.sequence_stream = Some(stream.into());
+        self
+    }
+
+    /// The sequence number, if the sender gave one.
+    pub fn sequence(&self) -> Option<u64> {
+        self.sequence
+    }
+
+    /// The stream the sequence number counts in: the one given to
+    /// [`with_sequence_in`](Message::with_sequence_in), else the source.
+    /// `None` without a sequence.
+    pub fn sequence_stream(&self) -> Option<&str> {
+        self.sequence?;
+        Some(self.sequence_stream.as_deref().unwrap_or(&self.source))
     }
 
     /// The stream this message came from.
@@ -174,6 +224,15 @@ pub enum Outcome {
     /// The message had been processed before; the handler did not run.
     /// Acknowledge.
     Duplicate,
+    /// The message's row is gone (retention), but its sequence number
+    /// says it settled before (completed or dead): at or below its
+    /// stream's watermark, or listed settled above it with the same key
+    /// and payload. The handler did not run. Acknowledge. Only a message
+    /// with a sequence ([`Message::with_sequence`]) gets this answer.
+    DuplicateBySequence {
+        /// The message's sequence number.
+        sequence: u64,
+    },
     /// A message with this id but a different payload was processed before.
     /// The stored message is untouched and this delivery was quarantined in
     /// `postroom_conflicts`; nothing is lost by acknowledging, but the
@@ -216,6 +275,7 @@ impl Outcome {
             self,
             Outcome::Processed { .. }
                 | Outcome::Duplicate
+                | Outcome::DuplicateBySequence { .. }
                 | Outcome::Conflict { .. }
                 | Outcome::Dead { .. }
         )
@@ -243,6 +303,13 @@ pub enum Receipt {
     Accepted,
     /// Seen before with the same payload; not stored again.
     Duplicate,
+    /// Its row is gone (retention), but its sequence number says it
+    /// settled before; not stored again (see
+    /// [`Outcome::DuplicateBySequence`]).
+    DuplicateBySequence {
+        /// The message's sequence number.
+        sequence: u64,
+    },
     /// Seen before with a different payload; this one was quarantined in
     /// `postroom_conflicts` and the stored one left alone.
     Conflict {

@@ -137,6 +137,13 @@ pub enum Op {
     ApplyRetired,
     /// The process dies between operations, then re-opens.
     CrashReopen,
+    /// The operator starts a consumer's sequence stream `sim` afresh at 1
+    /// (`Postroom::reset_sequence`): a new epoch, whose numbers the
+    /// retained rows of the old one no longer hold.
+    ResetSequence {
+        /// Consumer index.
+        consumer: u8,
+    },
 }
 
 struct SimHandler {
@@ -271,6 +278,21 @@ fn payload(id: u8, variant: u8) -> Vec<u8> {
     format!("message {id} variant {variant}").into_bytes()
 }
 
+/// The sequence of message `id`, for the ids that carry one: ids 3 to 5
+/// are numbered 1 to 3 in stream `sim` (their source), so watermarks move,
+/// wait on gaps and answer after retention; ids 0 to 2 carry none.
+fn sequence_of(id: u8) -> Option<u64> {
+    (3..=5).contains(&id).then(|| u64::from(id) - 2)
+}
+
+fn sim_message(id: u8, variant: u8) -> Message {
+    let msg = Message::new("sim", id.to_string(), payload(id, variant));
+    match sequence_of(id) {
+        Some(seq) => msg.with_sequence(seq),
+        None => msg,
+    }
+}
+
 fn hash_of(bytes: &[u8]) -> [u8; 32] {
     *blake3::hash(bytes).as_bytes()
 }
@@ -381,7 +403,7 @@ impl Machine {
         plan: Plan,
     ) -> SimResult<Option<Outcome>> {
         *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = plan;
-        let msg = Message::new("sim", id.to_string(), payload(id, variant));
+        let msg = sim_message(id, variant);
         let hash = hash_of(&msg.payload);
         // As the writer does: a handler that rolled the transaction back
         // has its delivery run again, recording that attempt as failed.
@@ -422,10 +444,7 @@ impl Machine {
     /// Queued receipt of a batch, in one transaction.
     pub fn receive(&mut self, consumer: &str, msgs: &[(u8, u8)]) -> SimResult<Vec<Receipt>> {
         let consumer = consumer.to_owned();
-        let msgs: Vec<Message> = msgs
-            .iter()
-            .map(|&(id, v)| Message::new("sim", id.to_string(), payload(id, v)))
-            .collect();
+        let msgs: Vec<Message> = msgs.iter().map(|&(id, v)| sim_message(id, v)).collect();
         self.in_tx(move |m| {
             msgs.iter()
                 .map(|msg| {
@@ -677,6 +696,16 @@ impl Machine {
         .map(Option::unwrap_or_default)
     }
 
+    /// Starts `consumer`'s stream `sim` afresh at 1.
+    pub fn reset_sequence(&mut self, consumer: &str) -> SimResult<()> {
+        let consumer = consumer.to_owned();
+        self.in_tx(move |m| {
+            crate::store::watermark::reset(m.conn(), &consumer, "sim", 1)
+                .map_err(|e| crate::Error::sqlite("reset sequence", e))
+        })
+        .map(drop)
+    }
+
     /// The process dies between operations and re-opens.
     pub fn crash_reopen(&mut self) -> SimResult<()> {
         self.crash()
@@ -699,6 +728,34 @@ impl Machine {
             })
             .map_err(err)?;
         rows.collect::<rusqlite::Result<_>>().map_err(err)
+    }
+
+    /// `consumer`'s stream `sim`: settled_below (1 when unknown) and the
+    /// sequences listed settled above the watermark.
+    fn watermark(&self, consumer: &str) -> SimResult<(u64, Vec<u64>)> {
+        let below: i64 = self
+            .conn()
+            .query_row(
+                "SELECT coalesce((SELECT settled_below FROM postroom_watermarks
+                                  WHERE consumer = ?1 AND stream = 'sim'), 1)",
+                [consumer],
+                |r| r.get(0),
+            )
+            .map_err(err)?;
+        let mut stmt = self
+            .conn()
+            .prepare(
+                "SELECT seq FROM postroom_watermark_settled
+                 WHERE consumer = ?1 AND stream = 'sim' ORDER BY seq",
+            )
+            .map_err(err)?;
+        let listed = stmt
+            .query_map([consumer], |r| r.get::<_, i64>(0))
+            .map_err(err)?
+            .map(|r| r.map(|s| s as u64))
+            .collect::<rusqlite::Result<_>>()
+            .map_err(err)?;
+        Ok((below as u64, listed))
     }
 
     /// How many times each (consumer, id) had its effect committed, and how
@@ -724,6 +781,9 @@ struct Entry {
     order: u64,
     /// Received (workers retry it) rather than delivered inline.
     queued: bool,
+    /// Its row holds its sequence (ids 3 to 5), until a reset of its
+    /// stream takes the numbers off the old epoch's rows.
+    numbered: bool,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -742,6 +802,10 @@ struct Model {
     read_retired: Option<(BTreeSet<(String, String)>, u64)>,
     applied: BTreeMap<(String, String), u32>,
     created: u64,
+    /// Per consumer, every sequence that ever settled (completed or
+    /// dead), with the payload variant it settled with: what the
+    /// watermark and its listed sequences must stand for.
+    settled: BTreeMap<String, BTreeMap<u64, u8>>,
 }
 
 /// What a run did.
@@ -763,6 +827,10 @@ pub struct RunStats {
     /// Keys a split drain read that had an inbox row again (delivered
     /// anew) when its deletions landed: their entries stayed.
     pub live_at_apply: u64,
+    /// Deliveries or receipts answered by a sequence watermark.
+    pub by_sequence: u64,
+    /// Sequence streams reset.
+    pub resets: u64,
 }
 
 impl Model {
@@ -783,6 +851,7 @@ impl Model {
                 processed_at: None,
                 order,
                 queued,
+                numbered: key.1.parse().ok().and_then(sequence_of).is_some(),
             },
         );
         self.entries.get_mut(key).expect("just inserted")
@@ -871,6 +940,51 @@ impl Model {
             .collect()
     }
 
+    /// Notes every sequenced entry that is settled now (settled is final:
+    /// nothing in the simulation takes a message out of completed or dead,
+    /// and retention deletes a row only in a later step).
+    fn note_settled(&mut self) {
+        for ((consumer, id), e) in &self.entries {
+            let seq = id.parse().ok().and_then(sequence_of).filter(|_| e.numbered);
+            if let (Some(seq), Status::Completed | Status::Dead) = (seq, e.status) {
+                self.settled
+                    .entry(consumer.clone())
+                    .or_default()
+                    .entry(seq)
+                    .or_insert(e.variant);
+            }
+        }
+    }
+
+    /// The watermark of `consumer`'s stream, and the settled sequences
+    /// listed above it.
+    fn watermark(&self, consumer: &str) -> (u64, Vec<u64>) {
+        let Some(settled) = self.settled.get(consumer) else {
+            return (0, Vec::new());
+        };
+        let mut w = 0;
+        while settled.contains_key(&(w + 1)) {
+            w += 1;
+        }
+        (w, settled.keys().copied().filter(|&s| s > w).collect())
+    }
+
+    /// What the sequence of a message without an inbox row says (its key
+    /// entry, if retired with another payload, already dropped): `None`,
+    /// it is new; else the answer.
+    fn by_sequence(&self, consumer: &str, id: u8, variant: u8) -> Option<SeqAnswer> {
+        let seq = sequence_of(id)?;
+        let (w, _) = self.watermark(consumer);
+        if seq <= w {
+            return Some(SeqAnswer::Duplicate(seq));
+        }
+        match self.settled.get(consumer)?.get(&seq) {
+            Some(&v) if v == variant => Some(SeqAnswer::Duplicate(seq)),
+            Some(_) => Some(SeqAnswer::Conflict),
+            None => None,
+        }
+    }
+
     /// A claimed or in-flight attempt whose process died: counted, due at
     /// once, or dead if it was the last.
     fn died(&mut self, key: &(String, String)) {
@@ -883,6 +997,12 @@ impl Model {
             e.next_at = None;
         }
     }
+}
+
+/// The model's answer for a sequenced message without a row.
+enum SeqAnswer {
+    Duplicate(u64),
+    Conflict,
 }
 
 /// Compares a real outcome with the model's, allowing the jittered backoff
@@ -930,7 +1050,10 @@ pub fn run(dir: &Path, ops: &[Op]) -> SimResult<RunStats> {
     let mut stats = RunStats::default();
     for (step, op) in ops.iter().enumerate() {
         apply(&mut machine, &mut model, &mut stats, op)
-            .and_then(|()| check(&machine, &model))
+            .and_then(|()| {
+                model.note_settled();
+                check(&machine, &model)
+            })
             .map_err(|e| format!("step {step} {op:?}: {e}"))?;
         stats.ops += 1;
     }
@@ -981,10 +1104,19 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                     }
                 },
                 None => {
-                    // A retired key with another payload: forgotten, new.
+                    // A retired key with another payload: forgotten, new,
+                    // unless its sequence says otherwise.
                     model.retired.remove(&key);
-                    model.create(&key, *variant, false).attempts = 1;
-                    model.attempt(&key, *plan, now)
+                    match model.by_sequence(consumer, *id, *variant) {
+                        Some(SeqAnswer::Duplicate(sequence)) => {
+                            Some(Outcome::DuplicateBySequence { sequence })
+                        }
+                        Some(SeqAnswer::Conflict) => Some(Outcome::Conflict { conflict_id: 0 }),
+                        None => {
+                            model.create(&key, *variant, false).attempts = 1;
+                            model.attempt(&key, *plan, now)
+                        }
+                    }
                 }
             };
             let real = m.deliver(consumer, *id, *variant, *plan)?;
@@ -999,6 +1131,10 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                 // A retired key's duplicate: no row, nothing more to compare.
                 (Some(Outcome::Duplicate), Some(Outcome::Duplicate))
                     if !model.entries.contains_key(&key) => {}
+                (
+                    Some(Outcome::DuplicateBySequence { sequence: a }),
+                    Some(Outcome::DuplicateBySequence { sequence: b }),
+                ) if a == b => stats.by_sequence += 1,
                 (Some(real), Some(expected)) => {
                     let entry = model.entries.get_mut(&key).expect("entry");
                     let ok = match (&real, &expected) {
@@ -1045,8 +1181,16 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
                     None if model.retired.get(&key) == Some(&variant) => Receipt::Duplicate,
                     None => {
                         model.retired.remove(&key);
-                        model.create(&key, variant, true);
-                        Receipt::Accepted
+                        match model.by_sequence(consumer, id, variant) {
+                            Some(SeqAnswer::Duplicate(sequence)) => {
+                                Receipt::DuplicateBySequence { sequence }
+                            }
+                            Some(SeqAnswer::Conflict) => Receipt::Conflict { conflict_id: 0 },
+                            None => {
+                                model.create(&key, variant, true);
+                                Receipt::Accepted
+                            }
+                        }
                     }
                     Some(e) if e.variant == variant => {
                         // An acked receipt hands an unfinished inline
@@ -1072,6 +1216,10 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
             stats.conflicts += real
                 .iter()
                 .filter(|r| matches!(r, Receipt::Conflict { .. }))
+                .count() as u64;
+            stats.by_sequence += real
+                .iter()
+                .filter(|r| matches!(r, Receipt::DuplicateBySequence { .. }))
                 .count() as u64;
         }
         Op::Batch { limit, plans } => {
@@ -1287,6 +1435,17 @@ fn apply(m: &mut Machine, model: &mut Model, stats: &mut RunStats, op: &Op) -> S
             stats.crashes += 1;
             m.crash_reopen()?;
         }
+        Op::ResetSequence { consumer } => {
+            let consumer = CONSUMERS[usize::from(*consumer) % 2];
+            m.reset_sequence(consumer)?;
+            model.settled.remove(consumer);
+            for ((c, _), e) in model.entries.iter_mut() {
+                if c == consumer {
+                    e.numbered = false;
+                }
+            }
+            stats.resets += 1;
+        }
     }
     Ok(())
 }
@@ -1339,6 +1498,16 @@ fn check(m: &Machine, model: &Model) -> SimResult<()> {
             return Err(format!(
                 "{key:?}: next_attempt_at {next_at:?}, model {:?}",
                 e.next_at
+            ));
+        }
+    }
+    for consumer in CONSUMERS {
+        let (below, listed) = m.watermark(consumer)?;
+        let (w, model_listed) = model.watermark(consumer);
+        if (below.saturating_sub(1), &listed) != (w, &model_listed) {
+            return Err(format!(
+                "{consumer}: watermark {} listing {listed:?}, model {w} listing {model_listed:?}",
+                below.saturating_sub(1)
             ));
         }
     }
@@ -1453,6 +1622,9 @@ fn op(c: &mut dyn Choices) -> Op {
         92..=95 => Op::Cleanup {
             retention_ms: [0, 500, 5_000][c.below(3) as usize],
             keys: c.below(3) != 0,
+        },
+        96 => Op::ResetSequence {
+            consumer: c.below(2) as u8,
         },
         _ => Op::CrashReopen,
     }

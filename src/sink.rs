@@ -202,10 +202,13 @@ impl Sink for ChannelSink {
 }
 
 /// A [`Sink`] writing one JSON object per line to any [`Write`] (stdout, a
-/// file, a pipe), flushed after each batch: `{"id", "seq", "topic", "key",
-/// "headers", "payload"}`, where `payload` is the JSON value itself when
-/// the payload is JSON, else a string when it is UTF-8, else absent and
-/// `payload_hex` given instead.
+/// file, a pipe), flushed after each batch: `{"id", "seq", "origin",
+/// "topic", "key", "headers", "payload"}` (`seq` numbers the messages of
+/// `origin`, the upstream database: a reader that delivers them into a
+/// postroom can keep a watermark with
+/// `Message::with_sequence_in(outbox_stream(origin), seq)`), where
+/// `payload` is the JSON value itself when the payload is JSON, else a
+/// string when it is UTF-8, else absent and `payload_hex` given instead.
 #[derive(Debug)]
 pub struct NdjsonSink<W> {
     out: W,
@@ -223,6 +226,7 @@ pub(crate) fn ndjson_line(msg: &OutboxMessage) -> serde_json::Value {
     let mut line = serde_json::json!({
         "id": msg.id,
         "seq": msg.seq,
+        "origin": msg.origin,
         "topic": msg.topic,
         "key": msg.key,
         "headers": msg.headers,

@@ -15,7 +15,7 @@ use crate::message::{Outcome, Receipt};
 pub(crate) fn outcome(consumer: &str, outcome: &Outcome) {
     let name = match outcome {
         Outcome::Processed { .. } => "postroom_delivered_total",
-        Outcome::Duplicate => "postroom_duplicates_total",
+        Outcome::Duplicate | Outcome::DuplicateBySequence { .. } => "postroom_duplicates_total",
         Outcome::Conflict { .. } => "postroom_conflicts_total",
         Outcome::Failed { .. } => "postroom_failed_total",
         Outcome::Dead { .. } => "postroom_dead_total",
@@ -28,7 +28,7 @@ pub(crate) fn outcome(consumer: &str, outcome: &Outcome) {
 /// counted once processed).
 pub(crate) fn receipt(consumer: &str, receipt: &Receipt) {
     let name = match receipt {
-        Receipt::Duplicate => "postroom_duplicates_total",
+        Receipt::Duplicate | Receipt::DuplicateBySequence { .. } => "postroom_duplicates_total",
         Receipt::Conflict { .. } => "postroom_conflicts_total",
         Receipt::Accepted => return,
     };

@@ -3,8 +3,9 @@
 //! and checks that nothing acknowledged was lost and nothing applied twice.
 //!
 //! `POSTROOM_CRASH_KILLS` sets the number of kills of the randomized test
-//! (default 300), `POSTROOM_QUEUED_KILLS` and `POSTROOM_RELAY_KILLS` those of
-//! the queued and relay tests (default 100 each); `POSTROOM_SEED` replays a run.
+//! (default 300), `POSTROOM_QUEUED_KILLS`, `POSTROOM_RELAY_KILLS` and
+//! `POSTROOM_SEQUENCED_KILLS` those of the queued, relay and sequence
+//! watermark tests (default 100 each); `POSTROOM_SEED` replays a run.
 
 mod common;
 
@@ -16,7 +17,8 @@ use std::time::Duration;
 
 use common::*;
 use postroom::{
-    handler_fn, EffectContext, EffectHandler, Failure, InboxSink, Message, Outcome, Postroom, Tx,
+    handler_fn, EffectContext, EffectHandler, Failure, InboxSink, ManualClock, Message, Outcome,
+    Postroom, Tx,
 };
 use std::sync::Arc;
 
@@ -38,6 +40,7 @@ fn child_main() {
         "queued" => child_queued(&db),
         "relay" => child_relay(&db),
         "queued-poison" => child_queued_poison(&db),
+        "sequenced" => child_sequenced(&db),
         other => panic!("unknown child role {other}"),
     }
 }
@@ -733,4 +736,224 @@ fn a_queued_poison_crash_loop_dead_letters_the_poison_not_its_neighbours() {
         "{innocent:?}"
     );
     room.shutdown(Duration::from_secs(5)).unwrap();
+}
+
+// ---------------------------------------------------------------------------
+// Sequence watermarks: kill -9 while sequenced messages arrive out of order.
+
+/// Distinct sequenced messages: `q{n}` is sequence n + 1 of stream `s`.
+const SEQUENCED_IDS: u64 = 200;
+
+fn sequenced(n: u64) -> Message {
+    Message::new("s", format!("q{n}"), format!("payload of q{n}")).with_sequence(n + 1)
+}
+
+/// As [`stream_room`], with a handler that takes longer after its domain
+/// write, so that many kills land inside it: the attempt is recovered from
+/// the in-flight marker, which must carry the message's number.
+fn sequenced_room(db: &Path) -> Postroom {
+    Postroom::builder()
+        .max_attempts(1_000_000)
+        .backoff(Duration::from_millis(1), Duration::from_millis(1))
+        .consumer(
+            "c",
+            handler_fn(|tx, msg| {
+                apply(tx, msg)?;
+                thread::sleep(Duration::from_millis(3));
+                let n: u64 = msg.id()[1..].parse().unwrap();
+                if n.is_multiple_of(7) && tx.attempt() == 1 {
+                    return Err(Failure::retry_after("flaky", Duration::ZERO));
+                }
+                Ok(())
+            }),
+        )
+        .open(db)
+        .unwrap()
+}
+
+fn child_sequenced(db: &Path) {
+    let seed = env_u64("POSTROOM_SEED").unwrap();
+    let room = sequenced_room(db);
+    create_domain(&room);
+    report("READY");
+    let mut rng = Rng::new(seed);
+    for _ in 0..100_000 {
+        // Mostly near the low end, so the watermark has something to do,
+        // in random order, so there are gaps.
+        let bound = rng.below(SEQUENCED_IDS) + 1;
+        let n = rng.below(bound);
+        if n % 10 == 9 {
+            // Held back until the end: gaps the watermark must wait at,
+            // with settled sequences listed above them.
+            continue;
+        }
+        let outcome = room.deliver("c", sequenced(n)).unwrap();
+        if outcome.should_ack() {
+            report(&format!("ACK q{n}"));
+        }
+    }
+    report("DONE");
+}
+
+/// What the file holds must bear out its watermark: every sequence up to
+/// it has a settled row, the next one has none, each listed sequence has
+/// a settled row, and every settled row above it is listed. Returns the
+/// watermark.
+fn watermark_is_borne_out(conn: &rusqlite::Connection, when: &str) -> i64 {
+    let w = count(
+        conn,
+        "SELECT coalesce((SELECT settled_below - 1 FROM postroom_watermarks
+                          WHERE consumer = 'c' AND stream = 's'), 0)",
+    );
+    let settled_up_to = |hi: i64| {
+        conn.query_row(
+            "SELECT count(*) FROM postroom_inbox
+             WHERE consumer = 'c' AND seq_stream = 's' AND seq BETWEEN 1 AND ?1
+               AND status IN ('completed', 'dead')",
+            [hi],
+            |r| r.get::<_, i64>(0),
+        )
+        .unwrap()
+    };
+    assert_eq!(
+        settled_up_to(w),
+        w,
+        "{when}: the watermark {w} passed an unsettled message"
+    );
+    assert_eq!(
+        settled_up_to(w + 1),
+        w,
+        "{when}: sequence {} settled but the watermark stayed at {w}",
+        w + 1
+    );
+    assert_eq!(
+        count(
+            conn,
+            "SELECT count(*) FROM postroom_watermark_settled l
+             WHERE NOT EXISTS (SELECT 1 FROM postroom_inbox i
+                               WHERE i.consumer = l.consumer AND i.seq_stream = l.stream
+                                 AND i.seq = l.seq AND i.status IN ('completed', 'dead'))"
+        ),
+        0,
+        "{when}: a listed sequence has no settled row"
+    );
+    assert_eq!(
+        conn.query_row(
+            "SELECT count(*) FROM postroom_inbox i
+             WHERE consumer = 'c' AND seq_stream = 's' AND seq > ?1
+               AND status IN ('completed', 'dead')
+               AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled l
+                               WHERE l.consumer = 'c' AND l.stream = 's' AND l.seq = i.seq)",
+            [w],
+            |r| r.get::<_, i64>(0),
+        )
+        .unwrap(),
+        0,
+        "{when}: a settled sequence above the watermark is not listed"
+    );
+    w
+}
+
+/// SIGKILLs while sequenced messages arrive out of order (some failing
+/// their first attempt, kills landing in handlers and commits): after
+/// every kill the file's watermark is borne out by its rows (it never
+/// passed a message that had not settled). Then, after retention has
+/// deleted every row, each message is redelivered: those that settled are
+/// answered by the watermark, the others run, and each is applied exactly
+/// once.
+#[test]
+fn random_sigkills_never_move_the_watermark_past_an_unsettled_message() {
+    let kills = env_u64("POSTROOM_SEQUENCED_KILLS").unwrap_or(100);
+    let seed = seed();
+    eprintln!("sequenced sigkills: {kills} kills, POSTROOM_SEED={seed}");
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.db");
+    let mut rng = Rng::new(seed);
+    let mut acked = BTreeSet::new();
+    for k in 0..kills {
+        acked.extend(kill_randomly("sequenced", &db, &mut rng, 1, 60_000, true));
+        if db.exists() {
+            let conn = raw(&db);
+            let has_schema = count(
+                &conn,
+                "SELECT count(*) FROM sqlite_master WHERE name = 'postroom_watermarks'",
+            ) == 1;
+            if has_schema {
+                watermark_is_borne_out(&conn, &format!("kill {k}"));
+            }
+        }
+    }
+    assert!(
+        !acked.is_empty(),
+        "nothing acknowledged: the test proves nothing"
+    );
+
+    // Three weeks later, retention has deleted every completed row (but
+    // the newest); the sender replays everything.
+    let clock = ManualClock::new(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64
+            + 21 * 24 * 3600 * 1000,
+    );
+    let room = Postroom::builder()
+        .clock(clock)
+        .workers(0)
+        .max_attempts(1_000_000)
+        .consumer("c", handler_fn(apply))
+        .open(&db)
+        .unwrap();
+    let conn = raw(&db);
+    let w = watermark_is_borne_out(&conn, "after the kills");
+    // Attempts beyond the planned ones (every 7th fails its first) are
+    // kills inside a handler, recovered from the in-flight marker with the
+    // message's number.
+    let killed_in_handler = count(
+        &conn,
+        "SELECT count(*) FROM postroom_inbox
+         WHERE attempts > 1 + (CAST(substr(message_id, 2) AS INTEGER) % 7 = 0)",
+    );
+    room.cleanup().unwrap();
+    assert!(
+        w < 10,
+        "sequence 10 was held back, yet the watermark is {w}"
+    );
+    let listed = count(&conn, "SELECT count(*) FROM postroom_watermark_settled");
+    let mut by_sequence = 0;
+    for n in 0..SEQUENCED_IDS {
+        let outcome = room.deliver("c", sequenced(n)).unwrap();
+        match outcome {
+            Outcome::DuplicateBySequence { .. } => by_sequence += 1,
+            // Held back: never settled, so never taken for a duplicate.
+            Outcome::Processed { .. } if n % 10 == 9 => {}
+            // Not delivered before the kills, or the newest row.
+            Outcome::Processed { .. } | Outcome::Duplicate => {}
+            other => panic!("q{n}: {other:?}"),
+        }
+    }
+    assert!(
+        by_sequence >= w + listed - 1,
+        "{by_sequence}, {w} + {listed} settled"
+    );
+    for n in 0..SEQUENCED_IDS {
+        let id = format!("q{n}");
+        assert_eq!(applied_count(&conn, &id), 1, "seed {seed}: {id}");
+    }
+    for id in &acked {
+        assert_eq!(
+            applied_count(&conn, id),
+            1,
+            "seed {seed}: acknowledged {id}"
+        );
+    }
+    let streams = room.stats().unwrap().sequences;
+    assert_eq!(streams.len(), 1);
+    assert_eq!(streams[0].watermark, SEQUENCED_IDS, "{streams:?}");
+    eprintln!(
+        "sequenced sigkills: {kills} kills survived, watermark {w} and {listed} listed after \
+         them, {killed_in_handler} rows with an attempt killed in its handler, {} ids \
+         acknowledged before a kill, {by_sequence} answered by the watermark after retention",
+        acked.len()
+    );
 }

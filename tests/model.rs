@@ -37,7 +37,7 @@ fn seeded_sequences_match_the_model() {
     };
     let (mut ops, mut processed, mut crashes, mut conflicts, mut dead, mut stale) =
         (0, 0, 0, 0, 0, 0);
-    let mut rolled_back = 0;
+    let (mut rolled_back, mut by_sequence, mut resets) = (0, 0, 0);
     for &seed in &seeds {
         let dir = tempfile::tempdir().unwrap();
         match sim::run_seed(dir.path(), seed, len) {
@@ -49,6 +49,8 @@ fn seeded_sequences_match_the_model() {
                 dead += stats.dead;
                 stale += stats.live_at_apply;
                 rolled_back += stats.rolled_back;
+                by_sequence += stats.by_sequence;
+                resets += stats.resets;
             }
             Err(e) => panic!("POSTROOM_SEED={seed} POSTROOM_MODEL_LEN={len}: {e}"),
         }
@@ -56,12 +58,19 @@ fn seeded_sequences_match_the_model() {
     eprintln!(
         "model: {} sequences, {ops} operations; {processed} processed, {crashes} crashes, \
          {conflicts} conflicts, {dead} dead letters, {rolled_back} batches rolled back by a \
-         handler, {stale} retired keys delivered anew between a drain's read and its deletions; \
-         every step matched the model",
+         handler, {stale} retired keys delivered anew between a drain's read and its deletions, \
+         {by_sequence} answered by a sequence watermark, {resets} sequence resets; every step \
+         matched the model",
         seeds.len()
     );
     assert!(
-        processed > 0 && crashes > 0 && conflicts > 0 && dead > 0 && rolled_back > 0,
+        processed > 0
+            && crashes > 0
+            && conflicts > 0
+            && dead > 0
+            && rolled_back > 0
+            && by_sequence > 0
+            && resets > 0,
         "the generator covers every path"
     );
 }
@@ -170,4 +179,58 @@ fn a_drain_clears_only_the_notes_it_read() {
         cleanup(true),
     ]);
     assert_eq!(stats.processed, 5, "1, 9, 2, 8, then 1 again as new");
+}
+
+/// Sequenced messages (ids 3 to 5 are sequences 1 to 3): 3 before 2, then
+/// retention deletes both rows and their keys; 2 and 3 come back and are
+/// answered by the watermark (listed above it), a redelivery of 3 with
+/// another payload is a conflict, and 1 (the gap) is new and closes it. Every step checks
+/// the watermark and its listed sequences against the model.
+#[test]
+fn sequenced_messages_after_retention_match_the_model() {
+    let stats = run_fixed(&[
+        deliver(5, 0),
+        deliver(4, 0),
+        deliver(9, 0),
+        Op::Advance { ms: 10 },
+        cleanup(true),
+        deliver(4, 0),
+        deliver(5, 0),
+        deliver(5, 1),
+        deliver(3, 0),
+        Op::Receive {
+            consumer: 0,
+            msgs: vec![(4, 0), (5, 0)],
+        },
+    ]);
+    assert_eq!(stats.processed, 4, "5, 4, 9 and then 3 ran: {stats:?}");
+    assert_eq!(stats.by_sequence, 4);
+    assert_eq!(stats.conflicts, 1);
+}
+
+/// A reset starts a new epoch: the old numbers no longer answer, and the
+/// old epoch's rows (5's, retained) keep answering by key without
+/// settling the new epoch's numbers.
+#[test]
+fn a_sequence_reset_starts_a_new_epoch_in_the_model() {
+    let stats = run_fixed(&[
+        deliver(3, 0),
+        deliver(4, 0),
+        deliver(9, 0),
+        Op::Advance { ms: 10 },
+        cleanup(true),
+        deliver(5, 0),
+        deliver(3, 0),
+        Op::ResetSequence { consumer: 0 },
+        // Sequence 1 is new again; 5's row (sequence 3) answers by key.
+        deliver(3, 0),
+        deliver(5, 0),
+        deliver(4, 0),
+    ]);
+    assert_eq!(stats.by_sequence, 1, "only 3, before the reset: {stats:?}");
+    assert_eq!(stats.resets, 1);
+    assert_eq!(
+        stats.processed, 6,
+        "3, 4, 9, 5, then 3 and 4 anew: {stats:?}"
+    );
 }

@@ -377,6 +377,12 @@ fn the_ndjson_sink_writes_one_json_object_per_line() {
     assert_eq!(lines[2]["payload_hex"], "ff00");
     assert_eq!(lines[0]["key"], "k");
     assert_eq!(lines[0]["headers"]["causation-id"], "json");
+    // The seq and the stream it numbers, for a downstream watermark.
+    let seqs: Vec<i64> = lines.iter().map(|l| l["seq"].as_i64().unwrap()).collect();
+    assert_eq!(seqs, [1, 2, 3]);
+    let origin = lines[0]["origin"].as_str().unwrap();
+    assert_eq!(origin.len(), 32);
+    assert!(lines.iter().all(|l| l["origin"] == origin));
 }
 
 /// Shutdown lets the relay hand over what is due before the writer stops.

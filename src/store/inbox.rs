@@ -101,6 +101,9 @@ pub(crate) struct Row {
     pub next_attempt_at: Option<i64>,
     pub lease_until: Option<i64>,
     pub received_at: i64,
+    /// The row's sequence and its stream (schema version 6), if any.
+    pub seq: Option<i64>,
+    pub seq_stream: Option<String>,
 }
 
 /// A stored message, as a delivery with digest `hash` finds it.
@@ -196,7 +199,7 @@ fn lookup(conn: &Connection, key: Key<'_>, hash: &[u8; 32]) -> rusqlite::Result<
 fn row(conn: &Connection, inbox_id: i64, key: Key<'_>) -> rusqlite::Result<Option<Row>> {
     conn.prepare_cached(
         "SELECT status, payload_hash, attempts, last_error, next_attempt_at, lease_until,
-                received_at
+                received_at, seq, seq_stream
          FROM postroom_inbox
          WHERE id = ?1 AND consumer = ?2 AND source = ?3 AND message_id = ?4",
     )?
@@ -214,6 +217,8 @@ fn row(conn: &Connection, inbox_id: i64, key: Key<'_>) -> rusqlite::Result<Optio
                 next_attempt_at: r.get(4)?,
                 lease_until: r.get(5)?,
                 received_at: r.get(6)?,
+                seq: r.get(7)?,
+                seq_stream: r.get(8)?,
             })
         },
     )
@@ -319,8 +324,8 @@ pub(crate) fn record(
     conn.prepare_cached(
         "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload, payload_hash,
              headers, ordering_key, attempts, last_error, received_at, updated_at,
-             next_attempt_at, processed_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13)",
+             next_attempt_at, processed_at, seq, seq_stream)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14, ?15)",
     )?
     .execute(params![
         consumer,
@@ -336,6 +341,8 @@ pub(crate) fn record(
         now_ms,
         rec.next_attempt_at,
         processed_at,
+        msg.sequence.map(|seq| seq as i64),
+        msg.sequence_stream(),
     ])?;
     Ok(())
 }

@@ -387,6 +387,14 @@ fn encode(
         None => buf.push(0),
     }
     put_bytes(buf, &msg.payload);
+    // A sequenced message's number, so that the row recovery records for
+    // it carries it (the watermark waits for that row). Nothing for a
+    // message without one: its marker is as before sequences existed.
+    if let (Some(seq), Some(stream)) = (msg.sequence, msg.sequence_stream()) {
+        buf.push(1);
+        buf.extend_from_slice(&seq.to_le_bytes());
+        put_bytes(buf, stream.as_bytes());
+    }
     let body_len = (buf.len() - body_start) as u32;
     buf[MAGIC.len()..body_start].copy_from_slice(&body_len.to_le_bytes());
     let sum = blake3::hash(&buf[body_start..]);
@@ -438,6 +446,14 @@ fn decode(bytes: &[u8]) -> Option<Inflight> {
         _ => Some(b.string()?),
     };
     let payload = b.bytes()?.to_vec();
+    let (sequence, sequence_stream) = match b.take(1) {
+        None => (None, None),
+        Some([1]) => {
+            let seq = u64::from_le_bytes(b.take(8)?.try_into().ok()?);
+            (Some(seq), Some(b.string()?))
+        }
+        Some(_) => return None,
+    };
     let headers = if headers_text.is_empty() {
         Default::default()
     } else {
@@ -451,6 +467,8 @@ fn decode(bytes: &[u8]) -> Option<Inflight> {
             payload,
             headers,
             ordering_key,
+            sequence,
+            sequence_stream,
         },
         hash,
         prior_attempts,
@@ -493,6 +511,33 @@ mod tests {
                 "torn write of {n} bytes accepted"
             );
         }
+    }
+
+    /// A sequenced message's marker carries its number and stream, so the
+    /// row recovery records holds them (the watermark waits for it); an
+    /// unsequenced one's bytes are as before sequences existed.
+    #[test]
+    fn a_sequenced_markers_number_round_trips() {
+        let plain = Message::new("src", "id-1", b"p".to_vec());
+        let hash = *blake3::hash(plain.payload()).as_bytes();
+        let mut before = Vec::new();
+        encode(&mut before, "c", &plain, &hash, 0, 1);
+        for msg in [
+            plain.clone().with_sequence(41),
+            plain
+                .clone()
+                .with_sequence_in("stream-a", crate::MAX_SEQUENCE),
+        ] {
+            let mut buf = Vec::new();
+            encode(&mut buf, "c", &msg, &hash, 0, 1);
+            let back = decode(&buf).expect("valid marker");
+            assert_eq!(back.msg.sequence(), msg.sequence());
+            assert_eq!(back.msg.sequence_stream(), msg.sequence_stream());
+            assert!(buf.len() > before.len());
+        }
+        let back = decode(&before).expect("valid marker");
+        assert_eq!(back.msg, plain);
+        assert_eq!(back.msg.sequence(), None);
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub(crate) mod retired;
 pub(crate) mod schema;
 pub(crate) mod stats;
 pub(crate) mod text;
+pub(crate) mod watermark;
 
 use std::path::{Path, PathBuf};
 

@@ -159,6 +159,13 @@ fn hex32(bytes: &[u8; 32]) -> String {
     s
 }
 
+/// The sequence stream [`InboxSink`](crate::InboxSink) files an upstream's outbox `seq`
+/// under: `outbox:` and the upstream's instance id
+/// ([`OutboxMessage::origin`]).
+pub fn outbox_stream(origin: &str) -> String {
+    format!("outbox:{origin}")
+}
+
 /// An outbox row as the relay hands it to a [`Sink`](crate::Sink).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
@@ -183,10 +190,32 @@ pub struct OutboxMessage {
     pub created_at: i64,
     /// Why it last failed, for dead or retried rows.
     pub last_error: Option<String>,
+    /// The instance id of the database whose outbox holds it (made when
+    /// the file is created, kept by a copy): `seq` numbers messages within
+    /// it. A downstream postroom uses it as the sequence stream of `seq`
+    /// ([`InboxSink`](crate::InboxSink) does), so that it keeps one
+    /// watermark per upstream database.
+    pub origin: String,
+    /// Every `seq` of `origin` below this one has been handed over
+    /// (`sent`, or discarded by an operator) when the batch was read:
+    /// none is pending or dead. [`InboxSink`](crate::InboxSink) starts a
+    /// downstream stream it is the first to number there, so that an
+    /// upstream with history does not leave the downstream watermark
+    /// waiting at 1 for rows handed over before.
+    pub unsettled_from: i64,
 }
 
+/// The columns [`from_row`] reads. The last two are the database's
+/// instance id and the lowest `seq` still pending or dead, each through
+/// its own index (uncorrelated subqueries: SQLite reads them once per
+/// statement).
 const COLUMNS: &str =
-    "seq, message_id, topic, key, payload, headers, attempts, created_at, last_error";
+    "seq, message_id, topic, key, payload, headers, attempts, created_at, last_error,
+     coalesce((SELECT value FROM postroom_meta WHERE key = 'instance_id'), ''),
+     min(coalesce((SELECT min(seq) FROM postroom_outbox WHERE status = 'pending'),
+                  9223372036854775807),
+         coalesce((SELECT min(seq) FROM postroom_outbox WHERE status = 'dead'),
+                  9223372036854775807))";
 
 /// A row as stored, with the first column that did not decode (read
 /// lossily, see [`crate::store::text::stored_text`]).
@@ -205,6 +234,8 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<(OutboxMessage, Option<&'static str
         attempts: r.get(6)?,
         created_at: r.get(7)?,
         last_error: crate::store::text::lossy_text(r, 8)?,
+        origin: crate::store::text::lossy_text(r, 9)?.unwrap_or_default(),
+        unsettled_from: r.get(10)?,
     };
     Ok((msg, damage))
 }

@@ -14,6 +14,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use crate::message::{Headers, Message, Receipt};
 use crate::store::inbox::{self, Found};
 use crate::store::text::headers_json;
+use crate::store::watermark;
 
 /// Stores a received message as `pending` unless its key is known: then it
 /// is a duplicate (same payload digest) or a conflict (quarantined).
@@ -29,13 +30,32 @@ pub(crate) fn receive(
         source: &msg.source,
         message_id: &msg.id,
     };
-    let row_id = match inbox::find_live(conn, key, hash)? {
+    let found = inbox::find_live(conn, key, hash)?;
+    match watermark::check(conn, consumer, msg, hash, found.as_ref())? {
+        watermark::Answer::New => {}
+        watermark::Answer::Duplicate => {
+            return Ok(Receipt::DuplicateBySequence {
+                sequence: msg.sequence.unwrap_or_default(),
+            })
+        }
+        watermark::Answer::Conflict { stored_hash, why } => {
+            let conflict_id = inbox::quarantine(conn, consumer, msg, &stored_hash, hash, now_ms)?;
+            log::warn!(
+                "consumer {consumer:?}: message {}/{}: {why}; quarantined as conflict \
+                 {conflict_id}",
+                msg.source,
+                msg.id
+            );
+            return Ok(Receipt::Conflict { conflict_id });
+        }
+    }
+    let row_id = match found {
         None => {
             conn.prepare_cached(
                 "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
                      payload_hash, headers, ordering_key, attempts, received_at, updated_at,
-                     next_attempt_at, queued)
-                 VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6, ?7, 0, ?8, ?8, NULL, 1)",
+                     next_attempt_at, queued, seq, seq_stream)
+                 VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6, ?7, 0, ?8, ?8, NULL, 1, ?9, ?10)",
             )?
             .execute(params![
                 consumer,
@@ -46,6 +66,8 @@ pub(crate) fn receive(
                 headers_json(&msg.headers),
                 msg.ordering_key,
                 now_ms,
+                msg.sequence.map(|seq| seq as i64),
+                msg.sequence_stream(),
             ])?;
             return Ok(Receipt::Accepted);
         }
@@ -111,7 +133,7 @@ macro_rules! due_rows {
 macro_rules! due_columns {
     () => {
         "id, source, message_id, payload, payload_hash, headers, ordering_key, attempts,
-         received_at, last_error"
+         received_at, last_error, seq, seq_stream"
     };
 }
 
@@ -196,6 +218,10 @@ fn decode(
             payload: r.get::<_, Option<Vec<u8>>>(3)?.unwrap_or_default(),
             headers: parse_headers(text(5, "headers")?.as_deref()),
             ordering_key: text(6, "ordering_key")?,
+            sequence: r
+                .get::<_, Option<i64>>(10)?
+                .and_then(|seq| u64::try_from(seq).ok()),
+            sequence_stream: text(11, "seq_stream")?,
         };
         let attempts: u32 = r.get(7)?;
         let row = Claimed {
@@ -446,7 +472,7 @@ pub struct DeadLetter {
 /// dead).
 const DEAD_LETTERS: &str =
     "SELECT id, consumer, source, message_id, payload, headers, ordering_key,
-        attempts, last_error, received_at, updated_at
+        attempts, last_error, received_at, updated_at, seq, seq_stream
      FROM postroom_inbox
      WHERE status = 'dead' AND (?1 IS NULL OR consumer = ?1)
      ORDER BY +id LIMIT ?2";
@@ -472,6 +498,10 @@ pub(crate) fn dead_letters(
                 payload: r.get::<_, Option<Vec<u8>>>(4)?.unwrap_or_default(),
                 headers: parse_headers(crate::store::text::lossy_text(r, 5)?.as_deref()),
                 ordering_key: crate::store::text::lossy_text(r, 6)?,
+                sequence: r
+                    .get::<_, Option<i64>>(11)?
+                    .and_then(|seq| u64::try_from(seq).ok()),
+                sequence_stream: crate::store::text::lossy_text(r, 12)?,
             },
             attempts: r.get(7)?,
             last_error: crate::store::text::lossy_text(r, 8)?,

@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::failpoint;
 
 /// The newest schema version this library knows.
-pub const SCHEMA_VERSION: i64 = 5;
+pub const SCHEMA_VERSION: i64 = 6;
 
 /// The schema, applied in one transaction to a database without one.
 pub const SCHEMA_SQL: &str = include_str!("../../schema.sql");
@@ -310,23 +310,31 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
                 [SCHEMA_VERSION.to_string()],
             )
             .map_err(|e| Error::sqlite("record schema version", e))?;
+            add_instance_id(&tx).map_err(|e| Error::sqlite("record instance id", e))?;
         }
         Some(1) => {
             migrate_v1(&tx)?;
             migrate_v2(&tx)?;
             migrate_v3(&tx)?;
             migrate_v4(&tx)?;
+            migrate_v5(&tx)?;
         }
         Some(2) => {
             migrate_v2(&tx)?;
             migrate_v3(&tx)?;
             migrate_v4(&tx)?;
+            migrate_v5(&tx)?;
         }
         Some(3) => {
             migrate_v3(&tx)?;
             migrate_v4(&tx)?;
+            migrate_v5(&tx)?;
         }
-        Some(4) => migrate_v4(&tx)?,
+        Some(4) => {
+            migrate_v4(&tx)?;
+            migrate_v5(&tx)?;
+        }
+        Some(5) => migrate_v5(&tx)?,
         // Each step above takes the file from `found` to `found + 1`.
         Some(found) => check_version(found)?,
     }
@@ -518,9 +526,51 @@ fn migrate_v4(tx: &Connection) -> Result<()> {
     add_missing(tx, 5).map_err(|e| Error::sqlite("migrate schema 4 to 5", e))
 }
 
+/// Version 5 to 6: sequence watermarks (schema.sql,
+/// `postroom_watermarks`): two nullable columns on the inbox (no row is
+/// rewritten), two tables, a partial index and three triggers, all empty
+/// or covering no row until a sequenced message arrives.
+fn migrate_v5(tx: &Connection) -> Result<()> {
+    log::info!("postroom: migrating schema 5 to 6");
+    add_missing(tx, 6)
+        .and_then(|()| add_instance_id(tx))
+        .map_err(|e| Error::sqlite("migrate schema 5 to 6", e))
+}
+
+/// Gives the file its instance id (schema version 6): 128 random bits,
+/// naming the stream its outbox `seq` numbers (see
+/// [`OutboxMessage::origin`](crate::OutboxMessage::origin)).
+fn add_instance_id(tx: &Connection) -> rusqlite::Result<()> {
+    tx.execute(
+        "INSERT OR IGNORE INTO postroom_meta (key, value)
+         VALUES ('instance_id', lower(hex(randomblob(16))))",
+        [],
+    )
+    .map(drop)
+}
+
+/// Adds the inbox's sequence columns (schema version 6) to an inbox that
+/// lacks them, so that [`SCHEMA_SQL`]'s index and triggers on them can be
+/// created by any step; an inbox the schema is about to create (a rebuild
+/// renamed the old one away) gets them from its `CREATE TABLE`.
+fn add_seq_columns(tx: &Connection) -> rusqlite::Result<()> {
+    let columns: Vec<String> = tx
+        .prepare("SELECT name FROM pragma_table_info('postroom_inbox')")?
+        .query_map([], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    if columns.is_empty() || columns.iter().any(|c| c == "seq") {
+        return Ok(());
+    }
+    tx.execute_batch(
+        "ALTER TABLE postroom_inbox ADD COLUMN seq INTEGER CHECK (seq IS NULL OR seq >= 1);
+         ALTER TABLE postroom_inbox ADD COLUMN seq_stream TEXT;",
+    )
+}
+
 /// A step that only adds objects: runs the schema (every statement is
 /// `IF NOT EXISTS`) and records `version`.
 fn add_missing(tx: &Connection, version: i64) -> rusqlite::Result<()> {
+    add_seq_columns(tx)?;
     tx.execute_batch(SCHEMA_SQL)?;
     tx.execute(
         "UPDATE postroom_meta SET value = ?1 WHERE key = 'schema_version'",

@@ -77,6 +77,10 @@ pub struct Stats {
     pub oldest_pending_outbox_ms: Option<i64>,
     /// Rows in `postroom_conflicts`.
     pub conflicts: u64,
+    /// Per consumer and sequence stream, for sequenced messages
+    /// ([`Message::with_sequence`](crate::Message::with_sequence)): the
+    /// watermark, the highest sequence stored and what is missing.
+    pub sequences: Vec<crate::StreamWatermark>,
     /// Size of the database file, in bytes.
     pub db_bytes: u64,
     /// Size of the `-wal` file, in bytes (0 when absent).
@@ -145,6 +149,7 @@ pub(crate) fn read(conn: &Connection, db_path: &Path) -> Result<Stats> {
         conn.query_row("SELECT count(*) FROM postroom_conflicts", [], |r| r.get(0))
             .map_err(sql)?,
     );
+    stats.sequences = crate::store::watermark::read_all(conn).map_err(sql)?;
     stats.db_bytes = file_len(db_path);
     stats.wal_bytes = file_len(&crate::store::wal_path(db_path));
     Ok(stats)

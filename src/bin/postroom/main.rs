@@ -611,6 +611,7 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
                 ctx.json(&report);
             } else {
                 print_status(&mut ctx.out, &report);
+                print_sequences(&mut ctx.out, &report.sequences);
             }
         }
         Command::Top {
@@ -623,6 +624,8 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
                 ctx.json(&report);
             } else {
                 ctx.out.push_str(&admin::prometheus(&report));
+                ctx.out
+                    .push_str(&admin::sequences_prometheus(&report.sequences));
             }
         }
         Command::Inbox(InboxCommand::List(args)) => {
@@ -1297,6 +1300,7 @@ fn top(ctx: &mut Ctx<'_>, interval: Duration, iterations: Option<u64>) -> Result
                     .map_or("none (nothing pending)".into(), render::age)
             );
             print_status(&mut ctx.out, &report);
+            print_sequences(&mut ctx.out, &report.sequences);
             for note in view.notices() {
                 let _ = writeln!(ctx.out, "note: {note}");
             }
@@ -1380,6 +1384,46 @@ fn print_status(out: &mut String, r: &admin::StatusReport) {
                 .oldest_pending_age_ms
                 .map_or("-".into(), render::age),
         ]],
+    );
+}
+
+/// The sequence watermarks, when there are any: an operator reads
+/// "missing 41-45" per stream.
+fn print_sequences(out: &mut String, streams: &[postroom::StreamWatermark]) {
+    if streams.is_empty() {
+        return;
+    }
+    let _ = writeln!(out);
+    let cells = streams
+        .iter()
+        .map(|w| {
+            vec![
+                esc(&w.consumer),
+                esc(&w.stream),
+                w.watermark.to_string(),
+                w.highest.map_or("-".into(), |h| h.to_string()),
+                w.listed.to_string(),
+                w.unrecorded.to_string(),
+                match w.missing_text() {
+                    text if text.is_empty() => "-".into(),
+                    text => text,
+                },
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &[
+            "SEQUENCES",
+            "STREAM",
+            "WATERMARK",
+            "HIGHEST",
+            "LISTED",
+            "UNRECORDED",
+            "MISSING",
+        ],
+        &[2, 3, 4, 5],
+        cells,
     );
 }
 

@@ -1,0 +1,384 @@
+//! Sequence watermarks (schema.sql, `postroom_watermarks`): what a
+//! sequenced message's number says when its row cannot answer, the
+//! operator's reset of a stream, and the per-stream listing for stats.
+//!
+//! The watermark itself is advanced by triggers in the transaction that
+//! settles a row, whatever path settles it; nothing here writes it except
+//! [`reset`].
+
+use rusqlite::{params, Connection, OptionalExtension};
+
+use crate::message::Message;
+use crate::store::inbox::{Found, Key};
+
+/// How many settled sequences above the watermark a stream lists at most
+/// (the triggers in schema.sql hold the same number).
+pub const MAX_LISTED_SEQUENCES: u64 = 4096;
+
+/// How many missing ranges [`StreamWatermark::missing`] names at most.
+pub const MAX_MISSING_RANGES: usize = 16;
+
+/// What a sequenced message's number says about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Answer {
+    /// Nothing: the normal path decides.
+    New,
+    /// It settled before (its row is gone).
+    Duplicate,
+    /// Its number is held by another message, or by this one under other
+    /// numbers: quarantine it. `stored_hash` is the other message's
+    /// payload digest.
+    Conflict { stored_hash: [u8; 32], why: String },
+}
+
+/// What a delivery's sequence number says, given what the key table
+/// found for it (`found`, from [`inbox::find`](crate::store::inbox) or
+/// `find_live`): for a message with a row, [`against_row`]; without,
+/// [`against_stream`]. A message without a sequence gets [`Answer::New`]
+/// without a statement.
+pub(crate) fn check(
+    conn: &Connection,
+    consumer: &str,
+    msg: &Message,
+    hash: &[u8; 32],
+    found: Option<&Found>,
+) -> rusqlite::Result<Answer> {
+    if msg.sequence.is_none() {
+        return Ok(Answer::New);
+    }
+    let key = Key {
+        consumer,
+        source: &msg.source,
+        message_id: &msg.id,
+    };
+    Ok(match found {
+        // The key table answered without the row: read its number.
+        Some(Found::CompletedDuplicate) => match stored(conn, key)? {
+            Some((seq, stream, stored)) => against_row(msg, (seq, stream.as_deref()), &stored),
+            None => Answer::New,
+        },
+        Some(Found::Row { row, .. }) if row.payload_hash == *hash => {
+            against_row(msg, (row.seq, row.seq_stream.as_deref()), &row.payload_hash)
+        }
+        // Another payload: the key's own conflict, as without a number.
+        Some(Found::Row { .. }) => Answer::New,
+        None => against_stream(conn, consumer, msg, hash)?,
+    })
+}
+
+/// The stored message's sequence against the delivery's, for a message
+/// whose row is still there (`stored` is that row's `(seq, stream)`): a
+/// row numbered otherwise is a sender that numbered one message twice (a
+/// counter reset). A row or a delivery without a number says nothing.
+pub(crate) fn against_row(
+    msg: &Message,
+    stored: (Option<i64>, Option<&str>),
+    stored_hash: &[u8; 32],
+) -> Answer {
+    let (Some(seq), Some(stream)) = (msg.sequence, msg.sequence_stream()) else {
+        return Answer::New;
+    };
+    match stored {
+        (Some(stored_seq), Some(stored_stream))
+            if stored_seq != seq as i64 || stored_stream != stream =>
+        {
+            Answer::Conflict {
+                stored_hash: *stored_hash,
+                why: format!(
+                    "stored with sequence {stored_seq} of stream {stored_stream:?}, delivered \
+                     with sequence {seq} of stream {stream:?} (did the sender's counter reset?)"
+                ),
+            }
+        }
+        _ => Answer::New,
+    }
+}
+
+/// A stored row's sequence, stream and payload digest.
+pub(crate) type Stored = (Option<i64>, Option<String>, [u8; 32]);
+
+/// The `(seq, stream)` and digest of the row stored under `key`, if any
+/// (for a completed duplicate the key table answered without the row).
+pub(crate) fn stored(conn: &Connection, key: Key<'_>) -> rusqlite::Result<Option<Stored>> {
+    conn.prepare_cached(
+        "SELECT i.seq, i.seq_stream, i.payload_hash FROM postroom_inbox_keys k
+         JOIN postroom_inbox i ON i.id = k.inbox_id
+         WHERE k.consumer = ?1 AND k.source = ?2 AND k.message_id = ?3",
+    )?
+    .query_row(params![key.consumer, key.source, key.message_id], |r| {
+        let hash: Vec<u8> = r.get(2)?;
+        Ok((r.get(0)?, r.get(1)?, hash.try_into().unwrap_or([0; 32])))
+    })
+    .optional()
+}
+
+/// What the number of a sequenced message without a row says: a retained
+/// row of another key holding the number is a conflict; a number below
+/// the watermark is a duplicate; one listed settled above it is a
+/// duplicate with the same key and payload, else a conflict.
+pub(crate) fn against_stream(
+    conn: &Connection,
+    consumer: &str,
+    msg: &Message,
+    hash: &[u8; 32],
+) -> rusqlite::Result<Answer> {
+    let (Some(seq), Some(stream)) = (msg.sequence, msg.sequence_stream()) else {
+        return Ok(Answer::New);
+    };
+    let seq = seq as i64;
+    let holder: Option<(String, String, Vec<u8>)> = conn
+        .prepare_cached(
+            "SELECT source, message_id, payload_hash FROM postroom_inbox
+             WHERE consumer = ?1 AND seq_stream = ?2 AND seq = ?3 AND seq IS NOT NULL
+             LIMIT 1",
+        )?
+        .query_row(params![consumer, stream, seq], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
+        .optional()?;
+    if let Some((source, id, stored)) = holder {
+        // The caller found no row under this message's key.
+        return Ok(Answer::Conflict {
+            stored_hash: stored.try_into().unwrap_or([0; 32]),
+            why: format!(
+                "sequence {seq} of stream {stream:?} is held by message {source}/{id} (did the \
+                 sender's counter reset?)"
+            ),
+        });
+    }
+    let below: Option<i64> = conn
+        .prepare_cached(
+            "SELECT settled_below FROM postroom_watermarks WHERE consumer = ?1 AND stream = ?2",
+        )?
+        .query_row(params![consumer, stream], |r| r.get(0))
+        .optional()?;
+    let Some(below) = below else {
+        return Ok(Answer::New);
+    };
+    if seq < below {
+        return Ok(Answer::Duplicate);
+    }
+    let listed: Option<(String, String, Vec<u8>)> = conn
+        .prepare_cached(
+            "SELECT source, message_id, payload_hash FROM postroom_watermark_settled
+             WHERE consumer = ?1 AND stream = ?2 AND seq = ?3",
+        )?
+        .query_row(params![consumer, stream, seq], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
+        .optional()?;
+    Ok(match listed {
+        None => Answer::New,
+        Some((source, id, stored)) if source == msg.source && id == msg.id => {
+            if stored.as_slice() == hash.as_slice() {
+                Answer::Duplicate
+            } else {
+                Answer::Conflict {
+                    stored_hash: stored.try_into().unwrap_or([0; 32]),
+                    why: format!(
+                        "sequence {seq} of stream {stream:?} settled with another payload"
+                    ),
+                }
+            }
+        }
+        Some((source, id, stored)) => Answer::Conflict {
+            stored_hash: stored.try_into().unwrap_or([0; 32]),
+            why: format!(
+                "sequence {seq} of stream {stream:?} settled as message {source}/{id} (did the \
+                 sender's counter reset?)"
+            ),
+        },
+    })
+}
+
+/// Starts `consumer`'s `stream` afresh (a sender whose counter was reset:
+/// a new epoch): its next sequence is `next`, nothing above is listed
+/// settled, and its retained rows lose their numbers (they still
+/// deduplicate by key), so the new epoch's numbers conflict with nothing
+/// of the old one. Returns whether the stream was known.
+pub(crate) fn reset(
+    conn: &Connection,
+    consumer: &str,
+    stream: &str,
+    next: u64,
+) -> rusqlite::Result<bool> {
+    let next = i64::try_from(next).unwrap_or(i64::MAX);
+    let known = conn
+        .prepare_cached(
+            "UPDATE postroom_watermarks SET settled_below = ?3, highest = NULL, unrecorded = 0
+             WHERE consumer = ?1 AND stream = ?2",
+        )?
+        .execute(params![consumer, stream, next])?
+        == 1;
+    if !known {
+        conn.prepare_cached(
+            "INSERT INTO postroom_watermarks (consumer, stream, settled_below)
+             VALUES (?1, ?2, ?3)",
+        )?
+        .execute(params![consumer, stream, next])?;
+    }
+    conn.prepare_cached(
+        "DELETE FROM postroom_watermark_settled WHERE consumer = ?1 AND stream = ?2",
+    )?
+    .execute(params![consumer, stream])?;
+    conn.prepare_cached(
+        "UPDATE postroom_inbox SET seq = NULL, seq_stream = NULL
+         WHERE consumer = ?1 AND seq_stream = ?2 AND seq IS NOT NULL",
+    )?
+    .execute(params![consumer, stream])?;
+    Ok(known)
+}
+
+/// Creates `consumer`'s `stream` with `next` as its next sequence, unless
+/// the stream exists.
+pub(crate) fn start(
+    conn: &Connection,
+    consumer: &str,
+    stream: &str,
+    next: u64,
+) -> rusqlite::Result<()> {
+    let next = i64::try_from(next).unwrap_or(i64::MAX);
+    conn.prepare_cached(
+        "INSERT OR IGNORE INTO postroom_watermarks (consumer, stream, settled_below)
+         VALUES (?1, ?2, ?3)",
+    )?
+    .execute(params![consumer, stream, next])?;
+    Ok(())
+}
+
+/// One stream's watermark, as [`Stats::sequences`](crate::Stats) and the
+/// CLI show it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub struct StreamWatermark {
+    /// The consumer.
+    pub consumer: String,
+    /// The sequence stream (the source, unless the sender named a stream).
+    pub stream: String,
+    /// Every sequence up to this one has settled (completed or dead); 0
+    /// while sequence 1 (or the start a reset set) has not.
+    pub watermark: u64,
+    /// The highest sequence stored.
+    pub highest: Option<u64>,
+    /// Settled sequences listed above the watermark (at most 4096).
+    pub listed: u64,
+    /// Settled sequences past that bound, not listed: the watermark
+    /// cannot pass them, and their redeliveries after retention are taken
+    /// as new. Non-zero: reset the stream
+    /// ([`Postroom::reset_sequence`](crate::Postroom::reset_sequence)).
+    pub unrecorded: u64,
+    /// Ranges of sequences up to `highest` that have not settled — never
+    /// arrived, or stored and not yet completed or dead — lowest first, at
+    /// most 16 (`missing_more` says more were left off).
+    pub missing: Vec<(u64, u64)>,
+    /// True when `missing` was cut short.
+    pub missing_more: bool,
+}
+
+impl StreamWatermark {
+    /// `missing` as an operator reads it: `41-45, 50`, with `, …` when cut
+    /// short; empty when nothing is missing.
+    pub fn missing_text(&self) -> String {
+        let mut parts: Vec<String> = self
+            .missing
+            .iter()
+            .map(|&(lo, hi)| {
+                if lo == hi {
+                    lo.to_string()
+                } else {
+                    format!("{lo}-{hi}")
+                }
+            })
+            .collect();
+        if self.missing_more {
+            parts.push("…".into());
+        }
+        parts.join(", ")
+    }
+}
+
+/// Every stream's watermark, by consumer and stream. Reads each stream's
+/// listed sequences (at most 4096 each).
+pub(crate) fn read_all(conn: &Connection) -> rusqlite::Result<Vec<StreamWatermark>> {
+    let mut streams = Vec::new();
+    // A file not yet migrated to version 6 (the CLI reads it as it is).
+    let present: bool = conn
+        .prepare_cached(
+            "SELECT count(*) > 0 FROM sqlite_master
+             WHERE type = 'table' AND name = 'postroom_watermarks'",
+        )?
+        .query_row([], |r| r.get(0))?;
+    if !present {
+        return Ok(streams);
+    }
+    let mut stmt = conn.prepare_cached(
+        "SELECT consumer, stream, settled_below, highest, unrecorded FROM postroom_watermarks
+         ORDER BY consumer, stream",
+    )?;
+    let mut rows = stmt.query([])?;
+    while let Some(r) = rows.next()? {
+        let below: i64 = r.get(2)?;
+        let highest: Option<i64> = r.get(3)?;
+        let unrecorded: i64 = r.get(4)?;
+        streams.push(StreamWatermark {
+            consumer: r.get(0)?,
+            stream: r.get(1)?,
+            watermark: u64::try_from(below.saturating_sub(1)).unwrap_or(0),
+            highest: highest.and_then(|h| u64::try_from(h).ok()),
+            unrecorded: u64::try_from(unrecorded).unwrap_or(0),
+            ..StreamWatermark::default()
+        });
+    }
+    let mut listed = conn.prepare_cached(
+        "SELECT seq FROM postroom_watermark_settled WHERE consumer = ?1 AND stream = ?2
+         ORDER BY seq",
+    )?;
+    for w in &mut streams {
+        let seqs = listed
+            .query_map(params![w.consumer, w.stream], |r| r.get::<_, i64>(0))?
+            .collect::<rusqlite::Result<Vec<i64>>>()?;
+        w.listed = seqs.len() as u64;
+        let mut next = w.watermark + 1;
+        let mut gaps = Vec::new();
+        let ends = seqs
+            .iter()
+            .filter_map(|&s| u64::try_from(s).ok())
+            .map(Some)
+            .chain([w.highest.map(|h| h + 1)]);
+        for end in ends.flatten() {
+            if end > next {
+                gaps.push((next, end - 1));
+            }
+            next = next.max(end + 1);
+        }
+        // `highest` itself may be listed: the chained end then adds nothing.
+        w.missing_more = gaps.len() > MAX_MISSING_RANGES;
+        gaps.truncate(MAX_MISSING_RANGES);
+        w.missing = gaps;
+    }
+    Ok(streams)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The triggers hold the bound as a literal: it must be this one.
+    #[test]
+    fn the_schema_lists_at_most_max_listed() {
+        let bound = format!("< {MAX_LISTED_SEQUENCES})");
+        assert_eq!(crate::store::schema::SCHEMA_SQL.matches(&bound).count(), 2);
+    }
+
+    #[test]
+    fn missing_ranges_read_as_an_operator_writes_them() {
+        let mut w = StreamWatermark {
+            missing: vec![(41, 45), (50, 50)],
+            ..StreamWatermark::default()
+        };
+        assert_eq!(w.missing_text(), "41-45, 50");
+        w.missing_more = true;
+        assert_eq!(w.missing_text(), "41-45, 50, …");
+        assert_eq!(StreamWatermark::default().missing_text(), "");
+    }
+}
