@@ -54,6 +54,19 @@ pub enum SendResult {
         /// Stored as the row's `last_error`.
         reason: String,
     },
+    /// The destination could not be reached (a broker that is down, a
+    /// connection lost before the message was acknowledged): nothing is
+    /// known against the message itself. The row stays pending and is
+    /// handed over again after `after`, and no attempt is counted, so an
+    /// outage however long never dead-letters a row. A sink must return it
+    /// only for failures that are not the message's fault, or a message the
+    /// destination refuses would be retried for ever.
+    Unavailable {
+        /// Stored as the row's `last_error`.
+        reason: String,
+        /// When to try again.
+        after: Duration,
+    },
 }
 
 impl SendResult {
@@ -62,6 +75,15 @@ impl SendResult {
         SendResult::Retry {
             reason: reason.to_string(),
             after: None,
+        }
+    }
+
+    /// The destination is unreachable: try again after `after`, counting
+    /// no attempt (see [`SendResult::Unavailable`]).
+    pub fn unavailable(reason: impl std::fmt::Display, after: Duration) -> Self {
+        SendResult::Unavailable {
+            reason: reason.to_string(),
+            after,
         }
     }
 
@@ -408,9 +430,12 @@ pub(crate) fn relay(
         // the flush: retrying a dead sink until the deadline would only eat
         // the time the writer needs to stop.
         // A row settled either way (sent, or dead) is progress.
-        let progress = results
-            .iter()
-            .any(|r| !matches!(r, SendResult::Retry { .. }));
+        let progress = results.iter().any(|r| {
+            !matches!(
+                r,
+                SendResult::Retry { .. } | SendResult::Unavailable { .. }
+            )
+        });
         let recorded =
             failpoint::hit("relay.after_send").and_then(|()| record(&shared, batch, results));
         match recorded {
@@ -515,6 +540,13 @@ pub(crate) fn record_results(
                 let next = now.saturating_add(clock::millis(delay));
                 outbox::mark_failed(conn, msg.seq, &reason, next, config.max_attempts, false)
                     .map_err(sql)?;
+                if let Some(key) = msg.key.as_deref() {
+                    held.insert(key);
+                }
+            }
+            SendResult::Unavailable { reason, after } => {
+                let next = now.saturating_add(clock::millis(after));
+                outbox::mark_unavailable(conn, msg.seq, &reason, next).map_err(sql)?;
                 if let Some(key) = msg.key.as_deref() {
                     held.insert(key);
                 }
