@@ -96,6 +96,8 @@ mod handler;
 mod inbox;
 mod inflight;
 mod message;
+#[cfg(feature = "mqtt")]
+pub mod mqtt;
 mod outbox;
 mod queue;
 mod reaper;

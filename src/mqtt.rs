@@ -1,0 +1,936 @@
+//! The MQTT bridge (feature `mqtt`): an outbox [`Sink`] that publishes to an
+//! MQTT broker, and an [`MqttIntake`] that feeds a broker's messages to an
+//! inbox. Both speak MQTT 3.1.1 through [`rumqttc`] (re-exported), QoS 1.
+//!
+//! MQTT 3.1.1 has no message headers, so every message travels in an
+//! [`Envelope`]: one line of JSON (the outbox row's id, `seq`, topic, key,
+//! headers and the sink's source name), a newline, then the payload bytes
+//! untouched. Any consumer can drop repeats by the envelope's `id`; the
+//! intake does so through the inbox. See docs/SINKS.md.
+//!
+//! Out: [`MqttSink`] answers `Sent` for a row only after the broker's
+//! PUBACK. A broker that is down or does not acknowledge in time makes the
+//! unacknowledged rows [`SendResult::Unavailable`]: retried with backoff,
+//! no attempt counted, never dead-lettered for the outage.
+//!
+//! In: [`MqttIntake`] subscribes at QoS 1 with manual acknowledgements and a
+//! persistent session, hands each message to
+//! [`deliver`](Postroom::deliver) (or [`receive`](Postroom::receive)), and
+//! acknowledges it only when the outcome says so. MQTT brokers resend an
+//! unacknowledged message only when the session resumes, so after a "do
+//! not ack" outcome the intake reconnects once the outcome's `retry_after`
+//! has passed, and the broker redelivers it.
+
+use std::collections::{HashMap, VecDeque};
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+pub use rumqttc;
+use rumqttc::{
+    Client, ConnectReturnCode, Connection, Event, MqttOptions, Outgoing, Packet, Publish, QoS,
+    RecvTimeoutError,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::delivery::panic_message;
+use crate::engine::Postroom;
+use crate::error::{Error, Result};
+use crate::message::{Headers, Message, Outcome, Receipt};
+use crate::outbox::{digest_hex, OutboxMessage};
+use crate::relay::{SendResult, Sink};
+
+/// The envelope format's version, its first field (`"postroom":1`).
+pub const ENVELOPE_VERSION: u32 = 1;
+
+/// How an outbox message travels over MQTT 3.1.1, which has no headers:
+/// this struct as one line of compact JSON, then `\n`, then the payload
+/// bytes as they are (binary-safe; compact JSON never holds a raw newline):
+///
+/// ```text
+/// {"postroom":1,"id":"9f…","seq":42,"source":"device-a","topic":"orders","key":"7","headers":{}}
+/// <payload bytes>
+/// ```
+///
+/// `id` is the outbox row's message id, the same on every re-send: dedupe
+/// on it. `seq` is the row's commit order in its outbox (increasing per
+/// source, with gaps). `source`, when the sink was given one, names the
+/// sending outbox; `key` and `headers` are absent when empty.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Envelope {
+    /// Always [`ENVELOPE_VERSION`].
+    pub postroom: u32,
+    /// The outbox message id.
+    pub id: String,
+    /// The outbox row's `seq`.
+    pub seq: i64,
+    /// The sending outbox's name, if the sink was given one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// The outbox row's topic (the MQTT topic may differ: see
+    /// [`MqttSink::topic_with`]).
+    pub topic: String,
+    /// The outbox row's ordering key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// The outbox row's headers.
+    #[serde(default, skip_serializing_if = "Headers::is_empty")]
+    pub headers: Headers,
+    /// The payload: not in the JSON line, it follows it.
+    #[serde(skip)]
+    pub payload: Vec<u8>,
+}
+
+impl Envelope {
+    /// An envelope for a message not from a postroom outbox (another
+    /// publisher speaking the format): `id` must be stable across its
+    /// re-sends, `seq` increasing per source.
+    pub fn new(
+        id: impl Into<String>,
+        seq: i64,
+        topic: impl Into<String>,
+        payload: impl Into<Vec<u8>>,
+    ) -> Self {
+        Envelope {
+            postroom: ENVELOPE_VERSION,
+            id: id.into(),
+            seq,
+            source: None,
+            topic: topic.into(),
+            key: None,
+            headers: Headers::new(),
+            payload: payload.into(),
+        }
+    }
+
+    /// Names the sending source.
+    pub fn with_source(mut self, source: impl Into<String>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// The envelope of an outbox row, naming `source` when given.
+    pub fn of(msg: &OutboxMessage, source: Option<&str>) -> Self {
+        Envelope {
+            postroom: ENVELOPE_VERSION,
+            id: msg.id.clone(),
+            seq: msg.seq,
+            source: source.map(str::to_owned),
+            topic: msg.topic.clone(),
+            key: msg.key.clone(),
+            headers: msg.headers.clone(),
+            payload: msg.payload.clone(),
+        }
+    }
+
+    /// The bytes that go on the wire.
+    pub fn encode(&self) -> Vec<u8> {
+        // A struct of strings and integers always serializes.
+        let mut out = serde_json::to_vec(self).unwrap_or_default();
+        out.push(b'\n');
+        out.extend_from_slice(&self.payload);
+        out
+    }
+
+    /// Reads an envelope; `None` when `bytes` is not one (no newline, the
+    /// first line is not the JSON above, or another version).
+    pub fn decode(bytes: &[u8]) -> Option<Envelope> {
+        let newline = bytes.iter().position(|&b| b == b'\n')?;
+        let mut env: Envelope = serde_json::from_slice(&bytes[..newline]).ok()?;
+        if env.postroom != ENVELOPE_VERSION {
+            return None;
+        }
+        env.payload = bytes[newline + 1..].to_vec();
+        Some(env)
+    }
+}
+
+/// Why an MQTT topic cannot be published to: empty, longer than 65,535
+/// bytes, or holding a wildcard (`+`, `#`) or NUL.
+fn topic_problem(topic: &str) -> Option<&'static str> {
+    if topic.is_empty() {
+        Some("the MQTT topic is empty")
+    } else if topic.len() > usize::from(u16::MAX) {
+        Some("the MQTT topic is longer than 65535 bytes")
+    } else if topic.contains(['+', '#', '\0']) {
+        Some("the MQTT topic holds a wildcard or NUL")
+    } else {
+        None
+    }
+}
+
+/// Exponential backoff between `min` and `max`, doubled per failure.
+#[derive(Debug, Clone)]
+struct Backoff {
+    min: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    fn new(min: Duration, max: Duration) -> Self {
+        Backoff {
+            min,
+            max,
+            next: min,
+        }
+    }
+
+    fn fail(&mut self) -> Duration {
+        let now = self.next;
+        self.next = (self.next * 2).min(self.max);
+        now
+    }
+
+    fn reset(&mut self) {
+        self.next = self.min;
+    }
+}
+
+type TopicFn = Box<dyn Fn(&OutboxMessage) -> String + Send>;
+
+/// A live connection of the sink, and when it was last used.
+struct Link {
+    client: Client,
+    conn: Connection,
+    used: Instant,
+}
+
+/// An outbox [`Sink`] publishing each row to an MQTT broker at QoS 1, in an
+/// [`Envelope`]; a row is `Sent` only once the broker's PUBACK for it came.
+///
+/// Up to the options' in-flight window (`MqttOptions::set_inflight`,
+/// 100 by default) publishes are outstanding at once. Per-key order holds:
+/// one connection carries the batch in commit order, and an MQTT 3.1.1
+/// broker must acknowledge QoS 1 publishes in the order it received them
+/// (§4.6), so the acknowledged rows are always a prefix of those sent on a
+/// connection. When the connection fails or a PUBACK does not come within
+/// [`ack_timeout`](MqttSink::ack_timeout), the sink drops the connection
+/// (rumqttc's own resend of unacknowledged publishes goes with it) and the
+/// unacknowledged rows are [`SendResult::Unavailable`]: the relay hands them
+/// over again after the sink's backoff, in order, on a new connection.
+/// Some of them may have reached the broker: consumers dedupe on the
+/// envelope's id.
+pub struct MqttSink {
+    options: MqttOptions,
+    topic: TopicFn,
+    source: Option<String>,
+    ack_timeout: Duration,
+    link: Option<Link>,
+    backoff: Backoff,
+}
+
+impl MqttSink {
+    /// Publishes through a broker reached with `options` (host, port,
+    /// client id, credentials, keep-alive, in-flight window). The MQTT
+    /// topic is the outbox row's topic.
+    pub fn new(options: MqttOptions) -> Self {
+        MqttSink {
+            options,
+            topic: Box::new(|m: &OutboxMessage| m.topic.clone()),
+            source: None,
+            ack_timeout: Duration::from_secs(10),
+            link: None,
+            backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
+        }
+    }
+
+    /// The MQTT topic of a row is `prefix` followed by its outbox topic.
+    pub fn topic_prefix(mut self, prefix: impl Into<String>) -> Self {
+        let prefix = prefix.into();
+        self.topic = Box::new(move |m: &OutboxMessage| format!("{prefix}{}", m.topic));
+        self
+    }
+
+    /// The MQTT topic of a row is `f(row)` (e.g. with its key:
+    /// `format!("orders/{}", m.key…)`). A topic that cannot be published to
+    /// (empty, a wildcard) makes that row dead.
+    pub fn topic_with(mut self, f: impl Fn(&OutboxMessage) -> String + Send + 'static) -> Self {
+        self.topic = Box::new(f);
+        self
+    }
+
+    /// Names this outbox in every envelope (`source`): the intake then uses
+    /// it as the inbox message's source instead of the row's topic.
+    pub fn source(mut self, name: impl Into<String>) -> Self {
+        self.source = Some(name.into());
+        self
+    }
+
+    /// How long the sink waits for the next PUBACK (10 s by default)
+    /// before it gives the connection up as stalled.
+    pub fn ack_timeout(mut self, timeout: Duration) -> Self {
+        self.ack_timeout = timeout;
+        self
+    }
+
+    /// The sink's backoff while the broker cannot be reached: from `min`,
+    /// doubled per failure, up to `max` (100 ms to 5 s by default).
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.backoff = Backoff::new(min, max.max(min));
+        self
+    }
+
+    /// A connection that is up: the one kept from the last batch, unless it
+    /// sat idle past half the keep-alive (nobody polled it, so the broker
+    /// may have dropped it), else a new one once the broker's CONNACK came.
+    fn link(&mut self) -> std::result::Result<&mut Link, String> {
+        let half_keep_alive = self.options.keep_alive() / 2;
+        if self
+            .link
+            .as_ref()
+            .is_some_and(|l| l.used.elapsed() > half_keep_alive)
+        {
+            self.link = None;
+        }
+        if self.link.is_none() {
+            let window = usize::from(self.options.inflight().max(1));
+            let (client, mut conn) = Client::new(self.options.clone(), window);
+            wait_connack(&mut conn, self.ack_timeout)?;
+            self.link = Some(Link {
+                client,
+                conn,
+                used: Instant::now(),
+            });
+        }
+        Ok(self.link.as_mut().expect("just set"))
+    }
+
+    /// Publishes `todo` (indexes into `batch`) in order and waits for their
+    /// PUBACKs; marks the acknowledged ones `Sent` in `results`. An error
+    /// means the connection is no longer usable.
+    fn publish_all(
+        &mut self,
+        batch: &[OutboxMessage],
+        todo: &[(usize, String)],
+        results: &mut [SendResult],
+    ) -> std::result::Result<(), String> {
+        let ack_timeout = self.ack_timeout;
+        let source = self.source.clone();
+        let link = self.link()?;
+        let window = usize::from(link.conn.eventloop.mqtt_options.inflight().max(1));
+        let mut next = 0; // next entry of `todo` to publish
+        let mut queued: VecDeque<usize> = VecDeque::new(); // published, no pkid yet
+        let mut collided: Option<(u16, usize)> = None;
+        let mut by_pkid: HashMap<u16, usize> = HashMap::new();
+        let mut acked = 0;
+        let mut last_progress = Instant::now();
+        while acked < todo.len() {
+            // Keep the window full; the request channel holds `window`.
+            while next < todo.len() && next - acked < window {
+                let (i, topic) = &todo[next];
+                let payload = Envelope::of(&batch[*i], source.as_deref()).encode();
+                match link
+                    .client
+                    .try_publish(topic.as_str(), QoS::AtLeastOnce, false, payload)
+                {
+                    Ok(()) => {
+                        queued.push_back(*i);
+                        next += 1;
+                    }
+                    Err(rumqttc::ClientError::TryRequest(_)) => break, // full: poll
+                    Err(e) => return Err(format!("mqtt publish: {e}")),
+                }
+            }
+            let event = match link.conn.recv_timeout(Duration::from_millis(100)) {
+                Ok(Ok(event)) => event,
+                Ok(Err(e)) => return Err(format!("mqtt connection: {e}")),
+                Err(RecvTimeoutError::Disconnected) => return Err("mqtt client closed".into()),
+                Err(RecvTimeoutError::Timeout) => {
+                    if last_progress.elapsed() > ack_timeout {
+                        return Err(format!("mqtt: no PUBACK within {ack_timeout:?}"));
+                    }
+                    continue;
+                }
+            };
+            match event {
+                Event::Outgoing(Outgoing::Publish(pkid)) => {
+                    let i = match collided {
+                        Some((p, i)) if p == pkid => {
+                            collided = None;
+                            i
+                        }
+                        _ => queued.pop_front().ok_or("mqtt: a publish nobody sent")?,
+                    };
+                    by_pkid.insert(pkid, i);
+                }
+                // Its packet id is still in flight: rumqttc sends it (an
+                // `Outgoing::Publish` of the same id) once that one is acked.
+                Event::Outgoing(Outgoing::AwaitAck(pkid)) => {
+                    let i = queued.pop_front().ok_or("mqtt: a publish nobody sent")?;
+                    collided = Some((pkid, i));
+                }
+                Event::Incoming(Packet::PubAck(ack)) => {
+                    if let Some(i) = by_pkid.remove(&ack.pkid) {
+                        results[i] = SendResult::Sent;
+                        acked += 1;
+                        last_progress = Instant::now();
+                    }
+                }
+                Event::Incoming(Packet::Disconnect) => {
+                    return Err("mqtt: the broker disconnected".into())
+                }
+                _ => {}
+            }
+        }
+        link.used = Instant::now();
+        Ok(())
+    }
+}
+
+/// Polls a new connection until the broker's CONNACK (accepted), an error,
+/// or `timeout`.
+fn wait_connack(conn: &mut Connection, timeout: Duration) -> std::result::Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("mqtt: no CONNACK within {timeout:?}"));
+        }
+        match conn.recv_timeout(left) {
+            Ok(Ok(Event::Incoming(Packet::ConnAck(ack)))) => {
+                return match ack.code {
+                    ConnectReturnCode::Success => Ok(()),
+                    code => Err(format!("mqtt: the broker refused the connection: {code:?}")),
+                };
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(format!("mqtt connect: {e}")),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return Err("mqtt client closed".into()),
+        }
+    }
+}
+
+impl Sink for MqttSink {
+    fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
+        let mut results = vec![SendResult::retry("not handed over"); batch.len()];
+        // Rows whose topic cannot be published are dead before anything is
+        // sent; later rows of their key wait (the relay holds them back).
+        let mut todo = Vec::with_capacity(batch.len());
+        let mut dead_keys: Vec<&str> = Vec::new();
+        for (i, msg) in batch.iter().enumerate() {
+            if msg.key.as_deref().is_some_and(|k| dead_keys.contains(&k)) {
+                continue;
+            }
+            let topic = (self.topic)(msg);
+            match topic_problem(&topic) {
+                None => todo.push((i, topic)),
+                Some(problem) => {
+                    results[i] = SendResult::dead(format_args!("{problem}: {topic:?}"));
+                    if let Some(k) = msg.key.as_deref() {
+                        dead_keys.push(k);
+                    }
+                }
+            }
+        }
+        if todo.is_empty() {
+            return results;
+        }
+        match self.publish_all(batch, &todo, &mut results) {
+            Ok(()) => self.backoff.reset(),
+            Err(reason) => {
+                log::warn!("postroom mqtt sink: {reason}; reconnecting");
+                self.link = None;
+                let after = self.backoff.fail();
+                for (i, _) in &todo {
+                    if results[*i] != SendResult::Sent {
+                        results[*i] = SendResult::unavailable(&reason, after);
+                    }
+                }
+            }
+        }
+        results
+    }
+}
+
+/// What an [`MqttIntake`] has seen since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct IntakeStats {
+    /// Messages received from the broker, redeliveries included.
+    pub received: u64,
+    /// Of those, messages the broker flagged as a redelivery (DUP).
+    pub redelivered: u64,
+    /// Messages acknowledged to the broker.
+    pub acked: u64,
+    /// Messages the inbox had already (`Duplicate`): absorbed, acknowledged.
+    pub duplicates: u64,
+    /// Messages left unacknowledged (a "do not ack" outcome or an error),
+    /// for the broker to redeliver when the intake reconnects.
+    pub not_acked: u64,
+    /// Messages that came behind one left unacknowledged: not handed on,
+    /// not acknowledged, redelivered after the reconnect.
+    pub held_back: u64,
+    /// Messages the inbox refuses for good (an id or name outside postroom's
+    /// limits): acknowledged and dropped, with an error logged.
+    pub refused: u64,
+    /// Messages without an envelope, given a content-derived id.
+    pub unwrapped: u64,
+    /// Connections made, the first included.
+    pub connects: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    received: AtomicU64,
+    redelivered: AtomicU64,
+    acked: AtomicU64,
+    duplicates: AtomicU64,
+    not_acked: AtomicU64,
+    held_back: AtomicU64,
+    refused: AtomicU64,
+    unwrapped: AtomicU64,
+    connects: AtomicU64,
+    subscribed: AtomicBool,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How an [`MqttIntake`] hands messages to the inbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Deliver,
+    Receive,
+}
+
+/// Builds an [`MqttIntake`]; see [`MqttIntake::builder`].
+pub struct IntakeBuilder {
+    options: MqttOptions,
+    room: Arc<Postroom>,
+    consumer: String,
+    filters: Vec<String>,
+    mode: Mode,
+    backoff: Backoff,
+}
+
+impl IntakeBuilder {
+    /// Subscribes to `filter` (wildcards allowed) at QoS 1; call once per
+    /// filter.
+    pub fn subscribe(mut self, filter: impl Into<String>) -> Self {
+        self.filters.push(filter.into());
+        self
+    }
+
+    /// Stores each message with [`receive`](Postroom::receive) (the
+    /// engine's workers process it) instead of delivering it inline; every
+    /// receipt acknowledges.
+    pub fn queued(mut self) -> Self {
+        self.mode = Mode::Receive;
+        self
+    }
+
+    /// The wait between reconnection attempts while the broker cannot be
+    /// reached: from `min`, doubled per failure, up to `max` (100 ms to
+    /// 5 s by default).
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.backoff = Backoff::new(min, max.max(min));
+        self
+    }
+
+    /// Starts the intake's thread (`postroom-mqtt-intake`). The options'
+    /// session is made persistent (`clean_session` false) with manual
+    /// acknowledgements; give each intake a client id of its own that stays
+    /// the same across restarts, or the broker cannot resume its session.
+    pub fn start(self) -> Result<MqttIntake> {
+        if self.filters.is_empty() {
+            return Err(Error::invalid(
+                "subscribe",
+                "an intake needs a topic filter",
+            ));
+        }
+        let mut options = self.options;
+        options.set_clean_session(false).set_manual_acks(true);
+        let counters = Arc::new(Counters::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let (done_tx, done) = crossbeam_channel::bounded(1);
+        let worker = Intake {
+            options,
+            room: self.room,
+            consumer: self.consumer,
+            filters: self.filters,
+            mode: self.mode,
+            backoff: self.backoff,
+            counters: Arc::clone(&counters),
+            stop: Arc::clone(&stop),
+            acks: VecDeque::new(),
+            unsent_acks: 0,
+            redeliver_at: None,
+        };
+        let handle = thread::Builder::new()
+            .name("postroom-mqtt-intake".into())
+            .spawn(move || {
+                let outcome = panic::catch_unwind(AssertUnwindSafe(|| worker.run()))
+                    .map_err(|p| panic_message(p.as_ref()));
+                if let Err(reason) = &outcome {
+                    log::error!("postroom mqtt intake: thread panicked: {reason}");
+                }
+                let _ = done_tx.send(outcome);
+            })
+            .map_err(|e| Error::io("spawn thread", e))?;
+        Ok(MqttIntake {
+            counters,
+            stop,
+            handle: Some(handle),
+            done,
+        })
+    }
+}
+
+/// Feeds an MQTT broker's messages to one consumer of a [`Postroom`]: one
+/// named thread, QoS 1, manual acknowledgements, a persistent session.
+///
+/// Each message's inbox id and source come from its [`Envelope`]: id = the
+/// envelope's `id`, source = its `source` or else its `topic`, with its
+/// key as ordering key and its headers. A message without an envelope (from
+/// another publisher) gets source = its MQTT topic and id =
+/// `mqtt-` + 128 bits of blake3 over topic and payload: identical payloads
+/// on one topic then count as one message, so such publishers should put a
+/// unique id in the payload.
+///
+/// Messages are handed on one at a time, in the order the broker sends
+/// them, and acknowledged in that order, each only when
+/// [`Outcome::should_ack`] (or, queued, [`Receipt::should_ack`]). One that
+/// is not — the handler failed and will be retried, another worker holds
+/// it, or storage failed — stays unacknowledged, and so do the messages
+/// after it: MQTT wants acknowledgements in order (3.1.1 §4.6; rumqttd
+/// disconnects a client that skips one), and handling later ones first
+/// would break per-key order. The broker resends unacknowledged messages
+/// only when the session resumes, so once the outcome's `retry_after` (1 s
+/// after an error) has passed the intake reconnects, and the held message
+/// and those after it come again (DUP), in order; the ones the inbox
+/// already has are `Duplicate`. A message whose handler keeps failing
+/// holds its subscription up until it is dead-lettered (`max_attempts`);
+/// with [`queued`](IntakeBuilder::queued) every message is acknowledged
+/// once stored, and the engine's workers retry it without holding the
+/// others.
+pub struct MqttIntake {
+    counters: Arc<Counters>,
+    stop: Arc<AtomicBool>,
+    handle: Option<thread::JoinHandle<()>>,
+    done: crossbeam_channel::Receiver<std::result::Result<(), String>>,
+}
+
+impl MqttIntake {
+    /// An intake into `consumer` of `room`, through a broker reached with
+    /// `options`. Add at least one [`subscribe`](IntakeBuilder::subscribe).
+    pub fn builder(
+        options: MqttOptions,
+        room: Arc<Postroom>,
+        consumer: impl Into<String>,
+    ) -> IntakeBuilder {
+        IntakeBuilder {
+            options,
+            room,
+            consumer: consumer.into(),
+            filters: Vec::new(),
+            mode: Mode::Deliver,
+            backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
+        }
+    }
+
+    /// What it has seen so far.
+    pub fn stats(&self) -> IntakeStats {
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        IntakeStats {
+            received: get(&c.received),
+            redelivered: get(&c.redelivered),
+            acked: get(&c.acked),
+            duplicates: get(&c.duplicates),
+            not_acked: get(&c.not_acked),
+            held_back: get(&c.held_back),
+            refused: get(&c.refused),
+            unwrapped: get(&c.unwrapped),
+            connects: get(&c.connects),
+        }
+    }
+
+    /// Waits until the broker has granted the subscriptions on the current
+    /// connection, at most `timeout`; false if it has not. Messages
+    /// published before a persistent session first subscribed are not
+    /// queued for it by the broker.
+    pub fn wait_subscribed(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while !self.counters.subscribed.load(Ordering::Acquire) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+        true
+    }
+
+    /// Stops: sends the acknowledgements still queued, disconnects (the
+    /// session stays on the broker) and joins the thread, all within
+    /// `deadline`. Messages not yet acknowledged are redelivered to the
+    /// next intake with the same client id.
+    pub fn shutdown(mut self, deadline: Duration) -> Result<()> {
+        self.stop_within(deadline)
+    }
+
+    fn stop_within(&mut self, deadline: Duration) -> Result<()> {
+        self.stop.store(true, Ordering::Release);
+        let Some(handle) = self.handle.take() else {
+            return Ok(());
+        };
+        match self.done.recv_timeout(deadline) {
+            Ok(outcome) => {
+                let _ = handle.join();
+                outcome.map_err(|reason| Error::Stopped {
+                    thread: "postroom-mqtt-intake".into(),
+                    reason,
+                })
+            }
+            Err(_) => Err(Error::Stopped {
+                thread: "postroom-mqtt-intake".into(),
+                reason: format!("did not stop within {deadline:?}"),
+            }),
+        }
+    }
+}
+
+impl Drop for MqttIntake {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop_within(Duration::from_secs(5)) {
+            log::warn!("postroom mqtt intake: {e}");
+        }
+    }
+}
+
+/// A message as the intake hands it to the inbox.
+struct Inbound {
+    msg: Message,
+    /// The sending outbox row's `seq`, from the envelope. #26 (per-source
+    /// sequence watermarks) is to pass it on as
+    /// `msg.with_sequence(seq)`; until then it is parsed here, and only here.
+    #[allow(dead_code)]
+    seq: Option<u64>,
+    wrapped: bool,
+}
+
+/// The inbox message an MQTT publish carries (see [`MqttIntake`]).
+fn inbound(publish: &Publish) -> Inbound {
+    match Envelope::decode(&publish.payload) {
+        Some(env) => {
+            let source = env.source.unwrap_or(env.topic);
+            let mut msg = Message::new(source, env.id, env.payload);
+            msg.headers = env.headers;
+            msg.ordering_key = env.key;
+            Inbound {
+                msg,
+                seq: u64::try_from(env.seq).ok(),
+                wrapped: true,
+            }
+        }
+        None => {
+            let id = digest_hex(
+                b"postroom-mqtt\0",
+                &[publish.topic.as_str()],
+                &publish.payload,
+            );
+            Inbound {
+                msg: Message::new(
+                    publish.topic.clone(),
+                    format!("mqtt-{id}"),
+                    publish.payload.to_vec(),
+                ),
+                seq: None,
+                wrapped: false,
+            }
+        }
+    }
+}
+
+/// The intake thread's state.
+struct Intake {
+    options: MqttOptions,
+    room: Arc<Postroom>,
+    consumer: String,
+    filters: Vec<String>,
+    mode: Mode,
+    backoff: Backoff,
+    counters: Arc<Counters>,
+    stop: Arc<AtomicBool>,
+    /// Acknowledgements not yet taken by the request channel.
+    acks: VecDeque<Publish>,
+    /// Acknowledgements in the request channel, not yet written.
+    unsent_acks: usize,
+    /// Set by a message left unacknowledged: when to reconnect so the
+    /// broker redelivers it. Until then later messages are not handed on.
+    redeliver_at: Option<Instant>,
+}
+
+/// Room in the intake's request channel: acknowledgements and subscribes.
+const INTAKE_CHANNEL: usize = 256;
+
+/// How long a reconnect for redelivery waits for the acknowledgements
+/// before the held message to be written.
+const ACK_FLUSH_GRACE: Duration = Duration::from_secs(1);
+
+impl Intake {
+    fn run(mut self) {
+        let (mut client, mut conn) = Client::new(self.options.clone(), INTAKE_CHANNEL);
+        let mut flushing_since: Option<Instant> = None;
+        while !self.stop.load(Ordering::Acquire) {
+            if self.redeliver_at.is_some_and(|at| Instant::now() >= at) {
+                let since = *flushing_since.get_or_insert_with(Instant::now);
+                let flushed = self.acks.is_empty() && self.unsent_acks == 0;
+                if flushed || since.elapsed() > ACK_FLUSH_GRACE {
+                    // A new connection resumes the session, and the broker
+                    // resends every publish still unacknowledged, from the
+                    // held one on, in order.
+                    self.redeliver_at = None;
+                    flushing_since = None;
+                    self.acks.clear();
+                    self.unsent_acks = 0;
+                    self.counters.subscribed.store(false, Ordering::Release);
+                    (client, conn) = Client::new(self.options.clone(), INTAKE_CHANNEL);
+                }
+            }
+            self.flush_acks(&client);
+            match conn.recv_timeout(Duration::from_millis(100)) {
+                Ok(Ok(Event::Incoming(Packet::ConnAck(ack)))) => {
+                    bump(&self.counters.connects);
+                    self.backoff.reset();
+                    // Subscribe on every connection: the broker may have
+                    // lost the session (restarted without persistence).
+                    let filters = self
+                        .filters
+                        .iter()
+                        .map(|f| rumqttc::SubscribeFilter::new(f.clone(), QoS::AtLeastOnce));
+                    if let Err(e) = client.try_subscribe_many(filters) {
+                        log::warn!("postroom mqtt intake: subscribe: {e}");
+                    }
+                    log::debug!(
+                        "postroom mqtt intake: connected, session present: {}",
+                        ack.session_present
+                    );
+                }
+                Ok(Ok(Event::Incoming(Packet::SubAck(_)))) => {
+                    self.counters.subscribed.store(true, Ordering::Release);
+                }
+                Ok(Ok(Event::Incoming(Packet::Publish(publish)))) => self.handle(publish),
+                Ok(Ok(Event::Outgoing(Outgoing::PubAck(_)))) => {
+                    self.unsent_acks = self.unsent_acks.saturating_sub(1);
+                }
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    // rumqttc reconnects on the next poll; the acks queued
+                    // for the lost connection are void (the broker resends
+                    // those messages, and the inbox knows them).
+                    self.acks.clear();
+                    self.unsent_acks = 0;
+                    self.counters.subscribed.store(false, Ordering::Release);
+                    let pause = self.backoff.fail();
+                    log::warn!("postroom mqtt intake: {e}; reconnecting in {pause:?}");
+                    let until = Instant::now() + pause;
+                    while Instant::now() < until && !self.stop.load(Ordering::Acquire) {
+                        thread::sleep(Duration::from_millis(20));
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+        // Stopping: let the connection write the queued acknowledgements,
+        // then say goodbye (the session stays on the broker).
+        let until = Instant::now() + ACK_FLUSH_GRACE;
+        let mut disconnecting = false;
+        while Instant::now() < until {
+            self.flush_acks(&client);
+            if !disconnecting && self.acks.is_empty() && self.unsent_acks == 0 {
+                disconnecting = client.try_disconnect().is_ok();
+            }
+            match conn.recv_timeout(Duration::from_millis(50)) {
+                Ok(Ok(Event::Outgoing(Outgoing::Disconnect))) | Ok(Err(_)) => break,
+                Err(RecvTimeoutError::Disconnected) => break,
+                Ok(Ok(Event::Outgoing(Outgoing::PubAck(_)))) => {
+                    self.unsent_acks = self.unsent_acks.saturating_sub(1);
+                }
+                Ok(Ok(_)) | Err(RecvTimeoutError::Timeout) => {}
+            }
+        }
+    }
+
+    /// Moves queued acknowledgements into the request channel while it has
+    /// room (polling the connection empties it).
+    fn flush_acks(&mut self, client: &Client) {
+        while let Some(publish) = self.acks.front() {
+            if client.try_ack(publish).is_err() {
+                break;
+            }
+            self.acks.pop_front();
+            self.unsent_acks += 1;
+            bump(&self.counters.acked);
+        }
+    }
+
+    fn handle(&mut self, publish: Publish) {
+        bump(&self.counters.received);
+        if publish.dup {
+            bump(&self.counters.redelivered);
+        }
+        if self.redeliver_at.is_some() {
+            // Behind a message left unacknowledged: acknowledging this one
+            // would break the broker's in-order acknowledgements (MQTT
+            // 3.1.1 §4.6), and handling it first the per-key order. It
+            // comes again after the reconnect.
+            bump(&self.counters.held_back);
+            return;
+        }
+        let inbound = inbound(&publish);
+        if !inbound.wrapped {
+            bump(&self.counters.unwrapped);
+        }
+        let answer = match self.mode {
+            Mode::Deliver => self
+                .room
+                .deliver(&self.consumer, inbound.msg)
+                .map(|outcome| match outcome {
+                    Outcome::Duplicate => (true, true, None),
+                    o => (o.should_ack(), false, o.retry_after()),
+                }),
+            Mode::Receive => self
+                .room
+                .receive(&self.consumer, inbound.msg)
+                .map(|receipt| (receipt.should_ack(), receipt == Receipt::Duplicate, None)),
+        };
+        match answer {
+            Ok((ack, duplicate, retry_after)) => {
+                if duplicate {
+                    bump(&self.counters.duplicates);
+                }
+                if ack {
+                    self.acks.push_back(publish);
+                } else {
+                    self.not_acked(retry_after.unwrap_or(Duration::from_secs(1)));
+                }
+            }
+            Err(e @ Error::InvalidInput { .. }) => {
+                log::error!(
+                    "postroom mqtt intake: a message on {:?} can never be stored: {e}; \
+                     acknowledged and dropped",
+                    publish.topic
+                );
+                bump(&self.counters.refused);
+                self.acks.push_back(publish);
+            }
+            Err(e) => {
+                log::warn!("postroom mqtt intake: not acknowledged: {e}");
+                self.not_acked(Duration::from_secs(1));
+            }
+        }
+    }
+
+    fn not_acked(&mut self, retry_after: Duration) {
+        bump(&self.counters.not_acked);
+        let at = Instant::now() + retry_after;
+        self.redeliver_at = Some(self.redeliver_at.map_or(at, |t| t.min(at)));
+    }
+}

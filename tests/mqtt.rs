@@ -1,0 +1,378 @@
+//! The MQTT bridge against a real broker: mosquitto started per test on a
+//! free localhost port when it is on PATH, else rumqttd embedded in this
+//! process (tests/support/broker.rs); each test prints which one it used.
+//! Device A publishes through its outbox and `MqttSink`; device B takes the
+//! messages in through `MqttIntake` into its inbox. The checks are on B's
+//! database: every message applied exactly once, per key in commit order.
+
+#[path = "support/broker.rs"]
+mod broker;
+mod common;
+
+use std::collections::HashMap;
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use broker::Broker;
+use common::*;
+use postroom::mqtt::rumqttc::{self, Event, MqttOptions, Packet, QoS};
+use postroom::mqtt::{Envelope, MqttIntake, MqttSink};
+use postroom::{handler_fn, Failure, Message, Outcome, Outgoing, Postroom};
+
+/// Entry point of the child processes (device B). Not a test: it only does
+/// something when started by `spawn_child`, and is ignored otherwise.
+#[test]
+#[ignore = "entry point for child processes of the MQTT tests"]
+fn child_main() {
+    let Some((role, db)) = child_role() else {
+        return;
+    };
+    report("");
+    assert_eq!(role, "device-b", "unknown child role");
+    let port: u16 = std::env::var("POSTROOM_MQTT_PORT")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let client = std::env::var("POSTROOM_MQTT_CLIENT").unwrap();
+    let room = device_b(&db);
+    let intake = MqttIntake::builder(options(&client, port), Arc::clone(&room), "b")
+        .subscribe(format!("{client}/#"))
+        .start()
+        .unwrap();
+    assert!(intake.wait_subscribed(Duration::from_secs(20)));
+    report("READY");
+    loop {
+        thread::sleep(Duration::from_secs(1));
+    }
+}
+
+fn options(client_id: &str, port: u16) -> MqttOptions {
+    let mut o = MqttOptions::new(client_id, "127.0.0.1", port);
+    o.set_keep_alive(Duration::from_secs(5));
+    o
+}
+
+/// Device B: every message it applies adds a row to `effects`, with no
+/// uniqueness constraint, so a message applied twice shows as two rows.
+fn device_b(db: &Path) -> Arc<Postroom> {
+    let room = Postroom::builder()
+        .poll_interval(Duration::from_millis(20))
+        .backoff(Duration::from_millis(20), Duration::from_millis(200))
+        .consumer(
+            "b",
+            handler_fn(|tx, msg: &Message| {
+                tx.execute(
+                    "INSERT INTO effects (msg_id, key, n) VALUES (?1, ?2, ?3)",
+                    rusqlite::params![
+                        msg.id(),
+                        msg.ordering_key(),
+                        String::from_utf8_lossy(msg.payload()).parse::<i64>().ok()
+                    ],
+                )?;
+                Ok(())
+            }),
+        )
+        .open(db)
+        .unwrap();
+    room.transaction(|tx| {
+        tx.execute_batch(
+            "CREATE TABLE IF NOT EXISTS effects (msg_id TEXT NOT NULL, key TEXT, n INTEGER)",
+        )?;
+        Ok(())
+    })
+    .unwrap();
+    Arc::new(room)
+}
+
+/// Device A with an MQTT sink publishing `orders` rows as
+/// `<topics>/orders` (tests share the embedded broker: each has its own
+/// topics).
+fn device_a(db: &Path, client_id: &str, port: u16, topics: &str) -> Postroom {
+    Postroom::builder()
+        .max_attempts(2) // an outage must not use attempts up
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            MqttSink::new(options(client_id, port))
+                .source("device-a")
+                .topic_prefix(format!("{topics}/"))
+                .backoff(Duration::from_millis(50), Duration::from_millis(500)),
+        )
+        .open(db)
+        .unwrap()
+}
+
+/// Publishes `n` rows through A's outbox, keys `k0`..`k4`, payload = the
+/// number, `pause` after each.
+fn publish(a: &Postroom, n: i64, pause: Duration) {
+    for i in 0..n {
+        a.transaction(move |tx| {
+            tx.publish(Outgoing::new("orders", i.to_string()).with_key(format!("k{}", i % 5)))?;
+            Ok(())
+        })
+        .unwrap();
+        thread::sleep(pause);
+    }
+}
+
+/// What B's `effects` say: (rows, distinct messages), and every key's
+/// numbers in the order applied.
+fn effects(db: &Path) -> (i64, i64, HashMap<String, Vec<i64>>) {
+    let conn = rusqlite::Connection::open_with_flags(
+        db,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .unwrap();
+    conn.busy_timeout(Duration::from_secs(5)).unwrap();
+    let (rows, distinct) = conn
+        .query_row(
+            "SELECT count(*), count(DISTINCT msg_id) FROM effects",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap_or((0, 0));
+    let mut order: HashMap<String, Vec<i64>> = HashMap::new();
+    if let Ok(mut stmt) = conn.prepare("SELECT key, n FROM effects ORDER BY rowid") {
+        let rows = stmt
+            .query_map([], |r| {
+                Ok((r.get::<_, Option<String>>(0)?, r.get::<_, Option<i64>>(1)?))
+            })
+            .unwrap();
+        for row in rows {
+            let (key, n) = row.unwrap();
+            if let (Some(key), Some(n)) = (key, n) {
+                order.entry(key).or_default().push(n);
+            }
+        }
+    }
+    (rows, distinct, order)
+}
+
+/// Every one of `n` messages applied exactly once, each key in order.
+fn assert_exactly_once_in_order(db: &Path, n: i64) {
+    let (rows, distinct, order) = effects(db);
+    assert_eq!(distinct, n, "messages applied");
+    assert_eq!(rows, n, "effects: a message was applied twice");
+    for (key, ns) in order {
+        assert!(
+            ns.windows(2).all(|w| w[0] < w[1]),
+            "key {key} applied out of order: {ns:?}"
+        );
+    }
+}
+
+/// Rows A's relay recorded a failure for (its `last_error`, kept after the
+/// row went out), and rows not sent.
+fn outbox_failures(db: &Path) -> (i64, i64) {
+    let conn = rusqlite::Connection::open(db).unwrap();
+    conn.query_row(
+        "SELECT count(last_error), count(*) FILTER (WHERE status != 'sent')
+         FROM postroom_outbox",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )
+    .unwrap()
+}
+
+/// The broker goes down for a second while A publishes 300 messages: A's
+/// sink keeps the unacknowledged rows pending (no attempt counted, so
+/// `max_attempts(2)` kills none), B's intake reconnects and resubscribes;
+/// every message is applied exactly once, per key in order.
+#[test]
+fn a_broker_restart_mid_run_loses_nothing_and_duplicates_are_absorbed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut broker = Broker::start(&dir.path().join("broker"));
+    let port = broker.port;
+    let b_db = dir.path().join("b.db");
+    let b = device_b(&b_db);
+    let intake = MqttIntake::builder(options("restart-b", port), Arc::clone(&b), "b")
+        .subscribe("restart-b/#")
+        .start()
+        .unwrap();
+    assert!(intake.wait_subscribed(Duration::from_secs(20)));
+    let a_db = dir.path().join("a.db");
+    let a = device_a(&a_db, "restart-a", port, "restart-b");
+    const N: i64 = 300;
+    let started = Instant::now();
+    thread::scope(|s| {
+        s.spawn(|| publish(&a, N, Duration::from_millis(5)));
+        eventually(30, "a third applied before the restart", || {
+            effects(&b_db).1 >= N / 3
+        });
+        broker.restart(Duration::from_secs(1));
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let settled = loop {
+        if effects(&b_db).1 == N && outbox_failures(&a_db).1 == 0 {
+            break true;
+        }
+        if Instant::now() > deadline {
+            break false;
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
+    let (rows, distinct, _) = effects(&b_db);
+    assert!(
+        settled,
+        "B applied {distinct} of {N} ({rows} effects); A's outbox (rows that met a failure, \
+         rows not sent): {:?}; intake {:?}",
+        outbox_failures(&a_db),
+        intake.stats()
+    );
+    let stats = intake.stats();
+    let (failed_rows, _) = outbox_failures(&a_db);
+    println!(
+        "{N} messages in {:?}: rows that met the outage {failed_rows}, intake {stats:?}",
+        started.elapsed()
+    );
+    // The restart hit the run: B reconnected, and A's sink saw it.
+    assert!(stats.connects >= 2, "{stats:?}");
+    assert!(failed_rows > 0, "no row met the outage");
+    assert_eq!(a.stats().unwrap().outbox.dead, 0);
+    intake.shutdown(Duration::from_secs(5)).unwrap();
+    assert_exactly_once_in_order(&b_db, N);
+}
+
+/// Device B is a real child process, SIGKILLed while it takes messages in
+/// and started again with the same client id: its persistent session on the
+/// broker kept what came meanwhile and what it had not acknowledged, and
+/// its inbox absorbs what it had applied but not acknowledged.
+#[test]
+fn device_b_killed_mid_run_applies_every_message_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(&dir.path().join("broker"));
+    let port = broker.port;
+    let b_db = dir.path().join("b.db");
+    let env = [
+        ("POSTROOM_MQTT_PORT", port.to_string()),
+        ("POSTROOM_MQTT_CLIENT", "crash-b".to_string()),
+    ];
+    let mut child = spawn_child("device-b", &b_db, &env);
+    wait_for(&lines_of(&mut child), "READY");
+    let a_db = dir.path().join("a.db");
+    let a = device_a(&a_db, "crash-a", port, "crash-b");
+    const N: i64 = 400;
+    let applied_at_kill = thread::scope(|s| {
+        s.spawn(|| publish(&a, N, Duration::from_millis(3)));
+        eventually(30, "a third applied before the kill", || {
+            effects(&b_db).1 >= N / 3
+        });
+        child.kill().unwrap();
+        assert_eq!(child.wait().unwrap().signal(), Some(9));
+        let at_kill = effects(&b_db).1;
+        thread::sleep(Duration::from_millis(300));
+        child = spawn_child("device-b", &b_db, &env);
+        wait_for(&lines_of(&mut child), "READY");
+        at_kill
+    });
+    eventually(60, "every message applied", || effects(&b_db).1 == N);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    println!("device B killed with {applied_at_kill} of {N} applied");
+    assert!(applied_at_kill < N, "the kill came after the run");
+    assert_eq!(a.stats().unwrap().outbox.dead, 0);
+    assert_exactly_once_in_order(&b_db, N);
+}
+
+/// The handler fails one message's first attempt: `Outcome::Failed`, so
+/// the intake does not acknowledge it. The broker redelivers it (DUP) when
+/// the intake reconnects after its `retry_after`; the second attempt
+/// applies it. A publisher sending the same envelope twice, and a plain
+/// payload twice, is absorbed as duplicates.
+#[test]
+fn a_message_not_acked_is_redelivered_on_reconnect_and_duplicates_are_absorbed() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(&dir.path().join("broker"));
+    let port = broker.port;
+    let attempts = Arc::new(AtomicU64::new(0));
+    let seen = Arc::clone(&attempts);
+    let b_db = dir.path().join("b.db");
+    let b = Arc::new(
+        Postroom::builder()
+            .consumer(
+                "b",
+                handler_fn(move |tx, msg: &Message| {
+                    if msg.id() == "flaky" && seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                        return Err(Failure::retry_after(
+                            "downstream busy",
+                            Duration::from_millis(300),
+                        ));
+                    }
+                    tx.execute(
+                        "INSERT INTO effects (msg_id, key, n) VALUES (?1, NULL, NULL)",
+                        [msg.id()],
+                    )?;
+                    Ok(())
+                }),
+            )
+            .open(&b_db)
+            .unwrap(),
+    );
+    b.transaction(|tx| {
+        tx.execute_batch("CREATE TABLE effects (msg_id TEXT NOT NULL, key TEXT, n INTEGER)")?;
+        Ok(())
+    })
+    .unwrap();
+    let intake = MqttIntake::builder(options("redeliver-b", port), Arc::clone(&b), "b")
+        .subscribe("redeliver/#")
+        .start()
+        .unwrap();
+    assert!(intake.wait_subscribed(Duration::from_secs(20)));
+
+    // A plain publisher: envelopes made by hand, a repeat, a plain payload.
+    let (client, mut conn) = rumqttc::Client::new(options("redeliver-pub", port), 16);
+    let envelope = |id: &str, seq| {
+        Envelope::new(id, seq, "raw", format!("payload of {id}"))
+            .with_source("raw-publisher")
+            .encode()
+    };
+    let sends: Vec<(&str, Vec<u8>)> = vec![
+        ("redeliver/a", envelope("first", 1)),
+        ("redeliver/a", envelope("flaky", 2)),
+        ("redeliver/a", envelope("first", 1)), // a repeat: a duplicate
+        ("redeliver/b", b"no envelope".to_vec()),
+        ("redeliver/b", b"no envelope".to_vec()), // the same plain payload again
+        ("redeliver/a", envelope("last", 3)),
+    ];
+    for (topic, payload) in &sends {
+        client
+            .publish(*topic, QoS::AtLeastOnce, false, payload.clone())
+            .unwrap();
+    }
+    let mut acks = 0;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while acks < sends.len() && Instant::now() < deadline {
+        if let Ok(Ok(Event::Incoming(Packet::PubAck(_)))) =
+            conn.recv_timeout(Duration::from_millis(100))
+        {
+            acks += 1;
+        }
+    }
+    assert_eq!(acks, sends.len(), "the broker acknowledged every publish");
+
+    eventually(30, "the flaky message applied", || {
+        effects(&b_db).1 == 4 && intake.stats().acked >= sends.len() as u64
+    });
+    let stats = intake.stats();
+    println!("intake {stats:?}");
+    assert_eq!(attempts.load(Ordering::SeqCst), 2, "flaky ran twice");
+    assert!(stats.not_acked >= 1, "{stats:?}");
+    // Redelivered: more came than was sent (rumqttd does not set the DUP
+    // flag on a resumed session's resends; mosquitto does).
+    assert!(
+        stats.received > sends.len() as u64,
+        "no redelivery: {stats:?}"
+    );
+    assert!(stats.connects >= 2, "no reconnect: {stats:?}");
+    assert!(stats.duplicates >= 2, "{stats:?}");
+    assert_eq!(stats.unwrapped, 2, "{stats:?}");
+    let (rows, distinct, _) = effects(&b_db);
+    assert_eq!((rows, distinct), (4, 4));
+    // The inbox holds "flaky" under the envelope's source and id.
+    let again = Message::new("raw-publisher", "flaky", "payload of flaky");
+    assert_eq!(b.deliver("b", again).unwrap(), Outcome::Duplicate);
+    intake.shutdown(Duration::from_secs(5)).unwrap();
+}
