@@ -288,7 +288,7 @@ impl MqttSink {
         }
         if self.link.is_none() {
             let window = usize::from(self.options.inflight().max(1));
-            let (client, mut conn) = Client::new(self.options.clone(), window);
+            let (client, mut conn) = connect(&self.options, window);
             wait_connack(&mut conn, self.ack_timeout)?;
             self.link = Some(Link {
                 client,
@@ -379,6 +379,17 @@ impl MqttSink {
         link.used = Instant::now();
         Ok(())
     }
+}
+
+/// A client and its connection, with Nagle's algorithm off: publishes (and
+/// an intake's PUBACKs) go out while earlier ones are unanswered, and
+/// Nagle would hold each small one back for the peer's delayed ACK.
+fn connect(options: &MqttOptions, channel: usize) -> (Client, Connection) {
+    let (client, mut conn) = Client::new(options.clone(), channel);
+    let mut network = conn.eventloop.network_options();
+    network.set_tcp_nodelay(true);
+    conn.eventloop.set_network_options(network);
+    (client, conn)
 }
 
 /// Polls a new connection until the broker's CONNACK (accepted), an error,
@@ -775,7 +786,7 @@ const ACK_FLUSH_GRACE: Duration = Duration::from_secs(1);
 
 impl Intake {
     fn run(mut self) {
-        let (mut client, mut conn) = Client::new(self.options.clone(), INTAKE_CHANNEL);
+        let (mut client, mut conn) = connect(&self.options, INTAKE_CHANNEL);
         let mut flushing_since: Option<Instant> = None;
         while !self.stop.load(Ordering::Acquire) {
             if self.redeliver_at.is_some_and(|at| Instant::now() >= at) {
@@ -790,7 +801,7 @@ impl Intake {
                     self.acks.clear();
                     self.unsent_acks = 0;
                     self.counters.subscribed.store(false, Ordering::Release);
-                    (client, conn) = Client::new(self.options.clone(), INTAKE_CHANNEL);
+                    (client, conn) = connect(&self.options, INTAKE_CHANNEL);
                 }
             }
             self.flush_acks(&client);

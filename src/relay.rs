@@ -430,12 +430,9 @@ pub(crate) fn relay(
         // the flush: retrying a dead sink until the deadline would only eat
         // the time the writer needs to stop.
         // A row settled either way (sent, or dead) is progress.
-        let progress = results.iter().any(|r| {
-            !matches!(
-                r,
-                SendResult::Retry { .. } | SendResult::Unavailable { .. }
-            )
-        });
+        let progress = results
+            .iter()
+            .any(|r| !matches!(r, SendResult::Retry { .. } | SendResult::Unavailable { .. }));
         let recorded =
             failpoint::hit("relay.after_send").and_then(|()| record(&shared, batch, results));
         match recorded {

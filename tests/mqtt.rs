@@ -376,3 +376,91 @@ fn a_message_not_acked_is_redelivered_on_reconnect_and_duplicates_are_absorbed()
     assert_eq!(b.deliver("b", again).unwrap(), Outcome::Duplicate);
     intake.shutdown(Duration::from_secs(5)).unwrap();
 }
+
+/// What goes on the wire, read by a plain MQTT subscriber: one envelope
+/// per row carrying the outbox id, `seq` and source, the payload bytes
+/// untouched (newlines and non-UTF-8 included), the topic mapped by the
+/// sink. A row whose mapped topic holds a wildcard is dead at once, and the
+/// rows of other keys go on.
+#[test]
+fn the_sink_publishes_envelopes_with_the_outbox_id_and_seq() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(&dir.path().join("broker"));
+    let port = broker.port;
+    let (client, mut conn) = rumqttc::Client::new(options("wire-reader", port), 16);
+    client.subscribe("wire/#", QoS::AtLeastOnce).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(Instant::now() < deadline, "no SUBACK");
+        if let Ok(Ok(Event::Incoming(Packet::SubAck(_)))) =
+            conn.recv_timeout(Duration::from_millis(100))
+        {
+            break;
+        }
+    }
+    let a = Postroom::builder()
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            MqttSink::new(options("wire-a", port))
+                .source("device-a")
+                .topic_with(|m| format!("wire/{}/{}", m.topic, m.key.as_deref().unwrap_or("-"))),
+        )
+        .open(dir.path().join("a.db"))
+        .unwrap();
+    let binary = b"line one\nline two\n\xff\x00".to_vec();
+    a.transaction({
+        let binary = binary.clone();
+        move |tx| {
+            tx.publish(Outgoing::new("orders", binary).with_key("7"))?;
+            tx.publish(Outgoing::new("orders", "bad").with_key("+"))?;
+            tx.publish(Outgoing::new("orders", "plain").with_header("trace", "t1"))?;
+            Ok(())
+        }
+    })
+    .unwrap();
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while got.len() < 2 && Instant::now() < deadline {
+        if let Ok(Ok(Event::Incoming(Packet::Publish(p)))) =
+            conn.recv_timeout(Duration::from_millis(100))
+        {
+            got.push(p);
+        }
+    }
+    assert_eq!(got.len(), 2, "two rows on the wire");
+    eventually(10, "the wildcard row dead", || {
+        a.stats().unwrap().outbox.dead == 1
+    });
+    let conn_a = rusqlite::Connection::open(dir.path().join("a.db")).unwrap();
+    let rows: Vec<(i64, String, String)> = conn_a
+        .prepare("SELECT seq, message_id, status FROM postroom_outbox ORDER BY seq")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(rows[1].2, "dead");
+    let first = Envelope::decode(&got[0].payload).expect("an envelope");
+    assert_eq!(got[0].topic, "wire/orders/7");
+    assert_eq!(
+        (first.seq, first.id.as_str()),
+        (rows[0].0, rows[0].1.as_str())
+    );
+    assert_eq!(first.source.as_deref(), Some("device-a"));
+    assert_eq!(first.key.as_deref(), Some("7"));
+    assert_eq!(first.payload, binary);
+    let third = Envelope::decode(&got[1].payload).expect("an envelope");
+    assert_eq!(got[1].topic, "wire/orders/-");
+    assert_eq!(
+        (third.seq, third.id.as_str()),
+        (rows[2].0, rows[2].1.as_str())
+    );
+    assert_eq!(third.headers["trace"], "t1");
+    assert_eq!(third.payload, b"plain");
+    // The first line is plain JSON any consumer can read.
+    let line = got[0].payload.split(|&b| b == b'\n').next().unwrap();
+    let json: serde_json::Value = serde_json::from_slice(line).unwrap();
+    assert_eq!(json["postroom"], 1);
+    assert_eq!(json["id"], rows[0].1.as_str());
+    a.shutdown(Duration::from_secs(5)).unwrap();
+}

@@ -226,7 +226,9 @@ fn an_unreachable_destination_never_dead_letters_a_row() {
         let msg = Message::new("s", format!("m{i}"), vec![i as u8]).with_ordering_key("k");
         room.deliver("c", msg).unwrap();
     }
-    eventually(30, "all ten sent", || room.stats().unwrap().outbox.sent == 10);
+    eventually(30, "all ten sent", || {
+        room.stats().unwrap().outbox.sent == 10
+    });
     assert!(calls.load(Ordering::SeqCst) > 40);
     assert_eq!(room.stats().unwrap().outbox.dead, 0);
     let order: Vec<u8> = got.lock().unwrap().iter().map(|p| p[0]).collect();

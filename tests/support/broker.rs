@@ -105,7 +105,7 @@ impl Broker {
                         "listener {port} 127.0.0.1\nallow_anonymous true\n\
                          persistence true\npersistence_location {dir}/\n\
                          max_queued_messages 0\nlog_dest file {dir}/mosquitto.log\n\
-                         log_type all\n{user}",
+                         log_type all\nset_tcp_nodelay true\n{user}",
                         port = self.port,
                         dir = self.dir.display(),
                         user = if root { "user root\n" } else { "" },
