@@ -227,7 +227,8 @@ impl MqttSink {
     /// Publishes through a broker reached with `options` (host, port,
     /// client id, credentials, keep-alive, in-flight window). The MQTT
     /// topic is the outbox row's topic.
-    pub fn new(options: MqttOptions) -> Self {
+    pub fn new(mut options: MqttOptions) -> Self {
+        lift_packet_limit(&mut options);
         MqttSink {
             options,
             topic: Box::new(|m: &OutboxMessage| m.topic.clone()),
@@ -278,11 +279,12 @@ impl MqttSink {
     /// sat idle past half the keep-alive (nobody polled it, so the broker
     /// may have dropped it), else a new one once the broker's CONNACK came.
     fn link(&mut self) -> std::result::Result<&mut Link, String> {
-        let half_keep_alive = self.options.keep_alive() / 2;
-        if self
-            .link
-            .as_ref()
-            .is_some_and(|l| l.used.elapsed() > half_keep_alive)
+        let keep_alive = self.options.keep_alive();
+        if !keep_alive.is_zero()
+            && self
+                .link
+                .as_ref()
+                .is_some_and(|l| l.used.elapsed() > keep_alive / 2)
         {
             self.link = None;
         }
@@ -304,34 +306,43 @@ impl MqttSink {
     /// means the connection is no longer usable.
     fn publish_all(
         &mut self,
-        batch: &[OutboxMessage],
-        todo: &[(usize, String)],
+        todo: Vec<(usize, String, Vec<u8>)>,
         results: &mut [SendResult],
     ) -> std::result::Result<(), String> {
         let ack_timeout = self.ack_timeout;
-        let source = self.source.clone();
+        let total = todo.len();
+        let mut todo = todo.into_iter();
         let link = self.link()?;
         let window = usize::from(link.conn.eventloop.mqtt_options.inflight().max(1));
-        let mut next = 0; // next entry of `todo` to publish
+        let mut next = 0; // entries of `todo` published
+        let mut waiting: Option<(usize, String, Vec<u8>)> = None; // taken, not yet accepted
         let mut queued: VecDeque<usize> = VecDeque::new(); // published, no pkid yet
         let mut collided: Option<(u16, usize)> = None;
         let mut by_pkid: HashMap<u16, usize> = HashMap::new();
         let mut acked = 0;
         let mut last_progress = Instant::now();
-        while acked < todo.len() {
+        while acked < total {
             // Keep the window full; the request channel holds `window`.
-            while next < todo.len() && next - acked < window {
-                let (i, topic) = &todo[next];
-                let payload = Envelope::of(&batch[*i], source.as_deref()).encode();
-                match link
-                    .client
-                    .try_publish(topic.as_str(), QoS::AtLeastOnce, false, payload)
-                {
+            while next - acked < window {
+                let Some((i, topic, payload)) = waiting.take().or_else(|| todo.next()) else {
+                    break;
+                };
+                // Only a full channel is expected here (rumqttc checks
+                // the topic, which `send` checked first).
+                match link.client.try_publish(
+                    topic.as_str(),
+                    QoS::AtLeastOnce,
+                    false,
+                    payload.clone(),
+                ) {
                     Ok(()) => {
-                        queued.push_back(*i);
+                        queued.push_back(i);
                         next += 1;
                     }
-                    Err(rumqttc::ClientError::TryRequest(_)) => break, // full: poll
+                    Err(rumqttc::ClientError::TryRequest(_)) => {
+                        waiting = Some((i, topic, payload)); // full: poll first
+                        break;
+                    }
                     Err(e) => return Err(format!("mqtt publish: {e}")),
                 }
             }
@@ -381,6 +392,17 @@ impl MqttSink {
     }
 }
 
+/// The largest packet MQTT can carry (its remaining length is at most
+/// 268,435,455 bytes).
+const MQTT_MAX_PACKET: usize = 268_435_455;
+
+/// rumqttc refuses packets over 10 KiB by default (as a connection error,
+/// which the sink would retry for ever): the bridge leaves the limit to the
+/// broker.
+fn lift_packet_limit(options: &mut MqttOptions) {
+    options.set_max_packet_size(MQTT_MAX_PACKET, MQTT_MAX_PACKET);
+}
+
 /// A client and its connection, with Nagle's algorithm off: publishes (and
 /// an intake's PUBACKs) go out while earlier ones are unanswered, and
 /// Nagle would hold each small one back for the peer's delayed ACK.
@@ -428,8 +450,13 @@ impl Sink for MqttSink {
                 continue;
             }
             let topic = (self.topic)(msg);
-            match topic_problem(&topic) {
-                None => todo.push((i, topic)),
+            let payload = Envelope::of(msg, self.source.as_deref()).encode();
+            // Fixed header, topic length prefix and packet id fit in 16.
+            let problem = topic_problem(&topic)
+                .or((payload.len() + topic.len() + 16 > MQTT_MAX_PACKET)
+                    .then_some("the message is larger than an MQTT packet can be"));
+            match problem {
+                None => todo.push((i, topic, payload)),
                 Some(problem) => {
                     results[i] = SendResult::dead(format_args!("{problem}: {topic:?}"));
                     if let Some(k) = msg.key.as_deref() {
@@ -441,15 +468,16 @@ impl Sink for MqttSink {
         if todo.is_empty() {
             return results;
         }
-        match self.publish_all(batch, &todo, &mut results) {
+        let indexes: Vec<usize> = todo.iter().map(|(i, _, _)| *i).collect();
+        match self.publish_all(todo, &mut results) {
             Ok(()) => self.backoff.reset(),
             Err(reason) => {
                 log::warn!("postroom mqtt sink: {reason}; reconnecting");
                 self.link = None;
                 let after = self.backoff.fail();
-                for (i, _) in &todo {
-                    if results[*i] != SendResult::Sent {
-                        results[*i] = SendResult::unavailable(&reason, after);
+                for i in indexes {
+                    if results[i] != SendResult::Sent {
+                        results[i] = SendResult::unavailable(&reason, after);
                     }
                 }
             }
@@ -557,6 +585,7 @@ impl IntakeBuilder {
         }
         let mut options = self.options;
         options.set_clean_session(false).set_manual_acks(true);
+        lift_packet_limit(&mut options);
         let counters = Arc::new(Counters::default());
         let stop = Arc::new(AtomicBool::new(false));
         let (done_tx, done) = crossbeam_channel::bounded(1);

@@ -387,7 +387,9 @@ fn the_sink_publishes_envelopes_with_the_outbox_id_and_seq() {
     let dir = tempfile::tempdir().unwrap();
     let broker = Broker::start(&dir.path().join("broker"));
     let port = broker.port;
-    let (client, mut conn) = rumqttc::Client::new(options("wire-reader", port), 16);
+    let mut reader = options("wire-reader", port);
+    reader.set_max_packet_size(1 << 20, 1 << 20);
+    let (client, mut conn) = rumqttc::Client::new(reader, 16);
     client.subscribe("wire/#", QoS::AtLeastOnce).unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -407,7 +409,9 @@ fn the_sink_publishes_envelopes_with_the_outbox_id_and_seq() {
         )
         .open(dir.path().join("a.db"))
         .unwrap();
-    let binary = b"line one\nline two\n\xff\x00".to_vec();
+    // Past rumqttc's default 10 KiB packet limit, within postroom's 1 MiB.
+    let mut binary = b"line one\nline two\n\xff\x00".to_vec();
+    binary.resize(300 * 1024, b'x');
     a.transaction({
         let binary = binary.clone();
         move |tx| {
