@@ -624,6 +624,8 @@ impl IntakeBuilder {
 
 /// Feeds an MQTT broker's messages to one consumer of a [`Postroom`]: one
 /// named thread, QoS 1, manual acknowledgements, a persistent session.
+/// Shut it down before the engine: an engine that is gone answers every
+/// message with an error, which the intake leaves unacknowledged.
 ///
 /// Each message's inbox id and source come from its [`Envelope`]: id = the
 /// envelope's `id`, source = its `source` or else its `topic`, with its
@@ -852,8 +854,20 @@ impl Intake {
                         ack.session_present
                     );
                 }
-                Ok(Ok(Event::Incoming(Packet::SubAck(_)))) => {
-                    self.counters.subscribed.store(true, Ordering::Release);
+                Ok(Ok(Event::Incoming(Packet::SubAck(ack)))) => {
+                    let refused = ack
+                        .return_codes
+                        .contains(&rumqttc::SubscribeReasonCode::Failure);
+                    if refused {
+                        // Not retried: a broker's ACL does not change by
+                        // asking again; `wait_subscribed` stays false.
+                        log::error!(
+                            "postroom mqtt intake: the broker refused a subscription of {:?}",
+                            self.filters
+                        );
+                    } else {
+                        self.counters.subscribed.store(true, Ordering::Release);
+                    }
                 }
                 Ok(Ok(Event::Incoming(Packet::Publish(publish)))) => self.handle(publish),
                 Ok(Ok(Event::Outgoing(Outgoing::PubAck(_)))) => {
