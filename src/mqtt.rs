@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 pub use rumqttc;
 use rumqttc::{
-    Client, ConnectReturnCode, Connection, Event, MqttOptions, Outgoing, Packet, Publish, QoS,
+    v5, Client, ConnectReturnCode, Connection, Event, MqttOptions, Outgoing, Packet, Publish, QoS,
     RecvTimeoutError,
 };
 use serde::{Deserialize, Serialize};
@@ -192,30 +192,373 @@ impl Backoff {
 
 type TopicFn = Box<dyn Fn(&OutboxMessage) -> String + Send>;
 
+/// Names of the MQTT 5 user properties the sink sets (and the intake
+/// reads) beside the payload; the row's headers follow under their own
+/// names. Together they carry what the [`Envelope`] carries.
+pub mod property {
+    /// The outbox message id: dedupe on it.
+    pub const ID: &str = "postroom-id";
+    /// The outbox row's `seq`, in decimal.
+    pub const SEQ: &str = "postroom-seq";
+    /// The sink's source name, when it was given one.
+    pub const SOURCE: &str = "postroom-source";
+    /// The outbox row's topic.
+    pub const TOPIC: &str = "postroom-topic";
+    /// The outbox row's ordering key, when it has one.
+    pub const KEY: &str = "postroom-key";
+    /// The prefix of these names: a header starting with it is not sent.
+    pub const PREFIX: &str = "postroom-";
+}
+
+/// A client's options, for the protocol version it speaks (one per sink
+/// or intake: the sizes do not matter).
+#[derive(Clone)]
+#[allow(clippy::large_enum_variant)]
+enum Options {
+    V4(MqttOptions),
+    V5(v5::MqttOptions),
+}
+
+impl Options {
+    fn keep_alive(&self) -> Duration {
+        match self {
+            Options::V4(o) => o.keep_alive(),
+            Options::V5(o) => o.keep_alive(),
+        }
+    }
+
+    /// Publishes outstanding at once.
+    fn window(&self) -> usize {
+        let window = match self {
+            Options::V4(o) => o.inflight(),
+            Options::V5(o) => o.get_outgoing_inflight_upper_limit().unwrap_or(100),
+        };
+        usize::from(window.max(1))
+    }
+
+    /// A client and its connection (not yet connected: polling connects),
+    /// with Nagle's algorithm off: publishes (and an intake's PUBACKs) go
+    /// out while earlier ones are unanswered, and Nagle would hold each
+    /// small one back for the peer's delayed ACK.
+    fn connect(&self, channel: usize) -> Wire {
+        match self {
+            Options::V4(o) => {
+                let (client, mut conn) = Client::new(o.clone(), channel);
+                let mut network = conn.eventloop.network_options();
+                network.set_tcp_nodelay(true);
+                conn.eventloop.set_network_options(network);
+                Wire::V4(client, conn)
+            }
+            Options::V5(o) => {
+                let mut o = o.clone();
+                let mut network = o.network_options();
+                network.set_tcp_nodelay(true);
+                o.set_network_options(network);
+                let (client, conn) = v5::Client::new(o, channel);
+                Wire::V5(client, conn)
+            }
+        }
+    }
+}
+
+/// The largest packet MQTT can carry (its remaining length is at most
+/// 268,435,455 bytes).
+const MQTT_MAX_PACKET: usize = 268_435_455;
+
+/// rumqttc refuses packets over 10 KiB by default (as a connection error,
+/// which the sink would retry for ever): the bridge leaves the limit to the
+/// broker.
+fn lift_packet_limit(options: &mut MqttOptions) {
+    options.set_max_packet_size(MQTT_MAX_PACKET, MQTT_MAX_PACKET);
+}
+
+fn lift_packet_limit_v5(options: &mut v5::MqttOptions) {
+    options.set_max_packet_size(u32::try_from(MQTT_MAX_PACKET).ok());
+}
+
+/// One message to publish: where, what, and (MQTT 5) its user properties.
+struct Outbound {
+    index: usize,
+    topic: String,
+    payload: Vec<u8>,
+    properties: Vec<(String, String)>,
+}
+
+/// A publish received, to read and to acknowledge.
+enum Received {
+    V4(Publish),
+    V5(v5::mqttbytes::v5::Publish),
+}
+
+impl Received {
+    fn topic(&self) -> String {
+        match self {
+            Received::V4(p) => p.topic.clone(),
+            Received::V5(p) => String::from_utf8_lossy(&p.topic).into_owned(),
+        }
+    }
+
+    fn payload(&self) -> &[u8] {
+        match self {
+            Received::V4(p) => &p.payload,
+            Received::V5(p) => &p.payload,
+        }
+    }
+
+    fn dup(&self) -> bool {
+        match self {
+            Received::V4(p) => p.dup,
+            Received::V5(p) => p.dup,
+        }
+    }
+
+    fn user_properties(&self) -> &[(String, String)] {
+        match self {
+            Received::V4(_) => &[],
+            Received::V5(p) => p
+                .properties
+                .as_ref()
+                .map_or(&[], |props| props.user_properties.as_slice()),
+        }
+    }
+}
+
+/// A connection's events, the same for both protocol versions.
+enum Ev {
+    /// The broker accepted the connection.
+    Connected {
+        session_present: bool,
+    },
+    /// The broker granted the subscriptions, or refused one.
+    SubAck {
+        refused: bool,
+    },
+    /// The next publish asked for went out under this packet id.
+    Published(u16),
+    /// The next publish asked for waits for this packet id to be free.
+    AwaitAck(u16),
+    /// The broker acknowledged this packet id; `refused` when an MQTT 5
+    /// broker's reason code says it did not take the message (and whether
+    /// that is for good).
+    PubAck {
+        pkid: u16,
+        refused: Option<(String, bool)>,
+    },
+    /// An acknowledgement of ours was written.
+    AckWritten,
+    Publish(Received),
+    Disconnect,
+    Other,
+}
+
+/// A client and its connection, either protocol version (one of each per
+/// connection: the sizes do not matter).
+#[allow(clippy::large_enum_variant)]
+enum Wire {
+    V4(Client, Connection),
+    V5(v5::Client, v5::Connection),
+}
+
+impl Wire {
+    /// Asks for a QoS 1 publish; false when the request channel is full.
+    fn try_publish(&self, out: &Outbound) -> std::result::Result<bool, String> {
+        let payload = out.payload.clone();
+        let full = match self {
+            Wire::V4(client, _) => {
+                match client.try_publish(out.topic.as_str(), QoS::AtLeastOnce, false, payload) {
+                    Ok(()) => false,
+                    Err(rumqttc::ClientError::TryRequest(_)) => true,
+                    Err(e) => return Err(format!("mqtt publish: {e}")),
+                }
+            }
+            Wire::V5(client, _) => {
+                let properties = v5::mqttbytes::v5::PublishProperties {
+                    user_properties: out.properties.clone(),
+                    ..Default::default()
+                };
+                match client.try_publish_with_properties(
+                    out.topic.as_str(),
+                    v5::mqttbytes::QoS::AtLeastOnce,
+                    false,
+                    payload,
+                    properties,
+                ) {
+                    Ok(()) => false,
+                    Err(v5::ClientError::TryRequest(_)) => true,
+                    Err(e) => return Err(format!("mqtt publish: {e}")),
+                }
+            }
+        };
+        Ok(!full)
+    }
+
+    /// Asks for the acknowledgement of `publish`; false when the request
+    /// channel is full.
+    fn try_ack(&self, publish: &Received) -> bool {
+        match (self, publish) {
+            (Wire::V4(client, _), Received::V4(p)) => client.try_ack(p).is_ok(),
+            (Wire::V5(client, _), Received::V5(p)) => client.try_ack(p).is_ok(),
+            // A publish of another connection: nothing to acknowledge here.
+            _ => true,
+        }
+    }
+
+    fn try_subscribe(&self, filters: &[String]) -> std::result::Result<(), String> {
+        match self {
+            Wire::V4(client, _) => client
+                .try_subscribe_many(
+                    filters
+                        .iter()
+                        .map(|f| rumqttc::SubscribeFilter::new(f.clone(), QoS::AtLeastOnce)),
+                )
+                .map_err(|e| e.to_string()),
+            Wire::V5(client, _) => client
+                .try_subscribe_many(filters.iter().map(|f| {
+                    v5::mqttbytes::v5::Filter::new(f.clone(), v5::mqttbytes::QoS::AtLeastOnce)
+                }))
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    fn try_disconnect(&self) -> bool {
+        match self {
+            Wire::V4(client, _) => client.try_disconnect().is_ok(),
+            Wire::V5(client, _) => client.try_disconnect().is_ok(),
+        }
+    }
+
+    /// The next event, `None` when none came within `wait`; an error when
+    /// the connection failed (polling again reconnects).
+    fn next(&mut self, wait: Duration) -> std::result::Result<Option<Ev>, String> {
+        match self {
+            Wire::V4(_, conn) => match conn.recv_timeout(wait) {
+                Ok(Ok(event)) => Ok(Some(ev_v4(event)?)),
+                Ok(Err(e)) => Err(format!("mqtt connection: {e}")),
+                Err(RecvTimeoutError::Timeout) => Ok(None),
+                Err(RecvTimeoutError::Disconnected) => Err("mqtt client closed".into()),
+            },
+            Wire::V5(_, conn) => match conn.recv_timeout(wait) {
+                Ok(Ok(event)) => Ok(Some(ev_v5(event)?)),
+                Ok(Err(e)) => Err(format!("mqtt connection: {e}")),
+                Err(v5::RecvTimeoutError::Timeout) => Ok(None),
+                Err(v5::RecvTimeoutError::Disconnected) => Err("mqtt client closed".into()),
+            },
+        }
+    }
+}
+
+fn ev_outgoing(out: Outgoing) -> Ev {
+    match out {
+        Outgoing::Publish(pkid) => Ev::Published(pkid),
+        Outgoing::AwaitAck(pkid) => Ev::AwaitAck(pkid),
+        Outgoing::PubAck(_) => Ev::AckWritten,
+        _ => Ev::Other,
+    }
+}
+
+fn ev_v4(event: Event) -> std::result::Result<Ev, String> {
+    Ok(match event {
+        Event::Outgoing(out) => ev_outgoing(out),
+        Event::Incoming(Packet::ConnAck(ack)) => match ack.code {
+            ConnectReturnCode::Success => Ev::Connected {
+                session_present: ack.session_present,
+            },
+            code => return Err(format!("mqtt: the broker refused the connection: {code:?}")),
+        },
+        Event::Incoming(Packet::SubAck(ack)) => Ev::SubAck {
+            refused: ack
+                .return_codes
+                .contains(&rumqttc::SubscribeReasonCode::Failure),
+        },
+        Event::Incoming(Packet::PubAck(ack)) => Ev::PubAck {
+            pkid: ack.pkid,
+            refused: None,
+        },
+        Event::Incoming(Packet::Publish(p)) => Ev::Publish(Received::V4(p)),
+        Event::Incoming(Packet::Disconnect) => Ev::Disconnect,
+        Event::Incoming(_) => Ev::Other,
+    })
+}
+
+fn ev_v5(event: v5::Event) -> std::result::Result<Ev, String> {
+    use v5::mqttbytes::v5::{
+        ConnectReturnCode as Code, Packet as P, PubAckReason, SubscribeReasonCode,
+    };
+    Ok(match event {
+        v5::Event::Outgoing(out) => ev_outgoing(out),
+        v5::Event::Incoming(P::ConnAck(ack)) => match ack.code {
+            Code::Success => Ev::Connected {
+                session_present: ack.session_present,
+            },
+            code => return Err(format!("mqtt: the broker refused the connection: {code:?}")),
+        },
+        v5::Event::Incoming(P::SubAck(ack)) => Ev::SubAck {
+            refused: !ack
+                .return_codes
+                .iter()
+                .all(|c| matches!(c, SubscribeReasonCode::Success(_))),
+        },
+        v5::Event::Incoming(P::PubAck(ack)) => Ev::PubAck {
+            pkid: ack.pkid,
+            refused: match ack.reason {
+                PubAckReason::Success | PubAckReason::NoMatchingSubscribers => None,
+                reason @ (PubAckReason::NotAuthorized
+                | PubAckReason::TopicNameInvalid
+                | PubAckReason::PayloadFormatInvalid) => {
+                    Some((format!("mqtt: the broker refused it: {reason:?}"), true))
+                }
+                reason => Some((format!("mqtt: the broker refused it: {reason:?}"), false)),
+            },
+        },
+        v5::Event::Incoming(P::Publish(p)) => Ev::Publish(Received::V5(p)),
+        v5::Event::Incoming(P::Disconnect(_)) => Ev::Disconnect,
+        v5::Event::Incoming(_) => Ev::Other,
+    })
+}
+
+/// Polls a new connection until the broker's CONNACK (accepted), an error,
+/// or `timeout`.
+fn wait_connack(wire: &mut Wire, timeout: Duration) -> std::result::Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("mqtt: no CONNACK within {timeout:?}"));
+        }
+        if let Some(Ev::Connected { .. }) = wire.next(left)? {
+            return Ok(());
+        }
+    }
+}
+
 /// A live connection of the sink, and when it was last used.
 struct Link {
-    client: Client,
-    conn: Connection,
+    wire: Wire,
     used: Instant,
 }
 
-/// An outbox [`Sink`] publishing each row to an MQTT broker at QoS 1, in an
-/// [`Envelope`]; a row is `Sent` only once the broker's PUBACK for it came.
+/// An outbox [`Sink`] publishing each row to an MQTT broker at QoS 1; a
+/// row is `Sent` only once the broker's PUBACK for it came. Over MQTT
+/// 3.1.1 ([`new`](MqttSink::new)) each row travels in an [`Envelope`];
+/// over MQTT 5 ([`v5`](MqttSink::v5)) the payload travels as it is, with
+/// the id, `seq`, source, topic and key as user properties (see
+/// [`property`]) and the headers as user properties of their own names.
 ///
 /// Up to the options' in-flight window (`MqttOptions::set_inflight`,
 /// 100 by default) publishes are outstanding at once. Per-key order holds:
-/// one connection carries the batch in commit order, and an MQTT 3.1.1
-/// broker must acknowledge QoS 1 publishes in the order it received them
-/// (§4.6), so the acknowledged rows are always a prefix of those sent on a
+/// one connection carries the batch in commit order, and an MQTT broker
+/// must acknowledge QoS 1 publishes in the order it received them (3.1.1
+/// §4.6), so the acknowledged rows are always a prefix of those sent on a
 /// connection. When the connection fails or a PUBACK does not come within
 /// [`ack_timeout`](MqttSink::ack_timeout), the sink drops the connection
 /// (rumqttc's own resend of unacknowledged publishes goes with it) and the
 /// unacknowledged rows are [`SendResult::Unavailable`]: the relay hands them
 /// over again after the sink's backoff, in order, on a new connection.
-/// Some of them may have reached the broker: consumers dedupe on the
-/// envelope's id.
+/// Some of them may have reached the broker: consumers dedupe on the id.
+/// An MQTT 5 PUBACK refusing a message makes it dead (not authorized, a
+/// bad topic or payload format) or retried (any other reason).
 pub struct MqttSink {
-    options: MqttOptions,
+    options: Options,
     topic: TopicFn,
     source: Option<String>,
     ack_timeout: Duration,
@@ -224,11 +567,23 @@ pub struct MqttSink {
 }
 
 impl MqttSink {
-    /// Publishes through a broker reached with `options` (host, port,
-    /// client id, credentials, keep-alive, in-flight window). The MQTT
-    /// topic is the outbox row's topic.
+    /// Publishes over MQTT 3.1.1 through a broker reached with `options`
+    /// (host, port, client id, credentials, keep-alive, in-flight window).
+    /// The MQTT topic is the outbox row's topic.
     pub fn new(mut options: MqttOptions) -> Self {
         lift_packet_limit(&mut options);
+        Self::with(Options::V4(options))
+    }
+
+    /// Publishes over MQTT 5: the payload as it is, the rest as user
+    /// properties. Consumers that speak MQTT 3.1.1 get no properties, so
+    /// use [`new`](MqttSink::new) (the envelope) when any consumer might.
+    pub fn v5(mut options: v5::MqttOptions) -> Self {
+        lift_packet_limit_v5(&mut options);
+        Self::with(Options::V5(options))
+    }
+
+    fn with(options: Options) -> Self {
         MqttSink {
             options,
             topic: Box::new(|m: &OutboxMessage| m.topic.clone()),
@@ -254,7 +609,7 @@ impl MqttSink {
         self
     }
 
-    /// Names this outbox in every envelope (`source`): the intake then uses
+    /// Names this outbox in every message (`source`): the intake then uses
     /// it as the inbox message's source instead of the row's topic.
     pub fn source(mut self, name: impl Into<String>) -> Self {
         self.source = Some(name.into());
@@ -275,6 +630,43 @@ impl MqttSink {
         self
     }
 
+    /// What goes on the wire for a row.
+    fn outbound(&self, index: usize, msg: &OutboxMessage, topic: String) -> Outbound {
+        match self.options {
+            Options::V4(_) => Outbound {
+                index,
+                topic,
+                payload: Envelope::of(msg, self.source.as_deref()).encode(),
+                properties: Vec::new(),
+            },
+            Options::V5(_) => {
+                let mut properties = vec![
+                    (property::ID.to_owned(), msg.id.clone()),
+                    (property::SEQ.to_owned(), msg.seq.to_string()),
+                    (property::TOPIC.to_owned(), msg.topic.clone()),
+                ];
+                if let Some(source) = &self.source {
+                    properties.push((property::SOURCE.to_owned(), source.clone()));
+                }
+                if let Some(key) = &msg.key {
+                    properties.push((property::KEY.to_owned(), key.clone()));
+                }
+                properties.extend(
+                    msg.headers
+                        .iter()
+                        .filter(|(name, _)| !name.starts_with(property::PREFIX))
+                        .map(|(name, value)| (name.clone(), value.clone())),
+                );
+                Outbound {
+                    index,
+                    topic,
+                    payload: msg.payload.clone(),
+                    properties,
+                }
+            }
+        }
+    }
+
     /// A connection that is up: the one kept from the last batch, unless it
     /// sat idle past half the keep-alive (nobody polled it, so the broker
     /// may have dropped it), else a new one once the broker's CONNACK came.
@@ -289,76 +681,54 @@ impl MqttSink {
             self.link = None;
         }
         if self.link.is_none() {
-            let window = usize::from(self.options.inflight().max(1));
-            let (client, mut conn) = connect(&self.options, window);
-            wait_connack(&mut conn, self.ack_timeout)?;
+            let mut wire = self.options.connect(self.options.window());
+            wait_connack(&mut wire, self.ack_timeout)?;
             self.link = Some(Link {
-                client,
-                conn,
+                wire,
                 used: Instant::now(),
             });
         }
         Ok(self.link.as_mut().expect("just set"))
     }
 
-    /// Publishes `todo` (indexes into `batch`) in order and waits for their
-    /// PUBACKs; marks the acknowledged ones `Sent` in `results`. An error
-    /// means the connection is no longer usable.
+    /// Publishes `todo` in order and waits for their PUBACKs; records what
+    /// the broker answered in `results`. An error means the connection is
+    /// no longer usable.
     fn publish_all(
         &mut self,
-        todo: Vec<(usize, String, Vec<u8>)>,
+        todo: Vec<Outbound>,
         results: &mut [SendResult],
     ) -> std::result::Result<(), String> {
         let ack_timeout = self.ack_timeout;
+        let window = self.options.window();
         let total = todo.len();
-        let mut todo = todo.into_iter();
+        let mut todo = todo.into_iter().peekable();
         let link = self.link()?;
-        let window = usize::from(link.conn.eventloop.mqtt_options.inflight().max(1));
         let mut next = 0; // entries of `todo` published
-        let mut waiting: Option<(usize, String, Vec<u8>)> = None; // taken, not yet accepted
         let mut queued: VecDeque<usize> = VecDeque::new(); // published, no pkid yet
         let mut collided: Option<(u16, usize)> = None;
         let mut by_pkid: HashMap<u16, usize> = HashMap::new();
-        let mut acked = 0;
+        let mut answered = 0;
         let mut last_progress = Instant::now();
-        while acked < total {
+        while answered < total {
             // Keep the window full; the request channel holds `window`.
-            while next - acked < window {
-                let Some((i, topic, payload)) = waiting.take().or_else(|| todo.next()) else {
-                    break;
-                };
-                // Only a full channel is expected here (rumqttc checks
-                // the topic, which `send` checked first).
-                match link.client.try_publish(
-                    topic.as_str(),
-                    QoS::AtLeastOnce,
-                    false,
-                    payload.clone(),
-                ) {
-                    Ok(()) => {
-                        queued.push_back(i);
-                        next += 1;
-                    }
-                    Err(rumqttc::ClientError::TryRequest(_)) => {
-                        waiting = Some((i, topic, payload)); // full: poll first
-                        break;
-                    }
-                    Err(e) => return Err(format!("mqtt publish: {e}")),
+            while next - answered < window {
+                let Some(out) = todo.peek() else { break };
+                if !link.wire.try_publish(out)? {
+                    break; // the channel is full: poll first
                 }
+                queued.push_back(out.index);
+                next += 1;
+                todo.next();
             }
-            let event = match link.conn.recv_timeout(Duration::from_millis(100)) {
-                Ok(Ok(event)) => event,
-                Ok(Err(e)) => return Err(format!("mqtt connection: {e}")),
-                Err(RecvTimeoutError::Disconnected) => return Err("mqtt client closed".into()),
-                Err(RecvTimeoutError::Timeout) => {
-                    if last_progress.elapsed() > ack_timeout {
-                        return Err(format!("mqtt: no PUBACK within {ack_timeout:?}"));
-                    }
-                    continue;
+            let Some(event) = link.wire.next(Duration::from_millis(100))? else {
+                if last_progress.elapsed() > ack_timeout {
+                    return Err(format!("mqtt: no PUBACK within {ack_timeout:?}"));
                 }
+                continue;
             };
             match event {
-                Event::Outgoing(Outgoing::Publish(pkid)) => {
+                Ev::Published(pkid) => {
                     let i = match collided {
                         Some((p, i)) if p == pkid => {
                             collided = None;
@@ -370,71 +740,27 @@ impl MqttSink {
                 }
                 // Its packet id is still in flight: rumqttc sends it (an
                 // `Outgoing::Publish` of the same id) once that one is acked.
-                Event::Outgoing(Outgoing::AwaitAck(pkid)) => {
+                Ev::AwaitAck(pkid) => {
                     let i = queued.pop_front().ok_or("mqtt: a publish nobody sent")?;
                     collided = Some((pkid, i));
                 }
-                Event::Incoming(Packet::PubAck(ack)) => {
-                    if let Some(i) = by_pkid.remove(&ack.pkid) {
-                        results[i] = SendResult::Sent;
-                        acked += 1;
+                Ev::PubAck { pkid, refused } => {
+                    if let Some(i) = by_pkid.remove(&pkid) {
+                        results[i] = match refused {
+                            None => SendResult::Sent,
+                            Some((reason, true)) => SendResult::dead(reason),
+                            Some((reason, false)) => SendResult::retry(reason),
+                        };
+                        answered += 1;
                         last_progress = Instant::now();
                     }
                 }
-                Event::Incoming(Packet::Disconnect) => {
-                    return Err("mqtt: the broker disconnected".into())
-                }
+                Ev::Disconnect => return Err("mqtt: the broker disconnected".into()),
                 _ => {}
             }
         }
         link.used = Instant::now();
         Ok(())
-    }
-}
-
-/// The largest packet MQTT can carry (its remaining length is at most
-/// 268,435,455 bytes).
-const MQTT_MAX_PACKET: usize = 268_435_455;
-
-/// rumqttc refuses packets over 10 KiB by default (as a connection error,
-/// which the sink would retry for ever): the bridge leaves the limit to the
-/// broker.
-fn lift_packet_limit(options: &mut MqttOptions) {
-    options.set_max_packet_size(MQTT_MAX_PACKET, MQTT_MAX_PACKET);
-}
-
-/// A client and its connection, with Nagle's algorithm off: publishes (and
-/// an intake's PUBACKs) go out while earlier ones are unanswered, and
-/// Nagle would hold each small one back for the peer's delayed ACK.
-fn connect(options: &MqttOptions, channel: usize) -> (Client, Connection) {
-    let (client, mut conn) = Client::new(options.clone(), channel);
-    let mut network = conn.eventloop.network_options();
-    network.set_tcp_nodelay(true);
-    conn.eventloop.set_network_options(network);
-    (client, conn)
-}
-
-/// Polls a new connection until the broker's CONNACK (accepted), an error,
-/// or `timeout`.
-fn wait_connack(conn: &mut Connection, timeout: Duration) -> std::result::Result<(), String> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(format!("mqtt: no CONNACK within {timeout:?}"));
-        }
-        match conn.recv_timeout(left) {
-            Ok(Ok(Event::Incoming(Packet::ConnAck(ack)))) => {
-                return match ack.code {
-                    ConnectReturnCode::Success => Ok(()),
-                    code => Err(format!("mqtt: the broker refused the connection: {code:?}")),
-                };
-            }
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => return Err(format!("mqtt connect: {e}")),
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => return Err("mqtt client closed".into()),
-        }
     }
 }
 
@@ -450,15 +776,21 @@ impl Sink for MqttSink {
                 continue;
             }
             let topic = (self.topic)(msg);
-            let payload = Envelope::of(msg, self.source.as_deref()).encode();
-            // Fixed header, topic length prefix and packet id fit in 16.
-            let problem = topic_problem(&topic)
-                .or((payload.len() + topic.len() + 16 > MQTT_MAX_PACKET)
-                    .then_some("the message is larger than an MQTT packet can be"));
+            let out = self.outbound(i, msg, topic);
+            let properties: usize = out
+                .properties
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 5)
+                .sum();
+            // Fixed header, topic length prefix, packet id and property
+            // length fit in 24.
+            let size = out.payload.len() + out.topic.len() + properties + 24;
+            let problem = topic_problem(&out.topic).or((size > MQTT_MAX_PACKET)
+                .then_some("the message is larger than an MQTT packet can be"));
             match problem {
-                None => todo.push((i, topic, payload)),
+                None => todo.push(out),
                 Some(problem) => {
-                    results[i] = SendResult::dead(format_args!("{problem}: {topic:?}"));
+                    results[i] = SendResult::dead(format_args!("{problem}: {:?}", out.topic));
                     if let Some(k) = msg.key.as_deref() {
                         dead_keys.push(k);
                     }
@@ -468,7 +800,7 @@ impl Sink for MqttSink {
         if todo.is_empty() {
             return results;
         }
-        let indexes: Vec<usize> = todo.iter().map(|(i, _, _)| *i).collect();
+        let indexes: Vec<usize> = todo.iter().map(|out| out.index).collect();
         match self.publish_all(todo, &mut results) {
             Ok(()) => self.backoff.reset(),
             Err(reason) => {
@@ -476,7 +808,7 @@ impl Sink for MqttSink {
                 self.link = None;
                 let after = self.backoff.fail();
                 for i in indexes {
-                    if results[i] != SendResult::Sent {
+                    if results[i] == SendResult::retry("not handed over") {
                         results[i] = SendResult::unavailable(&reason, after);
                     }
                 }
@@ -540,7 +872,7 @@ enum Mode {
 
 /// Builds an [`MqttIntake`]; see [`MqttIntake::builder`].
 pub struct IntakeBuilder {
-    options: MqttOptions,
+    options: Options,
     room: Arc<Postroom>,
     consumer: String,
     filters: Vec<String>,
@@ -583,9 +915,22 @@ impl IntakeBuilder {
                 "an intake needs a topic filter",
             ));
         }
-        let mut options = self.options;
-        options.set_clean_session(false).set_manual_acks(true);
-        lift_packet_limit(&mut options);
+        let options = match self.options {
+            Options::V4(mut o) => {
+                o.set_clean_session(false).set_manual_acks(true);
+                lift_packet_limit(&mut o);
+                Options::V4(o)
+            }
+            Options::V5(mut o) => {
+                // MQTT 5 ends a session at disconnect unless it has an
+                // expiry interval; 0xFFFFFFFF keeps it for ever.
+                o.set_clean_start(false)
+                    .set_session_expiry_interval(Some(u32::MAX))
+                    .set_manual_acks(true);
+                lift_packet_limit_v5(&mut o);
+                Options::V5(o)
+            }
+        };
         let counters = Arc::new(Counters::default());
         let stop = Arc::new(AtomicBool::new(false));
         let (done_tx, done) = crossbeam_channel::bounded(1);
@@ -660,16 +1005,32 @@ pub struct MqttIntake {
 
 impl MqttIntake {
     /// An intake into `consumer` of `room`, through a broker reached with
-    /// `options`. Add at least one [`subscribe`](IntakeBuilder::subscribe).
+    /// `options`, over MQTT 3.1.1. Add at least one
+    /// [`subscribe`](IntakeBuilder::subscribe).
     pub fn builder(
         options: MqttOptions,
         room: Arc<Postroom>,
         consumer: impl Into<String>,
     ) -> IntakeBuilder {
+        Self::builder_for(Options::V4(options), room, consumer.into())
+    }
+
+    /// The same over MQTT 5: the message id and the rest come from the
+    /// user properties an [`MqttSink::v5`] sets (see [`property`]), else
+    /// from an [`Envelope`], else the fallback below.
+    pub fn builder_v5(
+        options: v5::MqttOptions,
+        room: Arc<Postroom>,
+        consumer: impl Into<String>,
+    ) -> IntakeBuilder {
+        Self::builder_for(Options::V5(options), room, consumer.into())
+    }
+
+    fn builder_for(options: Options, room: Arc<Postroom>, consumer: String) -> IntakeBuilder {
         IntakeBuilder {
             options,
             room,
-            consumer: consumer.into(),
+            consumer,
             filters: Vec::new(),
             mode: Mode::Deliver,
             backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
@@ -757,41 +1118,56 @@ struct Inbound {
 }
 
 /// The inbox message an MQTT publish carries (see [`MqttIntake`]).
-fn inbound(publish: &Publish) -> Inbound {
-    match Envelope::decode(&publish.payload) {
-        Some(env) => {
-            let source = env.source.unwrap_or(env.topic);
-            let mut msg = Message::new(source, env.id, env.payload);
-            msg.headers = env.headers;
-            msg.ordering_key = env.key;
-            Inbound {
-                msg,
-                seq: u64::try_from(env.seq).ok(),
-                wrapped: true,
-            }
-        }
-        None => {
-            let id = digest_hex(
-                b"postroom-mqtt\0",
-                &[publish.topic.as_str()],
-                &publish.payload,
-            );
-            Inbound {
-                msg: Message::new(
-                    publish.topic.clone(),
-                    format!("mqtt-{id}"),
-                    publish.payload.to_vec(),
-                ),
-                seq: None,
-                wrapped: false,
-            }
-        }
+fn inbound(publish: &Received) -> Inbound {
+    let props = publish.user_properties();
+    let prop = |name: &str| {
+        props
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
+    if let Some(id) = prop(property::ID) {
+        let topic = prop(property::TOPIC).unwrap_or_else(|| publish.topic());
+        let mut msg = Message::new(
+            prop(property::SOURCE).unwrap_or(topic),
+            id,
+            publish.payload().to_vec(),
+        );
+        msg.headers = props
+            .iter()
+            .filter(|(k, _)| !k.starts_with(property::PREFIX))
+            .cloned()
+            .collect();
+        msg.ordering_key = prop(property::KEY);
+        return Inbound {
+            msg,
+            seq: prop(property::SEQ).and_then(|s| s.parse().ok()),
+            wrapped: true,
+        };
+    }
+    if let Some(env) = Envelope::decode(publish.payload()) {
+        let source = env.source.unwrap_or(env.topic);
+        let mut msg = Message::new(source, env.id, env.payload);
+        msg.headers = env.headers;
+        msg.ordering_key = env.key;
+        return Inbound {
+            msg,
+            seq: u64::try_from(env.seq).ok(),
+            wrapped: true,
+        };
+    }
+    let topic = publish.topic();
+    let id = digest_hex(b"postroom-mqtt\0", &[topic.as_str()], publish.payload());
+    Inbound {
+        msg: Message::new(topic, format!("mqtt-{id}"), publish.payload().to_vec()),
+        seq: None,
+        wrapped: false,
     }
 }
 
 /// The intake thread's state.
 struct Intake {
-    options: MqttOptions,
+    options: Options,
     room: Arc<Postroom>,
     consumer: String,
     filters: Vec<String>,
@@ -800,7 +1176,7 @@ struct Intake {
     counters: Arc<Counters>,
     stop: Arc<AtomicBool>,
     /// Acknowledgements not yet taken by the request channel.
-    acks: VecDeque<Publish>,
+    acks: VecDeque<Received>,
     /// Acknowledgements in the request channel, not yet written.
     unsent_acks: usize,
     /// Set by a message left unacknowledged: when to reconnect so the
@@ -817,7 +1193,7 @@ const ACK_FLUSH_GRACE: Duration = Duration::from_secs(1);
 
 impl Intake {
     fn run(mut self) {
-        let (mut client, mut conn) = connect(&self.options, INTAKE_CHANNEL);
+        let mut wire = self.options.connect(INTAKE_CHANNEL);
         let mut flushing_since: Option<Instant> = None;
         while !self.stop.load(Ordering::Acquire) {
             if self.redeliver_at.is_some_and(|at| Instant::now() >= at) {
@@ -832,49 +1208,40 @@ impl Intake {
                     self.acks.clear();
                     self.unsent_acks = 0;
                     self.counters.subscribed.store(false, Ordering::Release);
-                    (client, conn) = connect(&self.options, INTAKE_CHANNEL);
+                    wire = self.options.connect(INTAKE_CHANNEL);
                 }
             }
-            self.flush_acks(&client);
-            match conn.recv_timeout(Duration::from_millis(100)) {
-                Ok(Ok(Event::Incoming(Packet::ConnAck(ack)))) => {
+            self.flush_acks(&wire);
+            match wire.next(Duration::from_millis(100)) {
+                Ok(Some(Ev::Connected { session_present })) => {
                     bump(&self.counters.connects);
                     self.backoff.reset();
                     // Subscribe on every connection: the broker may have
                     // lost the session (restarted without persistence).
-                    let filters = self
-                        .filters
-                        .iter()
-                        .map(|f| rumqttc::SubscribeFilter::new(f.clone(), QoS::AtLeastOnce));
-                    if let Err(e) = client.try_subscribe_many(filters) {
+                    if let Err(e) = wire.try_subscribe(&self.filters) {
                         log::warn!("postroom mqtt intake: subscribe: {e}");
                     }
                     log::debug!(
-                        "postroom mqtt intake: connected, session present: {}",
-                        ack.session_present
+                        "postroom mqtt intake: connected, session present: {session_present}"
                     );
                 }
-                Ok(Ok(Event::Incoming(Packet::SubAck(ack)))) => {
-                    let refused = ack
-                        .return_codes
-                        .contains(&rumqttc::SubscribeReasonCode::Failure);
-                    if refused {
-                        // Not retried: a broker's ACL does not change by
-                        // asking again; `wait_subscribed` stays false.
-                        log::error!(
-                            "postroom mqtt intake: the broker refused a subscription of {:?}",
-                            self.filters
-                        );
-                    } else {
-                        self.counters.subscribed.store(true, Ordering::Release);
-                    }
+                Ok(Some(Ev::SubAck { refused: true })) => {
+                    // Not retried: a broker's ACL does not change by asking
+                    // again; `wait_subscribed` stays false.
+                    log::error!(
+                        "postroom mqtt intake: the broker refused a subscription of {:?}",
+                        self.filters
+                    );
                 }
-                Ok(Ok(Event::Incoming(Packet::Publish(publish)))) => self.handle(publish),
-                Ok(Ok(Event::Outgoing(Outgoing::PubAck(_)))) => {
+                Ok(Some(Ev::SubAck { refused: false })) => {
+                    self.counters.subscribed.store(true, Ordering::Release);
+                }
+                Ok(Some(Ev::Publish(publish))) => self.handle(publish),
+                Ok(Some(Ev::AckWritten)) => {
                     self.unsent_acks = self.unsent_acks.saturating_sub(1);
                 }
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => {
+                Ok(Some(_)) | Ok(None) => {}
+                Err(e) => {
                     // rumqttc reconnects on the next poll; the acks queued
                     // for the lost connection are void (the broker resends
                     // those messages, and the inbox knows them).
@@ -888,8 +1255,6 @@ impl Intake {
                         thread::sleep(Duration::from_millis(20));
                     }
                 }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => return,
             }
         }
         // Stopping: let the connection write the queued acknowledgements,
@@ -897,26 +1262,25 @@ impl Intake {
         let until = Instant::now() + ACK_FLUSH_GRACE;
         let mut disconnecting = false;
         while Instant::now() < until {
-            self.flush_acks(&client);
+            self.flush_acks(&wire);
             if !disconnecting && self.acks.is_empty() && self.unsent_acks == 0 {
-                disconnecting = client.try_disconnect().is_ok();
+                disconnecting = wire.try_disconnect();
             }
-            match conn.recv_timeout(Duration::from_millis(50)) {
-                Ok(Ok(Event::Outgoing(Outgoing::Disconnect))) | Ok(Err(_)) => break,
-                Err(RecvTimeoutError::Disconnected) => break,
-                Ok(Ok(Event::Outgoing(Outgoing::PubAck(_)))) => {
+            match wire.next(Duration::from_millis(50)) {
+                Ok(Some(Ev::AckWritten)) => {
                     self.unsent_acks = self.unsent_acks.saturating_sub(1);
                 }
-                Ok(Ok(_)) | Err(RecvTimeoutError::Timeout) => {}
+                Ok(Some(Ev::Disconnect)) | Err(_) => break,
+                Ok(_) => {}
             }
         }
     }
 
     /// Moves queued acknowledgements into the request channel while it has
     /// room (polling the connection empties it).
-    fn flush_acks(&mut self, client: &Client) {
+    fn flush_acks(&mut self, wire: &Wire) {
         while let Some(publish) = self.acks.front() {
-            if client.try_ack(publish).is_err() {
+            if !wire.try_ack(publish) {
                 break;
             }
             self.acks.pop_front();
@@ -925,9 +1289,9 @@ impl Intake {
         }
     }
 
-    fn handle(&mut self, publish: Publish) {
+    fn handle(&mut self, publish: Received) {
         bump(&self.counters.received);
-        if publish.dup {
+        if publish.dup() {
             bump(&self.counters.redelivered);
         }
         if self.redeliver_at.is_some() {
@@ -970,7 +1334,7 @@ impl Intake {
                 log::error!(
                     "postroom mqtt intake: a message on {:?} can never be stored: {e}; \
                      acknowledged and dropped",
-                    publish.topic
+                    publish.topic()
                 );
                 bump(&self.counters.refused);
                 self.acks.push_back(publish);

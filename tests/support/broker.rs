@@ -33,10 +33,13 @@ pub enum Kind {
 
 pub struct Broker {
     pub kind: Kind,
+    /// Where MQTT 3.1.1 clients connect.
     pub port: u16,
+    /// Where MQTT 5 clients connect (mosquitto: the same port).
+    pub port_v5: u16,
     dir: PathBuf,
     mosquitto: Option<Child>,
-    relay: Option<Relay>,
+    relays: Vec<Relay>,
 }
 
 /// The mosquitto binary on PATH, if any (Debian installs it in /usr/sbin,
@@ -69,12 +72,17 @@ impl Broker {
         } else {
             Kind::Embedded
         };
+        let port_v5 = match kind {
+            Kind::Mosquitto => port,
+            Kind::Embedded => free_port(),
+        };
         let mut broker = Broker {
             kind,
             port,
+            port_v5,
             dir: dir.to_path_buf(),
             mosquitto: None,
-            relay: None,
+            relays: Vec::new(),
         };
         broker.up();
         println!(
@@ -123,12 +131,17 @@ impl Broker {
                 self.mosquitto = Some(child);
             }
             Kind::Embedded => {
-                let inner = embedded_port();
-                self.relay = Some(Relay::start(self.port, inner));
+                let (inner, inner_v5) = embedded_ports();
+                self.relays = vec![
+                    Relay::start(self.port, inner),
+                    Relay::start(self.port_v5, inner_v5),
+                ];
             }
         }
         let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+        while TcpStream::connect(("127.0.0.1", self.port)).is_err()
+            || TcpStream::connect(("127.0.0.1", self.port_v5)).is_err()
+        {
             if let Some(child) = self.mosquitto.as_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
                     panic!(
@@ -158,7 +171,7 @@ impl Broker {
             }
             let _ = child.wait();
         }
-        if let Some(relay) = self.relay.take() {
+        for relay in self.relays.drain(..) {
             relay.stop();
         }
     }
@@ -182,21 +195,21 @@ impl Drop for Broker {
             let _ = child.kill();
             let _ = child.wait();
         }
-        if let Some(relay) = self.relay.take() {
+        for relay in self.relays.drain(..) {
             relay.stop();
         }
     }
 }
 
-/// The port of the one rumqttd this process runs (started at first use;
-/// its threads live as long as the process).
-fn embedded_port() -> u16 {
-    static PORT: OnceLock<u16> = OnceLock::new();
-    *PORT.get_or_init(|| {
+/// The MQTT 3.1.1 and 5 ports of the one rumqttd this process runs
+/// (started at first use; its threads live as long as the process).
+fn embedded_ports() -> (u16, u16) {
+    static PORTS: OnceLock<(u16, u16)> = OnceLock::new();
+    *PORTS.get_or_init(|| {
         use rumqttd::{Config, ConnectionSettings, RouterConfig, ServerSettings};
-        let port = free_port();
-        let server = ServerSettings {
-            name: "v4".into(),
+        let (port, port_v5) = (free_port(), free_port());
+        let server = |name: &str, port: u16| ServerSettings {
+            name: name.into(),
             listen: ([127, 0, 0, 1], port).into(),
             tls: None,
             next_connection_delay_ms: 1,
@@ -218,7 +231,12 @@ fn embedded_port() -> u16 {
                 max_segment_count: 10,
                 ..Default::default()
             },
-            v4: Some([("1".to_owned(), server)].into_iter().collect()),
+            v4: Some([("1".to_owned(), server("v4", port))].into_iter().collect()),
+            v5: Some(
+                [("1".to_owned(), server("v5", port_v5))]
+                    .into_iter()
+                    .collect(),
+            ),
             ..Default::default()
         };
         thread::Builder::new()
@@ -231,11 +249,13 @@ fn embedded_port() -> u16 {
             })
             .unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        while TcpStream::connect(("127.0.0.1", port)).is_err()
+            || TcpStream::connect(("127.0.0.1", port_v5)).is_err()
+        {
             assert!(Instant::now() < deadline, "rumqttd never came up");
             thread::sleep(Duration::from_millis(20));
         }
-        port
+        (port, port_v5)
     })
 }
 
