@@ -1,12 +1,15 @@
 //! The MQTT bridge (feature `mqtt`): an outbox [`Sink`] that publishes to an
 //! MQTT broker, and an [`MqttIntake`] that feeds a broker's messages to an
-//! inbox. Both speak MQTT 3.1.1 through [`rumqttc`] (re-exported), QoS 1.
+//! inbox. Both speak MQTT 3.1.1 or 5 through [`rumqttc`] (re-exported),
+//! QoS 1.
 //!
-//! MQTT 3.1.1 has no message headers, so every message travels in an
-//! [`Envelope`]: one line of JSON (the outbox row's id, `seq`, topic, key,
-//! headers and the sink's source name), a newline, then the payload bytes
-//! untouched. Any consumer can drop repeats by the envelope's `id`; the
-//! intake does so through the inbox. See docs/SINKS.md.
+//! Every message carries its outbox row's id (stable across re-sends),
+//! `seq`, topic, key and headers and the sink's source name. MQTT 3.1.1 has
+//! no message headers, so there it travels in an [`Envelope`]: one line of
+//! JSON, a newline, then the payload bytes untouched. Over MQTT 5 the
+//! payload travels as it is and the rest as user properties ([`property`]).
+//! Any consumer can drop repeats by the id; the intake does so through the
+//! inbox. See docs/SINKS.md.
 //!
 //! Out: [`MqttSink`] answers `Sent` for a row only after the broker's
 //! PUBACK. A broker that is down or does not acknowledge in time makes the
