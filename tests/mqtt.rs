@@ -106,14 +106,15 @@ fn device_a(db: &Path, client_id: &str, port: u16, topics: &str) -> Postroom {
 }
 
 /// Publishes `n` rows through A's outbox, keys `k0`..`k4`, payload = the
-/// number, `pause` after each.
-fn publish(a: &Postroom, n: i64, pause: Duration) {
+/// number, `pause` after each; `committed` counts them.
+fn publish(a: &Postroom, n: i64, pause: Duration, committed: &AtomicU64) {
     for i in 0..n {
         a.transaction(move |tx| {
             tx.publish(Outgoing::new("orders", i.to_string()).with_key(format!("k{}", i % 5)))?;
             Ok(())
         })
         .unwrap();
+        committed.fetch_add(1, Ordering::SeqCst);
         thread::sleep(pause);
     }
 }
@@ -197,10 +198,13 @@ fn a_broker_restart_mid_run_loses_nothing_and_duplicates_are_absorbed() {
     let a = device_a(&a_db, "restart-a", port, "restart-b");
     const N: i64 = 300;
     let started = Instant::now();
+    let committed = AtomicU64::new(0);
     thread::scope(|s| {
-        s.spawn(|| publish(&a, N, Duration::from_millis(5)));
-        eventually(30, "a third applied before the restart", || {
-            effects(&b_db).1 >= N / 3
+        s.spawn(|| publish(&a, N, Duration::from_millis(5), &committed));
+        // Mid-stream on A's side: two thirds are yet to be committed, so
+        // they meet the outage however far behind B is.
+        eventually(30, "a third committed before the restart", || {
+            committed.load(Ordering::SeqCst) >= N as u64 / 3
         });
         broker.restart(Duration::from_secs(1));
     });
@@ -255,8 +259,9 @@ fn device_b_killed_mid_run_applies_every_message_once() {
     let a_db = dir.path().join("a.db");
     let a = device_a(&a_db, "crash-a", port, "crash-b");
     const N: i64 = 400;
+    let committed = AtomicU64::new(0);
     let applied_at_kill = thread::scope(|s| {
-        s.spawn(|| publish(&a, N, Duration::from_millis(3)));
+        s.spawn(|| publish(&a, N, Duration::from_millis(3), &committed));
         eventually(30, "a third applied before the kill", || {
             effects(&b_db).1 >= N / 3
         });
