@@ -173,11 +173,20 @@ struct Backoff {
     next: Duration,
 }
 
+/// The shortest backoff step: a zero one would spin on a broker that is
+/// down.
+const MIN_STEP: Duration = Duration::from_millis(10);
+/// The longest backoff step or timeout: beyond it waits are settings
+/// mistakes (and `Instant + Duration::MAX` overflows).
+const MAX_WAIT: Duration = Duration::from_secs(3600);
+
 impl Backoff {
+    /// Steps within [`MIN_STEP`, `MAX_WAIT`], `max` at least `min`.
     fn new(min: Duration, max: Duration) -> Self {
+        let min = min.clamp(MIN_STEP, MAX_WAIT);
         Backoff {
             min,
-            max,
+            max: max.clamp(min, MAX_WAIT),
             next: min,
         }
     }
@@ -619,17 +628,19 @@ impl MqttSink {
         self
     }
 
-    /// How long the sink waits for the next PUBACK (10 s by default)
-    /// before it gives the connection up as stalled.
+    /// How long the sink waits for the CONNACK and for the next PUBACK
+    /// (10 s by default, kept within 100 ms and an hour) before it gives
+    /// the connection up as stalled.
     pub fn ack_timeout(mut self, timeout: Duration) -> Self {
-        self.ack_timeout = timeout;
+        self.ack_timeout = timeout.clamp(Duration::from_millis(100), MAX_WAIT);
         self
     }
 
     /// The sink's backoff while the broker cannot be reached: from `min`,
-    /// doubled per failure, up to `max` (100 ms to 5 s by default).
+    /// doubled per failure, up to `max` (100 ms to 5 s by default; steps
+    /// are kept within 10 ms and an hour).
     pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
-        self.backoff = Backoff::new(min, max.max(min));
+        self.backoff = Backoff::new(min, max);
         self
     }
 
@@ -901,9 +912,9 @@ impl IntakeBuilder {
 
     /// The wait between reconnection attempts while the broker cannot be
     /// reached: from `min`, doubled per failure, up to `max` (100 ms to
-    /// 5 s by default).
+    /// 5 s by default; steps are kept within 10 ms and an hour).
     pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
-        self.backoff = Backoff::new(min, max.max(min));
+        self.backoff = Backoff::new(min, max);
         self
     }
 
@@ -975,13 +986,13 @@ impl IntakeBuilder {
 /// Shut it down before the engine: an engine that is gone answers every
 /// message with an error, which the intake leaves unacknowledged.
 ///
-/// Each message's inbox id and source come from its [`Envelope`]: id = the
-/// envelope's `id`, source = its `source` or else its `topic`, with its
-/// key as ordering key and its headers. A message without an envelope (from
-/// another publisher) gets source = its MQTT topic and id =
-/// `mqtt-` + 128 bits of blake3 over topic and payload: identical payloads
-/// on one topic then count as one message, so such publishers should put a
-/// unique id in the payload.
+/// Each message's inbox id and source come from its MQTT 5 user properties
+/// ([`property`]) or its [`Envelope`]: id = the `id`, source = the `source`
+/// or else the outbox `topic`, with the key as ordering key and the
+/// headers. A message with neither (from another publisher) gets source =
+/// its MQTT topic and id = `mqtt-` + 128 bits of blake3 over topic and
+/// payload: identical payloads on one topic then count as one message, so
+/// such publishers should put a unique id in the payload.
 ///
 /// Messages are handed on one at a time, in the order the broker sends
 /// them, and acknowledged in that order, each only when
@@ -1075,7 +1086,9 @@ impl MqttIntake {
     /// Stops: sends the acknowledgements still queued, disconnects (the
     /// session stays on the broker) and joins the thread, all within
     /// `deadline`. Messages not yet acknowledged are redelivered to the
-    /// next intake with the same client id.
+    /// next intake with the same client id. [`Error::Stopped`] when the
+    /// thread had panicked, or did not stop in time (it is left running
+    /// detached: a handler still running cannot be cut short).
     pub fn shutdown(mut self, deadline: Duration) -> Result<()> {
         self.stop_within(deadline)
     }
@@ -1351,7 +1364,7 @@ impl Intake {
 
     fn not_acked(&mut self, retry_after: Duration) {
         bump(&self.counters.not_acked);
-        let at = Instant::now() + retry_after;
+        let at = Instant::now() + retry_after.min(MAX_WAIT);
         self.redeliver_at = Some(self.redeliver_at.map_or(at, |t| t.min(at)));
     }
 }

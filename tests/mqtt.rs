@@ -623,3 +623,82 @@ fn mqtt5_carries_the_id_and_seq_as_user_properties() {
     a.shutdown(Duration::from_secs(5)).unwrap();
     assert_exactly_once_in_order(&b_db, N);
 }
+
+/// A careless operator's settings: a zero PUBACK timeout and zero backoff
+/// still deliver (kept at their floors); a backoff of `Duration::MAX`
+/// against a broker that is not there neither panics (a panicking sink is
+/// a retry, which would use the one attempt up) nor dead-letters, and an
+/// intake so configured still shuts down at once.
+#[test]
+fn settings_at_their_extremes_neither_spin_nor_panic_nor_lose() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(&dir.path().join("broker"));
+    let a = Postroom::builder()
+        .max_attempts(1)
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            MqttSink::new(options("extreme-a", broker.port))
+                .ack_timeout(Duration::ZERO)
+                .backoff(Duration::ZERO, Duration::ZERO),
+        )
+        .open(dir.path().join("a.db"))
+        .unwrap();
+    a.transaction(|tx| {
+        tx.publish(Outgoing::new("t", "x"))?;
+        Ok(())
+    })
+    .unwrap();
+    eventually(20, "sent with a zero ack timeout", || {
+        a.stats().unwrap().outbox.sent == 1
+    });
+
+    let nobody = broker::free_port();
+    let down_db = dir.path().join("down.db");
+    let down = Postroom::builder()
+        .max_attempts(1)
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            MqttSink::new(options("extreme-down", nobody))
+                .backoff(Duration::MAX, Duration::MAX)
+                .ack_timeout(Duration::MAX),
+        )
+        .open(&down_db)
+        .unwrap();
+    down.transaction(|tx| {
+        tx.publish(Outgoing::new("t", "x").with_key("k"))?;
+        tx.publish(Outgoing::new("t", "y"))?;
+        Ok(())
+    })
+    .unwrap();
+    let conn = rusqlite::Connection::open(&down_db).unwrap();
+    let put_off = || -> i64 {
+        conn.query_row(
+            "SELECT count(*) FROM postroom_outbox
+             WHERE status = 'pending' AND attempts = 0 AND last_error IS NOT NULL",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap()
+    };
+    eventually(20, "both rows put off", || put_off() == 2);
+    thread::sleep(Duration::from_millis(200));
+    assert_eq!(put_off(), 2);
+    assert_eq!(down.stats().unwrap().outbox.dead, 0);
+    down.shutdown(Duration::from_secs(5)).unwrap();
+
+    let b = Arc::new(
+        Postroom::builder()
+            .consumer("b", handler_fn(|_, _| Ok(())))
+            .open(dir.path().join("b.db"))
+            .unwrap(),
+    );
+    let intake = MqttIntake::builder(options("extreme-b", nobody), Arc::clone(&b), "b")
+        .subscribe("x/#")
+        .backoff(Duration::MAX, Duration::MAX)
+        .start()
+        .unwrap();
+    thread::sleep(Duration::from_millis(300)); // it has failed to connect
+    let stopping = Instant::now();
+    intake.shutdown(Duration::from_secs(5)).unwrap();
+    assert!(stopping.elapsed() < Duration::from_secs(2));
+}
