@@ -840,7 +840,9 @@ pub struct IntakeStats {
     pub received: u64,
     /// Of those, messages the broker flagged as a redelivery (DUP).
     pub redelivered: u64,
-    /// Messages acknowledged to the broker.
+    /// Acknowledgements handed to the connection (one the connection
+    /// loses before writing it is counted too; the broker then resends
+    /// that message, and the inbox knows it).
     pub acked: u64,
     /// Messages the inbox had already (`Duplicate`): absorbed, acknowledged.
     pub duplicates: u64,
