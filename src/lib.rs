@@ -176,6 +176,8 @@ mod runtime;
 mod engine;
 // On top: operator functions, the thread-free harness, engine-to-engine sinks.
 pub mod admin;
+#[cfg(feature = "mqtt")]
+pub mod mqtt;
 #[cfg(feature = "sim")]
 pub mod sim;
 mod sinks;

@@ -28,6 +28,19 @@ pub enum SendResult {
         /// Stored as the row's `last_error`.
         reason: String,
     },
+    /// The destination could not be reached (a broker that is down, a
+    /// connection lost before the message was acknowledged): nothing is
+    /// known against the message itself. The row stays pending and is
+    /// handed over again after `after`, and no attempt is counted, so an
+    /// outage however long never dead-letters a row. A sink must return it
+    /// only for failures that are not the message's fault, or a message the
+    /// destination refuses would be retried for ever.
+    Unavailable {
+        /// Stored as the row's `last_error`.
+        reason: String,
+        /// When to try again.
+        after: Duration,
+    },
 }
 
 impl SendResult {
@@ -36,6 +49,15 @@ impl SendResult {
         SendResult::Retry {
             reason: reason.to_string(),
             after: None,
+        }
+    }
+
+    /// The destination is unreachable: try again after `after`, counting
+    /// no attempt (see [`SendResult::Unavailable`]).
+    pub fn unavailable(reason: impl std::fmt::Display, after: Duration) -> Self {
+        SendResult::Unavailable {
+            reason: reason.to_string(),
+            after,
         }
     }
 

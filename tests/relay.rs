@@ -200,6 +200,41 @@ fn a_key_that_always_fails_goes_dead_and_does_not_block_the_others() {
     });
 }
 
+/// A destination that stays unreachable for many more hand-overs than
+/// `max_attempts` allows: `Unavailable` counts no attempt, so no row dies,
+/// and once it is back every row goes through, each key in order.
+#[test]
+fn an_unreachable_destination_never_dead_letters_a_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let calls = Arc::new(AtomicU64::new(0));
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let (c2, g2) = (Arc::clone(&calls), Arc::clone(&got));
+    let room = fast()
+        .max_attempts(2)
+        .consumer("c", handler_fn(publish_one))
+        .sink(sink_fn(move |m: &OutboxMessage| {
+            // Down for the first 40 hand-overs: 20 times max_attempts.
+            if c2.fetch_add(1, Ordering::SeqCst) < 40 {
+                return SendResult::unavailable("broker down", Duration::from_millis(5));
+            }
+            g2.lock().unwrap().push(m.payload.clone());
+            SendResult::Sent
+        }))
+        .open(dir.path().join("a.db"))
+        .unwrap();
+    for i in 0..10 {
+        let msg = Message::new("s", format!("m{i}"), vec![i as u8]).with_ordering_key("k");
+        room.deliver("c", msg).unwrap();
+    }
+    eventually(30, "all ten sent", || {
+        room.stats().unwrap().outbox.sent == 10
+    });
+    assert!(calls.load(Ordering::SeqCst) > 40);
+    assert_eq!(room.stats().unwrap().outbox.dead, 0);
+    let order: Vec<u8> = got.lock().unwrap().iter().map(|p| p[0]).collect();
+    assert_eq!(order, (0..10).collect::<Vec<u8>>());
+}
+
 /// Service A's handler publishes; the inbox sink delivers into service B;
 /// B's handler publishes back into A. Duplicates injected at A's input:
 /// every effect happens once in B, and once back in A.

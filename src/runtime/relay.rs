@@ -130,7 +130,7 @@ pub(crate) fn relay(
         // A row settled either way (sent, or dead) is progress.
         let progress = results
             .iter()
-            .any(|r| !matches!(r, SendResult::Retry { .. }));
+            .any(|r| !matches!(r, SendResult::Retry { .. } | SendResult::Unavailable { .. }));
         let recorded =
             failpoint::hit("relay.after_send").and_then(|()| record(&shared, batch, results));
         match recorded {
@@ -261,6 +261,13 @@ pub(crate) fn record_results(
                 {
                     marked.dead += 1;
                 }
+                if let Some(key) = msg.key.as_deref() {
+                    held.insert(key);
+                }
+            }
+            SendResult::Unavailable { reason, after } => {
+                let next = now.saturating_add(clock::millis(after));
+                outbox::mark_unavailable(conn, msg.seq, &reason, next).map_err(sql)?;
                 if let Some(key) = msg.key.as_deref() {
                     held.insert(key);
                 }

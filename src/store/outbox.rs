@@ -298,6 +298,22 @@ pub(crate) fn mark_failed(
     Ok(status.as_deref() == Some("dead"))
 }
 
+/// Puts a pending row off until `next_attempt_at` without counting an
+/// attempt: its destination was unreachable (`SendResult::Unavailable`).
+pub(crate) fn mark_unavailable(
+    conn: &Connection,
+    seq: i64,
+    error: &str,
+    next_attempt_at: i64,
+) -> rusqlite::Result<()> {
+    conn.prepare_cached(
+        "UPDATE postroom_outbox SET last_error = ?2, next_attempt_at = ?3
+         WHERE seq = ?1 AND status = 'pending'",
+    )?
+    .execute(params![seq, error, next_attempt_at])?;
+    Ok(())
+}
+
 /// Retention's delete of rows sent before the cutoff, never the newest row
 /// (see `queue::DELETE_COMPLETED`, and for the unary `+`): a `seq` is never
 /// given out twice by retention.

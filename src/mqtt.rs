@@ -1,0 +1,1474 @@
+//! The MQTT bridge (feature `mqtt`): an outbox [`Sink`] that publishes to an
+//! MQTT broker, and an [`MqttIntake`] that feeds a broker's messages to an
+//! inbox. Both speak MQTT 3.1.1 or 5 through [`rumqttc`] (re-exported),
+//! QoS 1.
+//!
+//! Every message carries its outbox row's id (stable across re-sends),
+//! `seq`, topic, key and headers and the sink's source name. MQTT 3.1.1 has
+//! no message headers, so there it travels in an [`Envelope`]: one line of
+//! JSON, a newline, then the payload bytes untouched. Over MQTT 5 the
+//! payload travels as it is and the rest as user properties ([`property`]).
+//! Any consumer can drop repeats by the id; the intake does so through the
+//! inbox. See docs/SINKS.md.
+//!
+//! Out: [`MqttSink`] answers `Sent` for a row only after the broker's
+//! PUBACK. A broker that is down or does not acknowledge in time makes the
+//! unacknowledged rows [`SendResult::Unavailable`]: retried with backoff,
+//! no attempt counted, never dead-lettered for the outage.
+//!
+//! In: [`MqttIntake`] subscribes at QoS 1 with manual acknowledgements and a
+//! persistent session, hands each message to
+//! [`deliver`](Postroom::deliver) (or [`receive`](Postroom::receive)), and
+//! acknowledges it only when the outcome says so. MQTT brokers resend an
+//! unacknowledged message only when the session resumes, so after a "do
+//! not ack" outcome the intake reconnects once the outcome's `retry_after`
+//! has passed, and the broker redelivers it.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+pub use rumqttc;
+use rumqttc::{
+    v5, Client, ConnectReturnCode, Connection, Event, MqttOptions, Outgoing, Packet, Publish, QoS,
+    RecvTimeoutError,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::delivery::panic_message;
+use crate::engine::Postroom;
+use crate::error::{Error, Result};
+use crate::message::{Headers, Message, Outcome, Receipt};
+use crate::sink::{SendResult, Sink};
+use crate::store::outbox::{digest_hex, outbox_stream, OutboxMessage};
+
+/// The envelope format's version, its first field (`"postroom":1`).
+pub const ENVELOPE_VERSION: u32 = 1;
+
+/// How an outbox message travels over MQTT 3.1.1, which has no headers:
+/// this struct as one line of compact JSON, then `\n`, then the payload
+/// bytes as they are (binary-safe; compact JSON never holds a raw newline):
+///
+/// ```text
+/// {"postroom":1,"id":"9f…","seq":42,"source":"device-a","topic":"orders","key":"7","headers":{}}
+/// <payload bytes>
+/// ```
+///
+/// `id` is the outbox row's message id, the same on every re-send: dedupe
+/// on it. `seq` is the row's commit order in its outbox (increasing per
+/// source, with gaps). `source`, when the sink was given one, names the
+/// sending outbox; `key` and `headers` are absent when empty.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Envelope {
+    /// Always [`ENVELOPE_VERSION`].
+    pub postroom: u32,
+    /// The outbox message id.
+    pub id: String,
+    /// The outbox row's `seq`.
+    pub seq: i64,
+    /// The sending outbox's name, if the sink was given one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// The outbox row's topic (the MQTT topic may differ: see
+    /// [`MqttSink::topic_with`]).
+    pub topic: String,
+    /// The outbox row's ordering key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// The outbox row's headers.
+    #[serde(default, skip_serializing_if = "Headers::is_empty")]
+    pub headers: Headers,
+    /// The sending database's instance id, which `seq` numbers the outbox
+    /// of ([`OutboxMessage::origin`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
+    /// The lowest `seq` of that outbox not yet settled when the row was
+    /// sent ([`OutboxMessage::unsettled_from`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unsettled_from: Option<i64>,
+    /// The payload: not in the JSON line, it follows it.
+    #[serde(skip)]
+    pub payload: Vec<u8>,
+}
+
+impl Envelope {
+    /// An envelope for a message not from a postroom outbox (another
+    /// publisher speaking the format): `id` must be stable across its
+    /// re-sends, `seq` increasing per source.
+    pub fn new(
+        id: impl Into<String>,
+        seq: i64,
+        topic: impl Into<String>,
+        payload: impl Into<Vec<u8>>,
+    ) -> Self {
+        Envelope {
+            postroom: ENVELOPE_VERSION,
+            id: id.into(),
+            seq,
+            source: None,
+            topic: topic.into(),
+            key: None,
+            headers: Headers::new(),
+            origin: None,
+            unsettled_from: None,
+            payload: payload.into(),
+        }
+    }
+
+    /// Names the sending source.
+    pub fn with_source(mut self, source: impl Into<String>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// The envelope of an outbox row, naming `source` when given.
+    pub fn of(msg: &OutboxMessage, source: Option<&str>) -> Self {
+        Envelope {
+            postroom: ENVELOPE_VERSION,
+            id: msg.id.clone(),
+            seq: msg.seq,
+            source: source.map(str::to_owned),
+            topic: msg.topic.clone(),
+            key: msg.key.clone(),
+            headers: msg.headers.clone(),
+            origin: (!msg.origin.is_empty()).then(|| msg.origin.clone()),
+            unsettled_from: (!msg.origin.is_empty()).then_some(msg.unsettled_from),
+            payload: msg.payload.clone(),
+        }
+    }
+
+    /// The bytes that go on the wire.
+    pub fn encode(&self) -> Vec<u8> {
+        // A struct of strings and integers always serializes.
+        let mut out = serde_json::to_vec(self).unwrap_or_default();
+        out.push(b'\n');
+        out.extend_from_slice(&self.payload);
+        out
+    }
+
+    /// Reads an envelope; `None` when `bytes` is not one (no newline, the
+    /// first line is not the JSON above, or another version).
+    pub fn decode(bytes: &[u8]) -> Option<Envelope> {
+        let newline = bytes.iter().position(|&b| b == b'\n')?;
+        let mut env: Envelope = serde_json::from_slice(&bytes[..newline]).ok()?;
+        if env.postroom != ENVELOPE_VERSION {
+            return None;
+        }
+        env.payload = bytes[newline + 1..].to_vec();
+        Some(env)
+    }
+}
+
+/// Why an MQTT topic cannot be published to: empty, longer than 65,535
+/// bytes, or holding a wildcard (`+`, `#`) or NUL.
+fn topic_problem(topic: &str) -> Option<&'static str> {
+    if topic.is_empty() {
+        Some("the MQTT topic is empty")
+    } else if topic.len() > usize::from(u16::MAX) {
+        Some("the MQTT topic is longer than 65535 bytes")
+    } else if topic.contains(['+', '#', '\0']) {
+        Some("the MQTT topic holds a wildcard or NUL")
+    } else {
+        None
+    }
+}
+
+/// Exponential backoff between `min` and `max`, doubled per failure.
+#[derive(Debug, Clone)]
+struct Backoff {
+    min: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+/// The shortest backoff step: a zero one would spin on a broker that is
+/// down.
+const MIN_STEP: Duration = Duration::from_millis(10);
+/// The longest backoff step or timeout: beyond it waits are settings
+/// mistakes (and `Instant + Duration::MAX` overflows).
+const MAX_WAIT: Duration = Duration::from_secs(3600);
+
+impl Backoff {
+    /// Steps within [`MIN_STEP`, `MAX_WAIT`], `max` at least `min`.
+    fn new(min: Duration, max: Duration) -> Self {
+        let min = min.clamp(MIN_STEP, MAX_WAIT);
+        Backoff {
+            min,
+            max: max.clamp(min, MAX_WAIT),
+            next: min,
+        }
+    }
+
+    fn fail(&mut self) -> Duration {
+        let now = self.next;
+        self.next = (self.next * 2).min(self.max);
+        now
+    }
+
+    fn reset(&mut self) {
+        self.next = self.min;
+    }
+}
+
+type TopicFn = Box<dyn Fn(&OutboxMessage) -> String + Send>;
+
+/// Names of the MQTT 5 user properties the sink sets (and the intake
+/// reads) beside the payload; the row's headers follow under their own
+/// names. Together they carry what the [`Envelope`] carries.
+pub mod property {
+    /// The outbox message id: dedupe on it.
+    pub const ID: &str = "postroom-id";
+    /// The outbox row's `seq`, in decimal.
+    pub const SEQ: &str = "postroom-seq";
+    /// The sink's source name, when it was given one.
+    pub const SOURCE: &str = "postroom-source";
+    /// The outbox row's topic.
+    pub const TOPIC: &str = "postroom-topic";
+    /// The outbox row's ordering key, when it has one.
+    pub const KEY: &str = "postroom-key";
+    /// The sending database's instance id ([`OutboxMessage::origin`]):
+    /// `seq` numbers its outbox.
+    pub const ORIGIN: &str = "postroom-origin";
+    /// The lowest `seq` of the sending outbox not yet settled when the row
+    /// was sent ([`OutboxMessage::unsettled_from`]): where a receiver that
+    /// has not seen this origin starts its watermark.
+    pub const UNSETTLED_FROM: &str = "postroom-unsettled-from";
+    /// The prefix of these names: a header starting with it is not sent.
+    pub const PREFIX: &str = "postroom-";
+}
+
+/// A client's options, for the protocol version it speaks (one per sink
+/// or intake: the sizes do not matter).
+#[derive(Clone)]
+#[allow(clippy::large_enum_variant)]
+enum Options {
+    V4(MqttOptions),
+    V5(v5::MqttOptions),
+}
+
+impl Options {
+    fn keep_alive(&self) -> Duration {
+        match self {
+            Options::V4(o) => o.keep_alive(),
+            Options::V5(o) => o.keep_alive(),
+        }
+    }
+
+    /// Publishes outstanding at once.
+    fn window(&self) -> usize {
+        let window = match self {
+            Options::V4(o) => o.inflight(),
+            Options::V5(o) => o.get_outgoing_inflight_upper_limit().unwrap_or(100),
+        };
+        usize::from(window.max(1))
+    }
+
+    /// A client and its connection (not yet connected: polling connects),
+    /// with Nagle's algorithm off: publishes (and an intake's PUBACKs) go
+    /// out while earlier ones are unanswered, and Nagle would hold each
+    /// small one back for the peer's delayed ACK.
+    fn connect(&self, channel: usize) -> Wire {
+        match self {
+            Options::V4(o) => {
+                let (client, mut conn) = Client::new(o.clone(), channel);
+                let mut network = conn.eventloop.network_options();
+                network.set_tcp_nodelay(true);
+                conn.eventloop.set_network_options(network);
+                Wire::V4(client, conn)
+            }
+            Options::V5(o) => {
+                let mut o = o.clone();
+                let mut network = o.network_options();
+                network.set_tcp_nodelay(true);
+                o.set_network_options(network);
+                let (client, conn) = v5::Client::new(o, channel);
+                Wire::V5(client, conn)
+            }
+        }
+    }
+}
+
+/// The largest packet MQTT can carry (its remaining length is at most
+/// 268,435,455 bytes).
+const MQTT_MAX_PACKET: usize = 268_435_455;
+
+/// rumqttc refuses packets over 10 KiB by default (as a connection error,
+/// which the sink would retry for ever): the bridge leaves the limit to the
+/// broker.
+fn lift_packet_limit(options: &mut MqttOptions) {
+    options.set_max_packet_size(MQTT_MAX_PACKET, MQTT_MAX_PACKET);
+}
+
+fn lift_packet_limit_v5(options: &mut v5::MqttOptions) {
+    options.set_max_packet_size(u32::try_from(MQTT_MAX_PACKET).ok());
+}
+
+/// One message to publish: where, what, and (MQTT 5) its user properties.
+struct Outbound {
+    index: usize,
+    topic: String,
+    payload: Vec<u8>,
+    properties: Vec<(String, String)>,
+}
+
+/// A publish received, to read and to acknowledge.
+enum Received {
+    V4(Publish),
+    V5(v5::mqttbytes::v5::Publish),
+}
+
+impl Received {
+    fn topic(&self) -> String {
+        match self {
+            Received::V4(p) => p.topic.clone(),
+            Received::V5(p) => String::from_utf8_lossy(&p.topic).into_owned(),
+        }
+    }
+
+    fn payload(&self) -> &[u8] {
+        match self {
+            Received::V4(p) => &p.payload,
+            Received::V5(p) => &p.payload,
+        }
+    }
+
+    fn dup(&self) -> bool {
+        match self {
+            Received::V4(p) => p.dup,
+            Received::V5(p) => p.dup,
+        }
+    }
+
+    fn user_properties(&self) -> &[(String, String)] {
+        match self {
+            Received::V4(_) => &[],
+            Received::V5(p) => p
+                .properties
+                .as_ref()
+                .map_or(&[], |props| props.user_properties.as_slice()),
+        }
+    }
+}
+
+/// A connection's events, the same for both protocol versions.
+enum Ev {
+    /// The broker accepted the connection.
+    Connected {
+        session_present: bool,
+    },
+    /// The broker granted the subscriptions, or refused one.
+    SubAck {
+        refused: bool,
+    },
+    /// The next publish asked for went out under this packet id.
+    Published(u16),
+    /// The next publish asked for waits for this packet id to be free.
+    AwaitAck(u16),
+    /// The broker acknowledged this packet id; `refused` when an MQTT 5
+    /// broker's reason code says it did not take the message (and whether
+    /// that is for good).
+    PubAck {
+        pkid: u16,
+        refused: Option<(String, bool)>,
+    },
+    /// An acknowledgement of ours was written.
+    AckWritten,
+    Publish(Received),
+    Disconnect,
+    Other,
+}
+
+/// A client and its connection, either protocol version (one of each per
+/// connection: the sizes do not matter).
+#[allow(clippy::large_enum_variant)]
+enum Wire {
+    V4(Client, Connection),
+    V5(v5::Client, v5::Connection),
+}
+
+impl Wire {
+    /// Asks for a QoS 1 publish; false when the request channel is full.
+    fn try_publish(&self, out: &Outbound) -> std::result::Result<bool, String> {
+        let payload = out.payload.clone();
+        let full = match self {
+            Wire::V4(client, _) => {
+                match client.try_publish(out.topic.as_str(), QoS::AtLeastOnce, false, payload) {
+                    Ok(()) => false,
+                    Err(rumqttc::ClientError::TryRequest(_)) => true,
+                    Err(e) => return Err(format!("mqtt publish: {e}")),
+                }
+            }
+            Wire::V5(client, _) => {
+                let properties = v5::mqttbytes::v5::PublishProperties {
+                    user_properties: out.properties.clone(),
+                    ..Default::default()
+                };
+                match client.try_publish_with_properties(
+                    out.topic.as_str(),
+                    v5::mqttbytes::QoS::AtLeastOnce,
+                    false,
+                    payload,
+                    properties,
+                ) {
+                    Ok(()) => false,
+                    Err(v5::ClientError::TryRequest(_)) => true,
+                    Err(e) => return Err(format!("mqtt publish: {e}")),
+                }
+            }
+        };
+        Ok(!full)
+    }
+
+    /// Asks for the acknowledgement of `publish`; false when the request
+    /// channel is full.
+    fn try_ack(&self, publish: &Received) -> bool {
+        match (self, publish) {
+            (Wire::V4(client, _), Received::V4(p)) => client.try_ack(p).is_ok(),
+            (Wire::V5(client, _), Received::V5(p)) => client.try_ack(p).is_ok(),
+            // A publish of another connection: nothing to acknowledge here.
+            _ => true,
+        }
+    }
+
+    fn try_subscribe(&self, filters: &[String]) -> std::result::Result<(), String> {
+        match self {
+            Wire::V4(client, _) => client
+                .try_subscribe_many(
+                    filters
+                        .iter()
+                        .map(|f| rumqttc::SubscribeFilter::new(f.clone(), QoS::AtLeastOnce)),
+                )
+                .map_err(|e| e.to_string()),
+            Wire::V5(client, _) => client
+                .try_subscribe_many(filters.iter().map(|f| {
+                    v5::mqttbytes::v5::Filter::new(f.clone(), v5::mqttbytes::QoS::AtLeastOnce)
+                }))
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    fn try_disconnect(&self) -> bool {
+        match self {
+            Wire::V4(client, _) => client.try_disconnect().is_ok(),
+            Wire::V5(client, _) => client.try_disconnect().is_ok(),
+        }
+    }
+
+    /// The next event, `None` when none came within `wait`; an error when
+    /// the connection failed (polling again reconnects).
+    fn next(&mut self, wait: Duration) -> std::result::Result<Option<Ev>, String> {
+        match self {
+            Wire::V4(_, conn) => match conn.recv_timeout(wait) {
+                Ok(Ok(event)) => Ok(Some(ev_v4(event)?)),
+                Ok(Err(e)) => Err(format!("mqtt connection: {e}")),
+                Err(RecvTimeoutError::Timeout) => Ok(None),
+                Err(RecvTimeoutError::Disconnected) => Err("mqtt client closed".into()),
+            },
+            Wire::V5(_, conn) => match conn.recv_timeout(wait) {
+                Ok(Ok(event)) => Ok(Some(ev_v5(event)?)),
+                Ok(Err(e)) => Err(format!("mqtt connection: {e}")),
+                Err(v5::RecvTimeoutError::Timeout) => Ok(None),
+                Err(v5::RecvTimeoutError::Disconnected) => Err("mqtt client closed".into()),
+            },
+        }
+    }
+}
+
+fn ev_outgoing(out: Outgoing) -> Ev {
+    match out {
+        Outgoing::Publish(pkid) => Ev::Published(pkid),
+        Outgoing::AwaitAck(pkid) => Ev::AwaitAck(pkid),
+        Outgoing::PubAck(_) => Ev::AckWritten,
+        _ => Ev::Other,
+    }
+}
+
+fn ev_v4(event: Event) -> std::result::Result<Ev, String> {
+    Ok(match event {
+        Event::Outgoing(out) => ev_outgoing(out),
+        Event::Incoming(Packet::ConnAck(ack)) => match ack.code {
+            ConnectReturnCode::Success => Ev::Connected {
+                session_present: ack.session_present,
+            },
+            code => return Err(format!("mqtt: the broker refused the connection: {code:?}")),
+        },
+        Event::Incoming(Packet::SubAck(ack)) => Ev::SubAck {
+            refused: ack
+                .return_codes
+                .contains(&rumqttc::SubscribeReasonCode::Failure),
+        },
+        Event::Incoming(Packet::PubAck(ack)) => Ev::PubAck {
+            pkid: ack.pkid,
+            refused: None,
+        },
+        Event::Incoming(Packet::Publish(p)) => Ev::Publish(Received::V4(p)),
+        Event::Incoming(Packet::Disconnect) => Ev::Disconnect,
+        Event::Incoming(_) => Ev::Other,
+    })
+}
+
+fn ev_v5(event: v5::Event) -> std::result::Result<Ev, String> {
+    use v5::mqttbytes::v5::{
+        ConnectReturnCode as Code, Packet as P, PubAckReason, SubscribeReasonCode,
+    };
+    Ok(match event {
+        v5::Event::Outgoing(out) => ev_outgoing(out),
+        v5::Event::Incoming(P::ConnAck(ack)) => match ack.code {
+            Code::Success => Ev::Connected {
+                session_present: ack.session_present,
+            },
+            code => return Err(format!("mqtt: the broker refused the connection: {code:?}")),
+        },
+        v5::Event::Incoming(P::SubAck(ack)) => Ev::SubAck {
+            refused: !ack
+                .return_codes
+                .iter()
+                .all(|c| matches!(c, SubscribeReasonCode::Success(_))),
+        },
+        v5::Event::Incoming(P::PubAck(ack)) => Ev::PubAck {
+            pkid: ack.pkid,
+            refused: match ack.reason {
+                PubAckReason::Success | PubAckReason::NoMatchingSubscribers => None,
+                reason @ (PubAckReason::NotAuthorized
+                | PubAckReason::TopicNameInvalid
+                | PubAckReason::PayloadFormatInvalid) => {
+                    Some((format!("mqtt: the broker refused it: {reason:?}"), true))
+                }
+                reason => Some((format!("mqtt: the broker refused it: {reason:?}"), false)),
+            },
+        },
+        v5::Event::Incoming(P::Publish(p)) => Ev::Publish(Received::V5(p)),
+        v5::Event::Incoming(P::Disconnect(_)) => Ev::Disconnect,
+        v5::Event::Incoming(_) => Ev::Other,
+    })
+}
+
+/// Polls a new connection until the broker's CONNACK (accepted), an error,
+/// or `timeout`.
+fn wait_connack(wire: &mut Wire, timeout: Duration) -> std::result::Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("mqtt: no CONNACK within {timeout:?}"));
+        }
+        if let Some(Ev::Connected { .. }) = wire.next(left)? {
+            return Ok(());
+        }
+    }
+}
+
+/// A live connection of the sink, and when it was last used.
+struct Link {
+    wire: Wire,
+    used: Instant,
+}
+
+/// An outbox [`Sink`] publishing each row to an MQTT broker at QoS 1; a
+/// row is `Sent` only once the broker's PUBACK for it came. Over MQTT
+/// 3.1.1 ([`new`](MqttSink::new)) each row travels in an [`Envelope`];
+/// over MQTT 5 ([`v5`](MqttSink::v5)) the payload travels as it is, with
+/// the id, `seq`, source, topic and key as user properties (see
+/// [`property`]) and the headers as user properties of their own names.
+///
+/// Up to the options' in-flight window (`MqttOptions::set_inflight`,
+/// 100 by default) publishes are outstanding at once. Per-key order holds:
+/// one connection carries the batch in commit order, and an MQTT broker
+/// must acknowledge QoS 1 publishes in the order it received them (3.1.1
+/// §4.6), so the acknowledged rows are always a prefix of those sent on a
+/// connection. When the connection fails or a PUBACK does not come within
+/// [`ack_timeout`](MqttSink::ack_timeout), the sink drops the connection
+/// (rumqttc's own resend of unacknowledged publishes goes with it) and the
+/// unacknowledged rows are [`SendResult::Unavailable`]: the relay hands them
+/// over again after the sink's backoff, in order, on a new connection.
+/// Some of them may have reached the broker: consumers dedupe on the id.
+/// An MQTT 5 PUBACK refusing a message makes it dead (not authorized, a
+/// bad topic or payload format) or retried (any other reason).
+pub struct MqttSink {
+    options: Options,
+    topic: TopicFn,
+    source: Option<String>,
+    ack_timeout: Duration,
+    link: Option<Link>,
+    backoff: Backoff,
+}
+
+impl MqttSink {
+    /// Publishes over MQTT 3.1.1 through a broker reached with `options`
+    /// (host, port, client id, credentials, keep-alive, in-flight window).
+    /// The MQTT topic is the outbox row's topic.
+    pub fn new(mut options: MqttOptions) -> Self {
+        lift_packet_limit(&mut options);
+        Self::with(Options::V4(options))
+    }
+
+    /// Publishes over MQTT 5: the payload as it is, the rest as user
+    /// properties. Consumers that speak MQTT 3.1.1 get no properties, so
+    /// use [`new`](MqttSink::new) (the envelope) when any consumer might.
+    pub fn v5(mut options: v5::MqttOptions) -> Self {
+        lift_packet_limit_v5(&mut options);
+        Self::with(Options::V5(options))
+    }
+
+    fn with(options: Options) -> Self {
+        MqttSink {
+            options,
+            topic: Box::new(|m: &OutboxMessage| m.topic.clone()),
+            source: None,
+            ack_timeout: Duration::from_secs(10),
+            link: None,
+            backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
+        }
+    }
+
+    /// The MQTT topic of a row is `prefix` followed by its outbox topic.
+    pub fn topic_prefix(mut self, prefix: impl Into<String>) -> Self {
+        let prefix = prefix.into();
+        self.topic = Box::new(move |m: &OutboxMessage| format!("{prefix}{}", m.topic));
+        self
+    }
+
+    /// The MQTT topic of a row is `f(row)` (e.g. with its key:
+    /// `format!("orders/{}", m.key…)`). A topic that cannot be published to
+    /// (empty, a wildcard) makes that row dead.
+    pub fn topic_with(mut self, f: impl Fn(&OutboxMessage) -> String + Send + 'static) -> Self {
+        self.topic = Box::new(f);
+        self
+    }
+
+    /// Names this outbox in every message (`source`): the intake then uses
+    /// it as the inbox message's source instead of the row's topic.
+    pub fn source(mut self, name: impl Into<String>) -> Self {
+        self.source = Some(name.into());
+        self
+    }
+
+    /// How long the sink waits for the CONNACK and for the next PUBACK
+    /// (10 s by default, kept within 100 ms and an hour) before it gives
+    /// the connection up as stalled.
+    pub fn ack_timeout(mut self, timeout: Duration) -> Self {
+        self.ack_timeout = timeout.clamp(Duration::from_millis(100), MAX_WAIT);
+        self
+    }
+
+    /// The sink's backoff while the broker cannot be reached: from `min`,
+    /// doubled per failure, up to `max` (100 ms to 5 s by default; steps
+    /// are kept within 10 ms and an hour).
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.backoff = Backoff::new(min, max);
+        self
+    }
+
+    /// What goes on the wire for a row.
+    fn outbound(&self, index: usize, msg: &OutboxMessage, topic: String) -> Outbound {
+        match self.options {
+            Options::V4(_) => Outbound {
+                index,
+                topic,
+                payload: Envelope::of(msg, self.source.as_deref()).encode(),
+                properties: Vec::new(),
+            },
+            Options::V5(_) => {
+                let mut properties = vec![
+                    (property::ID.to_owned(), msg.id.clone()),
+                    (property::SEQ.to_owned(), msg.seq.to_string()),
+                    (property::TOPIC.to_owned(), msg.topic.clone()),
+                ];
+                if let Some(source) = &self.source {
+                    properties.push((property::SOURCE.to_owned(), source.clone()));
+                }
+                if let Some(key) = &msg.key {
+                    properties.push((property::KEY.to_owned(), key.clone()));
+                }
+                if !msg.origin.is_empty() {
+                    properties.push((property::ORIGIN.to_owned(), msg.origin.clone()));
+                    properties.push((
+                        property::UNSETTLED_FROM.to_owned(),
+                        msg.unsettled_from.to_string(),
+                    ));
+                }
+                properties.extend(
+                    msg.headers
+                        .iter()
+                        .filter(|(name, _)| !name.starts_with(property::PREFIX))
+                        .map(|(name, value)| (name.clone(), value.clone())),
+                );
+                Outbound {
+                    index,
+                    topic,
+                    payload: msg.payload.clone(),
+                    properties,
+                }
+            }
+        }
+    }
+
+    /// A connection that is up: the one kept from the last batch, unless it
+    /// sat idle past half the keep-alive (nobody polled it, so the broker
+    /// may have dropped it), else a new one once the broker's CONNACK came.
+    fn link(&mut self) -> std::result::Result<&mut Link, String> {
+        let keep_alive = self.options.keep_alive();
+        if !keep_alive.is_zero()
+            && self
+                .link
+                .as_ref()
+                .is_some_and(|l| l.used.elapsed() > keep_alive / 2)
+        {
+            self.link = None;
+        }
+        if self.link.is_none() {
+            let mut wire = self.options.connect(self.options.window());
+            wait_connack(&mut wire, self.ack_timeout)?;
+            self.link = Some(Link {
+                wire,
+                used: Instant::now(),
+            });
+        }
+        Ok(self.link.as_mut().expect("just set"))
+    }
+
+    /// Publishes `todo` in order and waits for their PUBACKs; records what
+    /// the broker answered in `results`. An error means the connection is
+    /// no longer usable.
+    fn publish_all(
+        &mut self,
+        todo: Vec<Outbound>,
+        results: &mut [SendResult],
+    ) -> std::result::Result<(), String> {
+        let ack_timeout = self.ack_timeout;
+        let window = self.options.window();
+        let total = todo.len();
+        let mut todo = todo.into_iter().peekable();
+        let link = self.link()?;
+        let mut next = 0; // entries of `todo` published
+        let mut queued: VecDeque<usize> = VecDeque::new(); // published, no pkid yet
+        let mut collided: Option<(u16, usize)> = None;
+        let mut by_pkid: HashMap<u16, usize> = HashMap::new();
+        let mut answered = 0;
+        let mut last_progress = Instant::now();
+        while answered < total {
+            // Keep the window full; the request channel holds `window`.
+            while next - answered < window {
+                let Some(out) = todo.peek() else { break };
+                if !link.wire.try_publish(out)? {
+                    break; // the channel is full: poll first
+                }
+                queued.push_back(out.index);
+                next += 1;
+                todo.next();
+            }
+            let Some(event) = link.wire.next(Duration::from_millis(100))? else {
+                if last_progress.elapsed() > ack_timeout {
+                    return Err(format!("mqtt: no PUBACK within {ack_timeout:?}"));
+                }
+                continue;
+            };
+            match event {
+                Ev::Published(pkid) => {
+                    let i = match collided {
+                        Some((p, i)) if p == pkid => {
+                            collided = None;
+                            i
+                        }
+                        _ => queued.pop_front().ok_or("mqtt: a publish nobody sent")?,
+                    };
+                    by_pkid.insert(pkid, i);
+                }
+                // Its packet id is still in flight: rumqttc sends it (an
+                // `Outgoing::Publish` of the same id) once that one is acked.
+                Ev::AwaitAck(pkid) => {
+                    let i = queued.pop_front().ok_or("mqtt: a publish nobody sent")?;
+                    collided = Some((pkid, i));
+                }
+                Ev::PubAck { pkid, refused } => {
+                    if let Some(i) = by_pkid.remove(&pkid) {
+                        results[i] = match refused {
+                            None => SendResult::Sent,
+                            Some((reason, true)) => SendResult::dead(reason),
+                            Some((reason, false)) => SendResult::retry(reason),
+                        };
+                        answered += 1;
+                        last_progress = Instant::now();
+                    }
+                }
+                Ev::Disconnect => return Err("mqtt: the broker disconnected".into()),
+                _ => {}
+            }
+        }
+        link.used = Instant::now();
+        Ok(())
+    }
+}
+
+impl Sink for MqttSink {
+    fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
+        let mut results = vec![SendResult::retry("not handed over"); batch.len()];
+        // Rows whose topic cannot be published are dead before anything is
+        // sent; later rows of their key wait (the relay holds them back).
+        let mut todo = Vec::with_capacity(batch.len());
+        let mut dead_keys: Vec<&str> = Vec::new();
+        for (i, msg) in batch.iter().enumerate() {
+            if msg.key.as_deref().is_some_and(|k| dead_keys.contains(&k)) {
+                continue;
+            }
+            let topic = (self.topic)(msg);
+            let out = self.outbound(i, msg, topic);
+            let properties: usize = out
+                .properties
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 5)
+                .sum();
+            // Fixed header, topic length prefix, packet id and property
+            // length fit in 24.
+            let size = out.payload.len() + out.topic.len() + properties + 24;
+            let problem = topic_problem(&out.topic).or((size > MQTT_MAX_PACKET)
+                .then_some("the message is larger than an MQTT packet can be"));
+            match problem {
+                None => todo.push(out),
+                Some(problem) => {
+                    results[i] = SendResult::dead(format_args!("{problem}: {:?}", out.topic));
+                    if let Some(k) = msg.key.as_deref() {
+                        dead_keys.push(k);
+                    }
+                }
+            }
+        }
+        if todo.is_empty() {
+            return results;
+        }
+        let indexes: Vec<usize> = todo.iter().map(|out| out.index).collect();
+        match self.publish_all(todo, &mut results) {
+            Ok(()) => self.backoff.reset(),
+            Err(reason) => {
+                log::warn!("postroom mqtt sink: {reason}; reconnecting");
+                self.link = None;
+                let after = self.backoff.fail();
+                for i in indexes {
+                    if results[i] == SendResult::retry("not handed over") {
+                        results[i] = SendResult::unavailable(&reason, after);
+                    }
+                }
+            }
+        }
+        results
+    }
+}
+
+/// What an [`MqttIntake`] has seen since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct IntakeStats {
+    /// Messages received from the broker, redeliveries included.
+    pub received: u64,
+    /// Of those, messages the broker flagged as a redelivery (DUP).
+    pub redelivered: u64,
+    /// Acknowledgements handed to the connection (one the connection
+    /// loses before writing it is counted too; the broker then resends
+    /// that message, and the inbox knows it).
+    pub acked: u64,
+    /// Messages the inbox had already (`Duplicate`): absorbed, acknowledged.
+    pub duplicates: u64,
+    /// Messages left unacknowledged (a "do not ack" outcome or an error),
+    /// for the broker to redeliver when the intake reconnects.
+    pub not_acked: u64,
+    /// Messages that came behind one left unacknowledged: not handed on,
+    /// not acknowledged, redelivered after the reconnect.
+    pub held_back: u64,
+    /// Messages the inbox refuses for good (an id or name outside postroom's
+    /// limits): acknowledged and dropped, with an error logged.
+    pub refused: u64,
+    /// Messages without an envelope, given a content-derived id.
+    pub unwrapped: u64,
+    /// Connections made, the first included.
+    pub connects: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    received: AtomicU64,
+    redelivered: AtomicU64,
+    acked: AtomicU64,
+    duplicates: AtomicU64,
+    not_acked: AtomicU64,
+    held_back: AtomicU64,
+    refused: AtomicU64,
+    unwrapped: AtomicU64,
+    connects: AtomicU64,
+    subscribed: AtomicBool,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How an [`MqttIntake`] hands messages to the inbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Deliver,
+    Receive,
+}
+
+/// Builds an [`MqttIntake`]; see [`MqttIntake::builder`].
+pub struct IntakeBuilder {
+    options: Options,
+    room: Arc<Postroom>,
+    consumer: String,
+    filters: Vec<String>,
+    mode: Mode,
+    backoff: Backoff,
+    sequenced: bool,
+}
+
+impl IntakeBuilder {
+    /// Keeps a sequence watermark per sending outbox
+    /// ([`Message::with_sequence`]): each message that carries its outbox's
+    /// origin and `seq` (every `MqttSink` sends them) is numbered in the
+    /// stream [`outbox_stream`](crate::outbox_stream)`(origin)`, so a
+    /// re-send after this engine's retention deleted the row is still a
+    /// duplicate ([`Outcome::DuplicateBySequence`]). A stream this engine
+    /// has not seen starts where the sender's unsettled rows started.
+    ///
+    /// Only for an intake that receives *every* message of each sending
+    /// outbox: rows it never receives (topics it does not subscribe to,
+    /// rows another intake takes) are gaps that never fill, and the
+    /// watermark stops below the first of them (nothing is lost; see
+    /// `MAX_LISTED_SEQUENCES`). Default: off.
+    pub fn sequenced(mut self) -> Self {
+        self.sequenced = true;
+        self
+    }
+
+    /// Subscribes to `filter` (wildcards allowed) at QoS 1; call once per
+    /// filter.
+    pub fn subscribe(mut self, filter: impl Into<String>) -> Self {
+        self.filters.push(filter.into());
+        self
+    }
+
+    /// Stores each message with [`receive`](Postroom::receive) (the
+    /// engine's workers process it) instead of delivering it inline; every
+    /// receipt acknowledges.
+    pub fn queued(mut self) -> Self {
+        self.mode = Mode::Receive;
+        self
+    }
+
+    /// The wait between reconnection attempts while the broker cannot be
+    /// reached: from `min`, doubled per failure, up to `max` (100 ms to
+    /// 5 s by default; steps are kept within 10 ms and an hour).
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.backoff = Backoff::new(min, max);
+        self
+    }
+
+    /// Starts the intake's thread (`postroom-mqtt-intake`). The options'
+    /// session is made persistent (`clean_session` false) with manual
+    /// acknowledgements; give each intake a client id of its own that stays
+    /// the same across restarts, or the broker cannot resume its session.
+    pub fn start(self) -> Result<MqttIntake> {
+        if self.filters.is_empty() {
+            return Err(Error::invalid(
+                "subscribe",
+                "an intake needs a topic filter",
+            ));
+        }
+        let options = match self.options {
+            Options::V4(mut o) => {
+                o.set_clean_session(false).set_manual_acks(true);
+                lift_packet_limit(&mut o);
+                Options::V4(o)
+            }
+            Options::V5(mut o) => {
+                // MQTT 5 ends a session at disconnect unless it has an
+                // expiry interval; 0xFFFFFFFF keeps it for ever.
+                o.set_clean_start(false)
+                    .set_session_expiry_interval(Some(u32::MAX))
+                    .set_manual_acks(true);
+                lift_packet_limit_v5(&mut o);
+                Options::V5(o)
+            }
+        };
+        let counters = Arc::new(Counters::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let (done_tx, done) = crossbeam_channel::bounded(1);
+        let worker = Intake {
+            options,
+            room: self.room,
+            consumer: self.consumer,
+            filters: self.filters,
+            mode: self.mode,
+            backoff: self.backoff,
+            sequenced: self.sequenced.then(HashSet::new),
+            counters: Arc::clone(&counters),
+            stop: Arc::clone(&stop),
+            acks: VecDeque::new(),
+            unsent_acks: 0,
+            redeliver_at: None,
+        };
+        let handle = thread::Builder::new()
+            .name("postroom-mqtt-intake".into())
+            .spawn(move || {
+                let outcome = panic::catch_unwind(AssertUnwindSafe(|| worker.run()))
+                    .map_err(|p| panic_message(p.as_ref()));
+                if let Err(reason) = &outcome {
+                    log::error!("postroom mqtt intake: thread panicked: {reason}");
+                }
+                let _ = done_tx.send(outcome);
+            })
+            .map_err(|e| Error::io("spawn thread", e))?;
+        Ok(MqttIntake {
+            counters,
+            stop,
+            handle: Some(handle),
+            done,
+        })
+    }
+}
+
+/// Feeds an MQTT broker's messages to one consumer of a [`Postroom`]: one
+/// named thread, QoS 1, manual acknowledgements, a persistent session.
+/// Shut it down before the engine: an engine that is gone answers every
+/// message with an error, which the intake leaves unacknowledged.
+///
+/// Each message's inbox id and source come from its MQTT 5 user properties
+/// ([`property`]) or its [`Envelope`]: id = the `id`, source = the `source`
+/// or else the outbox `topic`, with the key as ordering key and the
+/// headers. A message with neither (from another publisher) gets source =
+/// its MQTT topic and id = `mqtt-` + 128 bits of blake3 over topic and
+/// payload: identical payloads on one topic then count as one message, so
+/// such publishers should put a unique id in the payload.
+///
+/// Messages are handed on one at a time, in the order the broker sends
+/// them, and acknowledged in that order, each only when
+/// [`Outcome::should_ack`] (or, queued, [`Receipt::should_ack`]). One that
+/// is not — the handler failed and will be retried, another worker holds
+/// it, or storage failed — stays unacknowledged, and so do the messages
+/// after it: MQTT wants acknowledgements in order (3.1.1 §4.6; rumqttd
+/// disconnects a client that skips one), and handling later ones first
+/// would break per-key order. The broker resends unacknowledged messages
+/// only when the session resumes, so once the outcome's `retry_after` (1 s
+/// after an error) has passed the intake reconnects, and the held message
+/// and those after it come again (DUP), in order; the ones the inbox
+/// already has are `Duplicate`. A message whose handler keeps failing
+/// holds its subscription up until it is dead-lettered (`max_attempts`);
+/// with [`queued`](IntakeBuilder::queued) every message is acknowledged
+/// once stored, and the engine's workers retry it without holding the
+/// others.
+pub struct MqttIntake {
+    counters: Arc<Counters>,
+    stop: Arc<AtomicBool>,
+    handle: Option<thread::JoinHandle<()>>,
+    done: crossbeam_channel::Receiver<std::result::Result<(), String>>,
+}
+
+impl MqttIntake {
+    /// An intake into `consumer` of `room`, through a broker reached with
+    /// `options`, over MQTT 3.1.1. Add at least one
+    /// [`subscribe`](IntakeBuilder::subscribe).
+    pub fn builder(
+        options: MqttOptions,
+        room: Arc<Postroom>,
+        consumer: impl Into<String>,
+    ) -> IntakeBuilder {
+        Self::builder_for(Options::V4(options), room, consumer.into())
+    }
+
+    /// The same over MQTT 5: the message id and the rest come from the
+    /// user properties an [`MqttSink::v5`] sets (see [`property`]), else
+    /// from an [`Envelope`], else the fallback below.
+    pub fn builder_v5(
+        options: v5::MqttOptions,
+        room: Arc<Postroom>,
+        consumer: impl Into<String>,
+    ) -> IntakeBuilder {
+        Self::builder_for(Options::V5(options), room, consumer.into())
+    }
+
+    fn builder_for(options: Options, room: Arc<Postroom>, consumer: String) -> IntakeBuilder {
+        IntakeBuilder {
+            options,
+            room,
+            consumer,
+            filters: Vec::new(),
+            mode: Mode::Deliver,
+            backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
+            sequenced: false,
+        }
+    }
+
+    /// What it has seen so far.
+    pub fn stats(&self) -> IntakeStats {
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        IntakeStats {
+            received: get(&c.received),
+            redelivered: get(&c.redelivered),
+            acked: get(&c.acked),
+            duplicates: get(&c.duplicates),
+            not_acked: get(&c.not_acked),
+            held_back: get(&c.held_back),
+            refused: get(&c.refused),
+            unwrapped: get(&c.unwrapped),
+            connects: get(&c.connects),
+        }
+    }
+
+    /// Waits until the broker has granted the subscriptions on the current
+    /// connection, at most `timeout`; false if it has not. Messages
+    /// published before a persistent session first subscribed are not
+    /// queued for it by the broker.
+    pub fn wait_subscribed(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while !self.counters.subscribed.load(Ordering::Acquire) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+        true
+    }
+
+    /// Stops: sends the acknowledgements still queued, disconnects (the
+    /// session stays on the broker) and joins the thread, all within
+    /// `deadline`. Messages not yet acknowledged are redelivered to the
+    /// next intake with the same client id. [`Error::Stopped`] when the
+    /// thread had panicked, or did not stop in time (it is left running
+    /// detached: a handler still running cannot be cut short).
+    pub fn shutdown(mut self, deadline: Duration) -> Result<()> {
+        self.stop_within(deadline)
+    }
+
+    fn stop_within(&mut self, deadline: Duration) -> Result<()> {
+        self.stop.store(true, Ordering::Release);
+        let Some(handle) = self.handle.take() else {
+            return Ok(());
+        };
+        match self.done.recv_timeout(deadline) {
+            Ok(outcome) => {
+                let _ = handle.join();
+                outcome.map_err(|reason| Error::Stopped {
+                    thread: "postroom-mqtt-intake".into(),
+                    reason,
+                })
+            }
+            Err(_) => Err(Error::Stopped {
+                thread: "postroom-mqtt-intake".into(),
+                reason: format!("did not stop within {deadline:?}"),
+            }),
+        }
+    }
+}
+
+impl Drop for MqttIntake {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop_within(Duration::from_secs(5)) {
+            log::warn!("postroom mqtt intake: {e}");
+        }
+    }
+}
+
+/// A message as the intake hands it to the inbox.
+struct Inbound {
+    msg: Message,
+    /// The sending outbox's numbering, when the sender gave it: its
+    /// origin, the row's `seq`, and where its unsettled rows started.
+    numbered: Option<Numbered>,
+    wrapped: bool,
+}
+
+/// Where an inbound message stands in its sending outbox.
+struct Numbered {
+    origin: String,
+    seq: u64,
+    unsettled_from: u64,
+}
+
+impl Numbered {
+    fn new(origin: Option<String>, seq: Option<i64>, unsettled_from: Option<i64>) -> Option<Self> {
+        let seq = u64::try_from(seq?).ok().filter(|s| *s >= 1)?;
+        Some(Numbered {
+            origin: origin.filter(|o| !o.is_empty())?,
+            seq,
+            unsettled_from: unsettled_from
+                .and_then(|u| u64::try_from(u).ok())
+                .unwrap_or(seq)
+                .clamp(1, seq),
+        })
+    }
+}
+
+/// The inbox message an MQTT publish carries (see [`MqttIntake`]).
+fn inbound(publish: &Received) -> Inbound {
+    let props = publish.user_properties();
+    let prop = |name: &str| {
+        props
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
+    if let Some(id) = prop(property::ID) {
+        let topic = prop(property::TOPIC).unwrap_or_else(|| publish.topic());
+        let mut msg = Message::new(
+            prop(property::SOURCE).unwrap_or(topic),
+            id,
+            publish.payload().to_vec(),
+        );
+        msg.headers = props
+            .iter()
+            .filter(|(k, _)| !k.starts_with(property::PREFIX))
+            .cloned()
+            .collect();
+        msg.ordering_key = prop(property::KEY);
+        let number = |name| prop(name).and_then(|s| s.parse().ok());
+        return Inbound {
+            msg,
+            numbered: Numbered::new(
+                prop(property::ORIGIN),
+                number(property::SEQ),
+                number(property::UNSETTLED_FROM),
+            ),
+            wrapped: true,
+        };
+    }
+    if let Some(env) = Envelope::decode(publish.payload()) {
+        let source = env.source.unwrap_or(env.topic);
+        let mut msg = Message::new(source, env.id, env.payload);
+        msg.headers = env.headers;
+        msg.ordering_key = env.key;
+        return Inbound {
+            msg,
+            numbered: Numbered::new(env.origin, Some(env.seq), env.unsettled_from),
+            wrapped: true,
+        };
+    }
+    let topic = publish.topic();
+    let id = digest_hex(b"postroom-mqtt\0", &[topic.as_str()], publish.payload());
+    Inbound {
+        msg: Message::new(topic, format!("mqtt-{id}"), publish.payload().to_vec()),
+        numbered: None,
+        wrapped: false,
+    }
+}
+
+/// The intake thread's state.
+struct Intake {
+    options: Options,
+    room: Arc<Postroom>,
+    consumer: String,
+    filters: Vec<String>,
+    mode: Mode,
+    backoff: Backoff,
+    /// With [`IntakeBuilder::sequenced`]: the streams started at the
+    /// engine by this intake.
+    sequenced: Option<HashSet<String>>,
+    counters: Arc<Counters>,
+    stop: Arc<AtomicBool>,
+    /// Acknowledgements not yet taken by the request channel.
+    acks: VecDeque<Received>,
+    /// Acknowledgements in the request channel, not yet written.
+    unsent_acks: usize,
+    /// Set by a message left unacknowledged: when to reconnect so the
+    /// broker redelivers it. Until then later messages are not handed on.
+    redeliver_at: Option<Instant>,
+}
+
+/// Room in the intake's request channel: acknowledgements and subscribes.
+const INTAKE_CHANNEL: usize = 256;
+
+/// How long a reconnect for redelivery waits for the acknowledgements
+/// before the held message to be written.
+const ACK_FLUSH_GRACE: Duration = Duration::from_secs(1);
+
+impl Intake {
+    fn run(mut self) {
+        let mut wire = self.options.connect(INTAKE_CHANNEL);
+        let mut flushing_since: Option<Instant> = None;
+        while !self.stop.load(Ordering::Acquire) {
+            if self.redeliver_at.is_some_and(|at| Instant::now() >= at) {
+                let since = *flushing_since.get_or_insert_with(Instant::now);
+                let flushed = self.acks.is_empty() && self.unsent_acks == 0;
+                if flushed || since.elapsed() > ACK_FLUSH_GRACE {
+                    // A new connection resumes the session, and the broker
+                    // resends every publish still unacknowledged, from the
+                    // held one on, in order.
+                    self.redeliver_at = None;
+                    flushing_since = None;
+                    self.acks.clear();
+                    self.unsent_acks = 0;
+                    self.counters.subscribed.store(false, Ordering::Release);
+                    wire = self.options.connect(INTAKE_CHANNEL);
+                }
+            }
+            self.flush_acks(&wire);
+            match wire.next(Duration::from_millis(100)) {
+                Ok(Some(Ev::Connected { session_present })) => {
+                    bump(&self.counters.connects);
+                    self.backoff.reset();
+                    // Subscribe on every connection: the broker may have
+                    // lost the session (restarted without persistence).
+                    if let Err(e) = wire.try_subscribe(&self.filters) {
+                        log::warn!("postroom mqtt intake: subscribe: {e}");
+                    }
+                    log::debug!(
+                        "postroom mqtt intake: connected, session present: {session_present}"
+                    );
+                }
+                Ok(Some(Ev::SubAck { refused: true })) => {
+                    // Not retried: a broker's ACL does not change by asking
+                    // again; `wait_subscribed` stays false.
+                    log::error!(
+                        "postroom mqtt intake: the broker refused a subscription of {:?}",
+                        self.filters
+                    );
+                }
+                Ok(Some(Ev::SubAck { refused: false })) => {
+                    self.counters.subscribed.store(true, Ordering::Release);
+                }
+                Ok(Some(Ev::Publish(publish))) => self.handle(publish),
+                Ok(Some(Ev::AckWritten)) => {
+                    self.unsent_acks = self.unsent_acks.saturating_sub(1);
+                }
+                Ok(Some(_)) | Ok(None) => {}
+                Err(e) => {
+                    // rumqttc reconnects on the next poll; the acks queued
+                    // for the lost connection are void (the broker resends
+                    // those messages, and the inbox knows them).
+                    self.acks.clear();
+                    self.unsent_acks = 0;
+                    self.counters.subscribed.store(false, Ordering::Release);
+                    let pause = self.backoff.fail();
+                    log::warn!("postroom mqtt intake: {e}; reconnecting in {pause:?}");
+                    let until = Instant::now() + pause;
+                    while Instant::now() < until && !self.stop.load(Ordering::Acquire) {
+                        thread::sleep(Duration::from_millis(20));
+                    }
+                }
+            }
+        }
+        // Stopping: let the connection write the queued acknowledgements,
+        // then say goodbye (the session stays on the broker).
+        let until = Instant::now() + ACK_FLUSH_GRACE;
+        let mut disconnecting = false;
+        while Instant::now() < until {
+            self.flush_acks(&wire);
+            if !disconnecting && self.acks.is_empty() && self.unsent_acks == 0 {
+                disconnecting = wire.try_disconnect();
+            }
+            match wire.next(Duration::from_millis(50)) {
+                Ok(Some(Ev::AckWritten)) => {
+                    self.unsent_acks = self.unsent_acks.saturating_sub(1);
+                }
+                Ok(Some(Ev::Disconnect)) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    }
+
+    /// Moves queued acknowledgements into the request channel while it has
+    /// room (polling the connection empties it).
+    fn flush_acks(&mut self, wire: &Wire) {
+        while let Some(publish) = self.acks.front() {
+            if !wire.try_ack(publish) {
+                break;
+            }
+            self.acks.pop_front();
+            self.unsent_acks += 1;
+            bump(&self.counters.acked);
+        }
+    }
+
+    fn handle(&mut self, publish: Received) {
+        bump(&self.counters.received);
+        if publish.dup() {
+            bump(&self.counters.redelivered);
+        }
+        if self.redeliver_at.is_some() {
+            // Behind a message left unacknowledged: acknowledging this one
+            // would break the broker's in-order acknowledgements (MQTT
+            // 3.1.1 §4.6), and handling it first the per-key order. It
+            // comes again after the reconnect.
+            bump(&self.counters.held_back);
+            return;
+        }
+        let inbound = inbound(&publish);
+        if !inbound.wrapped {
+            bump(&self.counters.unwrapped);
+        }
+        let msg = match self.number(inbound.msg, inbound.numbered) {
+            Ok(msg) => msg,
+            Err(e) => {
+                log::warn!("postroom mqtt intake: not acknowledged: {e}");
+                self.not_acked(Duration::from_secs(1));
+                return;
+            }
+        };
+        let answer = match self.mode {
+            Mode::Deliver => self
+                .room
+                .deliver(&self.consumer, msg)
+                .map(|outcome| match outcome {
+                    Outcome::Duplicate | Outcome::DuplicateBySequence { .. } => (true, true, None),
+                    o => (o.should_ack(), false, o.retry_after()),
+                }),
+            Mode::Receive => self.room.receive(&self.consumer, msg).map(|receipt| {
+                let duplicate = matches!(
+                    receipt,
+                    Receipt::Duplicate | Receipt::DuplicateBySequence { .. }
+                );
+                (receipt.should_ack(), duplicate, None)
+            }),
+        };
+        match answer {
+            Ok((ack, duplicate, retry_after)) => {
+                if duplicate {
+                    bump(&self.counters.duplicates);
+                }
+                if ack {
+                    self.acks.push_back(publish);
+                } else {
+                    self.not_acked(retry_after.unwrap_or(Duration::from_secs(1)));
+                }
+            }
+            Err(e @ Error::InvalidInput { .. }) => {
+                log::error!(
+                    "postroom mqtt intake: a message on {:?} can never be stored: {e}; \
+                     acknowledged and dropped",
+                    publish.topic()
+                );
+                bump(&self.counters.refused);
+                self.acks.push_back(publish);
+            }
+            Err(e) => {
+                log::warn!("postroom mqtt intake: not acknowledged: {e}");
+                self.not_acked(Duration::from_secs(1));
+            }
+        }
+    }
+
+    /// With [`IntakeBuilder::sequenced`], numbers the message in its
+    /// sending outbox's stream, first starting that stream at the engine
+    /// where the sender's unsettled rows began (a stream the engine knows
+    /// is left as it is).
+    fn number(&mut self, msg: Message, numbered: Option<Numbered>) -> Result<Message> {
+        let (Some(started), Some(n)) = (self.sequenced.as_mut(), numbered) else {
+            return Ok(msg);
+        };
+        let stream = outbox_stream(&n.origin);
+        if !started.contains(&stream) {
+            self.room
+                .start_sequence(&self.consumer, &stream, n.unsettled_from)?;
+            started.insert(stream.clone());
+        }
+        Ok(msg.with_sequence_in(stream, n.seq))
+    }
+
+    fn not_acked(&mut self, retry_after: Duration) {
+        bump(&self.counters.not_acked);
+        let at = Instant::now() + retry_after.min(MAX_WAIT);
+        self.redeliver_at = Some(self.redeliver_at.map_or(at, |t| t.min(at)));
+    }
+}

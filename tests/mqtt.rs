@@ -1,0 +1,782 @@
+//! The MQTT bridge against a real broker: mosquitto started per test on a
+//! free localhost port when it is on PATH, else rumqttd embedded in this
+//! process (tests/support/broker.rs); each test prints which one it used.
+//! Device A publishes through its outbox and `MqttSink`; device B takes the
+//! messages in through `MqttIntake` into its inbox. The checks are on B's
+//! database: every message applied exactly once, per key in commit order.
+
+#[path = "support/broker.rs"]
+mod broker;
+mod common;
+
+use std::collections::HashMap;
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use broker::Broker;
+use common::*;
+use postroom::mqtt::rumqttc::{self, Event, MqttOptions, Packet, QoS};
+use postroom::mqtt::{Envelope, MqttIntake, MqttSink};
+use postroom::{handler_fn, Failure, Message, Outcome, Outgoing, Postroom};
+
+/// Entry point of the child processes (device B). Not a test: it only does
+/// something when started by `spawn_child`, and is ignored otherwise.
+#[test]
+#[ignore = "entry point for child processes of the MQTT tests"]
+fn child_main() {
+    let Some((role, db)) = child_role() else {
+        return;
+    };
+    report("");
+    assert_eq!(role, "device-b", "unknown child role");
+    let port: u16 = std::env::var("POSTROOM_MQTT_PORT")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let client = std::env::var("POSTROOM_MQTT_CLIENT").unwrap();
+    let room = device_b(&db);
+    let intake = MqttIntake::builder(options(&client, port), Arc::clone(&room), "b")
+        .subscribe(format!("{client}/#"))
+        .start()
+        .unwrap();
+    assert!(intake.wait_subscribed(Duration::from_secs(20)));
+    report("READY");
+    loop {
+        thread::sleep(Duration::from_secs(1));
+    }
+}
+
+fn options(client_id: &str, port: u16) -> MqttOptions {
+    let mut o = MqttOptions::new(client_id, "127.0.0.1", port);
+    o.set_keep_alive(Duration::from_secs(5));
+    o
+}
+
+/// Device B: every message it applies adds a row to `effects`, with no
+/// uniqueness constraint, so a message applied twice shows as two rows.
+fn device_b(db: &Path) -> Arc<Postroom> {
+    let room = Postroom::builder()
+        .poll_interval(Duration::from_millis(20))
+        .backoff(Duration::from_millis(20), Duration::from_millis(200))
+        .consumer(
+            "b",
+            handler_fn(|tx, msg: &Message| {
+                tx.execute(
+                    "INSERT INTO effects (msg_id, key, n) VALUES (?1, ?2, ?3)",
+                    rusqlite::params![
+                        msg.id(),
+                        msg.ordering_key(),
+                        String::from_utf8_lossy(msg.payload()).parse::<i64>().ok()
+                    ],
+                )?;
+                Ok(())
+            }),
+        )
+        .open(db)
+        .unwrap();
+    room.transaction(|tx| {
+        tx.execute_batch(
+            "CREATE TABLE IF NOT EXISTS effects (msg_id TEXT NOT NULL, key TEXT, n INTEGER)",
+        )?;
+        Ok(())
+    })
+    .unwrap();
+    Arc::new(room)
+}
+
+/// Device A with an MQTT sink publishing `orders` rows as
+/// `<topics>/orders` (tests share the embedded broker: each has its own
+/// topics).
+fn device_a(db: &Path, client_id: &str, port: u16, topics: &str) -> Postroom {
+    Postroom::builder()
+        .max_attempts(2) // an outage must not use attempts up
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            MqttSink::new(options(client_id, port))
+                .source("device-a")
+                .topic_prefix(format!("{topics}/"))
+                .backoff(Duration::from_millis(50), Duration::from_millis(500)),
+        )
+        .open(db)
+        .unwrap()
+}
+
+/// Publishes `n` rows through A's outbox, keys `k0`..`k4`, payload = the
+/// number, `pause` after each; `committed` counts them.
+fn publish(a: &Postroom, n: i64, pause: Duration, committed: &AtomicU64) {
+    for i in 0..n {
+        a.transaction(move |tx| {
+            tx.publish(Outgoing::new("orders", i.to_string()).with_key(format!("k{}", i % 5)))?;
+            Ok(())
+        })
+        .unwrap();
+        committed.fetch_add(1, Ordering::SeqCst);
+        thread::sleep(pause);
+    }
+}
+
+/// What B's `effects` say: (rows, distinct messages), and every key's
+/// numbers in the order applied.
+fn effects(db: &Path) -> (i64, i64, HashMap<String, Vec<i64>>) {
+    let conn = rusqlite::Connection::open_with_flags(
+        db,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .unwrap();
+    conn.busy_timeout(Duration::from_secs(5)).unwrap();
+    let (rows, distinct) = conn
+        .query_row(
+            "SELECT count(*), count(DISTINCT msg_id) FROM effects",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap_or((0, 0));
+    let mut order: HashMap<String, Vec<i64>> = HashMap::new();
+    if let Ok(mut stmt) = conn.prepare("SELECT key, n FROM effects ORDER BY rowid") {
+        let rows = stmt
+            .query_map([], |r| {
+                Ok((r.get::<_, Option<String>>(0)?, r.get::<_, Option<i64>>(1)?))
+            })
+            .unwrap();
+        for row in rows {
+            let (key, n) = row.unwrap();
+            if let (Some(key), Some(n)) = (key, n) {
+                order.entry(key).or_default().push(n);
+            }
+        }
+    }
+    (rows, distinct, order)
+}
+
+/// Every one of `n` messages applied exactly once, each key in order.
+fn assert_exactly_once_in_order(db: &Path, n: i64) {
+    let (rows, distinct, order) = effects(db);
+    assert_eq!(distinct, n, "messages applied");
+    assert_eq!(rows, n, "effects: a message was applied twice");
+    for (key, ns) in order {
+        assert!(
+            ns.windows(2).all(|w| w[0] < w[1]),
+            "key {key} applied out of order: {ns:?}"
+        );
+    }
+}
+
+/// Rows A's relay recorded a failure for (its `last_error`, kept after the
+/// row went out), and rows not sent.
+fn outbox_failures(db: &Path) -> (i64, i64) {
+    let conn = rusqlite::Connection::open(db).unwrap();
+    conn.query_row(
+        "SELECT count(last_error), count(*) FILTER (WHERE status != 'sent')
+         FROM postroom_outbox",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )
+    .unwrap()
+}
+
+/// The broker goes down for a second while A publishes 300 messages: A's
+/// sink keeps the unacknowledged rows pending (no attempt counted, so
+/// `max_attempts(2)` kills none), B's intake reconnects and resubscribes;
+/// every message is applied exactly once, per key in order.
+#[test]
+fn a_broker_restart_mid_run_loses_nothing_and_duplicates_are_absorbed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut broker = Broker::start(&dir.path().join("broker"));
+    let port = broker.port;
+    let b_db = dir.path().join("b.db");
+    let b = device_b(&b_db);
+    let intake = MqttIntake::builder(options("restart-b", port), Arc::clone(&b), "b")
+        .subscribe("restart-b/#")
+        .start()
+        .unwrap();
+    assert!(intake.wait_subscribed(Duration::from_secs(20)));
+    let a_db = dir.path().join("a.db");
+    let a = device_a(&a_db, "restart-a", port, "restart-b");
+    const N: i64 = 300;
+    let started = Instant::now();
+    let committed = AtomicU64::new(0);
+    thread::scope(|s| {
+        s.spawn(|| publish(&a, N, Duration::from_millis(5), &committed));
+        // Mid-stream on A's side: two thirds are yet to be committed, so
+        // they meet the outage however far behind B is.
+        eventually(30, "a third committed before the restart", || {
+            committed.load(Ordering::SeqCst) >= N as u64 / 3
+        });
+        broker.restart(Duration::from_secs(1));
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let settled = loop {
+        if effects(&b_db).1 == N && outbox_failures(&a_db).1 == 0 {
+            break true;
+        }
+        if Instant::now() > deadline {
+            break false;
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
+    let (rows, distinct, _) = effects(&b_db);
+    assert!(
+        settled,
+        "B applied {distinct} of {N} ({rows} effects); A's outbox (rows that met a failure, \
+         rows not sent): {:?}; intake {:?}",
+        outbox_failures(&a_db),
+        intake.stats()
+    );
+    let stats = intake.stats();
+    let (failed_rows, _) = outbox_failures(&a_db);
+    println!(
+        "{N} messages in {:?}: rows that met the outage {failed_rows}, intake {stats:?}",
+        started.elapsed()
+    );
+    // The restart hit the run: B reconnected, and A's sink saw it.
+    assert!(stats.connects >= 2, "{stats:?}");
+    assert!(failed_rows > 0, "no row met the outage");
+    assert_eq!(a.stats().unwrap().outbox.dead, 0);
+    intake.shutdown(Duration::from_secs(5)).unwrap();
+    assert_exactly_once_in_order(&b_db, N);
+}
+
+/// Device B is a real child process, SIGKILLed while it takes messages in
+/// and started again with the same client id: its persistent session on the
+/// broker kept what came meanwhile and what it had not acknowledged, and
+/// its inbox absorbs what it had applied but not acknowledged.
+#[test]
+fn device_b_killed_mid_run_applies_every_message_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(&dir.path().join("broker"));
+    let port = broker.port;
+    let b_db = dir.path().join("b.db");
+    let env = [
+        ("POSTROOM_MQTT_PORT", port.to_string()),
+        ("POSTROOM_MQTT_CLIENT", "crash-b".to_string()),
+    ];
+    let mut child = spawn_child("device-b", &b_db, &env);
+    wait_for(&lines_of(&mut child), "READY");
+    let a_db = dir.path().join("a.db");
+    let a = device_a(&a_db, "crash-a", port, "crash-b");
+    const N: i64 = 400;
+    let committed = AtomicU64::new(0);
+    let applied_at_kill = thread::scope(|s| {
+        s.spawn(|| publish(&a, N, Duration::from_millis(3), &committed));
+        eventually(30, "a third applied before the kill", || {
+            effects(&b_db).1 >= N / 3
+        });
+        child.kill().unwrap();
+        assert_eq!(child.wait().unwrap().signal(), Some(9));
+        let at_kill = effects(&b_db).1;
+        thread::sleep(Duration::from_millis(300));
+        child = spawn_child("device-b", &b_db, &env);
+        wait_for(&lines_of(&mut child), "READY");
+        at_kill
+    });
+    eventually(60, "every message applied", || effects(&b_db).1 == N);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    println!("device B killed with {applied_at_kill} of {N} applied");
+    assert!(applied_at_kill < N, "the kill came after the run");
+    assert_eq!(a.stats().unwrap().outbox.dead, 0);
+    assert_exactly_once_in_order(&b_db, N);
+}
+
+/// The handler fails one message's first attempt: `Outcome::Failed`, so
+/// the intake does not acknowledge it. The broker redelivers it (DUP) when
+/// the intake reconnects after its `retry_after`; the second attempt
+/// applies it. A publisher sending the same envelope twice, and a plain
+/// payload twice, is absorbed as duplicates.
+#[test]
+fn a_message_not_acked_is_redelivered_on_reconnect_and_duplicates_are_absorbed() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(&dir.path().join("broker"));
+    let port = broker.port;
+    let attempts = Arc::new(AtomicU64::new(0));
+    let seen = Arc::clone(&attempts);
+    let b_db = dir.path().join("b.db");
+    let b = Arc::new(
+        Postroom::builder()
+            .consumer(
+                "b",
+                handler_fn(move |tx, msg: &Message| {
+                    if msg.id() == "flaky" && seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                        return Err(Failure::retry_after(
+                            "downstream busy",
+                            Duration::from_millis(300),
+                        ));
+                    }
+                    tx.execute(
+                        "INSERT INTO effects (msg_id, key, n) VALUES (?1, NULL, NULL)",
+                        [msg.id()],
+                    )?;
+                    Ok(())
+                }),
+            )
+            .open(&b_db)
+            .unwrap(),
+    );
+    b.transaction(|tx| {
+        tx.execute_batch("CREATE TABLE effects (msg_id TEXT NOT NULL, key TEXT, n INTEGER)")?;
+        Ok(())
+    })
+    .unwrap();
+    let intake = MqttIntake::builder(options("redeliver-b", port), Arc::clone(&b), "b")
+        .subscribe("redeliver/#")
+        .start()
+        .unwrap();
+    assert!(intake.wait_subscribed(Duration::from_secs(20)));
+
+    // A plain publisher: envelopes made by hand, a repeat, a plain payload.
+    let (client, mut conn) = rumqttc::Client::new(options("redeliver-pub", port), 16);
+    let envelope = |id: &str, seq| {
+        Envelope::new(id, seq, "raw", format!("payload of {id}"))
+            .with_source("raw-publisher")
+            .encode()
+    };
+    let sends: Vec<(&str, Vec<u8>)> = vec![
+        ("redeliver/a", envelope("first", 1)),
+        ("redeliver/a", envelope("flaky", 2)),
+        ("redeliver/a", envelope("first", 1)), // a repeat: a duplicate
+        ("redeliver/b", b"no envelope".to_vec()),
+        ("redeliver/b", b"no envelope".to_vec()), // the same plain payload again
+        ("redeliver/a", envelope("last", 3)),
+    ];
+    for (topic, payload) in &sends {
+        client
+            .publish(*topic, QoS::AtLeastOnce, false, payload.clone())
+            .unwrap();
+    }
+    let mut acks = 0;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while acks < sends.len() && Instant::now() < deadline {
+        if let Ok(Ok(Event::Incoming(Packet::PubAck(_)))) =
+            conn.recv_timeout(Duration::from_millis(100))
+        {
+            acks += 1;
+        }
+    }
+    assert_eq!(acks, sends.len(), "the broker acknowledged every publish");
+
+    eventually(30, "the flaky message applied", || {
+        effects(&b_db).1 == 4 && intake.stats().acked >= sends.len() as u64
+    });
+    let stats = intake.stats();
+    println!("intake {stats:?}");
+    assert_eq!(attempts.load(Ordering::SeqCst), 2, "flaky ran twice");
+    assert!(stats.not_acked >= 1, "{stats:?}");
+    // Redelivered: more came than was sent (rumqttd does not set the DUP
+    // flag on a resumed session's resends; mosquitto does).
+    assert!(
+        stats.received > sends.len() as u64,
+        "no redelivery: {stats:?}"
+    );
+    assert!(stats.connects >= 2, "no reconnect: {stats:?}");
+    assert!(stats.duplicates >= 2, "{stats:?}");
+    assert_eq!(stats.unwrapped, 2, "{stats:?}");
+    let (rows, distinct, _) = effects(&b_db);
+    assert_eq!((rows, distinct), (4, 4));
+    // The inbox holds "flaky" under the envelope's source and id.
+    let again = Message::new("raw-publisher", "flaky", "payload of flaky");
+    assert_eq!(b.deliver("b", again).unwrap(), Outcome::Duplicate);
+    intake.shutdown(Duration::from_secs(5)).unwrap();
+}
+
+/// What goes on the wire, read by a plain MQTT subscriber: one envelope
+/// per row carrying the outbox id, `seq` and source, the payload bytes
+/// untouched (newlines and non-UTF-8 included), the topic mapped by the
+/// sink. A row whose mapped topic holds a wildcard is dead at once, and the
+/// rows of other keys go on.
+#[test]
+fn the_sink_publishes_envelopes_with_the_outbox_id_and_seq() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(&dir.path().join("broker"));
+    let port = broker.port;
+    let mut reader = options("wire-reader", port);
+    reader.set_max_packet_size(1 << 20, 1 << 20);
+    let (client, mut conn) = rumqttc::Client::new(reader, 16);
+    client.subscribe("wire/#", QoS::AtLeastOnce).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(Instant::now() < deadline, "no SUBACK");
+        if let Ok(Ok(Event::Incoming(Packet::SubAck(_)))) =
+            conn.recv_timeout(Duration::from_millis(100))
+        {
+            break;
+        }
+    }
+    let a = Postroom::builder()
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            MqttSink::new(options("wire-a", port))
+                .source("device-a")
+                .topic_with(|m| format!("wire/{}/{}", m.topic, m.key.as_deref().unwrap_or("-"))),
+        )
+        .open(dir.path().join("a.db"))
+        .unwrap();
+    // Past rumqttc's default 10 KiB packet limit, within postroom's 1 MiB.
+    let mut binary = b"line one\nline two\n\xff\x00".to_vec();
+    binary.resize(300 * 1024, b'x');
+    a.transaction({
+        let binary = binary.clone();
+        move |tx| {
+            tx.publish(Outgoing::new("orders", binary).with_key("7"))?;
+            tx.publish(Outgoing::new("orders", "bad").with_key("+"))?;
+            tx.publish(Outgoing::new("orders", "plain").with_header("trace", "t1"))?;
+            Ok(())
+        }
+    })
+    .unwrap();
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while got.len() < 2 && Instant::now() < deadline {
+        if let Ok(Ok(Event::Incoming(Packet::Publish(p)))) =
+            conn.recv_timeout(Duration::from_millis(100))
+        {
+            got.push(p);
+        }
+    }
+    assert_eq!(got.len(), 2, "two rows on the wire");
+    eventually(10, "the wildcard row dead", || {
+        a.stats().unwrap().outbox.dead == 1
+    });
+    let conn_a = rusqlite::Connection::open(dir.path().join("a.db")).unwrap();
+    let rows: Vec<(i64, String, String)> = conn_a
+        .prepare("SELECT seq, message_id, status FROM postroom_outbox ORDER BY seq")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(rows[1].2, "dead");
+    let first = Envelope::decode(&got[0].payload).expect("an envelope");
+    assert_eq!(got[0].topic, "wire/orders/7");
+    assert_eq!(
+        (first.seq, first.id.as_str()),
+        (rows[0].0, rows[0].1.as_str())
+    );
+    assert_eq!(first.source.as_deref(), Some("device-a"));
+    assert_eq!(first.key.as_deref(), Some("7"));
+    assert_eq!(first.payload, binary);
+    let third = Envelope::decode(&got[1].payload).expect("an envelope");
+    assert_eq!(got[1].topic, "wire/orders/-");
+    assert_eq!(
+        (third.seq, third.id.as_str()),
+        (rows[2].0, rows[2].1.as_str())
+    );
+    assert_eq!(third.headers["trace"], "t1");
+    assert_eq!(third.payload, b"plain");
+    // The first line is plain JSON any consumer can read.
+    let line = got[0].payload.split(|&b| b == b'\n').next().unwrap();
+    let json: serde_json::Value = serde_json::from_slice(line).unwrap();
+    assert_eq!(json["postroom"], 1);
+    assert_eq!(json["id"], rows[0].1.as_str());
+    a.shutdown(Duration::from_secs(5)).unwrap();
+}
+
+fn options_v5(client_id: &str, port: u16) -> rumqttc::v5::MqttOptions {
+    let mut o = rumqttc::v5::MqttOptions::new(client_id, "127.0.0.1", port);
+    o.set_keep_alive(Duration::from_secs(5));
+    o
+}
+
+/// MQTT 5: the sink sends the payload as it is, with the outbox id, `seq`,
+/// source, topic and key as user properties and the headers under their
+/// own names (read by a plain MQTT 5 subscriber); the MQTT 5 intake builds
+/// the inbox message from them. One message's handler fails once: left
+/// unacknowledged, it is redelivered after the reconnect (its persistent
+/// session needs a session expiry interval in MQTT 5) and applied once; a
+/// plain republish of one with the same id is absorbed.
+#[test]
+fn mqtt5_carries_the_id_and_seq_as_user_properties() {
+    use rumqttc::v5::mqttbytes::v5::{Packet as P5, PublishProperties};
+    use rumqttc::v5::mqttbytes::QoS as QoS5;
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(&dir.path().join("broker"));
+    let port = broker.port_v5;
+    let failed_once = Arc::new(AtomicU64::new(0));
+    let seen = Arc::clone(&failed_once);
+    let b_db = dir.path().join("b.db");
+    let b = Arc::new(
+        Postroom::builder()
+            .consumer(
+                "b",
+                handler_fn(move |tx, msg: &Message| {
+                    let n: i64 = String::from_utf8_lossy(msg.payload()).parse().unwrap_or(-1);
+                    if n == 10 && seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                        return Err(Failure::retry_after("busy", Duration::from_millis(300)));
+                    }
+                    assert_eq!(msg.header("trace"), Some("t"), "headers travel");
+                    tx.execute(
+                        "INSERT INTO effects (msg_id, key, n) VALUES (?1, ?2, ?3)",
+                        rusqlite::params![msg.id(), msg.ordering_key(), n],
+                    )?;
+                    Ok(())
+                }),
+            )
+            .open(&b_db)
+            .unwrap(),
+    );
+    b.transaction(|tx| {
+        tx.execute_batch("CREATE TABLE effects (msg_id TEXT NOT NULL, key TEXT, n INTEGER)")?;
+        Ok(())
+    })
+    .unwrap();
+    let intake = MqttIntake::builder_v5(options_v5("v5-b", port), Arc::clone(&b), "b")
+        .subscribe("v5/#")
+        .start()
+        .unwrap();
+    assert!(intake.wait_subscribed(Duration::from_secs(20)));
+    let (reader, mut reader_conn) = rumqttc::v5::Client::new(options_v5("v5-reader", port), 16);
+    reader.subscribe("v5/#", QoS5::AtLeastOnce).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(Instant::now() < deadline, "no SUBACK");
+        if let Ok(Ok(rumqttc::v5::Event::Incoming(P5::SubAck(_)))) =
+            reader_conn.recv_timeout(Duration::from_millis(100))
+        {
+            break;
+        }
+    }
+
+    let a_db = dir.path().join("a.db");
+    let a = Postroom::builder()
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            MqttSink::v5(options_v5("v5-a", port))
+                .source("device-a")
+                .topic_prefix("v5/"),
+        )
+        .open(&a_db)
+        .unwrap();
+    const N: i64 = 40;
+    a.transaction(|tx| {
+        for i in 0..N {
+            tx.publish(
+                Outgoing::new("orders", i.to_string())
+                    .with_key(format!("k{}", i % 4))
+                    .with_header("trace", "t"),
+            )?;
+        }
+        Ok(())
+    })
+    .unwrap();
+
+    // The wire, as a plain MQTT 5 subscriber sees it.
+    let mut wire = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while wire.len() < N as usize && Instant::now() < deadline {
+        if let Ok(Ok(rumqttc::v5::Event::Incoming(P5::Publish(p)))) =
+            reader_conn.recv_timeout(Duration::from_millis(100))
+        {
+            wire.push(p);
+        }
+    }
+    assert_eq!(wire.len(), N as usize);
+    let conn_a = rusqlite::Connection::open(&a_db).unwrap();
+    let (seq, id): (i64, String) = conn_a
+        .query_row(
+            "SELECT seq, message_id FROM postroom_outbox ORDER BY seq LIMIT 1",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    let first = &wire[0];
+    assert_eq!(&first.payload[..], b"0", "the payload as it is");
+    assert_eq!(&first.topic[..], b"v5/orders");
+    let props = &first
+        .properties
+        .as_ref()
+        .expect("properties")
+        .user_properties;
+    let prop = |k: &str| props.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+    assert_eq!(prop("postroom-id"), Some(id.as_str()));
+    assert_eq!(prop("postroom-seq"), Some(seq.to_string().as_str()));
+    assert_eq!(prop("postroom-source"), Some("device-a"));
+    assert_eq!(prop("postroom-topic"), Some("orders"));
+    assert_eq!(prop("postroom-key"), Some("k0"));
+    assert_eq!(prop("trace"), Some("t"));
+
+    eventually(30, "every message applied on B", || effects(&b_db).1 == N);
+    // The same id again, from a plain MQTT 5 publisher: a duplicate.
+    let again = PublishProperties {
+        user_properties: vec![
+            ("postroom-id".into(), id.clone()),
+            ("postroom-source".into(), "device-a".into()),
+            ("trace".into(), "t".into()),
+        ],
+        ..Default::default()
+    };
+    reader
+        .publish_with_properties("v5/orders", QoS5::AtLeastOnce, false, "0", again)
+        .unwrap();
+    eventually(20, "the republish absorbed", || {
+        // Drive the reader's connection: its publish goes out as it polls.
+        let _ = reader_conn.recv_timeout(Duration::from_millis(20));
+        intake.stats().duplicates >= 1
+    });
+    let stats = intake.stats();
+    println!("intake {stats:?}");
+    assert_eq!(failed_once.load(Ordering::SeqCst), 2, "n=10 ran twice");
+    assert!(stats.not_acked >= 1 && stats.connects >= 2, "{stats:?}");
+    intake.shutdown(Duration::from_secs(5)).unwrap();
+    a.shutdown(Duration::from_secs(5)).unwrap();
+    assert_exactly_once_in_order(&b_db, N);
+}
+
+/// A careless operator's settings: a zero PUBACK timeout and zero backoff
+/// still deliver (kept at their floors); a backoff of `Duration::MAX`
+/// against a broker that is not there neither panics (a panicking sink is
+/// a retry, which would use the one attempt up) nor dead-letters, and an
+/// intake so configured still shuts down at once.
+#[test]
+fn settings_at_their_extremes_neither_spin_nor_panic_nor_lose() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(&dir.path().join("broker"));
+    let a = Postroom::builder()
+        .max_attempts(1)
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            MqttSink::new(options("extreme-a", broker.port))
+                .ack_timeout(Duration::ZERO)
+                .backoff(Duration::ZERO, Duration::ZERO),
+        )
+        .open(dir.path().join("a.db"))
+        .unwrap();
+    a.transaction(|tx| {
+        tx.publish(Outgoing::new("t", "x"))?;
+        Ok(())
+    })
+    .unwrap();
+    eventually(20, "sent with a zero ack timeout", || {
+        a.stats().unwrap().outbox.sent == 1
+    });
+
+    let nobody = broker::free_port();
+    let down_db = dir.path().join("down.db");
+    let down = Postroom::builder()
+        .max_attempts(1)
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            MqttSink::new(options("extreme-down", nobody))
+                .backoff(Duration::MAX, Duration::MAX)
+                .ack_timeout(Duration::MAX),
+        )
+        .open(&down_db)
+        .unwrap();
+    down.transaction(|tx| {
+        tx.publish(Outgoing::new("t", "x").with_key("k"))?;
+        tx.publish(Outgoing::new("t", "y"))?;
+        Ok(())
+    })
+    .unwrap();
+    let conn = rusqlite::Connection::open(&down_db).unwrap();
+    let put_off = || -> i64 {
+        conn.query_row(
+            "SELECT count(*) FROM postroom_outbox
+             WHERE status = 'pending' AND attempts = 0 AND last_error IS NOT NULL",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap()
+    };
+    eventually(20, "both rows put off", || put_off() == 2);
+    thread::sleep(Duration::from_millis(200));
+    assert_eq!(put_off(), 2);
+    assert_eq!(down.stats().unwrap().outbox.dead, 0);
+    down.shutdown(Duration::from_secs(5)).unwrap();
+
+    let b = Arc::new(
+        Postroom::builder()
+            .consumer("b", handler_fn(|_, _| Ok(())))
+            .open(dir.path().join("b.db"))
+            .unwrap(),
+    );
+    let intake = MqttIntake::builder(options("extreme-b", nobody), Arc::clone(&b), "b")
+        .subscribe("x/#")
+        .backoff(Duration::MAX, Duration::MAX)
+        .start()
+        .unwrap();
+    thread::sleep(Duration::from_millis(300)); // it has failed to connect
+    let stopping = Instant::now();
+    intake.shutdown(Duration::from_secs(5)).unwrap();
+    assert!(stopping.elapsed() < Duration::from_secs(2));
+}
+
+/// A replay after the receiver's retention: with `sequenced()`, B keeps a
+/// watermark per sending outbox (its origin and `seq` travel in the
+/// envelope), so when A's whole outbox is sent again after B's retention
+/// deleted the rows, every message is answered as a duplicate by its
+/// number and none is applied twice.
+#[test]
+fn a_sequenced_intake_absorbs_a_replay_after_its_retention() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(&dir.path().join("broker"));
+    let port = broker.port;
+    let b_db = dir.path().join("b.db");
+    let clock = postroom::ManualClock::new(1_800_000_000_000);
+    let b = Arc::new(
+        Postroom::builder()
+            .clock(clock.clone())
+            .retention(Duration::from_secs(3600))
+            .consumer(
+                "b",
+                handler_fn(|tx, msg: &Message| {
+                    tx.execute_batch(
+                        "CREATE TABLE IF NOT EXISTS effects (msg_id TEXT NOT NULL, key TEXT, n INTEGER)",
+                    )?;
+                    tx.execute("INSERT INTO effects (msg_id) VALUES (?1)", [msg.id()])?;
+                    Ok(())
+                }),
+            )
+            .open(&b_db)
+            .unwrap(),
+    );
+    let intake = MqttIntake::builder(options("replay-b", port), Arc::clone(&b), "b")
+        .subscribe("replay-b/#")
+        .sequenced()
+        .start()
+        .unwrap();
+    assert!(intake.wait_subscribed(Duration::from_secs(20)));
+    let a_db = dir.path().join("a.db");
+    let a = device_a(&a_db, "replay-a", port, "replay-b");
+    const N: i64 = 40;
+    publish(&a, N, Duration::ZERO, &AtomicU64::new(0));
+    eventually(30, "B to apply every message", || effects(&b_db).1 == N);
+    let first = b.stats().unwrap();
+    assert_eq!(first.sequences.len(), 1, "{:?}", first.sequences);
+    assert_eq!(
+        first.sequences[0].watermark, N as u64,
+        "{:?}",
+        first.sequences
+    );
+
+    // Two hours later retention has deleted B's rows (all but the newest).
+    clock.advance(Duration::from_secs(7200));
+    b.cleanup().unwrap();
+    assert!(b.stats().unwrap().inbox["b"].completed <= 1);
+
+    // A replays its whole outbox.
+    rusqlite::Connection::open(&a_db)
+        .unwrap()
+        .execute(
+            "UPDATE postroom_outbox SET status = 'pending', sent_at = NULL, next_attempt_at = 0",
+            [],
+        )
+        .unwrap();
+    eventually(30, "the replay to be absorbed", || {
+        intake.stats().duplicates >= N as u64
+    });
+    let (rows, distinct, _) = effects(&b_db);
+    assert_eq!(
+        (rows, distinct),
+        (N, N),
+        "a replayed message was applied again"
+    );
+    assert!(
+        b.stats().unwrap().inbox["b"].completed <= 1,
+        "replayed rows stored again"
+    );
+    println!("broker: {:?}; intake {:?}", broker.kind, intake.stats());
+    intake.shutdown(Duration::from_secs(5)).unwrap();
+}
