@@ -49,7 +49,7 @@ use crate::store::queue::{self, DeadLetter};
 use crate::store::retention as store_retention;
 use crate::store::retired;
 use crate::store::schema;
-use crate::store::stats;
+use crate::store::stats::{self, OutboxCounts, StatusCounts};
 use crate::store::watermark::StreamWatermark;
 
 /// How long [`open`] waits for another connection's lock (the engine's
@@ -567,16 +567,10 @@ pub struct AttemptsBucket {
 pub struct ConsumerStatus {
     /// The consumer's name.
     pub consumer: String,
-    /// Rows stored, waiting for a worker.
-    pub pending: u64,
-    /// Rows claimed by a worker.
-    pub processing: u64,
-    /// Rows done (until retention deletes them).
-    pub completed: u64,
-    /// Rows waiting for a retry.
-    pub failed: u64,
-    /// Dead letters.
-    pub dead: u64,
+    /// Rows by status: the engine's own [`StatusCounts`] (JSON: its fields
+    /// inline, `"pending"`, `"processing"`, …).
+    #[serde(flatten)]
+    pub counts: StatusCounts,
     /// All rows.
     pub total: u64,
     /// `received_at` of the oldest message not yet done (pending,
@@ -591,30 +585,14 @@ pub struct ConsumerStatus {
     pub attempts: Vec<AttemptsBucket>,
 }
 
-impl ConsumerStatus {
-    /// The count for one status.
-    pub fn get(&self, status: Status) -> u64 {
-        match status {
-            Status::Pending => self.pending,
-            Status::Processing => self.processing,
-            Status::Completed => self.completed,
-            Status::Failed => self.failed,
-            Status::Dead => self.dead,
-        }
-    }
-}
-
 /// The outbox, as [`status`] sees it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct OutboxStatus {
-    /// Rows not yet handed to the sink: the relay's backlog.
-    pub pending: u64,
-    /// Rows handed over, or discarded by an operator (`last_error` says
-    /// so), until retention deletes them.
-    pub sent: u64,
-    /// Rows the relay gave up on.
-    pub dead: u64,
+    /// Rows by status: the engine's own [`OutboxCounts`] (JSON: its fields
+    /// inline, `"pending"`, `"sent"`, `"dead"`).
+    #[serde(flatten)]
+    pub counts: OutboxCounts,
     /// `created_at` of the oldest pending row.
     pub oldest_pending_ms: Option<i64>,
     /// Its age at the time of the report, in milliseconds.
@@ -734,11 +712,7 @@ pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
             .iter()
             .map(|(name, c)| ConsumerStatus {
                 consumer: name.clone(),
-                pending: c.pending,
-                processing: c.processing,
-                completed: c.completed,
-                failed: c.failed,
-                dead: c.dead,
+                counts: *c,
                 total: c.total(),
                 oldest_pending_ms: None,
                 oldest_pending_age_ms: None,
@@ -815,9 +789,7 @@ pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
             schema_version: version,
             consumers,
             outbox: OutboxStatus {
-                pending: st.outbox.pending,
-                sent: st.outbox.sent,
-                dead: st.outbox.dead,
+                counts: st.outbox,
                 oldest_pending_ms: st.oldest_pending_outbox_ms,
                 oldest_pending_age_ms: st
                     .oldest_pending_outbox_ms
@@ -877,7 +849,7 @@ pub fn prometheus(report: &StatusReport) -> String {
             Status::ALL.into_iter().map(move |s| {
                 (
                     format!("{},status=\"{s}\"", consumer(c)),
-                    c.get(s).to_string(),
+                    c.counts.get(s).to_string(),
                 )
             })
         }),
@@ -922,9 +894,9 @@ pub fn prometheus(report: &StatusReport) -> String {
         "gauge",
         "Outbox rows by status.",
         [
-            ("pending", report.outbox.pending),
-            ("sent", report.outbox.sent),
-            ("dead", report.outbox.dead),
+            ("pending", report.outbox.counts.pending),
+            ("sent", report.outbox.counts.sent),
+            ("dead", report.outbox.counts.dead),
         ]
         .into_iter()
         .map(|(s, n)| (format!("status=\"{s}\""), n.to_string())),

@@ -1219,10 +1219,10 @@ impl Totals {
         let sum = |f: fn(&admin::ConsumerStatus) -> u64| r.consumers.iter().map(f).sum();
         Totals {
             at: Instant::now(),
-            completed: sum(|c| c.completed),
-            dead: sum(|c| c.dead),
+            completed: sum(|c| c.counts.completed),
+            dead: sum(|c| c.counts.dead),
             received: sum(|c| c.total),
-            sent: r.outbox.sent,
+            sent: r.outbox.counts.sent,
         }
     }
 
@@ -1336,11 +1336,11 @@ fn print_status(out: &mut String, r: &admin::StatusReport) {
             .map(|c| {
                 vec![
                     esc(&c.consumer),
-                    c.pending.to_string(),
-                    c.processing.to_string(),
-                    c.completed.to_string(),
-                    c.failed.to_string(),
-                    c.dead.to_string(),
+                    c.counts.pending.to_string(),
+                    c.counts.processing.to_string(),
+                    c.counts.completed.to_string(),
+                    c.counts.failed.to_string(),
+                    c.counts.dead.to_string(),
                     c.total.to_string(),
                     c.oldest_pending_age_ms.map_or("-".into(), render::age),
                     c.expired_leases.to_string(),
@@ -1377,9 +1377,9 @@ fn print_status(out: &mut String, r: &admin::StatusReport) {
         &[1, 2, 3, 4],
         vec![vec![
             String::new(),
-            r.outbox.pending.to_string(),
-            r.outbox.sent.to_string(),
-            r.outbox.dead.to_string(),
+            r.outbox.counts.pending.to_string(),
+            r.outbox.counts.sent.to_string(),
+            r.outbox.counts.dead.to_string(),
             r.outbox
                 .oldest_pending_age_ms
                 .map_or("-".into(), render::age),
