@@ -18,7 +18,7 @@ LAYERS = [
     ("store", ["store"]),
     ("user code", ["handler", "sink"]),
     ("builder", ["builder"]),
-    ("state machines", ["delivery"]),
+    ("state machines", ["delivery", "recovery"]),
     ("runtime", ["runtime"]),
     ("engine", ["engine"]),
     ("on top", ["admin", "sim", "sinks", "mqtt"]),

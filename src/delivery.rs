@@ -15,7 +15,7 @@ use crate::guard::UserCodeGuard;
 use crate::handler::{Handler, Tx};
 use crate::message::{Failure, Message, Outcome};
 use crate::store::inbox::{self, Found, Key, Record, Status};
-use crate::store::inflight::{Inflight, InflightLog};
+use crate::store::inflight::InflightLog;
 use crate::store::outbox::Cause;
 use crate::store::queue::{self, Claimed};
 use crate::store::watermark;
@@ -476,102 +476,6 @@ fn record(
     .map_err(|e| Error::sqlite("record inbox row", e))
 }
 
-/// Counts the attempt of a handler that was running when its process died,
-/// unless that attempt committed after all. Returns the outcome recorded.
-/// The row is due at once: the restart was its backoff.
-pub(crate) fn recover_inflight(
-    conn: &Connection,
-    config: &Config,
-    now_ms: i64,
-    inflight: &Inflight,
-) -> Result<Option<Outcome>> {
-    let msg = &inflight.msg;
-    let key = Key {
-        consumer: &inflight.consumer,
-        source: &msg.source,
-        message_id: &msg.id,
-    };
-    let row_id = match inbox::find_live(conn, key, &inflight.hash)
-        .map_err(|e| Error::sqlite("look up inbox row", e))?
-    {
-        // No row: the attempt never committed, or it did and retention has
-        // deleted its row since, leaving a stale marker (power loss). Only
-        // a marker older than retention can be the second.
-        None if older_than_retention(config, now_ms, inflight.at_ms) => {
-            log::info!(
-                "consumer {:?}: message {}/{}: in-flight marker from {} ms ago ignored: \
-                 older than retention, with no row left to tell whether it committed",
-                inflight.consumer,
-                msg.source,
-                msg.id,
-                now_ms.saturating_sub(inflight.at_ms)
-            );
-            return Ok(None);
-        }
-        None => None,
-        Some(Found::Row { id, row })
-            if row.payload_hash == inflight.hash
-                && row.attempts <= inflight.prior_attempts
-                && !matches!(row.status, Status::Completed | Status::Dead) =>
-        {
-            Some(id)
-        }
-        // The attempt committed after all (or the row moved on).
-        Some(_) => return Ok(None),
-    };
-    let attempt = inflight.prior_attempts.saturating_add(1);
-    let error = format!("process died while the handler was running (attempt {attempt})");
-    let status = if attempt >= config.max_attempts {
-        Status::Dead
-    } else {
-        Status::Failed
-    };
-    let rec = Record {
-        status,
-        attempts: attempt,
-        last_error: Some(&error),
-        next_attempt_at: None,
-        keep_payload: true,
-    };
-    inbox::record(
-        conn,
-        row_id,
-        &inflight.consumer,
-        msg,
-        &inflight.hash,
-        rec,
-        now_ms,
-    )
-    .map_err(|e| Error::sqlite("record crashed attempt", e))?;
-    log::warn!(
-        "consumer {:?}: message {}/{}: {error}; now {status}",
-        inflight.consumer,
-        msg.source,
-        msg.id
-    );
-    Ok(Some(if status == Status::Dead {
-        Outcome::Dead {
-            attempts: attempt,
-            error,
-        }
-    } else {
-        Outcome::Failed {
-            attempts: attempt,
-            error,
-            retry_after: Duration::ZERO,
-        }
-    }))
-}
-
-/// True when a row stored or updated at `at_ms` may have been deleted by
-/// retention (of completed rows, or of dead ones) by `now_ms`.
-fn older_than_retention(config: &Config, now_ms: i64, at_ms: i64) -> bool {
-    let horizon = config
-        .dead_retention
-        .map_or(config.retention, |dead| dead.min(config.retention));
-    now_ms.saturating_sub(at_ms) > clock::millis(horizon)
-}
-
 /// The error for a transaction SQLite rolled back while user code ran: the
 /// storage error user code got, if it passed it on, else `RolledBack`:
 /// user code's own doing (a `RAISE(ROLLBACK)` trigger, an `OR ROLLBACK`
@@ -639,6 +543,7 @@ mod tests {
     //! The state machine driven directly: no threads, a manual clock.
     use super::*;
     use crate::handler::handler_fn;
+    use crate::store::inflight::Inflight;
     use crate::store::inflight::NoInflightLog;
 
     struct Fixture {
@@ -741,14 +646,14 @@ mod tests {
     fn a_marker_is_as_old_as_retention_allows_whichever_deletes_first() {
         let mut config = Config::default();
         let week = clock::millis(config.retention);
-        assert!(!older_than_retention(&config, week, 0));
-        assert!(older_than_retention(&config, week + 1, 0));
+        assert!(!crate::recovery::older_than_retention(&config, week, 0));
+        assert!(crate::recovery::older_than_retention(&config, week + 1, 0));
         // A clock set back reads as a fresh marker: counted, never dropped.
-        assert!(!older_than_retention(&config, 0, week * 2));
+        assert!(!crate::recovery::older_than_retention(&config, 0, week * 2));
         config.dead_retention = Some(Duration::from_secs(1));
-        assert!(older_than_retention(&config, 1_001, 0));
+        assert!(crate::recovery::older_than_retention(&config, 1_001, 0));
         config.dead_retention = Some(config.retention * 2);
-        assert!(!older_than_retention(&config, week, 0));
+        assert!(!crate::recovery::older_than_retention(&config, week, 0));
     }
 
     #[test]
@@ -763,8 +668,9 @@ mod tests {
             prior_attempts,
             at_ms: 10,
         };
-        let recover =
-            |now, prior| recover_inflight(&f.conn, &f.config, now, &inflight(prior)).unwrap();
+        let recover = |now, prior| {
+            crate::recovery::recover_inflight(&f.conn, &f.config, now, &inflight(prior)).unwrap()
+        };
         let exec = |sql| {
             f.conn.execute(sql, []).unwrap();
         };
@@ -814,7 +720,7 @@ mod tests {
                 prior_attempts: prior,
                 at_ms: 30,
             };
-            let outcome = recover_inflight(&f.conn, &f.config, 30, &rec)
+            let outcome = crate::recovery::recover_inflight(&f.conn, &f.config, 30, &rec)
                 .unwrap()
                 .unwrap();
             assert_eq!(

@@ -14,14 +14,14 @@ use rusqlite::hooks::Action;
 use rusqlite::Connection;
 
 use crate::builder::{Builder, ConsumerKind};
-use crate::clock::Clock;
-use crate::config::{check_name, Config, Durability};
-use crate::delivery::{self, exec, panic_message, Step};
+use crate::config::check_name;
+use crate::delivery::{self, panic_message, Step};
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
 use crate::handler::Tx;
 use crate::message::{Failure, Message, Outcome, Receipt};
+use crate::recovery;
 use crate::runtime::checkpoint;
 use crate::runtime::reaper::{self, CleanupReport};
 use crate::runtime::relay;
@@ -30,7 +30,7 @@ use crate::runtime::writer::{self, Counters, WriterCtx, WriterState};
 use crate::runtime::{read_connection, ReadManager, Readers};
 use crate::sink::Sink;
 use crate::store::inbox;
-use crate::store::inflight::{ClaimSlot, EngineFile, Inflight, StartedClaim};
+use crate::store::inflight::{ClaimSlot, EngineFile};
 use crate::store::outbox::{self, OutboxMessage};
 use crate::store::queue::{self, DeadLetter};
 use crate::store::schema;
@@ -275,7 +275,7 @@ impl Postroom {
                 return Err(e);
             }
         };
-        recover(&conn, &config, &*clock, &mut engine_file)?;
+        recovery::recover(&conn, &config, &*clock, &mut engine_file)?;
         let wal_bounds =
             checkpoint::WalBounds::for_database(&conn, path, config.checkpoint_wal_bytes);
         checkpoint::at_open(&conn, path, wal_bounds.truncate_bytes, config.busy_timeout);
@@ -958,102 +958,6 @@ impl Drop for Postroom {
     }
 }
 
-/// Recovers what the previous process left behind (see
-/// [`recover_after_crash`]), then clears the in-flight marker.
-fn recover(
-    conn: &rusqlite::Connection,
-    config: &Config,
-    clock: &dyn Clock,
-    engine_file: &mut EngineFile,
-) -> Result<()> {
-    let inflight = engine_file
-        .read()
-        .map_err(|e| Error::io("read in-flight marker", e))?;
-    let started = engine_file
-        .started_claims()
-        .map_err(|e| Error::io("read claim marks", e))?;
-    // The clear below is durable, so what it stands for must be too: at
-    // `Normal` a power cut could otherwise keep the cleared file and lose
-    // the recovery, and with it the attempt the marker counted.
-    let set_sync = |mode| {
-        conn.pragma_update(None, "synchronous", mode)
-            .map_err(|e| Error::sqlite("set synchronous", e))
-    };
-    set_sync(Durability::Full.pragma())?;
-    recover_after_crash(conn, config, clock.now_ms(), inflight.as_ref(), &started)?;
-    set_sync(config.durability.pragma())?;
-    engine_file
-        .clear()
-        .map_err(|e| Error::io("clear in-flight marker", e))
-}
-
-/// Recovers what a process that died left behind, in one transaction: the
-/// attempt of an inline handler it died in (see [`crate::store::inflight`]), and
-/// rows it left `processing` (nothing else can hold them: the caller holds
-/// the engine lock). Of those, claims whose user code was running
-/// (`started`, under the same lease token) become due again with their
-/// attempt counted; the others only waited, and are handed back uncounted.
-pub(crate) fn recover_after_crash(
-    conn: &rusqlite::Connection,
-    config: &Config,
-    now: i64,
-    inflight: Option<&Inflight>,
-    started: &[StartedClaim],
-) -> Result<()> {
-    exec(conn, "BEGIN IMMEDIATE")?;
-    let recovered = (|| {
-        if let Some(inflight) = inflight {
-            delivery::recover_inflight(conn, config, now, inflight)?;
-        }
-        let abandoned = queue::leased(conn).map_err(|e| Error::sqlite("read leases", e))?;
-        for row in &abandoned {
-            // Tokens restart at 1 in every process, so a slot and a lease
-            // may only be compared if both come from the same process: the
-            // previous one. They do: the recovery before it committed at
-            // FULL and then fsynced the cleared slots (`recover`), so neither
-            // an older slot nor an older lease survives a power cut.
-            let ran =
-                |claim: &StartedClaim| claim.row_id == row.row_id && Some(claim.token) == row.token;
-            if started.iter().any(ran) {
-                queue::expire(
-                    conn,
-                    row.row_id,
-                    row.token,
-                    "process died while the handler was running",
-                    config.max_attempts,
-                    now,
-                )
-                .map(drop)
-            } else if let Some(token) = row.token {
-                queue::release(conn, row.row_id, token).map(drop)
-            } else {
-                queue::expire(
-                    conn,
-                    row.row_id,
-                    None,
-                    "lease abandoned",
-                    config.max_attempts,
-                    now,
-                )
-                .map(drop)
-            }
-            .map_err(|e| Error::sqlite("recover abandoned lease", e))?;
-        }
-        if !abandoned.is_empty() {
-            log::warn!(
-                "postroom: {} message(s) were being processed when the previous process \
-                 died; they will be retried",
-                abandoned.len()
-            );
-        }
-        exec(conn, "COMMIT")
-    })();
-    if recovered.is_err() && !conn.is_autocommit() {
-        let _ = conn.execute_batch("ROLLBACK");
-    }
-    recovered
-}
-
 /// The answer for a message whose fate is already committed: completed, or
 /// dead, with the same payload digest. Those states are final (only an
 /// operator's redrive leaves `dead`, and a redelivery racing a redrive may
@@ -1095,6 +999,8 @@ fn answer_if_settled(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
+    use crate::store::inflight::StartedClaim;
 
     /// A claim slot left stale by a power cut names an earlier lease of the
     /// row: only the lease it names counts an attempt.
@@ -1126,13 +1032,13 @@ mod tests {
         // The slot names lease 3 (an earlier, finished attempt): the
         // current lease only waited, and is handed back uncounted.
         let stale = [StartedClaim { row_id, token: 3 }];
-        recover_after_crash(&conn, &config, 10, None, &stale).unwrap();
+        crate::recovery::recover_after_crash(&conn, &config, 10, None, &stale).unwrap();
         assert_eq!(status(&conn), ("pending".into(), 0));
 
         // The slot names the current lease: its user code ran, counted.
         claim(&conn, 8);
         let ran = [StartedClaim { row_id, token: 8 }];
-        recover_after_crash(&conn, &config, 20, None, &ran).unwrap();
+        crate::recovery::recover_after_crash(&conn, &config, 20, None, &ran).unwrap();
         assert_eq!(status(&conn), ("failed".into(), 1));
     }
 }

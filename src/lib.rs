@@ -168,8 +168,9 @@ mod store;
 mod builder;
 mod handler;
 mod sink;
-// The state machines over the store.
+// The state machines over the store, and recovery at open.
 mod delivery;
+mod recovery;
 // The threads.
 mod runtime;
 // The engine: opening, the public calls, shutdown.

@@ -25,10 +25,10 @@ use rusqlite::Connection;
 
 use crate::config::{Config, RetryPolicy};
 use crate::delivery::{self, exec, Env};
-use crate::engine::recover_after_crash;
 use crate::guard::UserCodeGuard;
 use crate::handler::{Handler, Tx};
 use crate::message::{Failure, Message, Outcome, Outgoing, Receipt};
+use crate::recovery::recover_after_crash;
 use crate::runtime::relay;
 use crate::runtime::workers;
 use crate::sink::{self, SendResult};

@@ -266,6 +266,19 @@ impl Checkpointer {
     }
 }
 
+/// Makes every commit so far durable before its rows leave the database
+/// (the relay hands them to a sink). At `Full` they already are. At
+/// `Normal` commits are not fsynced, and a sink must not get a row a power
+/// cut could still take back: it would keep an effect this database lost,
+/// and the message's redelivery would publish it again under a new id. So
+/// the WAL is synced first: one fsync per relay batch.
+pub(crate) fn durable_before_handover(durability: Durability, wal: &Path) -> std::io::Result<()> {
+    match durability {
+        Durability::Full => Ok(()),
+        Durability::Normal => sync_wal(wal),
+    }
+}
+
 /// Fsyncs the WAL file: every frame written so far is on disk, and a torn
 /// commit that was being written meanwhile is what recovery already drops
 /// (checksums). Its own descriptor: SQLite keeps no locks on the `-wal`

@@ -24,7 +24,7 @@ use crossbeam_channel::{Receiver, Sender};
 use rusqlite::{Connection, OpenFlags};
 
 use crate::clock;
-use crate::config::{Config, Durability};
+use crate::config::Config;
 use crate::delivery::panic_message;
 use crate::error::{Error, Result};
 use crate::failpoint;
@@ -101,20 +101,15 @@ pub(crate) fn relay(
                 (vec![msg], vec![SendResult::Dead { reason }])
             }
             Fetched::Send(batch) => {
-                // At `Normal` the batch's commits may not be on disk yet (the
-                // relay is woken at COMMIT). The sink must not get a row a
-                // power cut could still take back: it would keep an effect
-                // this database lost, and the message's redelivery would
-                // publish it again under a new id. So the WAL is synced
-                // first: one fsync per batch.
-                if shared.config.durability == Durability::Normal {
-                    if let Err(e) = checkpoint::sync_wal(&wal) {
-                        log::warn!("postroom relay: WAL fsync failed: {e}; batch held back");
-                        if !pause_after_failure(&shared, &stop, &mut stop_at) {
-                            return;
-                        }
-                        continue;
+                // The relay is woken at COMMIT: what it read may not be on
+                // disk yet (see `checkpoint::durable_before_handover`).
+                if let Err(e) = checkpoint::durable_before_handover(shared.config.durability, &wal)
+                {
+                    log::warn!("postroom relay: WAL fsync failed: {e}; batch held back");
+                    if !pause_after_failure(&shared, &stop, &mut stop_at) {
+                        return;
                     }
+                    continue;
                 }
                 let results = panic::catch_unwind(AssertUnwindSafe(|| sink.send(&batch)))
                     .unwrap_or_else(|panic| {
