@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The crate's module graph, drawn from its own `crate::` paths, checked
 against the layers in docs/DESIGN.md: each module may use only modules of
-its own layer or below, and no two modules may need each other (no cycle).
+its own layer or below, and no two modules may need each other (no cycle),
+nor two files inside one layer's directory (`store/`, `runtime/`).
 
 Usage: python3 .ci/layers.py [--graph]   (exit 1 on a violation)
 """
@@ -122,11 +123,10 @@ def main():
     for comp in sccs(edges):
         if len(comp) > 1:
             problems.append(f"import cycle of {len(comp)} modules: {', '.join(comp)}")
-    # Inside a layer's directory, cycles between its files are reported,
-    # not refused: the layer rule is what keeps the crate readable.
+    # Inside a layer's directory too, no two files may need each other.
     for comp in sccs(graph(depth=2)):
         if len(comp) > 1:
-            print(f"note: files that use each other inside a layer: {', '.join(comp)}")
+            problems.append(f"files that use each other: {', '.join(comp)}")
     if "--graph" in sys.argv:
         for mod, uses in sorted(edges.items()):
             print(f"{mod} -> {', '.join(sorted(u for u in uses if u in edges))}")

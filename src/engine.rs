@@ -25,6 +25,7 @@ use crate::recovery;
 use crate::runtime::checkpoint;
 use crate::runtime::reaper::{self, CleanupReport};
 use crate::runtime::relay;
+use crate::runtime::wal;
 use crate::runtime::workers::{self, Consumer, Leases, Shared};
 use crate::runtime::writer::{self, Counters, WriterCtx, WriterState};
 use crate::runtime::{read_connection, ReadManager, Readers};
@@ -276,8 +277,7 @@ impl Postroom {
             }
         };
         recovery::recover(&conn, &config, &*clock, &mut engine_file)?;
-        let wal_bounds =
-            checkpoint::WalBounds::for_database(&conn, path, config.checkpoint_wal_bytes);
+        let wal_bounds = wal::WalBounds::for_database(&conn, path, config.checkpoint_wal_bytes);
         checkpoint::at_open(&conn, path, wal_bounds.truncate_bytes, config.busy_timeout);
         let guard = UserCodeGuard::install(&mut conn)
             .map_err(|e| Error::sqlite("install authorizer", e))?;
@@ -416,7 +416,7 @@ impl Postroom {
         sink: Option<Box<dyn Sink>>,
         relay_woken: crossbeam_channel::Receiver<()>,
         checkpoint_woken: crossbeam_channel::Receiver<()>,
-        wal_bounds: checkpoint::WalBounds,
+        wal_bounds: wal::WalBounds,
         worker_slots: Vec<ClaimSlot>,
     ) -> Result<()> {
         let casualty = &self.control.casualty;

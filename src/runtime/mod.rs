@@ -6,6 +6,7 @@
 pub(crate) mod checkpoint;
 pub(crate) mod reaper;
 pub(crate) mod relay;
+pub(crate) mod wal;
 pub(crate) mod workers;
 pub(crate) mod writer;
 

@@ -16,11 +16,10 @@
 use std::collections::HashSet;
 use std::panic::{self, AssertUnwindSafe};
 use std::path::Path;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Receiver;
 use rusqlite::{Connection, OpenFlags};
 
 use crate::clock;
@@ -28,7 +27,6 @@ use crate::config::Config;
 use crate::delivery::panic_message;
 use crate::error::{Error, Result};
 use crate::failpoint;
-use crate::runtime::checkpoint;
 use crate::runtime::workers::Shared;
 use crate::sink::{SendResult, Sink};
 use crate::store::outbox::{self, OutboxMessage};
@@ -102,8 +100,9 @@ pub(crate) fn relay(
             }
             Fetched::Send(batch) => {
                 // The relay is woken at COMMIT: what it read may not be on
-                // disk yet (see `checkpoint::durable_before_handover`).
-                if let Err(e) = checkpoint::durable_before_handover(shared.config.durability, &wal)
+                // disk yet (see `wal::durable_before_handover`).
+                if let Err(e) =
+                    crate::runtime::wal::durable_before_handover(shared.config.durability, &wal)
                 {
                     log::warn!("postroom relay: WAL fsync failed: {e}; batch held back");
                     if !pause_after_failure(&shared, &stop, &mut stop_at) {
@@ -298,11 +297,4 @@ fn open_reader(path: &Path, busy_timeout: Duration) -> rusqlite::Result<Connecti
     conn.busy_timeout(busy_timeout)?;
     conn.pragma_update(None, "query_only", true)?;
     Ok(conn)
-}
-
-/// Wakes the relay after a commit that added outbox rows.
-pub(crate) fn wake(tx: &Sender<()>, dirty: &std::sync::atomic::AtomicBool) {
-    if dirty.swap(false, Ordering::AcqRel) {
-        let _ = tx.try_send(());
-    }
 }

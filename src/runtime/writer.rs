@@ -50,7 +50,7 @@ use crate::delivery::exec;
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
-use crate::runtime::checkpoint::WalBounds;
+use crate::runtime::wal::WalBounds;
 use crate::store::inflight::EngineFile;
 
 /// What a job can use while it runs.
@@ -107,14 +107,6 @@ const GATHER: Duration = Duration::from_micros(200);
 /// [`Core::callers_last_batch`] while a callers' batch runs.
 const BATCH_RUNNING: u64 = u64::MAX;
 
-/// Frames in the WAL at which the checkpointer is asked to copy it back:
-/// SQLite's own automatic checkpoint threshold. Scaled down on a small
-/// filesystem, as the others: see [`WalBounds`].
-pub(crate) const CHECKPOINT_PAGES: c_int = 1000;
-/// Frames from which the writer copies the WAL back itself, right after
-/// each commit, as SQLite would: the checkpointer is far behind (or gone,
-/// and then the limit is [`CHECKPOINT_PAGES`]).
-pub(crate) const INLINE_CHECKPOINT_PAGES: c_int = 8 * CHECKPOINT_PAGES;
 /// How long giving the WAL back after a full disk waits for readers to
 /// leave the frames it would drop. The writer's lock is held meanwhile,
 /// and the storage is full anyway; whatever is not given back now is at
@@ -725,7 +717,7 @@ impl WriterState {
                 .jobs
                 .fetch_add(batch.len() as u64, Ordering::Relaxed);
             if let Some(wake) = &self.relay_wake {
-                crate::runtime::relay::wake(wake, &self.outbox_dirty);
+                wake_relay(wake, &self.outbox_dirty);
             }
         } else {
             self.outbox_dirty.store(false, Ordering::Release);
@@ -1162,9 +1154,17 @@ impl WriterThread {
     }
 }
 
+/// Wakes the relay after a commit that added outbox rows.
+fn wake_relay(tx: &crossbeam_channel::Sender<()>, dirty: &std::sync::atomic::AtomicBool) {
+    if dirty.swap(false, std::sync::atomic::Ordering::AcqRel) {
+        let _ = tx.try_send(());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::wal::INLINE_CHECKPOINT_PAGES;
 
     #[test]
     fn the_checkpointer_is_woken_once_per_growth_and_the_writer_copies_back_when_it_is_gone() {
