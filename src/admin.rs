@@ -117,18 +117,42 @@ pub fn open_with_timeout(
     if !writable {
         return open_read(path, busy_timeout).map(|(conn, _)| conn);
     }
-    let path = existing(path.as_ref(), busy_timeout)?;
-    for (what, target) in [
-        ("file", path.as_path()),
-        ("directory", schema::parent_dir(&path)),
-    ] {
-        if rustix::fs::access(target, rustix::fs::Access::WRITE_OK).is_err() {
-            log::debug!("{} {what} is not writable", target.display());
+    // Everything is checked on a read-only connection first: a read-write
+    // one that turned out to be the last to close would checkpoint the WAL
+    // into the file and delete it, refusal or not.
+    let (reader, view) = open_read(path.as_ref(), busy_timeout)?;
+    let path = view.path.clone();
+    for target in [path.as_path(), schema::parent_dir(&path)] {
+        // `access` says yes to root for anything but a read-only mount;
+        // the mode's write bits say what the owner meant.
+        let protected = std::fs::metadata(target).map_or(true, |m| m.permissions().readonly());
+        if protected || rustix::fs::access(target, rustix::fs::Access::WRITE_OK).is_err() {
             return Err(Error::ReadOnly {
                 path: target.to_path_buf(),
             });
         }
     }
+    // With nobody else connected, this connection's close would copy the
+    // WAL into the file and delete it: a killed engine's WAL, which only
+    // the engine (with its own recovery) should take over.
+    if view.wal_bytes > 0 && view.shm_in_use != Some(true) {
+        return Err(Error::invalid(
+            "database",
+            format!(
+                "{}: its -wal file holds {} bytes and nothing has the database open{}; only \
+                 the engine should recover them: open it with the engine first",
+                path.display(),
+                view.wal_bytes,
+                if view.shm_in_use.is_none() {
+                    " (as far as can be told)"
+                } else {
+                    ""
+                }
+            ),
+        ));
+    }
+    schema::quick_check(&reader)?;
+    drop(reader);
     // READ_WRITE without CREATE: an existing file only.
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = Connection::open_with_flags(&path, flags)
@@ -136,7 +160,6 @@ pub fn open_with_timeout(
     conn.busy_timeout(busy_timeout)
         .map_err(|e| schema::open_error(&path, "set busy_timeout", e))?;
     validate(&conn, &path)?;
-    schema::quick_check(&conn)?;
     Ok(conn)
 }
 
@@ -161,6 +184,10 @@ pub struct ReadView {
     /// Whether an engine has the database open, from the kernel's table of
     /// file locks (`/proc/locks`); `None` when that cannot be told.
     pub engine_running: Option<bool>,
+    /// Whether any process (an engine, or any other SQLite connection)
+    /// holds a lock on the `-shm` file, that is, has the database open in
+    /// WAL mode; `None` when that cannot be told.
+    pub shm_in_use: Option<bool>,
 }
 
 impl ReadView {
@@ -175,7 +202,7 @@ impl ReadView {
                  and the engine recovers them at its next open",
                 self.wal_bytes
             ));
-        } else if self.wal_bytes > 0 && self.engine_running == Some(false) {
+        } else if self.wal_bytes > 0 && self.shm_in_use == Some(false) {
             notes.push(format!(
                 "no engine has the database open, yet its -wal file holds {} bytes (left by an \
                  engine that did not shut down cleanly?): they were read without changing any \
@@ -208,48 +235,31 @@ pub fn open_read(path: impl AsRef<Path>, busy_timeout: Duration) -> Result<(Conn
     let wal_bytes = std::fs::metadata(&wal).map_or(0, |m| m.len());
     let has_wal = wal.exists();
     let has_shm = sibling(&path, "-shm").exists();
+    // SQLite deletes the -wal of an empty database file at open, even on a
+    // read-only connection: the file alone is read instead.
+    let empty = std::fs::metadata(&path).map_or(true, |m| m.len() == 0);
     let mut view = ReadView {
-        engine_running: engine_running(&path),
+        engine_running: locked(&sibling(&path, "-postroom"), |kind| kind == "FLOCK"),
+        shm_in_use: locked(&sibling(&path, "-shm"), |_| true),
         path,
-        immutable: !(has_wal && has_shm),
+        immutable: !(has_wal && has_shm) || empty,
         wal_bytes,
         wal_unread: false,
     };
     if !view.immutable {
-        // With no engine running, nothing else may rebuild the `-shm`
-        // index a kill left stale, and this read must not either:
-        // `readonly_shm` reads the WAL through private memory instead.
-        // A running engine owns the `-shm`; the read uses it as any reader
-        // does.
-        let idle = view.engine_running == Some(false);
-        let opened = uri(
-            &view.path,
-            if idle {
-                "mode=ro&readonly_shm=1"
-            } else {
-                "mode=ro"
-            },
-        )
-        .ok_or_else(|| Error::invalid("database", "not UTF-8"))
-        .and_then(|uri| {
-            Connection::open_with_flags(
-                uri,
-                OpenFlags::SQLITE_OPEN_READ_ONLY
-                    | OpenFlags::SQLITE_OPEN_URI
-                    | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-            )
-            .map_err(|e| schema::open_error(&view.path, "open database", e))
-        })
-        .and_then(|conn| {
-            conn.busy_timeout(busy_timeout)
-                .map_err(|e| schema::open_error(&view.path, "set busy_timeout", e))?;
-            validate(&conn, &view.path)?;
-            Ok(conn)
-        });
-        match opened {
+        // Unless some connection is known to have the database open (it
+        // keeps the `-shm` index, which the read then shares as any reader
+        // does), nothing may rebuild the index a kill left stale, and this
+        // read must not either: `readonly_shm` reads the WAL through
+        // private memory.
+        let query = if view.shm_in_use == Some(true) {
+            "mode=ro"
+        } else {
+            "mode=ro&readonly_shm=1"
+        };
+        match connect(&view.path, query, busy_timeout) {
             Ok(conn) => return Ok((conn, view)),
-            // A `-shm` this user cannot use, or a path a URI cannot carry:
-            // read the file alone instead.
+            // A `-shm` this user cannot use: read the file alone instead.
             Err(Error::Sqlite { source, .. })
                 if matches!(
                     source.sqlite_error_code(),
@@ -258,36 +268,40 @@ pub fn open_read(path: impl AsRef<Path>, busy_timeout: Duration) -> Result<(Conn
             {
                 view.immutable = true
             }
-            Err(Error::InvalidInput { reason, .. }) if reason == "not UTF-8" => {
-                view.immutable = true
-            }
             Err(e) => return Err(e),
         }
     }
     view.wal_unread = has_wal && wal_bytes > 0;
-    let conn = match uri(&view.path, "immutable=1") {
-        Some(uri) => Connection::open_with_flags(
-            &uri,
-            OpenFlags::SQLITE_OPEN_READ_ONLY
-                | OpenFlags::SQLITE_OPEN_URI
-                | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-        ),
-        None => {
-            // A path SQLite's URIs cannot carry (not UTF-8): read-only,
-            // which may create the `-wal` and `-shm` of a WAL database.
-            view.immutable = false;
-            view.wal_unread = false;
-            Connection::open_with_flags(
-                &view.path,
-                OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-            )
-        }
-    }
-    .map_err(|e| schema::open_error(&view.path, "open database", e))?;
-    conn.busy_timeout(busy_timeout)
-        .map_err(|e| schema::open_error(&view.path, "set busy_timeout", e))?;
-    validate(&conn, &view.path)?;
+    let conn = connect(&view.path, "immutable=1", busy_timeout).map_err(|e| match e {
+        // Say why a file may look incomplete: its newest commits are in a
+        // WAL that was not read.
+        Error::InvalidInput { field, reason } if view.wal_unread => Error::InvalidInput {
+            field,
+            reason: format!(
+                "{reason} (only the database file was read: its -wal file, {} bytes, could \
+                 not be read without writing a -shm file)",
+                view.wal_bytes
+            ),
+        },
+        e => e,
+    })?;
     Ok((conn, view))
+}
+
+/// A read-only connection by URI (`query` its parameters), checked to be
+/// a postroom database.
+fn connect(path: &Path, query: &str, busy_timeout: Duration) -> Result<Connection> {
+    let conn = Connection::open_with_flags(
+        uri(path, query),
+        OpenFlags::SQLITE_OPEN_READ_ONLY
+            | OpenFlags::SQLITE_OPEN_URI
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(|e| schema::open_error(path, "open database", e))?;
+    conn.busy_timeout(busy_timeout)
+        .map_err(|e| schema::open_error(path, "set busy_timeout", e))?;
+    validate(&conn, path)?;
+    Ok(conn)
 }
 
 /// Runs `f` on an [`open_read`] connection. An `immutable` read cannot see
@@ -338,45 +352,49 @@ fn sibling(path: &Path, suffix: &str) -> std::path::PathBuf {
     p.into()
 }
 
-/// `file:` URI with `query` for an absolute path; `None` when the path is
-/// not UTF-8. `%`, `?` and `#` are escaped so they stay part of the path.
-fn uri(path: &Path, query: &str) -> Option<String> {
-    let text = path.to_str()?;
+/// `file:` URI with `query` for an absolute path. Every byte outside a
+/// plain set is percent-encoded, so `?`, `#`, `%` and bytes that are not
+/// UTF-8 stay part of the path.
+fn uri(path: &Path, query: &str) -> String {
+    use std::os::unix::ffi::OsStrExt;
     let mut uri = String::from("file:");
-    for c in text.chars() {
-        match c {
-            '%' => uri.push_str("%25"),
-            '?' => uri.push_str("%3f"),
-            '#' => uri.push_str("%23"),
-            c => uri.push(c),
+    for &b in path.as_os_str().as_bytes() {
+        if b.is_ascii_alphanumeric() || b"/._-~+,=@".contains(&b) {
+            uri.push(char::from(b));
+        } else {
+            let _ = write!(uri, "%{b:02X}");
         }
     }
     uri.push('?');
     uri.push_str(query);
-    Some(uri)
+    uri
 }
 
-/// Whether the engine's lock on `<db>-postroom` is held, read from
-/// `/proc/locks` without taking it (taking it, even shared and for a
-/// moment, could make an engine that opens just then fail).
-fn engine_running(db: &Path) -> Option<bool> {
+/// Whether a lock is held on `file`, whose `/proc/locks` kind (`FLOCK`,
+/// `POSIX`, `OFDLCK`) passes `kind`: read from the kernel's table, never by
+/// taking a lock (taking even a shared one for a moment could make an
+/// engine that opens just then fail). `Some(false)` when the file does not
+/// exist; `None` when it cannot be told.
+fn locked(file: &Path, kind: impl Fn(&str) -> bool) -> Option<bool> {
     use std::os::unix::fs::MetadataExt;
-    let lock_file = match std::fs::metadata(sibling(db, "-postroom")) {
+    let meta = match std::fs::metadata(file) {
         Ok(m) => m,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Some(false),
         Err(_) => return None,
     };
     let locks = std::fs::read_to_string("/proc/locks").ok()?;
-    let dev = lock_file.dev();
+    let dev = meta.dev();
     let id = format!(
         "{:02x}:{:02x}:{}",
         rustix::fs::major(dev),
         rustix::fs::minor(dev),
-        lock_file.ino()
+        meta.ino()
     );
+    // `1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF`; blocked waiters
+    // (`->`) hold nothing.
     Some(locks.lines().any(|line| {
         let fields: Vec<&str> = line.split_whitespace().collect();
-        fields.contains(&"FLOCK") && fields.contains(&id.as_str())
+        fields.get(1).is_some_and(|k| kind(k)) && fields.contains(&id.as_str())
     }))
 }
 
@@ -1235,7 +1253,7 @@ fn entry_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<InboxEntry> {
         attempts: r.get(5)?,
         ordering_key: crate::store::text::lossy_text(r, 6)?,
         payload_bytes: r.get::<_, Option<i64>>(7)?.map(count),
-        last_error: r.get(8)?,
+        last_error: crate::store::text::lossy_text(r, 8)?,
         received_at: r.get(9)?,
         updated_at: r.get(10)?,
         next_attempt_at: r.get(11)?,
@@ -1815,11 +1833,13 @@ const CONFLICT_COLUMNS: &str = "id, consumer, source, message_id, stored_hash, p
      length(payload), first_seen_at, last_seen_at, deliveries";
 
 fn conflict_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ConflictEntry> {
+    // Lossy: one row whose text rotted is shown, not an error for all.
+    let text = |idx| crate::store::text::lossy_text(r, idx).map(Option::unwrap_or_default);
     Ok(ConflictEntry {
         id: r.get(0)?,
-        consumer: r.get(1)?,
-        source: r.get(2)?,
-        message_id: r.get(3)?,
+        consumer: text(1)?,
+        source: text(2)?,
+        message_id: text(3)?,
         stored_hash: hex(&r.get::<_, Vec<u8>>(4)?),
         payload_hash: hex(&r.get::<_, Vec<u8>>(5)?),
         payload_bytes: count(r.get(6)?),

@@ -120,11 +120,11 @@ enum Command {
     Status,
     /// Status refreshed in place, with rates: what the engine is doing now
     Top {
-        /// Time between refreshes
+        /// Time between refreshes (at least 100ms)
         #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = render::parse_duration)]
         interval: Duration,
         /// Stop after this many refreshes (default: until interrupted)
-        #[arg(long, value_name = "N")]
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
         iterations: Option<u64>,
     },
     /// Inbox rows
@@ -507,15 +507,16 @@ struct Ctx<'a> {
 impl Ctx<'_> {
     /// Writes the output. A reader that went away (`| head`) is not an
     /// error; any other failure to write (a full disk) is exit code 1.
-    fn flush(&mut self) -> Result<(), Failed> {
+    /// Returns false when the reader has gone.
+    fn flush(&mut self) -> Result<bool, Failed> {
         let text = std::mem::take(&mut self.out);
         let mut stdout = io::stdout().lock();
         match stdout
             .write_all(text.as_bytes())
             .and_then(|()| stdout.flush())
         {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(false),
             Err(e) => Err(Failed {
                 code: EXIT_ERROR,
                 message: format!("writing the output: {e}"),
@@ -759,7 +760,7 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
         Command::Dead(DeadCommand::List { select, limit }) => {
             let filter = select.filter();
             let rows = ctx.read("dead list", |c| dead_rows(c, &filter, *limit))?;
-            print_dead(ctx, &rows);
+            print_dead(ctx, &rows, select.outbox);
         }
         Command::Dead(DeadCommand::Redrive(action)) => dead_action(ctx, action, Act::Redrive)?,
         Command::Dead(DeadCommand::Discard(action)) => dead_action(ctx, action, Act::Discard)?,
@@ -906,12 +907,11 @@ fn dead_rows(
     Ok(rows)
 }
 
-fn print_dead(ctx: &mut Ctx<'_>, rows: &[DeadRow]) {
+fn print_dead(ctx: &mut Ctx<'_>, rows: &[DeadRow], outbox: bool) {
     if ctx.cli.json {
         ctx.json(&rows);
         return;
     }
-    let outbox = matches!(rows.first(), Some(DeadRow::Outbox(_)));
     let cells = rows
         .iter()
         .map(|row| match row {
@@ -963,6 +963,9 @@ fn print_dead(ctx: &mut Ctx<'_>, rows: &[DeadRow]) {
     table(&mut ctx.out, &headers, &[0, 4, 6], cells);
     let _ = writeln!(ctx.out, "{} dead letter(s)", rows.len());
 }
+
+/// Dead letters a bulk dry run shows in full.
+const PREVIEW_ROWS: usize = 20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Act {
@@ -1033,16 +1036,17 @@ fn dead_action(ctx: &mut Ctx<'_>, action: &DeadAction, act: Act) -> Result<(), F
     }
     let filter = sel.filter();
     let verb = act.verb();
-    let rows = ctx.read("selecting dead letters", |c| {
-        dead_rows(c, &filter, usize::MAX)
+    // Ids only (a bulk action may cover many rows, each with a payload of up
+    // to a MiB); the dry run shows the first few in full.
+    let (ids, preview) = ctx.read("selecting dead letters", |c| {
+        let ids = admin::dead_select(c, &filter, usize::MAX)?;
+        let preview = if action.dry_run && !ctx.cli.json {
+            dead_rows(c, &filter, PREVIEW_ROWS)?
+        } else {
+            Vec::new()
+        };
+        Ok((ids, preview))
     })?;
-    let ids: Vec<i64> = rows
-        .iter()
-        .map(|r| match r {
-            DeadRow::Inbox(d) => d.entry.id,
-            DeadRow::Outbox(d) => d.entry.seq,
-        })
-        .collect();
     let mut report = BulkReport {
         action: verb,
         table: sel.table(),
@@ -1055,13 +1059,21 @@ fn dead_action(ctx: &mut Ctx<'_>, action: &DeadAction, act: Act) -> Result<(), F
     if action.dry_run || ids.is_empty() {
         if ctx.cli.json {
             ctx.json(&report);
-        } else {
-            print_dead(ctx, &rows);
+        } else if action.dry_run {
+            print_dead(ctx, &preview, sel.outbox);
+            if ids.len() > preview.len() {
+                let _ = writeln!(ctx.out, "… the first {} shown", preview.len());
+            }
             let _ = writeln!(
                 ctx.out,
-                "{}would {verb} {} {} dead letter(s); run again without --dry-run to do it",
-                if action.dry_run { "dry run: " } else { "" },
+                "dry run: would {verb} {} {} dead letter(s); run again without --dry-run to do it",
                 ids.len(),
+                sel.table()
+            );
+        } else {
+            let _ = writeln!(
+                ctx.out,
+                "no {} dead letter matches: nothing to {verb}",
                 sel.table()
             );
         }
@@ -1240,7 +1252,11 @@ impl Totals {
     }
 }
 
+/// The shortest refresh `top` makes: each one reads the whole inbox.
+const TOP_MIN_INTERVAL: Duration = Duration::from_millis(100);
+
 fn top(ctx: &mut Ctx<'_>, interval: Duration, iterations: Option<u64>) -> Result<(), Failed> {
+    let interval = interval.max(TOP_MIN_INTERVAL);
     let tty = io::stdout().is_terminal() && !ctx.cli.json;
     let mut previous: Option<Totals> = None;
     let mut frame = 0u64;
@@ -1272,7 +1288,7 @@ fn top(ctx: &mut Ctx<'_>, interval: Duration, iterations: Option<u64>) -> Result
                 ctx.out,
                 "postroom top — {} — every {} — engine {}",
                 time(report.now_ms),
-                render::age(i64::try_from(interval.as_millis()).unwrap_or(i64::MAX)),
+                render::span(interval),
                 match view.engine_running {
                     Some(true) => "running",
                     Some(false) => "not running",
@@ -1305,7 +1321,10 @@ fn top(ctx: &mut Ctx<'_>, interval: Duration, iterations: Option<u64>) -> Result
                 let _ = writeln!(ctx.out, "note: {note}");
             }
         }
-        ctx.flush()?;
+        if !ctx.flush()? {
+            // The reader went away (`| head`): done.
+            return Ok(());
+        }
         frame += 1;
         if iterations.is_some_and(|n| frame >= n) {
             return Ok(());

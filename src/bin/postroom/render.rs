@@ -45,8 +45,21 @@ fn unsafe_char(c: char, block: bool) -> bool {
         // isolates, word joiners and invisible operators, the BOM, and the
         // line and paragraph separators: text that reorders or hides what
         // is around it.
-        || matches!(c, '\u{200b}'..='\u{200f}' | '\u{2028}'..='\u{202e}'
-            | '\u{2060}'..='\u{2069}' | '\u{feff}' | '\u{061c}')
+        || invisible(c)
+}
+
+/// Unicode's format characters (category Cf) and line and paragraph
+/// separators: zero-width and directional marks, bidi embeddings,
+/// overrides and isolates, word joiners, invisible operators, the BOM, tag
+/// characters, the soft hyphen. They reorder, hide or forge what is
+/// around them.
+fn invisible(c: char) -> bool {
+    matches!(c,
+        '\u{ad}' | '\u{600}'..='\u{605}' | '\u{61c}' | '\u{6dd}' | '\u{70f}' | '\u{890}'..='\u{891}'
+        | '\u{8e2}' | '\u{180e}' | '\u{200b}'..='\u{200f}' | '\u{2028}'..='\u{202e}'
+        | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{206f}' | '\u{feff}' | '\u{fff9}'..='\u{fffb}'
+        | '\u{110bd}' | '\u{110cd}' | '\u{13430}'..='\u{1343f}' | '\u{1bca0}'..='\u{1bca3}'
+        | '\u{1d173}'..='\u{1d17a}' | '\u{e0001}' | '\u{e0020}'..='\u{e007f}')
 }
 
 /// At most `max` characters of [`esc`]`(s)`, with `…` when cut.
@@ -93,11 +106,11 @@ pub fn key_values(out: &mut String, fields: &[(&str, String)]) {
     }
 }
 
-/// Unix ms as RFC 3339 in UTC, milliseconds when there are any:
-/// `2026-11-25T10:00:00.123Z`.
+/// Unix ms as RFC 3339 in UTC with milliseconds, so columns align:
+/// `2026-11-25T10:00:00.120Z`.
 pub fn time(ms: i64) -> String {
     match jiff::Timestamp::from_millisecond(ms) {
-        Ok(t) => t.to_string(),
+        Ok(t) => t.strftime("%Y-%m-%dT%H:%M:%S%.3fZ").to_string(),
         Err(_) => format!("{ms} (unix ms, out of range)"),
     }
 }
@@ -128,6 +141,11 @@ pub fn age(ms: i64) -> String {
         (0, _, _) => format!("{h}h {m}m"),
         _ => format!("{d}d {h}h"),
     }
+}
+
+/// A duration as typed: `2s`, `1.5s`, `250ms`.
+pub fn span(d: Duration) -> String {
+    jiff::SignedDuration::try_from(d).map_or_else(|_| format!("{d:?}"), |s| format!("{s:#}"))
 }
 
 /// A byte count with binary units.
@@ -180,13 +198,24 @@ pub fn parse_time(s: &str) -> Result<i64, String> {
     if let Ok(t) = s.parse::<jiff::Timestamp>() {
         return Ok(t.as_millisecond());
     }
-    if let Ok(date) = s.parse::<jiff::civil::Date>() {
+    // A date alone is midnight UTC; a date with a time but no offset is
+    // refused (jiff would drop the time and read the date alone, and a
+    // bulk action would then take more rows than asked for).
+    if let Some(date) = s
+        .get(..10)
+        .and_then(|d| d.parse::<jiff::civil::Date>().ok())
+    {
+        if s.len() > 10 {
+            return Err(format!(
+                "{s:?} has no offset: add Z (UTC) or one such as +01:00"
+            ));
+        }
         return jiff::tz::TimeZone::UTC
             .to_timestamp(date.at(0, 0, 0, 0))
             .map(|t| t.as_millisecond())
             .map_err(|e| format!("{s:?}: {e}"));
     }
-    match parse_duration(s) {
+    match parse_duration(s.strip_suffix(" ago").unwrap_or(s)) {
         Ok(ago) => {
             Ok(admin::now_ms().saturating_sub(i64::try_from(ago.as_millis()).unwrap_or(i64::MAX)))
         }
@@ -239,6 +268,7 @@ mod tests {
         assert_eq!(esc("a\x1b[2Jb"), "a\\u{1b}[2Jb");
         assert_eq!(esc("x\r\nforged"), "x\\u{d}\\u{a}forged");
         assert_eq!(esc("abc\u{202e}cba"), "abc\\u{202e}cba");
+        assert_eq!(esc("a\u{e0041}\u{ad}b"), "a\\u{e0041}\\u{ad}b");
         assert_eq!(esc_block("line 1\nline\t2\x07"), "line 1\nline\t2\\u{7}");
         assert_eq!(esc("日本語 ✓"), "日本語 ✓");
         assert_eq!(clip("abcdef", 4), "abc…");
@@ -246,7 +276,8 @@ mod tests {
 
     #[test]
     fn times_are_rfc3339_and_ages_short() {
-        assert_eq!(time(0), "1970-01-01T00:00:00Z");
+        assert_eq!(time(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(time(120), "1970-01-01T00:00:00.120Z");
         assert_eq!(time(951_782_400_123), "2000-02-29T00:00:00.123Z");
         assert_eq!(age(850), "850ms");
         assert_eq!(age(192_000), "3m 12s");
@@ -268,6 +299,11 @@ mod tests {
         let expected = admin::now_ms() - 7_200_000;
         assert!((two_hours_ago - expected).abs() < 5_000);
         assert!(parse_time("yesterday-ish").is_err());
+        assert!(parse_time("2026-11-25T23:59")
+            .unwrap_err()
+            .contains("no offset"));
+        let week_ago = parse_time("7d ago").unwrap();
+        assert!((week_ago - (admin::now_ms() - 7 * 86_400_000)).abs() < 5_000);
     }
 
     #[test]
