@@ -184,6 +184,10 @@ pub struct ReadView {
     /// Whether an engine has the database open, from the kernel's table of
     /// file locks (`/proc/locks`); `None` when that cannot be told.
     pub engine_running: Option<bool>,
+    /// Frames of the WAL's current generation past a checksum failure:
+    /// damage that SQLite silently stops reading before (see
+    /// [`wal_damaged_frames`]).
+    pub wal_damaged_frames: u64,
     /// Whether any process (an engine, or any other SQLite connection)
     /// holds a lock on the `-shm` file, that is, has the database open in
     /// WAL mode; `None` when that cannot be told.
@@ -195,6 +199,14 @@ impl ReadView {
     /// that was not read, or one that no running engine owns.
     pub fn notices(&self) -> Vec<String> {
         let mut notes = Vec::new();
+        if self.wal_damaged_frames > 0 {
+            notes.push(format!(
+                "the -wal file is damaged: {} frame(s) past a checksum failure are not read (by \
+                 this command, nor by the engine's recovery, which drops them); keep a copy of \
+                 the files before opening the engine",
+                self.wal_damaged_frames
+            ));
+        }
         if self.wal_unread {
             notes.push(format!(
                 "the -wal file holds {} bytes that were not read (reading them would create \
@@ -245,6 +257,7 @@ pub fn open_read(path: impl AsRef<Path>, busy_timeout: Duration) -> Result<(Conn
         immutable: !(has_wal && has_shm) || empty,
         wal_bytes,
         wal_unread: false,
+        wal_damaged_frames: wal_damaged_frames(&wal).unwrap_or(0),
     };
     if !view.immutable {
         // Unless some connection is known to have the database open (it
@@ -302,6 +315,77 @@ fn connect(path: &Path, query: &str, busy_timeout: Duration) -> Result<Connectio
         .map_err(|e| schema::open_error(path, "set busy_timeout", e))?;
     validate(&conn, path)?;
     Ok(conn)
+}
+
+/// Frames of the WAL's current generation that SQLite will never read
+/// because an earlier frame of it fails its checksum: damage, which a
+/// reader and the engine's recovery silently stop before. Frames of older
+/// generations (other salts) and an unfinished last transaction are what a
+/// WAL normally holds and are not counted. `Ok(0)` when there is no WAL.
+/// The format: <https://sqlite.org/fileformat2.html#walformat>.
+pub fn wal_damaged_frames(wal: &Path) -> io::Result<u64> {
+    use std::io::Read;
+    let mut file = match std::fs::File::open(wal) {
+        Ok(f) => io::BufReader::new(f),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    let mut header = [0u8; 32];
+    if file.read_exact(&mut header).is_err() {
+        return Ok(0); // empty, or shorter than a header: nothing to read
+    }
+    let word = |b: &[u8], i: usize| u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    let big_endian = match word(&header, 0) {
+        0x377f_0682 => false,
+        0x377f_0683 => true,
+        _ => return Ok(0), // not a WAL SQLite would read
+    };
+    let page_size = word(&header, 8) as usize;
+    if !(512..=65536).contains(&page_size) || !page_size.is_power_of_two() {
+        return Ok(0);
+    }
+    let salts = (word(&header, 16), word(&header, 20));
+    let mut sum = (0u32, 0u32);
+    let add = |sum: &mut (u32, u32), data: &[u8]| {
+        for pair in data.chunks_exact(8) {
+            let w = |i: usize| {
+                let b = [pair[i], pair[i + 1], pair[i + 2], pair[i + 3]];
+                if big_endian {
+                    u32::from_be_bytes(b)
+                } else {
+                    u32::from_le_bytes(b)
+                }
+            };
+            sum.0 = sum.0.wrapping_add(w(0)).wrapping_add(sum.1);
+            sum.1 = sum.1.wrapping_add(w(4)).wrapping_add(sum.0);
+        }
+    };
+    add(&mut sum, &header[..24]);
+    if sum != (word(&header, 24), word(&header, 28)) {
+        return Ok(0); // a header SQLite ignores: the WAL is empty to it
+    }
+    let mut frame = vec![0u8; 24 + page_size];
+    let (mut broken, mut damaged) = (false, 0u64);
+    while file.read_exact(&mut frame).is_ok() {
+        let current = (word(&frame, 8), word(&frame, 12)) == salts;
+        if broken {
+            damaged += u64::from(current);
+            continue;
+        }
+        if !current {
+            break; // the rest is an older generation's leftovers
+        }
+        let mut next = sum;
+        add(&mut next, &frame[..8]);
+        add(&mut next, &frame[24..]);
+        if next != (word(&frame, 16), word(&frame, 20)) {
+            broken = true;
+            damaged += 1;
+            continue;
+        }
+        sum = next;
+    }
+    Ok(damaged)
 }
 
 /// Runs `f` on an [`open_read`] connection. An `immutable` read cannot see
@@ -2215,8 +2299,14 @@ pub struct CheckReport {
     pub integrity_check: &'static str,
     /// True when SQLite's check answered `ok`.
     pub integrity_ok: bool,
-    /// What SQLite's check reported otherwise (at most 100 lines).
+    /// What SQLite's check reported otherwise (at most 100 lines), and a
+    /// damaged WAL.
     pub integrity_errors: Vec<String>,
+    /// Frames of the WAL's current generation past a checksum failure
+    /// ([`wal_damaged_frames`]): SQLite's check cannot see them (it reads
+    /// what the WAL holds before the failure), so they fail
+    /// `integrity_ok` here.
+    pub wal_damaged_frames: u64,
     /// False when the file failed SQLite's check: postroom's invariants
     /// were then not checked (the rows cannot be trusted).
     pub invariants_checked: bool,
@@ -2285,6 +2375,7 @@ pub fn check(conn: &Connection, full: bool) -> Result<CheckReport> {
         integrity_check: pragma,
         integrity_ok: false,
         integrity_errors: Vec::new(),
+        wal_damaged_frames: 0,
         invariants_checked: false,
         inbox_rows: 0,
         payloads_hashed: 0,
@@ -2307,6 +2398,19 @@ pub fn check(conn: &Connection, full: bool) -> Result<CheckReport> {
     report.integrity_ok = lines.len() == 1 && lines[0] == "ok";
     if !report.integrity_ok {
         report.integrity_errors = lines;
+    }
+    if let Some(db) = conn.path().filter(|p| !p.is_empty()) {
+        report.wal_damaged_frames = wal_damaged_frames(&sibling(Path::new(db), "-wal"))
+            .map_err(|e| Error::io("read the WAL", e))?;
+    }
+    if report.wal_damaged_frames > 0 {
+        report.integrity_ok = false;
+        report.integrity_errors.push(format!(
+            "-wal: {} frame(s) past a checksum failure, which SQLite does not read",
+            report.wal_damaged_frames
+        ));
+    }
+    if !report.integrity_ok {
         return Ok(report);
     }
     snapshot(conn, || check_invariants(conn, now, &mut report))?;

@@ -1422,6 +1422,32 @@ fn read_commands_leave_a_killed_engines_files_byte_for_byte() {
             "postroom {args:?} changed the files"
         );
     }
+    // A damaged WAL: SQLite silently stops reading at a bad checksum, so
+    // `check` reads the frames itself and fails; reads say so.
+    let damaged = dir.path().join("damaged");
+    std::fs::create_dir(&damaged).unwrap();
+    for name in ["app.db", "app.db-wal", "app.db-shm"] {
+        std::fs::copy(dir.path().join(name), damaged.join(name)).unwrap();
+    }
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut wal = std::fs::OpenOptions::new()
+            .write(true)
+            .open(damaged.join("app.db-wal"))
+            .unwrap();
+        // The second frame's page (32-byte header, 24-byte frame headers).
+        wal.seek(SeekFrom::Start(32 + (24 + 4096) + 24 + 100))
+            .unwrap();
+        wal.write_all(&[0x5a; 8]).unwrap();
+    }
+    let check = cli_ok(&damaged.join("app.db"), &["check"], 3);
+    assert!(check.stdout.contains("-wal:"), "{}", check.stdout);
+    let status = cli_ok(&damaged.join("app.db"), &["status"], 0);
+    assert!(
+        status.stderr.contains("the -wal file is damaged"),
+        "{}",
+        status.stderr
+    );
     // An empty database file beside the WAL: SQLite would delete the WAL
     // at open; the read refuses and leaves it.
     let copy = dir.path().join("copy");

@@ -66,7 +66,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use postroom::admin::{self, OutboxState, Page, ReadView};
 use postroom::{Error, Status};
-use rusqlite::{Connection, ErrorCode};
+use rusqlite::{Connection, ErrorCode, OptionalExtension};
 use serde::Serialize;
 use serde_json::json;
 
@@ -1183,13 +1183,22 @@ fn not_a_dead_letter(conn: &Connection, outbox: bool, id: i64) -> Failed {
         ("postroom_inbox", "id")
     };
     // Table and column names come from the two constants above, never from input.
-    let status: Option<String> = conn
+    let status: Option<String> = match conn
         .query_row(
             &format!("SELECT status FROM {table} WHERE {key} = ?1"),
             [id],
             |r| r.get(0),
         )
-        .ok();
+        .optional()
+    {
+        Ok(status) => status,
+        Err(e) => {
+            return Failed::from(Error::Sqlite {
+                op: "look up the row",
+                source: e,
+            })
+        }
+    };
     let what = if outbox { "outbox row" } else { "inbox row" };
     not_found(match status {
         Some(status) => format!("{what} {id} is not a dead letter (it is {status})"),
