@@ -544,7 +544,7 @@ impl Ctx<'_> {
             f(conn)
         })?;
         progress.finish();
-        notices(&view);
+        notices(self.cli.json, &view);
         Ok(out)
     }
 
@@ -559,9 +559,15 @@ impl Ctx<'_> {
     }
 }
 
-fn notices(view: &ReadView) {
+/// What the operator should know about what was read, on stderr: plain
+/// lines, or under `--json` one `{"notice": …}` object per line.
+fn notices(json: bool, view: &ReadView) {
     for note in view.notices() {
-        eprintln!("postroom: note: {note}");
+        if json {
+            eprintln!("{}", json!({ "notice": note }));
+        } else {
+            eprintln!("postroom: note: {note}");
+        }
     }
 }
 
