@@ -201,9 +201,9 @@ impl ReadView {
         let mut notes = Vec::new();
         if self.wal_damaged_frames > 0 {
             notes.push(format!(
-                "the -wal file is damaged: {} frame(s) past a checksum failure are not read (by \
-                 this command, nor by the engine's recovery, which drops them); keep a copy of \
-                 the files before opening the engine",
+                "the -wal file is damaged: {} frame(s) of committed transactions past a \
+                 checksum failure are not read (by this command, nor by the engine's recovery, \
+                 which drops them); keep a copy of the files before opening the engine",
                 self.wal_damaged_frames
             ));
         }
@@ -317,12 +317,16 @@ fn connect(path: &Path, query: &str, busy_timeout: Duration) -> Result<Connectio
     Ok(conn)
 }
 
-/// Frames of the WAL's current generation that SQLite will never read
-/// because an earlier frame of it fails its checksum: damage, which a
-/// reader and the engine's recovery silently stop before. Frames of older
-/// generations (other salts) and an unfinished last transaction are what a
-/// WAL normally holds and are not counted. `Ok(0)` when there is no WAL.
-/// The format: <https://sqlite.org/fileformat2.html#walformat>.
+/// Frames of committed transactions that SQLite will never read because an
+/// earlier frame of the WAL fails its checksum: damage, which a reader and
+/// the engine's recovery silently stop before. After the failing frame the
+/// walk picks the checksum chain up again from that frame's own stored
+/// checksum: frames that chain on from there were written as one sequence
+/// with it, and are counted when they include a commit. A torn last
+/// transaction, a rolled-back transaction's spilled frames and older
+/// generations (other salts) are what a WAL normally holds and are not
+/// counted. `Ok(0)` when there is no WAL. The format:
+/// <https://sqlite.org/fileformat2.html#walformat>.
 pub fn wal_damaged_frames(wal: &Path) -> io::Result<u64> {
     use std::io::Read;
     let mut file = match std::fs::File::open(wal) {
@@ -365,27 +369,38 @@ pub fn wal_damaged_frames(wal: &Path) -> io::Result<u64> {
         return Ok(0); // a header SQLite ignores: the WAL is empty to it
     }
     let mut frame = vec![0u8; 24 + page_size];
-    let (mut broken, mut damaged) = (false, 0u64);
+    // After a failure: frames chained on past it, and whether they hold a commit.
+    let (mut broken, mut chained, mut commit) = (false, 0u64, false);
     while file.read_exact(&mut frame).is_ok() {
-        let current = (word(&frame, 8), word(&frame, 12)) == salts;
-        if broken {
-            damaged += u64::from(current);
-            continue;
+        if (word(&frame, 8), word(&frame, 12)) != salts {
+            break; // an older generation's leftovers
         }
-        if !current {
-            break; // the rest is an older generation's leftovers
-        }
+        let stored = (word(&frame, 16), word(&frame, 20));
         let mut next = sum;
         add(&mut next, &frame[..8]);
         add(&mut next, &frame[24..]);
-        if next != (word(&frame, 16), word(&frame, 20)) {
-            broken = true;
-            damaged += 1;
-            continue;
+        match (next == stored, broken) {
+            (true, false) => sum = next,
+            (false, false) => {
+                // Pick the chain up from what this frame says it was.
+                broken = true;
+                chained = 1;
+                commit = word(&frame, 4) != 0;
+                sum = stored;
+            }
+            (true, true) => {
+                chained += 1;
+                commit |= word(&frame, 4) != 0;
+                sum = next;
+            }
+            (false, true) => break,
         }
-        sum = next;
     }
-    Ok(damaged)
+    Ok(if broken && chained > 1 && commit {
+        chained
+    } else {
+        0
+    })
 }
 
 /// Runs `f` on an [`open_read`] connection. An `immutable` read cannot see
@@ -2262,6 +2277,11 @@ pub enum FindingKind {
     /// A `processing` row whose lease has passed. Not a violation: the
     /// reaper, or the engine's next open, retries it.
     ExpiredLease,
+    /// Committed transactions in the WAL past a checksum failure, which
+    /// SQLite does not read ([`wal_damaged_frames`]). A warning: the file
+    /// as read is consistent, but unless an engine has already gone on past
+    /// the damage, its next open drops them; keep a copy of the files.
+    WalDamage,
 }
 
 impl fmt::Display for FindingKind {
@@ -2273,6 +2293,7 @@ impl fmt::Display for FindingKind {
             FindingKind::CauseNotCompleted => "cause_not_completed",
             FindingKind::KeyTable => "key_table",
             FindingKind::ExpiredLease => "expired_lease",
+            FindingKind::WalDamage => "wal_damage",
         })
     }
 }
@@ -2299,13 +2320,12 @@ pub struct CheckReport {
     pub integrity_check: &'static str,
     /// True when SQLite's check answered `ok`.
     pub integrity_ok: bool,
-    /// What SQLite's check reported otherwise (at most 100 lines), and a
-    /// damaged WAL.
+    /// What SQLite's check reported otherwise (at most 100 lines).
     pub integrity_errors: Vec<String>,
-    /// Frames of the WAL's current generation past a checksum failure
-    /// ([`wal_damaged_frames`]): SQLite's check cannot see them (it reads
-    /// what the WAL holds before the failure), so they fail
-    /// `integrity_ok` here.
+    /// Frames of committed transactions in the WAL past a checksum
+    /// failure ([`wal_damaged_frames`]): SQLite's check cannot see them (it
+    /// reads what the WAL holds before the failure); reported as a
+    /// [`FindingKind::WalDamage`] warning.
     pub wal_damaged_frames: u64,
     /// False when the file failed SQLite's check: postroom's invariants
     /// were then not checked (the rows cannot be trusted).
@@ -2404,11 +2424,16 @@ pub fn check(conn: &Connection, full: bool) -> Result<CheckReport> {
             .map_err(|e| Error::io("read the WAL", e))?;
     }
     if report.wal_damaged_frames > 0 {
-        report.integrity_ok = false;
-        report.integrity_errors.push(format!(
-            "-wal: {} frame(s) past a checksum failure, which SQLite does not read",
-            report.wal_damaged_frames
-        ));
+        report.warning(Finding {
+            kind: FindingKind::WalDamage,
+            table: "-wal",
+            id: 0,
+            detail: format!(
+                "{} frame(s) of committed transactions past a checksum failure, which SQLite \
+                 does not read",
+                report.wal_damaged_frames
+            ),
+        });
     }
     if !report.integrity_ok {
         return Ok(report);
