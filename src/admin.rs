@@ -3,11 +3,12 @@
 //!
 //! These work on a database **while an application has it open**: they
 //! never open a [`Postroom`](crate::Postroom) engine and never touch the
-//! engine's lock file (`<db>-postroom`). [`open`] gives a connection of
-//! their own with a busy timeout; read functions only read (open with
-//! `writable = false` for a `query_only` connection), and each mutation runs
-//! in its own short `BEGIN IMMEDIATE` transaction, so it waits for — and is
-//! serialized with — the running engine's writer.
+//! engine's lock file (`<db>-postroom`). [`open_read`] and [`read`] give a
+//! read-only connection that leaves every file as it was; [`open`] with
+//! `writable = true` one for mutations, after the checks the engine's own
+//! open makes. Each mutation runs in its own short `BEGIN IMMEDIATE`
+//! transaction, so it waits for — and is serialized with — the running
+//! engine's writer.
 //!
 //! ```
 //! # fn main() -> postroom::Result<()> {
@@ -590,9 +591,8 @@ fn snapshot<T>(conn: &Connection, f: impl FnOnce() -> Result<T>) -> Result<T> {
 /// How often a mutation tries again for the write lock while another
 /// writer holds it. SQLite's own busy handler backs off to 100 ms between
 /// tries, and an engine that commits back to back leaves the lock free only
-/// for moments in between: against one thread delivering in a loop (debug
-/// build), `BEGIN IMMEDIATE` waited up to 3.3 s of its 5 s that way, and at
-/// most 50 ms trying every millisecond.
+/// for moments in between, which those tries can miss for seconds
+/// (docs/DESIGN.md, "Writes are short").
 const WRITE_LOCK_RETRY: Duration = Duration::from_millis(1);
 
 /// Runs `f` in its own `BEGIN IMMEDIATE` transaction: it waits (up to the
