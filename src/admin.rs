@@ -1286,6 +1286,15 @@ impl Default for Page {
 }
 
 impl Page {
+    /// Every row, oldest first.
+    pub fn all() -> Page {
+        Page {
+            oldest_first: true,
+            after: None,
+            limit: usize::MAX,
+        }
+    }
+
     /// SQL for the page over the integer column `key`, with the bound
     /// parameters `?{after}` (the cursor) and `?{limit}`: a condition to
     /// AND into the WHERE clause, and the ORDER BY … LIMIT tail. Only the
@@ -1542,21 +1551,32 @@ pub struct DeadFilter {
 }
 
 /// Row ids (inbox) or `seq`s (outbox) of the dead letters matching
-/// `filter`, oldest first, at most `limit`.
-pub fn dead_select(conn: &Connection, filter: &DeadFilter, limit: usize) -> Result<Vec<i64>> {
+/// `filter`, one [`Page`] of them (a bulk action takes them all, oldest
+/// first: [`Page::all`]).
+pub fn dead_select(conn: &Connection, filter: &DeadFilter, page: Page) -> Result<Vec<i64>> {
+    let key = if filter.outbox { "seq" } else { "id" };
+    let (after, order) = page.sql(key, 6, 5);
     let sql_text = if filter.outbox {
-        "SELECT seq FROM postroom_outbox
-         WHERE status = 'dead' AND ?1 IS NULL AND (?2 IS NULL OR instr(last_error, ?2) > 0)
-           AND (?3 IS NULL OR created_at >= ?3) AND (?4 IS NULL OR created_at < ?4)
-         ORDER BY seq LIMIT ?5"
+        format!(
+            "SELECT seq FROM postroom_outbox
+             WHERE status = 'dead' AND ?1 IS NULL AND (?2 IS NULL OR instr(last_error, ?2) > 0)
+               AND (?3 IS NULL OR created_at >= ?3) AND (?4 IS NULL OR created_at < ?4)
+               AND {after}
+             {order}"
+        )
     } else {
-        "SELECT id FROM postroom_inbox INDEXED BY postroom_inbox_dead
-         WHERE status = 'dead' AND (?1 IS NULL OR consumer = ?1)
-           AND (?2 IS NULL OR instr(last_error, ?2) > 0)
-           AND (?3 IS NULL OR updated_at >= ?3) AND (?4 IS NULL OR updated_at < ?4)
-         ORDER BY id LIMIT ?5"
+        format!(
+            "SELECT id FROM postroom_inbox INDEXED BY postroom_inbox_dead
+             WHERE status = 'dead' AND (?1 IS NULL OR consumer = ?1)
+               AND (?2 IS NULL OR instr(last_error, ?2) > 0)
+               AND (?3 IS NULL OR updated_at >= ?3) AND (?4 IS NULL OR updated_at < ?4)
+               AND {after}
+             {order}"
+        )
     };
-    let mut stmt = conn.prepare(sql_text).map_err(sql("select dead letters"))?;
+    let mut stmt = conn
+        .prepare(&sql_text)
+        .map_err(sql("select dead letters"))?;
     let rows = stmt
         .query_map(
             params![
@@ -1564,7 +1584,8 @@ pub fn dead_select(conn: &Connection, filter: &DeadFilter, limit: usize) -> Resu
                 filter.error_contains,
                 filter.since_ms,
                 filter.until_ms,
-                limit_param(limit)
+                limit_param(page.limit),
+                page.after,
             ],
             |r| r.get(0),
         )
@@ -1948,15 +1969,19 @@ fn conflict_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ConflictEntry> {
     })
 }
 
-/// Quarantined deliveries, oldest first, at most `limit`.
-pub fn conflicts_list(conn: &Connection, limit: usize) -> Result<Vec<ConflictEntry>> {
+/// Quarantined deliveries, one [`Page`] of them (newest first by default).
+pub fn conflicts_list(conn: &Connection, page: Page) -> Result<Vec<ConflictEntry>> {
+    let (after, order) = page.sql("id", 2, 1);
     let mut stmt = conn
         .prepare(&format!(
-            "SELECT {CONFLICT_COLUMNS} FROM postroom_conflicts ORDER BY id LIMIT ?1"
+            "SELECT {CONFLICT_COLUMNS} FROM postroom_conflicts WHERE {after} {order}"
         ))
         .map_err(sql("list conflicts"))?;
     let rows = stmt
-        .query_map([limit_param(limit)], conflict_from_row)
+        .query_map(
+            params![limit_param(page.limit), page.after],
+            conflict_from_row,
+        )
         .map_err(sql("list conflicts"))?;
     rows.collect::<rusqlite::Result<_>>()
         .map_err(sql("list conflicts"))

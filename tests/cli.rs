@@ -1879,6 +1879,35 @@ fn bulk_redrive_and_discard_dry_run_first_and_need_a_confirmation() {
     };
     assert_eq!(dead(&db), 8);
 
+    // Listed newest first, a page at a time.
+    let ids = |v: &Value| -> Vec<i64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["id"].as_i64().unwrap())
+            .collect()
+    };
+    let first = cli_ok(&db, &["dead", "list", "--limit", "3", "--json"], 0).json();
+    let first = ids(&first);
+    assert!(
+        first.windows(2).all(|w| w[0] > w[1]),
+        "newest first: {first:?}"
+    );
+    let after = first[2].to_string();
+    let human = cli_ok(&db, &["dead", "list", "--limit", "3"], 0).stdout;
+    assert!(
+        human.contains(&format!("next page: --after {after}")),
+        "{human}"
+    );
+    let next = cli_ok(
+        &db,
+        &["dead", "list", "--limit", "3", "--after", &after, "--json"],
+        0,
+    )
+    .json();
+    assert!(ids(&next).iter().all(|id| *id < first[2]), "{next}");
+    assert_eq!(ids(&next).len(), 3);
+
     // Dry run: what it would do, nothing done.
     let dry = cli_ok(
         &db,

@@ -371,7 +371,7 @@ fn conflicts_expire_or_are_discarded_without_reusing_ids() {
         other => panic!("{other:?}"),
     };
     let listed = || {
-        postroom::admin::conflicts_list(&conn, 10)
+        postroom::admin::conflicts_list(&conn, postroom::admin::Page::all())
             .unwrap()
             .into_iter()
             .map(|c| c.id)

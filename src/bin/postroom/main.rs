@@ -25,10 +25,11 @@
 //! postroom <DB> outbox list [--status S] [--topic T] [--key K] [--since T] [--until T]
 //!                           [--oldest-first] [--limit N] [--after SEQ]
 //! postroom <DB> outbox show SEQ
-//! postroom <DB> dead list [--outbox | --consumer C] [--error TEXT] [--since T] [--until T] [--limit N]
+//! postroom <DB> dead list [--outbox | --consumer C] [--error TEXT] [--since T] [--until T]
+//!                         [--oldest-first] [--limit N] [--after ID]
 //! postroom <DB> dead redrive [--outbox] (ID | --all | filters) [--dry-run] [--yes]
 //! postroom <DB> dead discard [--outbox] (ID | --all | filters) [--dry-run] [--yes]
-//! postroom <DB> conflicts list [--limit N]
+//! postroom <DB> conflicts list [--oldest-first] [--limit N] [--after ID]
 //! postroom <DB> conflicts show ID
 //! postroom <DB> conflicts discard ID
 //! postroom <DB> cleanup [--retention 7d] [--dead-retention D] [--conflict-retention D] [--dry-run]
@@ -320,13 +321,12 @@ struct DeadAction {
 
 #[derive(Debug, Subcommand)]
 enum DeadCommand {
-    /// Dead letters, oldest first
+    /// Dead letters, newest first
     List {
         #[command(flatten)]
         select: DeadSelect,
-        /// At most this many
-        #[arg(long, value_name = "N", default_value_t = 100)]
-        limit: usize,
+        #[command(flatten)]
+        page: PageArgs,
     },
     /// Send dead letters back to be processed (pending, attempts reset)
     Redrive(DeadAction),
@@ -336,11 +336,10 @@ enum DeadCommand {
 
 #[derive(Debug, Subcommand)]
 enum ConflictsCommand {
-    /// Quarantined deliveries, oldest first
+    /// Quarantined deliveries, newest first
     List {
-        /// At most this many
-        #[arg(long, value_name = "N", default_value_t = 100)]
-        limit: usize,
+        #[command(flatten)]
+        page: PageArgs,
     },
     /// One quarantined delivery in full, beside the stored message
     Show {
@@ -763,15 +762,22 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
                 print_outbox_detail(&mut ctx.out, &d);
             }
         }
-        Command::Dead(DeadCommand::List { select, limit }) => {
+        Command::Dead(DeadCommand::List { select, page }) => {
             let filter = select.filter();
-            let rows = ctx.read("dead list", |c| dead_rows(c, &filter, *limit))?;
+            let rows = ctx.read("dead list", |c| dead_rows(c, &filter, page.page()))?;
             print_dead(ctx, &rows, select.outbox);
+            if !cli.json {
+                let last = rows.last().map(|r| match r {
+                    DeadRow::Inbox(d) => d.entry.id,
+                    DeadRow::Outbox(d) => d.entry.seq,
+                });
+                next_page(&mut ctx.out, rows.len(), page, last);
+            }
         }
         Command::Dead(DeadCommand::Redrive(action)) => dead_action(ctx, action, Act::Redrive)?,
         Command::Dead(DeadCommand::Discard(action)) => dead_action(ctx, action, Act::Discard)?,
-        Command::Conflicts(ConflictsCommand::List { limit }) => {
-            let rows = ctx.read("conflicts list", |c| admin::conflicts_list(c, *limit))?;
+        Command::Conflicts(ConflictsCommand::List { page }) => {
+            let rows = ctx.read("conflicts list", |c| admin::conflicts_list(c, page.page()))?;
             if cli.json {
                 ctx.json(&rows);
             } else {
@@ -806,6 +812,7 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
                     cells,
                 );
                 let _ = writeln!(ctx.out, "{} conflict(s)", rows.len());
+                next_page(&mut ctx.out, rows.len(), page, rows.last().map(|r| r.id));
             }
         }
         Command::Conflicts(ConflictsCommand::Show { id }) => {
@@ -886,6 +893,14 @@ fn page_footer(out: &mut String, shown: usize, page: &PageArgs, last: Option<i64
     }
 }
 
+/// For a listing that counts its rows itself: the next page, when the
+/// page was full.
+fn next_page(out: &mut String, shown: usize, page: &PageArgs, last: Option<i64>) {
+    if let Some(last) = last.filter(|_| shown == page.limit) {
+        let _ = writeln!(out, "next page: --after {last}");
+    }
+}
+
 // ---------------------------------------------------------------- dead letters
 
 /// A dead letter as `dead list` shows it: the row in full.
@@ -899,10 +914,10 @@ enum DeadRow {
 fn dead_rows(
     conn: &Connection,
     filter: &admin::DeadFilter,
-    limit: usize,
+    page: Page,
 ) -> postroom::Result<Vec<DeadRow>> {
     let mut rows = Vec::new();
-    for id in admin::dead_select(conn, filter, limit)? {
+    for id in admin::dead_select(conn, filter, page)? {
         let row = if filter.outbox {
             admin::outbox_show(conn, id)?.map(DeadRow::Outbox)
         } else {
@@ -1045,9 +1060,16 @@ fn dead_action(ctx: &mut Ctx<'_>, action: &DeadAction, act: Act) -> Result<(), F
     // Ids only (a bulk action may cover many rows, each with a payload of up
     // to a MiB); the dry run shows the first few in full.
     let (ids, preview) = ctx.read("selecting dead letters", |c| {
-        let ids = admin::dead_select(c, &filter, usize::MAX)?;
+        let ids = admin::dead_select(c, &filter, Page::all())?;
         let preview = if action.dry_run && !ctx.cli.json {
-            dead_rows(c, &filter, PREVIEW_ROWS)?
+            dead_rows(
+                c,
+                &filter,
+                Page {
+                    limit: PREVIEW_ROWS,
+                    ..Page::all()
+                },
+            )?
         } else {
             Vec::new()
         };
