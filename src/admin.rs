@@ -244,16 +244,18 @@ impl ReadView {
 ///   when that happened.
 pub fn open_read(path: impl AsRef<Path>, busy_timeout: Duration) -> Result<(Connection, ReadView)> {
     let path = existing(path.as_ref(), busy_timeout)?;
-    let wal = sibling(&path, "-wal");
+    let wal = crate::store::beside(&path, "-wal");
     let wal_bytes = std::fs::metadata(&wal).map_or(0, |m| m.len());
     let has_wal = wal.exists();
-    let has_shm = sibling(&path, "-shm").exists();
+    let has_shm = crate::store::beside(&path, "-shm").exists();
     // SQLite deletes the -wal of an empty database file at open, even on a
     // read-only connection: the file alone is read instead.
     let empty = std::fs::metadata(&path).map_or(true, |m| m.len() == 0);
     let mut view = ReadView {
-        engine_running: locked(&sibling(&path, "-postroom"), |kind| kind == "FLOCK"),
-        shm_in_use: locked(&sibling(&path, "-shm"), |_| true),
+        engine_running: locked(&crate::store::beside(&path, "-postroom"), |kind| {
+            kind == "FLOCK"
+        }),
+        shm_in_use: locked(&crate::store::beside(&path, "-shm"), |_| true),
         path,
         immutable: !(has_wal && has_shm) || empty,
         wal_bytes,
@@ -440,16 +442,10 @@ fn files_state(path: &Path) -> (Option<(u64, Option<SystemTime>)>, Option<u64>) 
     let db = std::fs::metadata(path)
         .ok()
         .map(|m| (m.len(), m.modified().ok()));
-    let wal = std::fs::metadata(sibling(path, "-wal"))
+    let wal = std::fs::metadata(crate::store::beside(path, "-wal"))
         .ok()
         .map(|m| m.len());
     (db, wal)
-}
-
-fn sibling(path: &Path, suffix: &str) -> std::path::PathBuf {
-    let mut p = path.as_os_str().to_owned();
-    p.push(suffix);
-    p.into()
 }
 
 /// `file:` URI with `query` for an absolute path. Every byte outside a
@@ -1105,6 +1101,21 @@ impl Payload {
         &self.0
     }
 
+    /// How it is shown and serialized: `"json"` when it is valid JSON,
+    /// `"text"` when other UTF-8, else `"binary"`. Checked without building
+    /// a value (no copy, no lossy numbers).
+    pub fn encoding(&self) -> &'static str {
+        encoding_of(self.parts())
+    }
+
+    /// The payload as text when it is UTF-8, and as JSON text when it is
+    /// valid JSON: what [`Payload::encoding`], [`Payload::pretty`] and the
+    /// serialization all go by.
+    fn parts(&self) -> (Option<&str>, Option<&serde_json::value::RawValue>) {
+        let text = std::str::from_utf8(&self.0).ok();
+        (text, text.and_then(|t| serde_json::from_str(t).ok()))
+    }
+
     /// JSON if it parses, else UTF-8 text, else hex.
     pub fn decode(&self) -> Decoded {
         if let Ok(value) = serde_json::from_slice::<serde_json::Value>(&self.0) {
@@ -1121,10 +1132,10 @@ impl Payload {
     /// without being reparsed: large numbers and duplicate keys show as
     /// stored.
     pub fn pretty(&self) -> String {
-        match self.decode() {
-            Decoded::Json(_) => reindent(&String::from_utf8_lossy(&self.0)),
-            Decoded::Text(t) => t,
-            Decoded::Hex(_) => {
+        match self.encoding() {
+            "json" => reindent(&String::from_utf8_lossy(&self.0)),
+            "text" => String::from_utf8_lossy(&self.0).into_owned(),
+            _ => {
                 let mut s = String::new();
                 for (n, chunk) in self.0.chunks(16).enumerate() {
                     let _ = write!(s, "{:08x}  ", n * 16);
@@ -1210,6 +1221,14 @@ fn reindent(text: &str) -> String {
     out
 }
 
+fn encoding_of(parts: (Option<&str>, Option<&serde_json::value::RawValue>)) -> &'static str {
+    match parts {
+        (_, Some(_)) => "json",
+        (Some(_), None) => "text",
+        (None, None) => "binary",
+    }
+}
+
 impl Serialize for Payload {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         use base64::Engine as _;
@@ -1219,23 +1238,14 @@ impl Serialize for Payload {
             "base64",
             &base64::engine::general_purpose::STANDARD.encode(&self.0),
         )?;
+        let parts = self.parts();
+        st.serialize_field("encoding", encoding_of(parts))?;
         // The stored JSON text itself, not a reparse: numbers past f64,
         // duplicate keys and key order come out as they were stored.
-        match serde_json::from_slice::<&serde_json::value::RawValue>(&self.0) {
-            Ok(raw) => {
-                st.serialize_field("encoding", "json")?;
-                st.serialize_field("value", raw)?;
-            }
-            Err(_) => match std::str::from_utf8(&self.0) {
-                Ok(text) => {
-                    st.serialize_field("encoding", "text")?;
-                    st.serialize_field("value", text)?;
-                }
-                Err(_) => {
-                    st.serialize_field("encoding", "binary")?;
-                    st.serialize_field("value", &())?;
-                }
-            },
+        match parts {
+            (_, Some(raw)) => st.serialize_field("value", raw)?,
+            (Some(text), None) => st.serialize_field("value", text)?,
+            (None, None) => st.serialize_field("value", &())?,
         }
         st.end()
     }
@@ -1594,7 +1604,7 @@ pub fn dead_select(conn: &Connection, filter: &DeadFilter, page: Page) -> Result
         .map_err(sql("select dead letters"))
 }
 
-/// What a bulk [`redrive_many`] or [`discard_many`] did.
+/// What [`act_on_dead_letters`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct BulkSummary {
@@ -1607,46 +1617,37 @@ pub struct BulkSummary {
     pub transactions: u64,
 }
 
-/// Rows per transaction of a bulk action, as [`cleanup`]'s batches.
+/// Rows per transaction of [`act_on_dead_letters`], as [`cleanup`]'s batches.
 const BULK_BATCH: usize = CLEANUP_BATCH;
 
-/// Whether a bulk action redrives or discards.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Bulk {
+/// What [`act_on_dead_letters`] does to each dead letter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeadLetterAction {
+    /// As [`redrive`] / [`redrive_outbox`]: back to pending, attempts reset.
     Redrive,
+    /// As [`discard`] / [`discard_outbox`]: given up for good.
     Discard,
 }
 
-/// Redrives each dead letter of `ids` (inbox row ids, or outbox `seq`s with
-/// `outbox`) as [`redrive`] / [`redrive_outbox`] do, [`CLEANUP_BATCH`] per
-/// `BEGIN IMMEDIATE` transaction, pausing between batches like
-/// [`cleanup`]. `progress` hears the count handled so far after each
-/// batch.
-pub fn redrive_many(
-    conn: &Connection,
-    outbox: bool,
-    ids: &[i64],
-    now_ms: i64,
-    progress: &mut dyn FnMut(u64),
-) -> Result<BulkSummary> {
-    bulk(conn, Bulk::Redrive, outbox, ids, now_ms, progress)
+impl DeadLetterAction {
+    /// `"redrive"` or `"discard"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterAction::Redrive => "redrive",
+            DeadLetterAction::Discard => "discard",
+        }
+    }
 }
 
-/// Discards each dead letter of `ids` as [`discard`] /
-/// [`discard_outbox`] do, batched as [`redrive_many`].
-pub fn discard_many(
+/// Redrives or discards each dead letter of `ids` (inbox row ids, or
+/// outbox `seq`s with `outbox`), [`CLEANUP_BATCH`] per `BEGIN IMMEDIATE`
+/// transaction, pausing between full batches like [`cleanup`]. An id that
+/// is not (or no longer) a dead letter is left as it is and counted as
+/// skipped. `progress` hears the count handled so far after each batch.
+pub fn act_on_dead_letters(
     conn: &Connection,
-    outbox: bool,
-    ids: &[i64],
-    now_ms: i64,
-    progress: &mut dyn FnMut(u64),
-) -> Result<BulkSummary> {
-    bulk(conn, Bulk::Discard, outbox, ids, now_ms, progress)
-}
-
-fn bulk(
-    conn: &Connection,
-    action: Bulk,
+    action: DeadLetterAction,
     outbox: bool,
     ids: &[i64],
     now_ms: i64,
@@ -1659,10 +1660,10 @@ fn bulk(
             let mut done = 0;
             for &id in batch {
                 let acted = match (action, outbox) {
-                    (Bulk::Redrive, false) => queue::redrive(c, id, now_ms)?,
-                    (Bulk::Redrive, true) => outbox::redrive(c, id)?,
-                    (Bulk::Discard, false) => queue::discard(c, id, now_ms)?,
-                    (Bulk::Discard, true) => outbox::discard(c, id, now_ms)?,
+                    (DeadLetterAction::Redrive, false) => queue::redrive(c, id, now_ms)?,
+                    (DeadLetterAction::Redrive, true) => outbox::redrive(c, id)?,
+                    (DeadLetterAction::Discard, false) => queue::discard(c, id, now_ms)?,
+                    (DeadLetterAction::Discard, true) => outbox::discard(c, id, now_ms)?,
                 };
                 done += u64::from(acted);
             }
@@ -2445,8 +2446,9 @@ pub fn check(conn: &Connection, full: bool) -> Result<CheckReport> {
         report.integrity_errors = lines;
     }
     if let Some(db) = conn.path().filter(|p| !p.is_empty()) {
-        report.wal_damaged_frames = wal_damaged_frames(&sibling(Path::new(db), "-wal"))
-            .map_err(|e| Error::io("read the WAL", e))?;
+        report.wal_damaged_frames =
+            wal_damaged_frames(&crate::store::beside(Path::new(db), "-wal"))
+                .map_err(|e| Error::io("read the WAL", e))?;
     }
     if report.wal_damaged_frames > 0 {
         report.warning(Finding {

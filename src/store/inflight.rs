@@ -119,9 +119,7 @@ pub(crate) struct EngineFile {
 impl EngineFile {
     /// The engine file's path for a database path.
     pub fn path_for(db: &Path) -> PathBuf {
-        let mut p = db.as_os_str().to_owned();
-        p.push("-postroom");
-        PathBuf::from(p)
+        crate::store::beside(db, "-postroom")
     }
 
     /// Opens (creating with mode 0600) and locks the engine file of `db`,

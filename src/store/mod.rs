@@ -16,9 +16,15 @@ pub(crate) mod watermark;
 
 use std::path::{Path, PathBuf};
 
+/// A file beside the database named after it: SQLite's `-wal` and
+/// `-shm`, postroom's `-postroom`.
+pub(crate) fn beside(db: &Path, suffix: &str) -> PathBuf {
+    let mut p = db.as_os_str().to_owned();
+    p.push(suffix);
+    PathBuf::from(p)
+}
+
 /// The `-wal` file SQLite keeps beside `db`.
 pub(crate) fn wal_path(db: &Path) -> PathBuf {
-    let mut p = db.as_os_str().to_owned();
-    p.push("-wal");
-    PathBuf::from(p)
+    beside(db, "-wal")
 }

@@ -65,7 +65,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
-use postroom::admin::{self, OutboxState, Page, ReadView};
+use postroom::admin::{self, DeadLetterAction as Act, OutboxState, Page, ReadView};
 use postroom::{Error, Status};
 use rusqlite::{Connection, ErrorCode, OptionalExtension};
 use serde::Serialize;
@@ -988,21 +988,6 @@ fn print_dead(ctx: &mut Ctx<'_>, rows: &[DeadRow], outbox: bool) {
 /// Dead letters a bulk dry run shows in full.
 const PREVIEW_ROWS: usize = 20;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Act {
-    Redrive,
-    Discard,
-}
-
-impl Act {
-    fn verb(self) -> &'static str {
-        match self {
-            Act::Redrive => "redrive",
-            Act::Discard => "discard",
-        }
-    }
-}
-
 #[derive(Serialize)]
 struct Mutation<'a> {
     action: &'a str,
@@ -1052,11 +1037,11 @@ fn dead_action(ctx: &mut Ctx<'_>, action: &DeadAction, act: Act) -> Result<(), F
         return Err(usage(format!(
             "name a dead letter by ID, or select several with --consumer, --error, --since, \
              --until or --all (try `postroom <DB> dead {} --all --dry-run`)",
-            act.verb()
+            act.as_str()
         )));
     }
     let filter = sel.filter();
-    let verb = act.verb();
+    let verb = act.as_str();
     // Ids only (a bulk action may cover many rows, each with a payload of up
     // to a MiB); the dry run shows the first few in full.
     let (ids, preview) = ctx.read("selecting dead letters", |c| {
@@ -1117,14 +1102,8 @@ fn dead_action(ctx: &mut Ctx<'_>, action: &DeadAction, act: Act) -> Result<(), F
     let (conn, progress) = ctx.write(&format!("{verb}: 0 of {}", ids.len()))?;
     let total = ids.len();
     let mut on_batch = |n: u64| progress.message(&format!("{verb}: {n} of {total}"));
-    let s = match act {
-        Act::Redrive => {
-            admin::redrive_many(&conn, sel.outbox, &ids, admin::now_ms(), &mut on_batch)?
-        }
-        Act::Discard => {
-            admin::discard_many(&conn, sel.outbox, &ids, admin::now_ms(), &mut on_batch)?
-        }
-    };
+    let s =
+        admin::act_on_dead_letters(&conn, act, sel.outbox, &ids, admin::now_ms(), &mut on_batch)?;
     progress.finish();
     report.done = s.done;
     report.skipped = s.skipped;
@@ -1169,16 +1148,10 @@ fn confirm(question: &str) -> Result<(), Failed> {
 }
 
 fn dead_one(ctx: &mut Ctx<'_>, outbox: bool, id: i64, act: Act) -> Result<(), Failed> {
-    let (conn, progress) = ctx.write(act.verb())?;
-    let now = admin::now_ms();
-    let done = match (act, outbox) {
-        (Act::Redrive, true) => admin::redrive_outbox(&conn, id)?,
-        (Act::Redrive, false) => admin::redrive(&conn, id, now)?,
-        (Act::Discard, true) => admin::discard_outbox(&conn, id, now)?,
-        (Act::Discard, false) => admin::discard(&conn, id, now)?,
-    };
+    let (conn, progress) = ctx.write(act.as_str())?;
+    let s = admin::act_on_dead_letters(&conn, act, outbox, &[id], admin::now_ms(), &mut |_| {})?;
     progress.finish();
-    if !done {
+    if s.done == 0 {
         return Err(not_a_dead_letter(&conn, outbox, id));
     }
     let what = match (act, outbox) {
@@ -1198,7 +1171,7 @@ fn dead_one(ctx: &mut Ctx<'_>, outbox: bool, id: i64, act: Act) -> Result<(), Fa
         ),
     };
     let table = if outbox { "outbox" } else { "inbox" };
-    mutation(ctx, act.verb(), table, id, &what);
+    mutation(ctx, act.as_str(), table, id, &what);
     Ok(())
 }
 

@@ -233,9 +233,9 @@ pub fn payload(out: &mut String, label: &str, p: Option<&Payload>) {
         let _ = writeln!(out, "{label}: not kept");
         return;
     };
-    let kind = match p.decode() {
-        admin::Decoded::Json(_) => "JSON",
-        admin::Decoded::Text(_) => "text",
+    let kind = match p.encoding() {
+        "json" => "JSON",
+        "text" => "text",
         _ => "binary, hex dump",
     };
     let _ = writeln!(out, "{label} ({} bytes, {kind}):", p.as_bytes().len());
