@@ -277,6 +277,82 @@ impl Config {
     }
 }
 
+/// The largest payload a dead letter of a refused message keeps whole
+/// ([`storable`]): the largest an MQTT packet can carry (so every MQTT
+/// message is kept whole), well below SQLite's default length limit
+/// (SQLITE_MAX_LENGTH, 1,000,000,000 bytes for a whole row). A larger one
+/// (from another intake) keeps its first this many bytes, with its length
+/// and digest in the reason.
+pub(crate) const MAX_REFUSED_PAYLOAD: usize = 256 * 1024 * 1024;
+
+/// What of a refused name or id a dead letter's reason shows.
+const SHOWN_CHARS: usize = 64;
+
+/// `text` for a reason: escaped, its first [`SHOWN_CHARS`] characters and
+/// its length when longer.
+fn shown(text: &str) -> String {
+    let mut out: String = text.chars().take(SHOWN_CHARS).collect();
+    out = format!("{:?}", out);
+    if text.chars().count() > SHOWN_CHARS {
+        out.push_str(&format!("… ({} bytes)", text.len()));
+    }
+    out
+}
+
+/// A message the engine refused ([`Config::check_message`]) made storable
+/// as a dead letter, and `reason` with what was changed to make it so:
+/// a source or id outside the limits gives way to source `refused` and id
+/// `refused-` + blake3 of both (a resend of the message finds the same
+/// key), shown in the reason; an ordering key outside them, or a sequence
+/// number or stream outside them (or of a replaced key), is dropped; a
+/// payload over [`MAX_REFUSED_PAYLOAD`] is cut there. Headers are kept as
+/// they came (the inbox stores them as JSON, whatever their number).
+pub(crate) fn storable(mut msg: Message, reason: &str) -> (Message, String) {
+    let mut reason = reason.to_owned();
+    if check_name("source", &msg.source).is_err() || check_id("message id", &msg.id).is_err() {
+        let digest = blake3::Hasher::new()
+            .update(b"postroom-refused\0")
+            .update(&(msg.source.len() as u64).to_le_bytes())
+            .update(msg.source.as_bytes())
+            .update(msg.id.as_bytes())
+            .finalize();
+        reason.push_str(&format!(
+            "; sent as source {}, id {}",
+            shown(&msg.source),
+            shown(&msg.id)
+        ));
+        msg.source = "refused".to_owned();
+        msg.id = format!("refused-{}", &digest.to_hex()[..32]);
+        msg.sequence = None;
+        msg.sequence_stream = None;
+    }
+    if let Some(key) = msg.ordering_key.take() {
+        match check_name("ordering key", &key) {
+            Ok(()) => msg.ordering_key = Some(key),
+            Err(_) => reason.push_str(&format!("; ordering key {} dropped", shown(&key))),
+        }
+    }
+    if let Some(seq) = msg.sequence {
+        let stream_ok = msg
+            .sequence_stream()
+            .is_some_and(|s| check_name("sequence stream", s).is_ok());
+        if check_sequence(seq).is_err() || !stream_ok {
+            reason.push_str(&format!("; sequence {seq} dropped"));
+            msg.sequence = None;
+            msg.sequence_stream = None;
+        }
+    }
+    if msg.payload.len() > MAX_REFUSED_PAYLOAD {
+        reason.push_str(&format!(
+            "; payload cut to its first {MAX_REFUSED_PAYLOAD} of {} bytes, blake3 of the whole: {}",
+            msg.payload.len(),
+            blake3::hash(&msg.payload).to_hex()
+        ));
+        msg.payload.truncate(MAX_REFUSED_PAYLOAD);
+    }
+    (msg, reason)
+}
+
 /// A sequence number: from 1 (0 is the watermark of a stream nothing of
 /// which has settled) to [`MAX_SEQUENCE`](crate::MAX_SEQUENCE).
 pub(crate) fn check_sequence(seq: u64) -> Result<()> {

@@ -39,6 +39,7 @@ use rumqttc::{
 use serde::{Deserialize, Serialize};
 
 use crate::delivery::panic_message;
+use crate::config::check_name;
 use crate::engine::Postroom;
 use crate::error::{Error, Result};
 use crate::message::{Headers, Message, Outcome, Receipt};
@@ -163,18 +164,79 @@ impl Envelope {
     }
 }
 
-/// Why an MQTT topic cannot be published to: empty, longer than 65,535
-/// bytes, or holding a wildcard (`+`, `#`) or NUL.
-fn topic_problem(topic: &str) -> Option<&'static str> {
-    if topic.is_empty() {
-        Some("the MQTT topic is empty")
-    } else if topic.len() > usize::from(u16::MAX) {
-        Some("the MQTT topic is longer than 65535 bytes")
-    } else if topic.contains(['+', '#', '\0']) {
-        Some("the MQTT topic holds a wildcard or NUL")
-    } else {
-        None
+/// Whether `c` may stand in an MQTT string (a topic, a user property's
+/// name or value): an allowlist of what brokers are known to take. MQTT 5
+/// (§1.5.4) forbids U+0000 and says control characters (U+0001..U+001F,
+/// U+007F..U+009F) and non-characters SHOULD NOT appear; mosquitto refuses
+/// every one of them (`mosquitto_validate_utf8`) and drops the connection
+/// of a client that sends one, so a message holding one can never go
+/// through. Surrogates cannot occur in a Rust string.
+fn mqtt_char_ok(c: char) -> bool {
+    let n = u32::from(c);
+    matches!(n, 0x20..=0x7E | 0xA0..=0xFDCF | 0xFDF0..=0x10_FFFF) && n & 0xFFFE != 0xFFFE
+}
+
+/// Why `text` cannot travel as an MQTT string (`what` names it): longer
+/// than 65,535 bytes, or holding a character outside [`mqtt_char_ok`].
+fn string_problem(what: &str, text: &str) -> Option<String> {
+    if text.len() > usize::from(u16::MAX) {
+        return Some(format!(
+            "{what} is {} bytes, longer than an MQTT string can be (65535)",
+            text.len()
+        ));
     }
+    let c = text.chars().find(|&c| !mqtt_char_ok(c))?;
+    Some(format!(
+        "{what} holds {c:?} (U+{:04X}), which MQTT brokers refuse in a string \
+         (NUL, control characters and non-characters)",
+        u32::from(c)
+    ))
+}
+
+/// Why an MQTT topic cannot be published to: empty, holding a wildcard
+/// (`+`, `#`), or not a string brokers take ([`string_problem`]).
+fn topic_problem(topic: &str) -> Option<String> {
+    if topic.is_empty() {
+        Some("the MQTT topic is empty".into())
+    } else if topic.contains(['+', '#']) {
+        Some(format!("the MQTT topic {topic:?} holds a wildcard"))
+    } else {
+        string_problem(&format!("the MQTT topic {topic:?}"), topic)
+    }
+}
+
+/// Why a message cannot be published as `out`: its topic, or (MQTT 5) one
+/// of its user properties, is not something a broker takes, or it is
+/// larger than an MQTT packet. Checked before anything is sent: a broker
+/// that gets such a packet drops the connection, and the message would be
+/// retried for ever as an outage.
+fn outbound_problem(out: &Outbound) -> Option<String> {
+    if let Some(problem) = topic_problem(&out.topic) {
+        return Some(problem);
+    }
+    for (name, value) in &out.properties {
+        let what = if name.starts_with(property::PREFIX) {
+            format!("the user property {name:?}")
+        } else {
+            format!("the header {name:?}")
+        };
+        if let Some(problem) = string_problem(&format!("{what} (its name)"), name)
+            .or_else(|| string_problem(&format!("{what} (its value)"), value))
+        {
+            return Some(problem);
+        }
+    }
+    let properties: usize = out
+        .properties
+        .iter()
+        .map(|(k, v)| k.len() + v.len() + 5)
+        .sum();
+    // Fixed header, topic length prefix, packet id and property length fit
+    // in 24.
+    let size = out.payload.len() + out.topic.len() + properties + 24;
+    (size > MQTT_MAX_PACKET).then(|| {
+        format!("the message is {size} bytes, larger than an MQTT packet can be ({MQTT_MAX_PACKET})")
+    })
 }
 
 /// Exponential backoff between `min` and `max`, doubled per failure.
@@ -807,34 +869,16 @@ impl MqttSink {
 impl Sink for MqttSink {
     fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
         let mut results = vec![SendResult::retry("not handed over"); batch.len()];
-        // Rows whose topic cannot be published are dead before anything is
-        // sent; later rows of their key wait (the relay holds them back).
+        // A row that can never go through (what a broker refuses) is dead
+        // before anything is sent, and the rows behind it, of its key too,
+        // go on: a dead row is settled, it holds nothing back.
         let mut todo = Vec::with_capacity(batch.len());
-        let mut dead_keys: Vec<&str> = Vec::new();
         for (i, msg) in batch.iter().enumerate() {
-            if msg.key.as_deref().is_some_and(|k| dead_keys.contains(&k)) {
-                continue;
-            }
             let topic = (self.topic)(msg);
             let out = self.outbound(i, msg, topic);
-            let properties: usize = out
-                .properties
-                .iter()
-                .map(|(k, v)| k.len() + v.len() + 5)
-                .sum();
-            // Fixed header, topic length prefix, packet id and property
-            // length fit in 24.
-            let size = out.payload.len() + out.topic.len() + properties + 24;
-            let problem = topic_problem(&out.topic).or((size > MQTT_MAX_PACKET)
-                .then_some("the message is larger than an MQTT packet can be"));
-            match problem {
+            match outbound_problem(&out) {
                 None => todo.push(out),
-                Some(problem) => {
-                    results[i] = SendResult::dead(format_args!("{problem}: {:?}", out.topic));
-                    if let Some(k) = msg.key.as_deref() {
-                        dead_keys.push(k);
-                    }
-                }
+                Some(problem) => results[i] = SendResult::dead(problem),
             }
         }
         if todo.is_empty() {
@@ -878,8 +922,12 @@ pub struct IntakeStats {
     /// Messages that came behind one left unacknowledged: not handed on,
     /// not acknowledged, redelivered after the reconnect.
     pub held_back: u64,
-    /// Messages the inbox refuses for good (an id or name outside postroom's
-    /// limits): acknowledged and dropped, with an error logged.
+    /// Messages the engine refuses to take as they are (a payload over
+    /// `max_payload`, too many headers, an id or name outside postroom's
+    /// limits, a sequence number out of range in a
+    /// [`sequenced`](IntakeBuilder::sequenced) intake): each stored as a
+    /// dead letter with its payload and the reason, then acknowledged. A
+    /// resend of one counts as a duplicate.
     pub refused: u64,
     /// Messages without an envelope, given a content-derived id.
     pub unwrapped: u64,
@@ -969,6 +1017,12 @@ impl IntakeBuilder {
     /// session is made persistent (`clean_session` false) with manual
     /// acknowledgements; give each intake a client id of its own that stays
     /// the same across restarts, or the broker cannot resume its session.
+    ///
+    /// Refused here, not per message: no topic filter
+    /// ([`Error::InvalidInput`]), a consumer the engine does not have
+    /// ([`Error::UnknownConsumer`]), an effectful consumer without
+    /// [`queued`](IntakeBuilder::queued) ([`Error::InvalidInput`]: it takes
+    /// messages through `receive` only).
     pub fn start(self) -> Result<MqttIntake> {
         if self.filters.is_empty() {
             return Err(Error::invalid(
@@ -976,6 +1030,8 @@ impl IntakeBuilder {
                 "an intake needs a topic filter",
             ));
         }
+        self.room
+            .check_intake(&self.consumer, self.mode == Mode::Deliver)?;
         let options = match self.options {
             Options::V4(mut o) => {
                 o.set_clean_session(false).set_manual_acks(true);
@@ -1174,29 +1230,74 @@ impl Drop for MqttIntake {
 /// A message as the intake hands it to the inbox.
 struct Inbound {
     msg: Message,
-    /// The sending outbox's numbering, when the sender gave it: its
-    /// origin, the row's `seq`, and where its unsettled rows started.
-    numbered: Option<Numbered>,
+    /// The sending outbox's numbers as they came, when the sender named its
+    /// origin; checked before use ([`Numbers::checked`]).
+    numbers: Option<Numbers>,
     wrapped: bool,
 }
 
-/// Where an inbound message stands in its sending outbox.
+/// Where an inbound message says it stands in its sending outbox, as it
+/// came on the wire: the origin, the row's `seq`, and where the sender's
+/// unsettled rows started, as text (an MQTT 5 property may hold anything).
+struct Numbers {
+    origin: String,
+    seq: Option<String>,
+    unsettled_from: Option<String>,
+}
+
+/// [`Numbers`], checked.
 struct Numbered {
     origin: String,
     seq: u64,
     unsettled_from: u64,
 }
 
-impl Numbered {
-    fn new(origin: Option<String>, seq: Option<i64>, unsettled_from: Option<i64>) -> Option<Self> {
-        let seq = u64::try_from(seq?).ok().filter(|s| *s >= 1)?;
-        Some(Numbered {
+impl Numbers {
+    fn new(origin: Option<String>, seq: Option<String>, unsettled_from: Option<String>) -> Option<Self> {
+        Some(Numbers {
             origin: origin.filter(|o| !o.is_empty())?,
             seq,
-            unsettled_from: unsettled_from
-                .and_then(|u| u64::try_from(u).ok())
-                .unwrap_or(seq)
-                .clamp(1, seq),
+            unsettled_from,
+        })
+    }
+
+    /// The numbers when they make sense: `seq` a sequence number
+    /// (1..=[`MAX_SEQUENCE`](crate::MAX_SEQUENCE)), `unsettled_from` one
+    /// too and at most `seq` (the row itself was unsettled when sent;
+    /// absent, it is `seq`); else why not. Nothing is clamped: a number out
+    /// of range is a sender's bug, and guessing would file the message
+    /// under a number it does not have.
+    fn checked(self) -> std::result::Result<Numbered, String> {
+        let number = |name: &str, text: &str| {
+            text.parse::<u64>()
+                .ok()
+                .filter(|n| (1..=crate::MAX_SEQUENCE).contains(n))
+                .ok_or_else(|| {
+                    format!(
+                        "{name} {text:?} is not a sequence number (1..={})",
+                        crate::MAX_SEQUENCE
+                    )
+                })
+        };
+        let text = self
+            .seq
+            .ok_or_else(|| format!("{} names no {}", property::ORIGIN, property::SEQ))?;
+        let seq = number(property::SEQ, &text)?;
+        let unsettled_from = match self.unsettled_from {
+            None => seq,
+            Some(text) => number(property::UNSETTLED_FROM, &text)?,
+        };
+        if unsettled_from > seq {
+            return Err(format!(
+                "{} {unsettled_from} is above the message's own {} {seq}",
+                property::UNSETTLED_FROM,
+                property::SEQ
+            ));
+        }
+        Ok(Numbered {
+            origin: self.origin,
+            seq,
+            unsettled_from,
         })
     }
 }
@@ -1223,13 +1324,12 @@ fn inbound(publish: &Received) -> Inbound {
             .cloned()
             .collect();
         msg.ordering_key = prop(property::KEY);
-        let number = |name| prop(name).and_then(|s| s.parse().ok());
         return Inbound {
             msg,
-            numbered: Numbered::new(
+            numbers: Numbers::new(
                 prop(property::ORIGIN),
-                number(property::SEQ),
-                number(property::UNSETTLED_FROM),
+                prop(property::SEQ),
+                prop(property::UNSETTLED_FROM),
             ),
             wrapped: true,
         };
@@ -1241,7 +1341,11 @@ fn inbound(publish: &Received) -> Inbound {
         msg.ordering_key = env.key;
         return Inbound {
             msg,
-            numbered: Numbered::new(env.origin, Some(env.seq), env.unsettled_from),
+            numbers: Numbers::new(
+                env.origin,
+                Some(env.seq.to_string()),
+                env.unsettled_from.map(|u| u.to_string()),
+            ),
             wrapped: true,
         };
     }
@@ -1249,7 +1353,7 @@ fn inbound(publish: &Received) -> Inbound {
     let id = digest_hex(b"postroom-mqtt\0", &[topic.as_str()], publish.payload());
     Inbound {
         msg: Message::new(topic, format!("mqtt-{id}"), publish.payload().to_vec()),
-        numbered: None,
+        numbers: None,
         wrapped: false,
     }
 }
@@ -1394,18 +1498,24 @@ impl Intake {
             bump(&self.counters.held_back);
             return;
         }
-        let inbound = inbound(&publish);
-        if !inbound.wrapped {
+        let came = inbound(&publish);
+        if !came.wrapped {
             bump(&self.counters.unwrapped);
         }
-        let msg = match self.number(inbound.msg, inbound.numbered) {
-            Ok(msg) => msg,
+        let msg = match self.number(came.msg, came.numbers) {
+            Ok(Ok(msg)) => msg,
+            Ok(Err((msg, reason))) => return self.refuse(publish, msg, &reason),
             Err(e) => {
                 log::warn!("postroom mqtt intake: not acknowledged: {e}");
                 self.not_acked(Duration::from_secs(1));
                 return;
             }
         };
+        // What the engine would refuse is known before it is handed on: it
+        // goes to the dead letters instead, never dropped.
+        if let Err(e @ Error::InvalidInput { .. }) = self.room.check_message(&msg) {
+            return self.refuse(publish, msg, &e.to_string());
+        }
         let answer = match self.mode {
             Mode::Deliver => self
                 .room
@@ -1434,13 +1544,11 @@ impl Intake {
                 }
             }
             Err(e @ Error::InvalidInput { .. }) => {
-                log::error!(
-                    "postroom mqtt intake: a message on {:?} can never be stored: {e}; \
-                     acknowledged and dropped",
-                    publish.topic()
-                );
-                bump(&self.counters.refused);
-                self.acks.push_back(publish);
+                // Not expected (the message and the consumer were checked),
+                // but a refusal all the same: stored as a dead letter as it
+                // came, never acknowledged without being stored.
+                let msg = inbound(&publish).msg;
+                self.refuse(publish, msg, &e.to_string());
             }
             Err(e) => {
                 log::warn!("postroom mqtt intake: not acknowledged: {e}");
@@ -1452,18 +1560,70 @@ impl Intake {
     /// With [`IntakeBuilder::sequenced`], numbers the message in its
     /// sending outbox's stream, first starting that stream at the engine
     /// where the sender's unsettled rows began (a stream the engine knows
-    /// is left as it is).
-    fn number(&mut self, msg: Message, numbered: Option<Numbered>) -> Result<Message> {
-        let (Some(started), Some(n)) = (self.sequenced.as_mut(), numbered) else {
-            return Ok(msg);
+    /// is left as it is). `Ok(Err(..))`: the numbers are not usable (out of
+    /// range, not numbers), with the message unnumbered and the reason, for
+    /// the dead letters; `Err`: the engine could not start the stream now.
+    #[allow(clippy::type_complexity)]
+    fn number(
+        &mut self,
+        msg: Message,
+        numbers: Option<Numbers>,
+    ) -> Result<std::result::Result<Message, (Message, String)>> {
+        let (Some(started), Some(numbers)) = (self.sequenced.as_mut(), numbers) else {
+            return Ok(Ok(msg));
+        };
+        let n = match numbers.checked() {
+            Ok(n) => n,
+            Err(reason) => return Ok(Err((msg, reason))),
         };
         let stream = outbox_stream(&n.origin);
+        if let Err(e) = check_name("sequence stream", &stream) {
+            return Ok(Err((msg, format!("{}: {e}", property::ORIGIN))));
+        }
         if !started.contains(&stream) {
-            self.room
-                .start_sequence(&self.consumer, &stream, n.unsettled_from)?;
+            match self
+                .room
+                .start_sequence(&self.consumer, &stream, n.unsettled_from)
+            {
+                Ok(()) => {}
+                Err(e @ Error::InvalidInput { .. }) => return Ok(Err((msg, e.to_string()))),
+                Err(e) => return Err(e),
+            }
             started.insert(stream.clone());
         }
-        Ok(msg.with_sequence_in(stream, n.seq))
+        Ok(Ok(msg.with_sequence_in(stream, n.seq)))
+    }
+
+    /// Stores a message the engine refuses as a dead letter of the intake's
+    /// consumer with `reason`, and acknowledges it only once that is
+    /// durable; if it cannot be stored now, it is left unacknowledged.
+    fn refuse(&mut self, publish: Received, msg: Message, reason: &str) {
+        match self.room.receive_dead(&self.consumer, msg, reason) {
+            Ok(receipt) => {
+                if matches!(
+                    receipt,
+                    Receipt::Duplicate | Receipt::DuplicateBySequence { .. }
+                ) {
+                    bump(&self.counters.duplicates);
+                } else {
+                    bump(&self.counters.refused);
+                    log::warn!(
+                        "postroom mqtt intake: a message on {:?} is refused: {reason}; stored \
+                         as a dead letter of {:?} ({receipt:?}), then acknowledged",
+                        publish.topic(),
+                        self.consumer
+                    );
+                }
+                self.acks.push_back(publish);
+            }
+            Err(e) => {
+                log::warn!(
+                    "postroom mqtt intake: not acknowledged: a refused message ({reason}) \
+                     could not be stored as a dead letter: {e}"
+                );
+                self.not_acked(Duration::from_secs(1));
+            }
+        }
     }
 
     fn not_acked(&mut self, retry_after: Duration) {
