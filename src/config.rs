@@ -307,7 +307,12 @@ fn shown(text: &str) -> String {
 /// number or stream outside them (or of a replaced key), is dropped; a
 /// payload over [`MAX_REFUSED_PAYLOAD`] is cut there. Headers are kept as
 /// they came (the inbox stores them as JSON, whatever their number).
-pub(crate) fn storable(mut msg: Message, reason: &str) -> (Message, String) {
+pub(crate) fn storable(msg: Message, reason: &str) -> (Message, String) {
+    storable_within(msg, reason, MAX_REFUSED_PAYLOAD)
+}
+
+/// [`storable`], keeping at most `max_payload` bytes of the payload.
+fn storable_within(mut msg: Message, reason: &str, max_payload: usize) -> (Message, String) {
     let mut reason = reason.to_owned();
     if check_name("source", &msg.source).is_err() || check_id("message id", &msg.id).is_err() {
         let digest = blake3::Hasher::new()
@@ -342,13 +347,13 @@ pub(crate) fn storable(mut msg: Message, reason: &str) -> (Message, String) {
             msg.sequence_stream = None;
         }
     }
-    if msg.payload.len() > MAX_REFUSED_PAYLOAD {
+    if msg.payload.len() > max_payload {
         reason.push_str(&format!(
-            "; payload cut to its first {MAX_REFUSED_PAYLOAD} of {} bytes, blake3 of the whole: {}",
+            "; payload cut to its first {max_payload} of {} bytes, blake3 of the whole: {}",
             msg.payload.len(),
             blake3::hash(&msg.payload).to_hex()
         ));
-        msg.payload.truncate(MAX_REFUSED_PAYLOAD);
+        msg.payload.truncate(max_payload);
     }
     (msg, reason)
 }
@@ -436,6 +441,41 @@ fn check_headers(headers: &Headers) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A refused message made storable: a valid key and sequence kept, an
+    /// invalid key replaced by one derived from it (the same for a resend),
+    /// what changed said in the reason, a payload past the limit cut with
+    /// its length and digest recorded.
+    #[test]
+    fn a_refused_message_is_made_storable_and_the_reason_says_how() {
+        let config = Config::default();
+        let fine = Message::new("dev", "m-1", vec![7u8; 10]).with_sequence_in("outbox:o", 4);
+        let (kept, why) = storable_within(fine.clone(), "too large", 100);
+        assert_eq!((kept, why.as_str()), (fine, "too large"));
+
+        let bad = Message::new("de\u{7}v", "i".repeat(600), "p")
+            .with_ordering_key("k\n")
+            .with_sequence(3);
+        let (a, why) = storable_within(bad.clone(), "refused", 100);
+        assert!(config.check_message(&a).is_ok(), "{a:?}");
+        assert_eq!(a.source, "refused");
+        assert!(a.id.starts_with("refused-"), "{}", a.id);
+        assert_eq!((a.ordering_key.as_deref(), a.sequence), (None, None));
+        assert!(why.contains("sent as source \"de\\u{7}v\""), "{why}");
+        assert!(why.contains("… (600 bytes)"), "{why}");
+        assert!(why.contains("ordering key"), "{why}");
+        let (b, _) = storable_within(bad, "refused", 100);
+        assert_eq!(a.id, b.id, "a resend finds the same key");
+
+        let big = Message::new("dev", "m-2", vec![1u8; 300]);
+        let (cut, why) = storable_within(big, "too large", 100);
+        assert_eq!(cut.payload.len(), 100);
+        assert!(why.contains("first 100 of 300 bytes"), "{why}");
+        assert!(
+            why.contains(&blake3::hash(&[1u8; 300]).to_hex().to_string()),
+            "{why}"
+        );
+    }
 
     #[test]
     fn backoff_doubles_and_caps_with_jitter_in_upper_half() {

@@ -38,8 +38,8 @@ use rumqttc::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::delivery::panic_message;
 use crate::config::check_name;
+use crate::delivery::panic_message;
 use crate::engine::Postroom;
 use crate::error::{Error, Result};
 use crate::message::{Headers, Message, Outcome, Receipt};
@@ -235,7 +235,9 @@ fn outbound_problem(out: &Outbound) -> Option<String> {
     // in 24.
     let size = out.payload.len() + out.topic.len() + properties + 24;
     (size > MQTT_MAX_PACKET).then(|| {
-        format!("the message is {size} bytes, larger than an MQTT packet can be ({MQTT_MAX_PACKET})")
+        format!(
+            "the message is {size} bytes, larger than an MQTT packet can be ({MQTT_MAX_PACKET})"
+        )
     })
 }
 
@@ -1253,7 +1255,11 @@ struct Numbered {
 }
 
 impl Numbers {
-    fn new(origin: Option<String>, seq: Option<String>, unsettled_from: Option<String>) -> Option<Self> {
+    fn new(
+        origin: Option<String>,
+        seq: Option<String>,
+        unsettled_from: Option<String>,
+    ) -> Option<Self> {
         Some(Numbers {
             origin: origin.filter(|o| !o.is_empty())?,
             seq,
@@ -1630,5 +1636,99 @@ impl Intake {
         bump(&self.counters.not_acked);
         let at = Instant::now() + retry_after.min(MAX_WAIT);
         self.redeliver_at = Some(self.redeliver_at.map_or(at, |t| t.min(at)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The allowlist against what mosquitto 2.0.11 was seen to take and
+    /// refuse in an MQTT 5 user property (docs/SINKS.md).
+    #[test]
+    fn the_string_allowlist_is_what_mosquitto_takes() {
+        for c in [
+            '\0',
+            '\u{1}',
+            '\u{7}',
+            '\t',
+            '\n',
+            '\r',
+            '\u{1f}',
+            '\u{7f}',
+            '\u{80}',
+            '\u{9f}',
+            '\u{fdd0}',
+            '\u{fdef}',
+            '\u{fffe}',
+            '\u{ffff}',
+            '\u{1fffe}',
+            '\u{10ffff}',
+        ] {
+            assert!(!mqtt_char_ok(c), "{c:?} passes");
+        }
+        for c in [
+            ' ',
+            'a',
+            '~',
+            '\u{a0}',
+            'é',
+            '\u{d7ff}',
+            '\u{e000}',
+            '\u{fdcf}',
+            '\u{fdf0}',
+            '\u{fffd}',
+            '😀',
+            '\u{10fffd}',
+        ] {
+            assert!(mqtt_char_ok(c), "{c:?} refused");
+        }
+        assert!(string_problem("v", &"x".repeat(65_535)).is_none());
+        assert!(string_problem("v", &"x".repeat(65_536)).is_some());
+        let why = string_problem("the header \"note\" (its value)", "a\nb").unwrap();
+        assert!(why.contains("U+000A"), "{why}");
+        assert!(topic_problem("a/+/b").is_some());
+        assert!(topic_problem("a/\u{7f}").is_some());
+        assert!(topic_problem("").is_some());
+        assert!(topic_problem("a/é/b").is_none());
+    }
+
+    /// Numbers from the wire are parsed and range-checked, never clamped.
+    #[test]
+    fn wire_numbers_are_checked_not_clamped() {
+        let check = |seq: Option<&str>, from: Option<&str>| {
+            Numbers::new(
+                Some("o".into()),
+                seq.map(str::to_owned),
+                from.map(str::to_owned),
+            )
+            .expect("an origin")
+            .checked()
+            .map(|n| (n.seq, n.unsettled_from))
+        };
+        assert_eq!(check(Some("7"), None), Ok((7, 7)));
+        assert_eq!(check(Some("7"), Some("3")), Ok((7, 3)));
+        let max = crate::MAX_SEQUENCE.to_string();
+        assert_eq!(check(Some(&max), Some("1")), Ok((crate::MAX_SEQUENCE, 1)));
+        for (seq, from) in [
+            (Some("9223372036854775807"), None), // i64::MAX
+            (Some("0"), None),
+            (Some("-5"), Some("1")),
+            (Some("x"), None),
+            (None, Some("1")),
+            (Some("3"), Some("5")),
+            (Some("3"), Some("0")),
+            (Some("3"), Some("-1")),
+            (Some("3"), Some("9223372036854775807")),
+        ] {
+            let got = check(seq, from);
+            assert!(
+                got.as_ref()
+                    .is_err_and(|why| why.contains("seq") || why.contains("unsettled")),
+                "{seq:?} {from:?}: {got:?}"
+            );
+        }
+        assert!(Numbers::new(Some(String::new()), Some("1".into()), None).is_none());
+        assert!(Numbers::new(None, Some("1".into()), None).is_none());
     }
 }

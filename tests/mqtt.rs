@@ -909,7 +909,9 @@ fn a_message_the_engine_refuses_is_a_dead_letter_before_it_is_acked() {
     );
     let many_again = many.clone();
     eventually(20, "the good message applied", || effects(&b_db).1 == 1);
-    eventually(20, "every message acknowledged", || intake.stats().acked == 5);
+    eventually(20, "every message acknowledged", || {
+        intake.stats().acked == 5
+    });
     let stats = intake.stats();
     assert_eq!((stats.refused, stats.not_acked), (4, 0), "{stats:?}");
     let dead = b.dead_letters(Some("b"), 10).unwrap();
@@ -938,7 +940,9 @@ fn a_message_the_engine_refuses_is_a_dead_letter_before_it_is_acked() {
             .map(Envelope::encode)
             .collect(),
     );
-    eventually(20, "the resends acknowledged", || intake.stats().acked == 10);
+    eventually(20, "the resends acknowledged", || {
+        intake.stats().acked == 10
+    });
     let stats = intake.stats();
     assert_eq!((stats.duplicates, stats.not_acked), (5, 0), "{stats:?}");
     assert_eq!(b.dead_letters(Some("b"), 10).unwrap().len(), 4);
@@ -994,7 +998,9 @@ fn a_sequence_out_of_range_is_a_dead_letter_and_holds_nothing_up() {
     eventually(20, "the message behind them applied", || {
         effects(&b_db).1 == 1
     });
-    eventually(20, "every message acknowledged", || intake.stats().acked == 6);
+    eventually(20, "every message acknowledged", || {
+        intake.stats().acked == 6
+    });
     let stats = intake.stats();
     assert_eq!((stats.refused, stats.not_acked), (5, 0), "{stats:?}");
     let dead = b.dead_letters(Some("b"), 10).unwrap();
@@ -1044,11 +1050,31 @@ fn an_mqtt5_row_the_broker_would_refuse_is_dead_at_once() {
         .open(&a_db)
         .unwrap();
     a.transaction(|tx| {
-        tx.publish(Outgoing::new("t", "newline").with_key("k").with_header("note", "a\nb"))?;
-        tx.publish(Outgoing::new("t", "tab").with_key("k").with_header("note", "a\tb"))?;
-        tx.publish(Outgoing::new("t", "nul").with_key("k").with_header("note", "a\0b"))?;
-        tx.publish(Outgoing::new("t", "name").with_key("k").with_header("n\u{1}", "v"))?;
-        tx.publish(Outgoing::new("t", "fine").with_key("k").with_header("note", "a b é"))?;
+        tx.publish(
+            Outgoing::new("t", "newline")
+                .with_key("k")
+                .with_header("note", "a\nb"),
+        )?;
+        tx.publish(
+            Outgoing::new("t", "tab")
+                .with_key("k")
+                .with_header("note", "a\tb"),
+        )?;
+        tx.publish(
+            Outgoing::new("t", "nul")
+                .with_key("k")
+                .with_header("note", "a\0b"),
+        )?;
+        tx.publish(
+            Outgoing::new("t", "name")
+                .with_key("k")
+                .with_header("n\u{1}", "v"),
+        )?;
+        tx.publish(
+            Outgoing::new("t", "fine")
+                .with_key("k")
+                .with_header("note", "a b é"),
+        )?;
         Ok(())
     })
     .unwrap();
