@@ -14,12 +14,21 @@
 //! Out: [`MqttSink`] answers `Sent` for a row only after the broker's
 //! PUBACK. A broker that is down or does not acknowledge in time makes the
 //! unacknowledged rows [`SendResult::Unavailable`]: retried with backoff,
-//! no attempt counted, never dead-lettered for the outage.
+//! no attempt counted, never dead-lettered for the outage. So a row the
+//! broker would refuse by dropping the connection must never be sent: what
+//! the sink would send (topic, MQTT 5 user properties, size) is checked
+//! first against an allowlist of what brokers take, and such a row is dead
+//! at once, holding nothing back.
 //!
 //! In: [`MqttIntake`] subscribes at QoS 1 with manual acknowledgements and a
 //! persistent session, hands each message to
 //! [`deliver`](Postroom::deliver) (or [`receive`](Postroom::receive)), and
-//! acknowledges it only when the outcome says so. MQTT brokers resend an
+//! acknowledges it only when the outcome says so. Invariant: a message is
+//! acknowledged only once it is durably in the inbox or in the dead letters
+//! (with its payload and the reason); a misconfiguration that could never
+//! store one is refused at `start()`, and numbers from the wire are checked
+//! before use, so no message can be dropped nor wedge the subscription for
+//! what it holds. MQTT brokers resend an
 //! unacknowledged message only when the session resumes, so after a "do
 //! not ack" outcome the intake reconnects once the outcome's `retry_after`
 //! has passed, and the broker redelivers it.
@@ -651,7 +660,10 @@ struct Link {
 /// over again after the sink's backoff, in order, on a new connection.
 /// Some of them may have reached the broker: consumers dedupe on the id.
 /// An MQTT 5 PUBACK refusing a message makes it dead (not authorized, a
-/// bad topic or payload format) or retried (any other reason).
+/// bad topic or payload format) or retried (any other reason). A row whose
+/// MQTT topic or user properties a broker would refuse (a wildcard, NUL, a
+/// control character, a string over 65,535 bytes: see docs/SINKS.md) or
+/// that is larger than an MQTT packet is dead before anything is sent.
 pub struct MqttSink {
     options: Options,
     topic: TopicFn,
@@ -987,6 +999,11 @@ impl IntakeBuilder {
     /// rows another intake takes) are gaps that never fill, and the
     /// watermark stops below the first of them (nothing is lost; see
     /// `MAX_LISTED_SEQUENCES`). Default: off.
+    ///
+    /// The numbers are checked, never clamped: a message naming its origin
+    /// whose `seq` or `unsettled_from` is not in 1..=`MAX_SEQUENCE`, or
+    /// whose `unsettled_from` is above its `seq`, is a dead letter with the
+    /// reason (acknowledged; nothing behind it held).
     pub fn sequenced(mut self) -> Self {
         self.sequenced = true;
         self
@@ -1116,6 +1133,12 @@ impl IntakeBuilder {
 /// with [`queued`](IntakeBuilder::queued) every message is acknowledged
 /// once stored, and the engine's workers retry it without holding the
 /// others.
+///
+/// A message the engine refuses (a payload over `max_payload`, too many
+/// headers, an id or name outside its limits, in a
+/// [`sequenced`](IntakeBuilder::sequenced) intake a `seq` out of range) is
+/// stored as a dead letter of the consumer with its payload and the reason,
+/// then acknowledged ([`IntakeStats::refused`], `postroom dead list`).
 pub struct MqttIntake {
     counters: Arc<Counters>,
     stop: Arc<AtomicBool>,
