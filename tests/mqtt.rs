@@ -957,6 +957,13 @@ fn a_message_the_engine_refuses_is_a_dead_letter_before_it_is_acked() {
     assert!(out.status.success(), "{out:?}");
     let listed = String::from_utf8_lossy(&out.stdout);
     assert!(listed.contains("max_payload"), "{listed}");
+    // The dead letters stored this way break none of the inbox's invariants.
+    let check = std::process::Command::new(env!("CARGO_BIN_EXE_postroom"))
+        .arg(&path)
+        .arg("check")
+        .output()
+        .unwrap();
+    assert!(check.status.success(), "{check:?}");
 }
 
 /// Issue 31, finding 7: numbers from the wire are checked before use. In a
@@ -993,25 +1000,44 @@ fn a_sequence_out_of_range_is_a_dead_letter_and_holds_nothing_up() {
             numbered("ahead", 3, Some(5)),
             numbered("max-from", 7, Some(i64::MAX)),
             numbered("one", 1, Some(1)),
+            // Well numbered, refused for its size: dead with its number,
+            // which the stream's watermark passes.
+            {
+                let mut env = Envelope::new("two", 2, "orders", vec![b'2'; 200]).with_source("dev");
+                env.origin = Some("device-x".into());
+                env.unsettled_from = Some(1);
+                env.encode()
+            },
         ],
     );
     eventually(20, "the message behind them applied", || {
         effects(&b_db).1 == 1
     });
     eventually(20, "every message acknowledged", || {
-        intake.stats().acked == 6
+        intake.stats().acked == 7
     });
     let stats = intake.stats();
-    assert_eq!((stats.refused, stats.not_acked), (5, 0), "{stats:?}");
+    assert_eq!((stats.refused, stats.not_acked), (6, 0), "{stats:?}");
     let dead = b.dead_letters(Some("b"), 10).unwrap();
     let mut ids: Vec<&str> = dead.iter().map(|d| d.message.id()).collect();
     ids.sort_unstable();
-    assert_eq!(ids, ["ahead", "max", "max-from", "negative", "zero"]);
-    for d in &dead {
+    assert_eq!(ids, ["ahead", "max", "max-from", "negative", "two", "zero"]);
+    for d in dead.iter().filter(|d| d.message.id() != "two") {
         let reason = d.last_error.as_deref().unwrap_or_default();
         assert!(reason.contains("seq"), "{reason}");
         assert_eq!(d.message.payload(), d.message.id().as_bytes());
+        assert_eq!(d.message.sequence(), None);
     }
+    let two = dead.iter().find(|d| d.message.id() == "two").unwrap();
+    assert!(two
+        .last_error
+        .as_deref()
+        .unwrap_or_default()
+        .contains("max_payload"));
+    assert_eq!(two.message.sequence(), Some(2));
+    let sequences = b.stats().unwrap().sequences;
+    assert_eq!(sequences.len(), 1, "{sequences:?}");
+    assert_eq!(sequences[0].watermark, 2, "{sequences:?}");
     intake.shutdown(Duration::from_secs(5)).unwrap();
 }
 
