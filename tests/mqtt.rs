@@ -1145,3 +1145,55 @@ fn an_mqtt5_row_the_broker_would_refuse_is_dead_at_once() {
     assert_eq!(rows[4].2, None, "the good row was never put off: {rows:?}");
     a.shutdown(Duration::from_secs(5)).unwrap();
 }
+
+/// Issue 31, "wire input is data, never a wedge", sizes: a broker's
+/// Maximum Packet Size (MQTT 5 CONNACK; mosquitto's `max_packet_size`)
+/// bounds what a client may send. A row over it can never go through
+/// (rumqttc refuses to write it and fails the connection, which read as an
+/// outage for ever): it is dead at once with the reason, and the row of
+/// its key behind it goes through on the same connection.
+#[test]
+fn an_mqtt5_row_over_the_brokers_maximum_packet_size_is_dead_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start_with(&dir.path().join("broker"), "max_packet_size 4096");
+    if broker.kind != broker::Kind::Mosquitto {
+        println!("skipped: the embedded broker has no max_packet_size setting");
+        return;
+    }
+    let a_db = dir.path().join("a.db");
+    let a = Postroom::builder()
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            MqttSink::v5(options_v5("size-a", broker.port_v5))
+                .topic_prefix("size/")
+                .backoff(Duration::from_millis(50), Duration::from_millis(500)),
+        )
+        .open(&a_db)
+        .unwrap();
+    a.transaction(|tx| {
+        tx.publish(Outgoing::new("t", vec![b'x'; 10_000]).with_key("k"))?;
+        tx.publish(Outgoing::new("t", vec![b'y'; 3_000]).with_key("k"))?;
+        Ok(())
+    })
+    .unwrap();
+    eventually(20, "the large row dead, the other sent", || {
+        let outbox = a.stats().unwrap().outbox;
+        (outbox.dead, outbox.sent) == (1, 1)
+    });
+    let conn_a = rusqlite::Connection::open(&a_db).unwrap();
+    let rows: Vec<(String, Option<String>)> = conn_a
+        .prepare("SELECT status, last_error FROM postroom_outbox ORDER BY seq")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(rows[0].0, "dead");
+    let why = rows[0].1.as_deref().unwrap_or_default();
+    assert!(
+        why.contains("Maximum Packet Size") && why.contains("4096"),
+        "{why}"
+    );
+    assert_eq!(rows[1], ("sent".to_owned(), None), "never put off");
+    a.shutdown(Duration::from_secs(5)).unwrap();
+}
