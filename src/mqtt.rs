@@ -235,18 +235,23 @@ fn outbound_problem(out: &Outbound) -> Option<String> {
             return Some(problem);
         }
     }
-    let properties: usize = out
-        .properties
-        .iter()
-        .map(|(k, v)| k.len() + v.len() + 5)
-        .sum();
-    // Fixed header, topic length prefix, packet id and property length fit
-    // in 24.
-    let size = out.payload.len() + out.topic.len() + properties + 24;
-    (size > MQTT_MAX_PACKET).then(|| {
-        format!(
-            "the message is {size} bytes, larger than an MQTT packet can be ({MQTT_MAX_PACKET})"
-        )
+    too_large(out, MQTT_MAX_PACKET)
+}
+
+/// Why `out` cannot go to a broker that takes packets of at most `max`
+/// bytes (an MQTT 5 broker's Maximum Packet Size, else what MQTT allows).
+/// Sent, a client library refuses to write it and fails the connection.
+fn too_large(out: &Outbound, max: usize) -> Option<String> {
+    let size = out.packet_size();
+    (size > max).then(|| {
+        if max < MQTT_MAX_PACKET {
+            format!(
+                "the message is a {size}-byte packet, over the broker's Maximum Packet Size \
+                 ({max} bytes)"
+            )
+        } else {
+            format!("the message is a {size}-byte packet, larger than MQTT allows ({max} bytes)")
+        }
     })
 }
 
@@ -386,6 +391,34 @@ struct Outbound {
     topic: String,
     payload: Vec<u8>,
     properties: Vec<(String, String)>,
+    /// MQTT 5: the packet carries a properties section.
+    v5: bool,
+}
+
+impl Outbound {
+    /// The size of its PUBLISH packet at QoS 1, fixed header included:
+    /// what a broker's Maximum Packet Size bounds.
+    fn packet_size(&self) -> usize {
+        // A variable byte integer's length (MQTT §1.5.5).
+        let varint = |n: usize| match n {
+            0..=127 => 1,
+            128..=16_383 => 2,
+            16_384..=2_097_151 => 3,
+            _ => 4,
+        };
+        // Topic with its length, packet id.
+        let mut remaining = 2 + self.topic.len() + 2 + self.payload.len();
+        if self.v5 {
+            // Each user property: its identifier and two prefixed strings.
+            let properties: usize = self
+                .properties
+                .iter()
+                .map(|(k, v)| 1 + 2 + k.len() + 2 + v.len())
+                .sum();
+            remaining += varint(properties) + properties;
+        }
+        1 + varint(remaining) + remaining
+    }
 }
 
 /// A publish received, to read and to acknowledge.
@@ -432,6 +465,9 @@ enum Ev {
     /// The broker accepted the connection.
     Connected {
         session_present: bool,
+        /// The largest packet the broker takes from this client (MQTT 5
+        /// CONNACK's Maximum Packet Size), when it says.
+        max_packet: Option<u32>,
     },
     /// The broker granted the subscriptions, or refused one.
     SubAck {
@@ -566,6 +602,7 @@ fn ev_v4(event: Event) -> std::result::Result<Ev, String> {
         Event::Incoming(Packet::ConnAck(ack)) => match ack.code {
             ConnectReturnCode::Success => Ev::Connected {
                 session_present: ack.session_present,
+                max_packet: None,
             },
             code => return Err(format!("mqtt: the broker refused the connection: {code:?}")),
         },
@@ -593,6 +630,7 @@ fn ev_v5(event: v5::Event) -> std::result::Result<Ev, String> {
         v5::Event::Incoming(P::ConnAck(ack)) => match ack.code {
             Code::Success => Ev::Connected {
                 session_present: ack.session_present,
+                max_packet: ack.properties.as_ref().and_then(|p| p.max_packet_size),
             },
             code => return Err(format!("mqtt: the broker refused the connection: {code:?}")),
         },
@@ -622,15 +660,20 @@ fn ev_v5(event: v5::Event) -> std::result::Result<Ev, String> {
 
 /// Polls a new connection until the broker's CONNACK (accepted), an error,
 /// or `timeout`.
-fn wait_connack(wire: &mut Wire, timeout: Duration) -> std::result::Result<(), String> {
+/// Returns the largest packet the broker takes (MQTT 5 may lower it from
+/// [`MQTT_MAX_PACKET`]).
+fn wait_connack(wire: &mut Wire, timeout: Duration) -> std::result::Result<usize, String> {
     let deadline = Instant::now() + timeout;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(format!("mqtt: no CONNACK within {timeout:?}"));
         }
-        if let Some(Ev::Connected { .. }) = wire.next(left)? {
-            return Ok(());
+        if let Some(Ev::Connected { max_packet, .. }) = wire.next(left)? {
+            let max = max_packet.map_or(MQTT_MAX_PACKET, |m| {
+                usize::try_from(m).map_or(MQTT_MAX_PACKET, |m| m.min(MQTT_MAX_PACKET))
+            });
+            return Ok(max);
         }
     }
 }
@@ -639,6 +682,8 @@ fn wait_connack(wire: &mut Wire, timeout: Duration) -> std::result::Result<(), S
 struct Link {
     wire: Wire,
     used: Instant,
+    /// The largest packet the broker takes on this connection.
+    max_packet: usize,
 }
 
 /// An outbox [`Sink`] publishing each row to an MQTT broker at QoS 1; a
@@ -663,7 +708,8 @@ struct Link {
 /// bad topic or payload format) or retried (any other reason). A row whose
 /// MQTT topic or user properties a broker would refuse (a wildcard, NUL, a
 /// control character, a string over 65,535 bytes: see docs/SINKS.md) or
-/// that is larger than an MQTT packet is dead before anything is sent.
+/// that is larger than an MQTT packet, or over MQTT 5 than the broker's
+/// Maximum Packet Size, is dead before anything is sent for it.
 pub struct MqttSink {
     options: Options,
     topic: TopicFn,
@@ -747,6 +793,7 @@ impl MqttSink {
                 topic,
                 payload: Envelope::of(msg, self.source.as_deref()).encode(),
                 properties: Vec::new(),
+                v5: false,
             },
             Options::V5(_) => {
                 let mut properties = vec![
@@ -778,6 +825,7 @@ impl MqttSink {
                     topic,
                     payload: msg.payload.clone(),
                     properties,
+                    v5: true,
                 }
             }
         }
@@ -798,8 +846,9 @@ impl MqttSink {
         }
         if self.link.is_none() {
             let mut wire = self.options.connect(self.options.window());
-            wait_connack(&mut wire, self.ack_timeout)?;
+            let max_packet = wait_connack(&mut wire, self.ack_timeout)?;
             self.link = Some(Link {
+                max_packet,
                 wire,
                 used: Instant::now(),
             });
@@ -817,9 +866,21 @@ impl MqttSink {
     ) -> std::result::Result<(), String> {
         let ack_timeout = self.ack_timeout;
         let window = self.options.window();
+        let link = self.link()?;
+        // The broker's own limit is known once it answered: a row over it
+        // is dead, and nothing is sent for it.
+        let todo: Vec<Outbound> = todo
+            .into_iter()
+            .filter(|out| match too_large(out, link.max_packet) {
+                None => true,
+                Some(problem) => {
+                    results[out.index] = SendResult::dead(problem);
+                    false
+                }
+            })
+            .collect();
         let total = todo.len();
         let mut todo = todo.into_iter().peekable();
-        let link = self.link()?;
         let mut next = 0; // entries of `todo` published
         let mut queued: VecDeque<usize> = VecDeque::new(); // published, no pkid yet
         let mut collided: Option<(u16, usize)> = None;
@@ -1438,7 +1499,9 @@ impl Intake {
             }
             self.flush_acks(&wire);
             match wire.next(Duration::from_millis(100)) {
-                Ok(Some(Ev::Connected { session_present })) => {
+                Ok(Some(Ev::Connected {
+                    session_present, ..
+                })) => {
                     bump(&self.counters.connects);
                     self.backoff.reset();
                     // Subscribe on every connection: the broker may have
@@ -1714,6 +1777,43 @@ mod tests {
         assert!(topic_problem("a/\u{7f}").is_some());
         assert!(topic_problem("").is_some());
         assert!(topic_problem("a/é/b").is_none());
+    }
+
+    /// The size the sink checks against a broker's Maximum Packet Size is
+    /// the size rumqttc writes (and checks), for both protocol versions.
+    #[test]
+    fn packet_size_is_what_rumqttc_writes() {
+        use v5::mqttbytes::v5::{Publish as Publish5, PublishProperties};
+        for (payload, props) in [(0, 0), (100, 3), (20_000, 60), (3_000_000, 1), (200, 300)] {
+            let out = Outbound {
+                index: 0,
+                topic: "a/b".into(),
+                payload: vec![0; payload],
+                properties: (0..props)
+                    .map(|i| (format!("k{i}"), "v".repeat(i)))
+                    .collect(),
+                v5: true,
+            };
+            let mut p5 = Publish5::new(
+                out.topic.clone(),
+                v5::mqttbytes::QoS::AtLeastOnce,
+                out.payload.clone(),
+                Some(PublishProperties {
+                    user_properties: out.properties.clone(),
+                    ..Default::default()
+                }),
+            );
+            p5.pkid = 1;
+            assert_eq!(out.packet_size(), p5.size(), "v5 {payload} {props}");
+            let out4 = Outbound {
+                properties: Vec::new(),
+                v5: false,
+                ..out
+            };
+            let mut p4 = Publish::new(out4.topic.clone(), QoS::AtLeastOnce, out4.payload.clone());
+            p4.pkid = 1;
+            assert_eq!(out4.packet_size(), p4.size(), "v4 {payload}");
+        }
     }
 
     /// Numbers from the wire are parsed and range-checked, never clamped.
