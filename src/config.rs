@@ -277,6 +277,87 @@ impl Config {
     }
 }
 
+/// The largest payload a dead letter of a refused message keeps whole
+/// ([`storable`]): the largest an MQTT packet can carry (so every MQTT
+/// message is kept whole), well below SQLite's default length limit
+/// (SQLITE_MAX_LENGTH, 1,000,000,000 bytes for a whole row). A larger one
+/// (from another intake) keeps its first this many bytes, with its length
+/// and digest in the reason.
+pub(crate) const MAX_REFUSED_PAYLOAD: usize = 256 * 1024 * 1024;
+
+/// What of a refused name or id a dead letter's reason shows.
+const SHOWN_CHARS: usize = 64;
+
+/// `text` for a reason: escaped, its first [`SHOWN_CHARS`] characters and
+/// its length when longer.
+fn shown(text: &str) -> String {
+    let mut out: String = text.chars().take(SHOWN_CHARS).collect();
+    out = format!("{:?}", out);
+    if text.chars().count() > SHOWN_CHARS {
+        out.push_str(&format!("… ({} bytes)", text.len()));
+    }
+    out
+}
+
+/// A message the engine refused ([`Config::check_message`]) made storable
+/// as a dead letter, and `reason` with what was changed to make it so:
+/// a source or id outside the limits gives way to source `refused` and id
+/// `refused-` + blake3 of both (a resend of the message finds the same
+/// key), shown in the reason; an ordering key outside them, or a sequence
+/// number or stream outside them (or of a replaced key), is dropped; a
+/// payload over [`MAX_REFUSED_PAYLOAD`] is cut there. Headers are kept as
+/// they came (the inbox stores them as JSON, whatever their number).
+pub(crate) fn storable(msg: Message, reason: &str) -> (Message, String) {
+    storable_within(msg, reason, MAX_REFUSED_PAYLOAD)
+}
+
+/// [`storable`], keeping at most `max_payload` bytes of the payload.
+fn storable_within(mut msg: Message, reason: &str, max_payload: usize) -> (Message, String) {
+    let mut reason = reason.to_owned();
+    if check_name("source", &msg.source).is_err() || check_id("message id", &msg.id).is_err() {
+        let digest = blake3::Hasher::new()
+            .update(b"postroom-refused\0")
+            .update(&(msg.source.len() as u64).to_le_bytes())
+            .update(msg.source.as_bytes())
+            .update(msg.id.as_bytes())
+            .finalize();
+        reason.push_str(&format!(
+            "; sent as source {}, id {}",
+            shown(&msg.source),
+            shown(&msg.id)
+        ));
+        msg.source = "refused".to_owned();
+        msg.id = format!("refused-{}", &digest.to_hex()[..32]);
+        msg.sequence = None;
+        msg.sequence_stream = None;
+    }
+    if let Some(key) = msg.ordering_key.take() {
+        match check_name("ordering key", &key) {
+            Ok(()) => msg.ordering_key = Some(key),
+            Err(_) => reason.push_str(&format!("; ordering key {} dropped", shown(&key))),
+        }
+    }
+    if let Some(seq) = msg.sequence {
+        let stream_ok = msg
+            .sequence_stream()
+            .is_some_and(|s| check_name("sequence stream", s).is_ok());
+        if check_sequence(seq).is_err() || !stream_ok {
+            reason.push_str(&format!("; sequence {seq} dropped"));
+            msg.sequence = None;
+            msg.sequence_stream = None;
+        }
+    }
+    if msg.payload.len() > max_payload {
+        reason.push_str(&format!(
+            "; payload cut to its first {max_payload} of {} bytes, blake3 of the whole: {}",
+            msg.payload.len(),
+            blake3::hash(&msg.payload).to_hex()
+        ));
+        msg.payload.truncate(max_payload);
+    }
+    (msg, reason)
+}
+
 /// A sequence number: from 1 (0 is the watermark of a stream nothing of
 /// which has settled) to [`MAX_SEQUENCE`](crate::MAX_SEQUENCE).
 pub(crate) fn check_sequence(seq: u64) -> Result<()> {
@@ -360,6 +441,41 @@ fn check_headers(headers: &Headers) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A refused message made storable: a valid key and sequence kept, an
+    /// invalid key replaced by one derived from it (the same for a resend),
+    /// what changed said in the reason, a payload past the limit cut with
+    /// its length and digest recorded.
+    #[test]
+    fn a_refused_message_is_made_storable_and_the_reason_says_how() {
+        let config = Config::default();
+        let fine = Message::new("dev", "m-1", vec![7u8; 10]).with_sequence_in("outbox:o", 4);
+        let (kept, why) = storable_within(fine.clone(), "too large", 100);
+        assert_eq!((kept, why.as_str()), (fine, "too large"));
+
+        let bad = Message::new("de\u{7}v", "i".repeat(600), "p")
+            .with_ordering_key("k\n")
+            .with_sequence(3);
+        let (a, why) = storable_within(bad.clone(), "refused", 100);
+        assert!(config.check_message(&a).is_ok(), "{a:?}");
+        assert_eq!(a.source, "refused");
+        assert!(a.id.starts_with("refused-"), "{}", a.id);
+        assert_eq!((a.ordering_key.as_deref(), a.sequence), (None, None));
+        assert!(why.contains("sent as source \"de\\u{7}v\""), "{why}");
+        assert!(why.contains("… (600 bytes)"), "{why}");
+        assert!(why.contains("ordering key"), "{why}");
+        let (b, _) = storable_within(bad, "refused", 100);
+        assert_eq!(a.id, b.id, "a resend finds the same key");
+
+        let big = Message::new("dev", "m-2", vec![1u8; 300]);
+        let (cut, why) = storable_within(big, "too large", 100);
+        assert_eq!(cut.payload.len(), 100);
+        assert!(why.contains("first 100 of 300 bytes"), "{why}");
+        assert!(
+            why.contains(&blake3::hash(&[1u8; 300]).to_hex().to_string()),
+            "{why}"
+        );
+    }
 
     #[test]
     fn backoff_doubles_and_caps_with_jitter_in_upper_half() {

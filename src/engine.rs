@@ -778,6 +778,55 @@ impl Postroom {
         })
     }
 
+    /// Whether an intake can hand `consumer` its messages, inline
+    /// ([`deliver`](Postroom::deliver)) or queued: an unknown consumer is
+    /// [`Error::UnknownConsumer`], an effectful one inline
+    /// [`Error::InvalidInput`] (it takes messages through `receive` only).
+    /// Intakes ask when they start, so that a misconfiguration is refused
+    /// there rather than found out per message.
+    pub(crate) fn check_intake(&self, consumer: &str, inline: bool) -> Result<()> {
+        let found = self.consumer(consumer)?;
+        if inline && matches!(found.kind, ConsumerKind::Effectful(_)) {
+            return Err(Error::invalid(
+                "consumer",
+                format!(
+                    "{consumer:?} has an effectful handler, which takes messages through \
+                     receive() only: make the intake queued"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Stores a message an intake cannot hand on as it is (the engine
+    /// refuses it: [`Error::InvalidInput`]) straight into `consumer`'s dead
+    /// letters, with its payload and `reason`, and returns once that is
+    /// durable: the intake may then acknowledge it. What makes it storable
+    /// (a replaced id, a dropped sequence, a cut payload) is added to the
+    /// reason (`config::storable`). A resend of it is a
+    /// [`Receipt::Duplicate`], not a second dead letter. An operator sees it
+    /// in `postroom dead list` and may redrive it (the workers then run it
+    /// as it was stored) or discard it.
+    pub(crate) fn receive_dead(
+        &self,
+        consumer: &str,
+        msg: Message,
+        reason: &str,
+    ) -> Result<Receipt> {
+        let consumer = self.consumer(consumer)?;
+        // The digest of the payload as it came: a resend finds the row.
+        let hash = *blake3::hash(&msg.payload).as_bytes();
+        let (msg, reason) = crate::config::storable(msg, reason);
+        self.check_caller()?;
+        self.shared
+            .writer
+            .submit_job(writer::rerunnable_job(move |w| {
+                let now = w.clock.now_ms();
+                queue::receive_dead(w.conn, &consumer.name, &msg, &hash, &reason, now)
+                    .map_err(|e| Error::sqlite("store a refused message as a dead letter", e))
+            }))
+    }
+
     /// Dead-lettered inbox messages, oldest first, of one consumer or all,
     /// at most `limit`.
     pub fn dead_letters(&self, consumer: Option<&str>, limit: usize) -> Result<Vec<DeadLetter>> {

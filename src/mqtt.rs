@@ -14,12 +14,21 @@
 //! Out: [`MqttSink`] answers `Sent` for a row only after the broker's
 //! PUBACK. A broker that is down or does not acknowledge in time makes the
 //! unacknowledged rows [`SendResult::Unavailable`]: retried with backoff,
-//! no attempt counted, never dead-lettered for the outage.
+//! no attempt counted, never dead-lettered for the outage. So a row the
+//! broker would refuse by dropping the connection must never be sent: what
+//! the sink would send (topic, MQTT 5 user properties, size) is checked
+//! first against an allowlist of what brokers take, and such a row is dead
+//! at once, holding nothing back.
 //!
 //! In: [`MqttIntake`] subscribes at QoS 1 with manual acknowledgements and a
 //! persistent session, hands each message to
 //! [`deliver`](Postroom::deliver) (or [`receive`](Postroom::receive)), and
-//! acknowledges it only when the outcome says so. MQTT brokers resend an
+//! acknowledges it only when the outcome says so. Invariant: a message is
+//! acknowledged only once it is durably in the inbox or in the dead letters
+//! (with its payload and the reason); a misconfiguration that could never
+//! store one is refused at `start()`, and numbers from the wire are checked
+//! before use, so no message can be dropped nor wedge the subscription for
+//! what it holds. MQTT brokers resend an
 //! unacknowledged message only when the session resumes, so after a "do
 //! not ack" outcome the intake reconnects once the outcome's `retry_after`
 //! has passed, and the broker redelivers it.
@@ -38,6 +47,7 @@ use rumqttc::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::config::check_name;
 use crate::delivery::panic_message;
 use crate::engine::Postroom;
 use crate::error::{Error, Result};
@@ -163,18 +173,86 @@ impl Envelope {
     }
 }
 
-/// Why an MQTT topic cannot be published to: empty, longer than 65,535
-/// bytes, or holding a wildcard (`+`, `#`) or NUL.
-fn topic_problem(topic: &str) -> Option<&'static str> {
-    if topic.is_empty() {
-        Some("the MQTT topic is empty")
-    } else if topic.len() > usize::from(u16::MAX) {
-        Some("the MQTT topic is longer than 65535 bytes")
-    } else if topic.contains(['+', '#', '\0']) {
-        Some("the MQTT topic holds a wildcard or NUL")
-    } else {
-        None
+/// Whether `c` may stand in an MQTT string (a topic, a user property's
+/// name or value): an allowlist of what brokers are known to take. MQTT 5
+/// (§1.5.4) forbids U+0000 and says control characters (U+0001..U+001F,
+/// U+007F..U+009F) and non-characters SHOULD NOT appear; mosquitto refuses
+/// every one of them (`mosquitto_validate_utf8`) and drops the connection
+/// of a client that sends one, so a message holding one can never go
+/// through. Surrogates cannot occur in a Rust string.
+fn mqtt_char_ok(c: char) -> bool {
+    let n = u32::from(c);
+    matches!(n, 0x20..=0x7E | 0xA0..=0xFDCF | 0xFDF0..=0x10_FFFF) && n & 0xFFFE != 0xFFFE
+}
+
+/// Why `text` cannot travel as an MQTT string (`what` names it): longer
+/// than 65,535 bytes, or holding a character outside [`mqtt_char_ok`].
+fn string_problem(what: &str, text: &str) -> Option<String> {
+    if text.len() > usize::from(u16::MAX) {
+        return Some(format!(
+            "{what} is {} bytes, longer than an MQTT string can be (65535)",
+            text.len()
+        ));
     }
+    let c = text.chars().find(|&c| !mqtt_char_ok(c))?;
+    Some(format!(
+        "{what} holds {c:?} (U+{:04X}), which MQTT brokers refuse in a string \
+         (NUL, control characters and non-characters)",
+        u32::from(c)
+    ))
+}
+
+/// Why an MQTT topic cannot be published to: empty, holding a wildcard
+/// (`+`, `#`), or not a string brokers take ([`string_problem`]).
+fn topic_problem(topic: &str) -> Option<String> {
+    if topic.is_empty() {
+        Some("the MQTT topic is empty".into())
+    } else if topic.contains(['+', '#']) {
+        Some(format!("the MQTT topic {topic:?} holds a wildcard"))
+    } else {
+        string_problem(&format!("the MQTT topic {topic:?}"), topic)
+    }
+}
+
+/// Why a message cannot be published as `out`: its topic, or (MQTT 5) one
+/// of its user properties, is not something a broker takes, or it is
+/// larger than an MQTT packet. Checked before anything is sent: a broker
+/// that gets such a packet drops the connection, and the message would be
+/// retried for ever as an outage.
+fn outbound_problem(out: &Outbound) -> Option<String> {
+    if let Some(problem) = topic_problem(&out.topic) {
+        return Some(problem);
+    }
+    for (name, value) in &out.properties {
+        let what = if name.starts_with(property::PREFIX) {
+            format!("the user property {name:?}")
+        } else {
+            format!("the header {name:?}")
+        };
+        if let Some(problem) = string_problem(&format!("{what} (its name)"), name)
+            .or_else(|| string_problem(&format!("{what} (its value)"), value))
+        {
+            return Some(problem);
+        }
+    }
+    too_large(out, MQTT_MAX_PACKET)
+}
+
+/// Why `out` cannot go to a broker that takes packets of at most `max`
+/// bytes (an MQTT 5 broker's Maximum Packet Size, else what MQTT allows).
+/// Sent, a client library refuses to write it and fails the connection.
+fn too_large(out: &Outbound, max: usize) -> Option<String> {
+    let size = out.packet_size();
+    (size > max).then(|| {
+        if max < MQTT_MAX_PACKET {
+            format!(
+                "the message is a {size}-byte packet, over the broker's Maximum Packet Size \
+                 ({max} bytes)"
+            )
+        } else {
+            format!("the message is a {size}-byte packet, larger than MQTT allows ({max} bytes)")
+        }
+    })
 }
 
 /// Exponential backoff between `min` and `max`, doubled per failure.
@@ -313,6 +391,34 @@ struct Outbound {
     topic: String,
     payload: Vec<u8>,
     properties: Vec<(String, String)>,
+    /// MQTT 5: the packet carries a properties section.
+    v5: bool,
+}
+
+impl Outbound {
+    /// The size of its PUBLISH packet at QoS 1, fixed header included:
+    /// what a broker's Maximum Packet Size bounds.
+    fn packet_size(&self) -> usize {
+        // A variable byte integer's length (MQTT §1.5.5).
+        let varint = |n: usize| match n {
+            0..=127 => 1,
+            128..=16_383 => 2,
+            16_384..=2_097_151 => 3,
+            _ => 4,
+        };
+        // Topic with its length, packet id.
+        let mut remaining = 2 + self.topic.len() + 2 + self.payload.len();
+        if self.v5 {
+            // Each user property: its identifier and two prefixed strings.
+            let properties: usize = self
+                .properties
+                .iter()
+                .map(|(k, v)| 1 + 2 + k.len() + 2 + v.len())
+                .sum();
+            remaining += varint(properties) + properties;
+        }
+        1 + varint(remaining) + remaining
+    }
 }
 
 /// A publish received, to read and to acknowledge.
@@ -359,6 +465,9 @@ enum Ev {
     /// The broker accepted the connection.
     Connected {
         session_present: bool,
+        /// The largest packet the broker takes from this client (MQTT 5
+        /// CONNACK's Maximum Packet Size), when it says.
+        max_packet: Option<u32>,
     },
     /// The broker granted the subscriptions, or refused one.
     SubAck {
@@ -493,6 +602,7 @@ fn ev_v4(event: Event) -> std::result::Result<Ev, String> {
         Event::Incoming(Packet::ConnAck(ack)) => match ack.code {
             ConnectReturnCode::Success => Ev::Connected {
                 session_present: ack.session_present,
+                max_packet: None,
             },
             code => return Err(format!("mqtt: the broker refused the connection: {code:?}")),
         },
@@ -520,6 +630,7 @@ fn ev_v5(event: v5::Event) -> std::result::Result<Ev, String> {
         v5::Event::Incoming(P::ConnAck(ack)) => match ack.code {
             Code::Success => Ev::Connected {
                 session_present: ack.session_present,
+                max_packet: ack.properties.as_ref().and_then(|p| p.max_packet_size),
             },
             code => return Err(format!("mqtt: the broker refused the connection: {code:?}")),
         },
@@ -549,15 +660,20 @@ fn ev_v5(event: v5::Event) -> std::result::Result<Ev, String> {
 
 /// Polls a new connection until the broker's CONNACK (accepted), an error,
 /// or `timeout`.
-fn wait_connack(wire: &mut Wire, timeout: Duration) -> std::result::Result<(), String> {
+/// Returns the largest packet the broker takes (MQTT 5 may lower it from
+/// [`MQTT_MAX_PACKET`]).
+fn wait_connack(wire: &mut Wire, timeout: Duration) -> std::result::Result<usize, String> {
     let deadline = Instant::now() + timeout;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(format!("mqtt: no CONNACK within {timeout:?}"));
         }
-        if let Some(Ev::Connected { .. }) = wire.next(left)? {
-            return Ok(());
+        if let Some(Ev::Connected { max_packet, .. }) = wire.next(left)? {
+            let max = max_packet.map_or(MQTT_MAX_PACKET, |m| {
+                usize::try_from(m).map_or(MQTT_MAX_PACKET, |m| m.min(MQTT_MAX_PACKET))
+            });
+            return Ok(max);
         }
     }
 }
@@ -566,6 +682,8 @@ fn wait_connack(wire: &mut Wire, timeout: Duration) -> std::result::Result<(), S
 struct Link {
     wire: Wire,
     used: Instant,
+    /// The largest packet the broker takes on this connection.
+    max_packet: usize,
 }
 
 /// An outbox [`Sink`] publishing each row to an MQTT broker at QoS 1; a
@@ -587,7 +705,11 @@ struct Link {
 /// over again after the sink's backoff, in order, on a new connection.
 /// Some of them may have reached the broker: consumers dedupe on the id.
 /// An MQTT 5 PUBACK refusing a message makes it dead (not authorized, a
-/// bad topic or payload format) or retried (any other reason).
+/// bad topic or payload format) or retried (any other reason). A row whose
+/// MQTT topic or user properties a broker would refuse (a wildcard, NUL, a
+/// control character, a string over 65,535 bytes: see docs/SINKS.md) or
+/// that is larger than an MQTT packet, or over MQTT 5 than the broker's
+/// Maximum Packet Size, is dead before anything is sent for it.
 pub struct MqttSink {
     options: Options,
     topic: TopicFn,
@@ -671,6 +793,7 @@ impl MqttSink {
                 topic,
                 payload: Envelope::of(msg, self.source.as_deref()).encode(),
                 properties: Vec::new(),
+                v5: false,
             },
             Options::V5(_) => {
                 let mut properties = vec![
@@ -702,6 +825,7 @@ impl MqttSink {
                     topic,
                     payload: msg.payload.clone(),
                     properties,
+                    v5: true,
                 }
             }
         }
@@ -722,8 +846,9 @@ impl MqttSink {
         }
         if self.link.is_none() {
             let mut wire = self.options.connect(self.options.window());
-            wait_connack(&mut wire, self.ack_timeout)?;
+            let max_packet = wait_connack(&mut wire, self.ack_timeout)?;
             self.link = Some(Link {
+                max_packet,
                 wire,
                 used: Instant::now(),
             });
@@ -741,9 +866,21 @@ impl MqttSink {
     ) -> std::result::Result<(), String> {
         let ack_timeout = self.ack_timeout;
         let window = self.options.window();
+        let link = self.link()?;
+        // The broker's own limit is known once it answered: a row over it
+        // is dead, and nothing is sent for it.
+        let todo: Vec<Outbound> = todo
+            .into_iter()
+            .filter(|out| match too_large(out, link.max_packet) {
+                None => true,
+                Some(problem) => {
+                    results[out.index] = SendResult::dead(problem);
+                    false
+                }
+            })
+            .collect();
         let total = todo.len();
         let mut todo = todo.into_iter().peekable();
-        let link = self.link()?;
         let mut next = 0; // entries of `todo` published
         let mut queued: VecDeque<usize> = VecDeque::new(); // published, no pkid yet
         let mut collided: Option<(u16, usize)> = None;
@@ -807,34 +944,16 @@ impl MqttSink {
 impl Sink for MqttSink {
     fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
         let mut results = vec![SendResult::retry("not handed over"); batch.len()];
-        // Rows whose topic cannot be published are dead before anything is
-        // sent; later rows of their key wait (the relay holds them back).
+        // A row that can never go through (what a broker refuses) is dead
+        // before anything is sent, and the rows behind it, of its key too,
+        // go on: a dead row is settled, it holds nothing back.
         let mut todo = Vec::with_capacity(batch.len());
-        let mut dead_keys: Vec<&str> = Vec::new();
         for (i, msg) in batch.iter().enumerate() {
-            if msg.key.as_deref().is_some_and(|k| dead_keys.contains(&k)) {
-                continue;
-            }
             let topic = (self.topic)(msg);
             let out = self.outbound(i, msg, topic);
-            let properties: usize = out
-                .properties
-                .iter()
-                .map(|(k, v)| k.len() + v.len() + 5)
-                .sum();
-            // Fixed header, topic length prefix, packet id and property
-            // length fit in 24.
-            let size = out.payload.len() + out.topic.len() + properties + 24;
-            let problem = topic_problem(&out.topic).or((size > MQTT_MAX_PACKET)
-                .then_some("the message is larger than an MQTT packet can be"));
-            match problem {
+            match outbound_problem(&out) {
                 None => todo.push(out),
-                Some(problem) => {
-                    results[i] = SendResult::dead(format_args!("{problem}: {:?}", out.topic));
-                    if let Some(k) = msg.key.as_deref() {
-                        dead_keys.push(k);
-                    }
-                }
+                Some(problem) => results[i] = SendResult::dead(problem),
             }
         }
         if todo.is_empty() {
@@ -878,8 +997,12 @@ pub struct IntakeStats {
     /// Messages that came behind one left unacknowledged: not handed on,
     /// not acknowledged, redelivered after the reconnect.
     pub held_back: u64,
-    /// Messages the inbox refuses for good (an id or name outside postroom's
-    /// limits): acknowledged and dropped, with an error logged.
+    /// Messages the engine refuses to take as they are (a payload over
+    /// `max_payload`, too many headers, an id or name outside postroom's
+    /// limits, a sequence number out of range in a
+    /// [`sequenced`](IntakeBuilder::sequenced) intake): each stored as a
+    /// dead letter with its payload and the reason, then acknowledged. A
+    /// resend of one counts as a duplicate.
     pub refused: u64,
     /// Messages without an envelope, given a content-derived id.
     pub unwrapped: u64,
@@ -937,6 +1060,11 @@ impl IntakeBuilder {
     /// rows another intake takes) are gaps that never fill, and the
     /// watermark stops below the first of them (nothing is lost; see
     /// `MAX_LISTED_SEQUENCES`). Default: off.
+    ///
+    /// The numbers are checked, never clamped: a message naming its origin
+    /// whose `seq` or `unsettled_from` is not in 1..=`MAX_SEQUENCE`, or
+    /// whose `unsettled_from` is above its `seq`, is a dead letter with the
+    /// reason (acknowledged; nothing behind it held).
     pub fn sequenced(mut self) -> Self {
         self.sequenced = true;
         self
@@ -969,6 +1097,12 @@ impl IntakeBuilder {
     /// session is made persistent (`clean_session` false) with manual
     /// acknowledgements; give each intake a client id of its own that stays
     /// the same across restarts, or the broker cannot resume its session.
+    ///
+    /// Refused here, not per message: no topic filter
+    /// ([`Error::InvalidInput`]), a consumer the engine does not have
+    /// ([`Error::UnknownConsumer`]), an effectful consumer without
+    /// [`queued`](IntakeBuilder::queued) ([`Error::InvalidInput`]: it takes
+    /// messages through `receive` only).
     pub fn start(self) -> Result<MqttIntake> {
         if self.filters.is_empty() {
             return Err(Error::invalid(
@@ -976,6 +1110,8 @@ impl IntakeBuilder {
                 "an intake needs a topic filter",
             ));
         }
+        self.room
+            .check_intake(&self.consumer, self.mode == Mode::Deliver)?;
         let options = match self.options {
             Options::V4(mut o) => {
                 o.set_clean_session(false).set_manual_acks(true);
@@ -1058,6 +1194,12 @@ impl IntakeBuilder {
 /// with [`queued`](IntakeBuilder::queued) every message is acknowledged
 /// once stored, and the engine's workers retry it without holding the
 /// others.
+///
+/// A message the engine refuses (a payload over `max_payload`, too many
+/// headers, an id or name outside its limits, in a
+/// [`sequenced`](IntakeBuilder::sequenced) intake a `seq` out of range) is
+/// stored as a dead letter of the consumer with its payload and the reason,
+/// then acknowledged ([`IntakeStats::refused`], `postroom dead list`).
 pub struct MqttIntake {
     counters: Arc<Counters>,
     stop: Arc<AtomicBool>,
@@ -1174,29 +1316,78 @@ impl Drop for MqttIntake {
 /// A message as the intake hands it to the inbox.
 struct Inbound {
     msg: Message,
-    /// The sending outbox's numbering, when the sender gave it: its
-    /// origin, the row's `seq`, and where its unsettled rows started.
-    numbered: Option<Numbered>,
+    /// The sending outbox's numbers as they came, when the sender named its
+    /// origin; checked before use ([`Numbers::checked`]).
+    numbers: Option<Numbers>,
     wrapped: bool,
 }
 
-/// Where an inbound message stands in its sending outbox.
+/// Where an inbound message says it stands in its sending outbox, as it
+/// came on the wire: the origin, the row's `seq`, and where the sender's
+/// unsettled rows started, as text (an MQTT 5 property may hold anything).
+struct Numbers {
+    origin: String,
+    seq: Option<String>,
+    unsettled_from: Option<String>,
+}
+
+/// [`Numbers`], checked.
 struct Numbered {
     origin: String,
     seq: u64,
     unsettled_from: u64,
 }
 
-impl Numbered {
-    fn new(origin: Option<String>, seq: Option<i64>, unsettled_from: Option<i64>) -> Option<Self> {
-        let seq = u64::try_from(seq?).ok().filter(|s| *s >= 1)?;
-        Some(Numbered {
+impl Numbers {
+    fn new(
+        origin: Option<String>,
+        seq: Option<String>,
+        unsettled_from: Option<String>,
+    ) -> Option<Self> {
+        Some(Numbers {
             origin: origin.filter(|o| !o.is_empty())?,
             seq,
-            unsettled_from: unsettled_from
-                .and_then(|u| u64::try_from(u).ok())
-                .unwrap_or(seq)
-                .clamp(1, seq),
+            unsettled_from,
+        })
+    }
+
+    /// The numbers when they make sense: `seq` a sequence number
+    /// (1..=[`MAX_SEQUENCE`](crate::MAX_SEQUENCE)), `unsettled_from` one
+    /// too and at most `seq` (the row itself was unsettled when sent;
+    /// absent, it is `seq`); else why not. Nothing is clamped: a number out
+    /// of range is a sender's bug, and guessing would file the message
+    /// under a number it does not have.
+    fn checked(self) -> std::result::Result<Numbered, String> {
+        let number = |name: &str, text: &str| {
+            text.parse::<u64>()
+                .ok()
+                .filter(|n| (1..=crate::MAX_SEQUENCE).contains(n))
+                .ok_or_else(|| {
+                    format!(
+                        "{name} {text:?} is not a sequence number (1..={})",
+                        crate::MAX_SEQUENCE
+                    )
+                })
+        };
+        let text = self
+            .seq
+            .ok_or_else(|| format!("{} names no {}", property::ORIGIN, property::SEQ))?;
+        let seq = number(property::SEQ, &text)?;
+        let unsettled_from = match self.unsettled_from {
+            None => seq,
+            Some(text) => number(property::UNSETTLED_FROM, &text)?,
+        };
+        if unsettled_from > seq {
+            return Err(format!(
+                "{} {unsettled_from} is above the message's own {} {seq}",
+                property::UNSETTLED_FROM,
+                property::SEQ
+            ));
+        }
+        Ok(Numbered {
+            origin: self.origin,
+            seq,
+            unsettled_from,
         })
     }
 }
@@ -1223,13 +1414,12 @@ fn inbound(publish: &Received) -> Inbound {
             .cloned()
             .collect();
         msg.ordering_key = prop(property::KEY);
-        let number = |name| prop(name).and_then(|s| s.parse().ok());
         return Inbound {
             msg,
-            numbered: Numbered::new(
+            numbers: Numbers::new(
                 prop(property::ORIGIN),
-                number(property::SEQ),
-                number(property::UNSETTLED_FROM),
+                prop(property::SEQ),
+                prop(property::UNSETTLED_FROM),
             ),
             wrapped: true,
         };
@@ -1241,7 +1431,11 @@ fn inbound(publish: &Received) -> Inbound {
         msg.ordering_key = env.key;
         return Inbound {
             msg,
-            numbered: Numbered::new(env.origin, Some(env.seq), env.unsettled_from),
+            numbers: Numbers::new(
+                env.origin,
+                Some(env.seq.to_string()),
+                env.unsettled_from.map(|u| u.to_string()),
+            ),
             wrapped: true,
         };
     }
@@ -1249,7 +1443,7 @@ fn inbound(publish: &Received) -> Inbound {
     let id = digest_hex(b"postroom-mqtt\0", &[topic.as_str()], publish.payload());
     Inbound {
         msg: Message::new(topic, format!("mqtt-{id}"), publish.payload().to_vec()),
-        numbered: None,
+        numbers: None,
         wrapped: false,
     }
 }
@@ -1305,7 +1499,9 @@ impl Intake {
             }
             self.flush_acks(&wire);
             match wire.next(Duration::from_millis(100)) {
-                Ok(Some(Ev::Connected { session_present })) => {
+                Ok(Some(Ev::Connected {
+                    session_present, ..
+                })) => {
                     bump(&self.counters.connects);
                     self.backoff.reset();
                     // Subscribe on every connection: the broker may have
@@ -1394,18 +1590,24 @@ impl Intake {
             bump(&self.counters.held_back);
             return;
         }
-        let inbound = inbound(&publish);
-        if !inbound.wrapped {
+        let came = inbound(&publish);
+        if !came.wrapped {
             bump(&self.counters.unwrapped);
         }
-        let msg = match self.number(inbound.msg, inbound.numbered) {
-            Ok(msg) => msg,
+        let msg = match self.number(came.msg, came.numbers) {
+            Ok(Ok(msg)) => msg,
+            Ok(Err((msg, reason))) => return self.refuse(publish, msg, &reason),
             Err(e) => {
                 log::warn!("postroom mqtt intake: not acknowledged: {e}");
                 self.not_acked(Duration::from_secs(1));
                 return;
             }
         };
+        // What the engine would refuse is known before it is handed on: it
+        // goes to the dead letters instead, never dropped.
+        if let Err(e @ Error::InvalidInput { .. }) = self.room.check_message(&msg) {
+            return self.refuse(publish, msg, &e.to_string());
+        }
         let answer = match self.mode {
             Mode::Deliver => self
                 .room
@@ -1434,13 +1636,11 @@ impl Intake {
                 }
             }
             Err(e @ Error::InvalidInput { .. }) => {
-                log::error!(
-                    "postroom mqtt intake: a message on {:?} can never be stored: {e}; \
-                     acknowledged and dropped",
-                    publish.topic()
-                );
-                bump(&self.counters.refused);
-                self.acks.push_back(publish);
+                // Not expected (the message and the consumer were checked),
+                // but a refusal all the same: stored as a dead letter as it
+                // came, never acknowledged without being stored.
+                let msg = inbound(&publish).msg;
+                self.refuse(publish, msg, &e.to_string());
             }
             Err(e) => {
                 log::warn!("postroom mqtt intake: not acknowledged: {e}");
@@ -1452,23 +1652,206 @@ impl Intake {
     /// With [`IntakeBuilder::sequenced`], numbers the message in its
     /// sending outbox's stream, first starting that stream at the engine
     /// where the sender's unsettled rows began (a stream the engine knows
-    /// is left as it is).
-    fn number(&mut self, msg: Message, numbered: Option<Numbered>) -> Result<Message> {
-        let (Some(started), Some(n)) = (self.sequenced.as_mut(), numbered) else {
-            return Ok(msg);
+    /// is left as it is). `Ok(Err(..))`: the numbers are not usable (out of
+    /// range, not numbers), with the message unnumbered and the reason, for
+    /// the dead letters; `Err`: the engine could not start the stream now.
+    #[allow(clippy::type_complexity)]
+    fn number(
+        &mut self,
+        msg: Message,
+        numbers: Option<Numbers>,
+    ) -> Result<std::result::Result<Message, (Message, String)>> {
+        let (Some(started), Some(numbers)) = (self.sequenced.as_mut(), numbers) else {
+            return Ok(Ok(msg));
+        };
+        let n = match numbers.checked() {
+            Ok(n) => n,
+            Err(reason) => return Ok(Err((msg, reason))),
         };
         let stream = outbox_stream(&n.origin);
+        if let Err(e) = check_name("sequence stream", &stream) {
+            return Ok(Err((msg, format!("{}: {e}", property::ORIGIN))));
+        }
         if !started.contains(&stream) {
-            self.room
-                .start_sequence(&self.consumer, &stream, n.unsettled_from)?;
+            match self
+                .room
+                .start_sequence(&self.consumer, &stream, n.unsettled_from)
+            {
+                Ok(()) => {}
+                Err(e @ Error::InvalidInput { .. }) => return Ok(Err((msg, e.to_string()))),
+                Err(e) => return Err(e),
+            }
             started.insert(stream.clone());
         }
-        Ok(msg.with_sequence_in(stream, n.seq))
+        Ok(Ok(msg.with_sequence_in(stream, n.seq)))
+    }
+
+    /// Stores a message the engine refuses as a dead letter of the intake's
+    /// consumer with `reason`, and acknowledges it only once that is
+    /// durable; if it cannot be stored now, it is left unacknowledged.
+    fn refuse(&mut self, publish: Received, msg: Message, reason: &str) {
+        match self.room.receive_dead(&self.consumer, msg, reason) {
+            Ok(receipt) => {
+                if matches!(
+                    receipt,
+                    Receipt::Duplicate | Receipt::DuplicateBySequence { .. }
+                ) {
+                    bump(&self.counters.duplicates);
+                } else {
+                    bump(&self.counters.refused);
+                    log::warn!(
+                        "postroom mqtt intake: a message on {:?} is refused: {reason}; stored \
+                         as a dead letter of {:?} ({receipt:?}), then acknowledged",
+                        publish.topic(),
+                        self.consumer
+                    );
+                }
+                self.acks.push_back(publish);
+            }
+            Err(e) => {
+                log::warn!(
+                    "postroom mqtt intake: not acknowledged: a refused message ({reason}) \
+                     could not be stored as a dead letter: {e}"
+                );
+                self.not_acked(Duration::from_secs(1));
+            }
+        }
     }
 
     fn not_acked(&mut self, retry_after: Duration) {
         bump(&self.counters.not_acked);
         let at = Instant::now() + retry_after.min(MAX_WAIT);
         self.redeliver_at = Some(self.redeliver_at.map_or(at, |t| t.min(at)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The allowlist against what mosquitto 2.0.11 was seen to take and
+    /// refuse in an MQTT 5 user property (docs/SINKS.md).
+    #[test]
+    fn the_string_allowlist_is_what_mosquitto_takes() {
+        for c in [
+            '\0',
+            '\u{1}',
+            '\u{7}',
+            '\t',
+            '\n',
+            '\r',
+            '\u{1f}',
+            '\u{7f}',
+            '\u{80}',
+            '\u{9f}',
+            '\u{fdd0}',
+            '\u{fdef}',
+            '\u{fffe}',
+            '\u{ffff}',
+            '\u{1fffe}',
+            '\u{10ffff}',
+        ] {
+            assert!(!mqtt_char_ok(c), "{c:?} passes");
+        }
+        for c in [
+            ' ',
+            'a',
+            '~',
+            '\u{a0}',
+            'é',
+            '\u{d7ff}',
+            '\u{e000}',
+            '\u{fdcf}',
+            '\u{fdf0}',
+            '\u{fffd}',
+            '😀',
+            '\u{10fffd}',
+        ] {
+            assert!(mqtt_char_ok(c), "{c:?} refused");
+        }
+        assert!(string_problem("v", &"x".repeat(65_535)).is_none());
+        assert!(string_problem("v", &"x".repeat(65_536)).is_some());
+        let why = string_problem("the header \"note\" (its value)", "a\nb").unwrap();
+        assert!(why.contains("U+000A"), "{why}");
+        assert!(topic_problem("a/+/b").is_some());
+        assert!(topic_problem("a/\u{7f}").is_some());
+        assert!(topic_problem("").is_some());
+        assert!(topic_problem("a/é/b").is_none());
+    }
+
+    /// The size the sink checks against a broker's Maximum Packet Size is
+    /// the size rumqttc writes (and checks), for both protocol versions.
+    #[test]
+    fn packet_size_is_what_rumqttc_writes() {
+        use v5::mqttbytes::v5::{Publish as Publish5, PublishProperties};
+        for (payload, props) in [(0, 0), (100, 3), (20_000, 60), (3_000_000, 1), (200, 300)] {
+            let out = Outbound {
+                index: 0,
+                topic: "a/b".into(),
+                payload: vec![0; payload],
+                properties: (0..props)
+                    .map(|i| (format!("k{i}"), "v".repeat(i)))
+                    .collect(),
+                v5: true,
+            };
+            let mut p5 = Publish5::new(
+                out.topic.clone(),
+                v5::mqttbytes::QoS::AtLeastOnce,
+                out.payload.clone(),
+                Some(PublishProperties {
+                    user_properties: out.properties.clone(),
+                    ..Default::default()
+                }),
+            );
+            p5.pkid = 1;
+            assert_eq!(out.packet_size(), p5.size(), "v5 {payload} {props}");
+            let out4 = Outbound {
+                properties: Vec::new(),
+                v5: false,
+                ..out
+            };
+            let mut p4 = Publish::new(out4.topic.clone(), QoS::AtLeastOnce, out4.payload.clone());
+            p4.pkid = 1;
+            assert_eq!(out4.packet_size(), p4.size(), "v4 {payload}");
+        }
+    }
+
+    /// Numbers from the wire are parsed and range-checked, never clamped.
+    #[test]
+    fn wire_numbers_are_checked_not_clamped() {
+        let check = |seq: Option<&str>, from: Option<&str>| {
+            Numbers::new(
+                Some("o".into()),
+                seq.map(str::to_owned),
+                from.map(str::to_owned),
+            )
+            .expect("an origin")
+            .checked()
+            .map(|n| (n.seq, n.unsettled_from))
+        };
+        assert_eq!(check(Some("7"), None), Ok((7, 7)));
+        assert_eq!(check(Some("7"), Some("3")), Ok((7, 3)));
+        let max = crate::MAX_SEQUENCE.to_string();
+        assert_eq!(check(Some(&max), Some("1")), Ok((crate::MAX_SEQUENCE, 1)));
+        for (seq, from) in [
+            (Some("9223372036854775807"), None), // i64::MAX
+            (Some("0"), None),
+            (Some("-5"), Some("1")),
+            (Some("x"), None),
+            (None, Some("1")),
+            (Some("3"), Some("5")),
+            (Some("3"), Some("0")),
+            (Some("3"), Some("-1")),
+            (Some("3"), Some("9223372036854775807")),
+        ] {
+            let got = check(seq, from);
+            assert!(
+                got.as_ref()
+                    .is_err_and(|why| why.contains("seq") || why.contains("unsettled")),
+                "{seq:?} {from:?}: {got:?}"
+            );
+        }
+        assert!(Numbers::new(Some(String::new()), Some("1".into()), None).is_none());
+        assert!(Numbers::new(None, Some("1".into()), None).is_none());
     }
 }

@@ -780,3 +780,420 @@ fn a_sequenced_intake_absorbs_a_replay_after_its_retention() {
     println!("broker: {:?}; intake {:?}", broker.kind, intake.stats());
     intake.shutdown(Duration::from_secs(5)).unwrap();
 }
+
+/// Publishes `payloads` to `topic` at QoS 1 from a plain MQTT 3.1.1 client
+/// and waits for the broker's PUBACKs.
+fn publish_raw(port: u16, client_id: &str, topic: &str, payloads: Vec<Vec<u8>>) {
+    let mut o = options(client_id, port);
+    o.set_max_packet_size(1 << 20, 1 << 20);
+    let (client, mut conn) = rumqttc::Client::new(o, 64);
+    let n = payloads.len();
+    for p in payloads {
+        client.publish(topic, QoS::AtLeastOnce, false, p).unwrap();
+    }
+    let mut acked = 0;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while acked < n {
+        assert!(Instant::now() < deadline, "no PUBACKs: {acked} of {n}");
+        if let Ok(Ok(Event::Incoming(Packet::PubAck(_)))) =
+            conn.recv_timeout(Duration::from_millis(100))
+        {
+            acked += 1;
+        }
+    }
+    let _ = client.disconnect();
+    let _ = conn.recv_timeout(Duration::from_millis(100));
+}
+
+/// Device B for the wire-input tests: consumer `b` records what it applies
+/// in `effects`, payloads over 100 bytes are refused (`max_payload`), and
+/// `e` is an effectful consumer.
+fn device_b_small(db: &Path) -> Arc<Postroom> {
+    struct Pass;
+    impl postroom::EffectHandler for Pass {
+        type Output = ();
+        fn effect(&self, _: &postroom::EffectContext<'_>, _: &Message) -> Result<(), Failure> {
+            Ok(())
+        }
+        fn apply(&self, _: &mut postroom::Tx<'_>, _: &Message, _: ()) -> Result<(), Failure> {
+            Ok(())
+        }
+    }
+    let room = Postroom::builder()
+        .max_payload(100)
+        .consumer(
+            "b",
+            handler_fn(|tx, msg: &Message| {
+                tx.execute(
+                    "INSERT INTO effects (msg_id, key, n) VALUES (?1, ?2, 0)",
+                    rusqlite::params![msg.id(), msg.ordering_key()],
+                )?;
+                Ok(())
+            }),
+        )
+        .effectful_consumer("e", Pass)
+        .open(db)
+        .unwrap();
+    room.transaction(|tx| {
+        tx.execute_batch("CREATE TABLE effects (msg_id TEXT NOT NULL, key TEXT, n INTEGER)")?;
+        Ok(())
+    })
+    .unwrap();
+    Arc::new(room)
+}
+
+/// Issue 31, finding 2: an intake that could never store a message is
+/// refused when it starts, with a typed error: an effectful consumer in
+/// deliver mode (it takes messages through `receive` only) and a consumer
+/// the engine does not have. The same consumers in a mode that works start.
+#[test]
+fn an_intake_into_a_consumer_it_cannot_feed_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = device_b_small(&dir.path().join("b.db"));
+    let nobody = broker::free_port(); // start() must not need the broker
+    let start = |consumer: &str, queued: bool| {
+        let builder = MqttIntake::builder(options("misconf", nobody), Arc::clone(&b), consumer)
+            .subscribe("x/#");
+        let builder = if queued { builder.queued() } else { builder };
+        builder.start().map(|intake| {
+            intake.shutdown(Duration::from_secs(5)).unwrap();
+        })
+    };
+    let effectful = start("e", false);
+    assert!(
+        matches!(effectful, Err(postroom::Error::InvalidInput { .. })),
+        "an effectful consumer in deliver mode: {effectful:?}"
+    );
+    let unknown = start("nobody", true);
+    assert!(
+        matches!(unknown, Err(postroom::Error::UnknownConsumer { .. })),
+        "an unknown consumer: {unknown:?}"
+    );
+    start("e", true).expect("an effectful consumer, queued");
+    start("b", false).expect("a transactional consumer, inline");
+    start("b", true).expect("a transactional consumer, queued");
+}
+
+/// Issue 31, "never ack what is not stored": a message the engine refuses
+/// (a payload over `max_payload`, more than 64 headers, an id over 512
+/// bytes, a source with a control character) is acknowledged only once it
+/// is a dead letter with its payload and the reason, findable with
+/// `postroom dead list`; the messages behind it go on.
+#[test]
+fn a_message_the_engine_refuses_is_a_dead_letter_before_it_is_acked() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(&dir.path().join("broker"));
+    let b_db = dir.path().join("b.db");
+    let b = device_b_small(&b_db);
+    let intake = MqttIntake::builder(options("refuse-b", broker.port), Arc::clone(&b), "b")
+        .subscribe("refuse/#")
+        .start()
+        .unwrap();
+    assert!(intake.wait_subscribed(Duration::from_secs(20)));
+    let big = Envelope::new("big", 1, "orders", vec![b'x'; 200]).with_source("dev");
+    let mut many = Envelope::new("many", 2, "orders", "m").with_source("dev");
+    for i in 0..65 {
+        many.headers.insert(format!("h{i}"), "v".into());
+    }
+    let long_id = Envelope::new("i".repeat(600), 3, "orders", "long id").with_source("dev");
+    let bad_source = Envelope::new("badsrc", 4, "orders", "bad source").with_source("de\u{7}v");
+    let good = Envelope::new("good", 5, "orders", "fine").with_source("dev");
+    publish_raw(
+        broker.port,
+        "refuse-pub",
+        "refuse/orders",
+        [&big, &many, &long_id, &bad_source, &good]
+            .into_iter()
+            .map(Envelope::encode)
+            .collect(),
+    );
+    let many_again = many.clone();
+    eventually(20, "the good message applied", || effects(&b_db).1 == 1);
+    eventually(20, "every message acknowledged", || {
+        intake.stats().acked == 5
+    });
+    let stats = intake.stats();
+    assert_eq!((stats.refused, stats.not_acked), (4, 0), "{stats:?}");
+    let dead = b.dead_letters(Some("b"), 10).unwrap();
+    assert_eq!(dead.len(), 4, "{dead:#?}");
+    let reason = |payload: &[u8]| {
+        let d = dead
+            .iter()
+            .find(|d| d.message.payload() == payload)
+            .unwrap_or_else(|| panic!("no dead letter with {payload:?}: {dead:#?}"));
+        d.last_error.clone().unwrap_or_default()
+    };
+    assert!(reason(&[b'x'; 200]).contains("max_payload"));
+    assert!(reason(b"m").contains("headers"));
+    assert!(reason(b"long id").contains("message id"));
+    assert!(reason(b"bad source").contains("source"));
+    let many = dead.iter().find(|d| d.message.payload() == b"m").unwrap();
+    assert_eq!(many.message.headers().len(), 65, "headers kept");
+    // The same messages again (a publisher's resend): duplicates, not a
+    // second dead letter each.
+    publish_raw(
+        broker.port,
+        "refuse-pub",
+        "refuse/orders",
+        [big, many_again, long_id, bad_source, good]
+            .iter()
+            .map(Envelope::encode)
+            .collect(),
+    );
+    eventually(20, "the resends acknowledged", || {
+        intake.stats().acked == 10
+    });
+    let stats = intake.stats();
+    assert_eq!((stats.duplicates, stats.not_acked), (5, 0), "{stats:?}");
+    assert_eq!(b.dead_letters(Some("b"), 10).unwrap().len(), 4);
+    assert_eq!(effects(&b_db).0, 1);
+    intake.shutdown(Duration::from_secs(5)).unwrap();
+    let path = b.path().to_path_buf();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_postroom"))
+        .arg(&path)
+        .args(["dead", "list"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let listed = String::from_utf8_lossy(&out.stdout);
+    assert!(listed.contains("max_payload"), "{listed}");
+    // The dead letters stored this way break none of the inbox's invariants.
+    let check = std::process::Command::new(env!("CARGO_BIN_EXE_postroom"))
+        .arg(&path)
+        .arg("check")
+        .output()
+        .unwrap();
+    assert!(check.status.success(), "{check:?}");
+}
+
+/// Issue 31, finding 7: numbers from the wire are checked before use. In a
+/// `sequenced()` intake an envelope whose `seq` is i64::MAX (past the
+/// largest sequence), 0, negative, or whose `unsettled_from` is above its
+/// own `seq`, is a dead letter with its reason, acknowledged, and the
+/// message behind it is applied: nothing wedges the subscription.
+#[test]
+fn a_sequence_out_of_range_is_a_dead_letter_and_holds_nothing_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(&dir.path().join("broker"));
+    let b_db = dir.path().join("b.db");
+    let b = device_b_small(&b_db);
+    let intake = MqttIntake::builder(options("seq-b", broker.port), Arc::clone(&b), "b")
+        .subscribe("seq/#")
+        .sequenced()
+        .start()
+        .unwrap();
+    assert!(intake.wait_subscribed(Duration::from_secs(20)));
+    let numbered = |id: &str, seq: i64, unsettled_from: Option<i64>| {
+        let mut env = Envelope::new(id, seq, "orders", id.as_bytes().to_vec()).with_source("dev");
+        env.origin = Some("device-x".into());
+        env.unsettled_from = unsettled_from;
+        env.encode()
+    };
+    publish_raw(
+        broker.port,
+        "seq-pub",
+        "seq/orders",
+        vec![
+            numbered("max", i64::MAX, None),
+            numbered("zero", 0, Some(1)),
+            numbered("negative", -5, Some(1)),
+            numbered("ahead", 3, Some(5)),
+            numbered("max-from", 7, Some(i64::MAX)),
+            numbered("one", 1, Some(1)),
+            // Well numbered, refused for its size: dead with its number,
+            // which the stream's watermark passes.
+            {
+                let mut env = Envelope::new("two", 2, "orders", vec![b'2'; 200]).with_source("dev");
+                env.origin = Some("device-x".into());
+                env.unsettled_from = Some(1);
+                env.encode()
+            },
+        ],
+    );
+    eventually(20, "the message behind them applied", || {
+        effects(&b_db).1 == 1
+    });
+    eventually(20, "every message acknowledged", || {
+        intake.stats().acked == 7
+    });
+    let stats = intake.stats();
+    assert_eq!((stats.refused, stats.not_acked), (6, 0), "{stats:?}");
+    let dead = b.dead_letters(Some("b"), 10).unwrap();
+    let mut ids: Vec<&str> = dead.iter().map(|d| d.message.id()).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["ahead", "max", "max-from", "negative", "two", "zero"]);
+    for d in dead.iter().filter(|d| d.message.id() != "two") {
+        let reason = d.last_error.as_deref().unwrap_or_default();
+        assert!(reason.contains("seq"), "{reason}");
+        assert_eq!(d.message.payload(), d.message.id().as_bytes());
+        assert_eq!(d.message.sequence(), None);
+    }
+    let two = dead.iter().find(|d| d.message.id() == "two").unwrap();
+    assert!(two
+        .last_error
+        .as_deref()
+        .unwrap_or_default()
+        .contains("max_payload"));
+    assert_eq!(two.message.sequence(), Some(2));
+    let sequences = b.stats().unwrap().sequences;
+    assert_eq!(sequences.len(), 1, "{sequences:?}");
+    assert_eq!(sequences[0].watermark, 2, "{sequences:?}");
+    intake.shutdown(Duration::from_secs(5)).unwrap();
+}
+
+/// Issue 31, finding 8: an MQTT 5 sink checks what it will send before it
+/// sends it. A row whose header value holds `\n`, `\t` or NUL, or whose
+/// header name holds a control character, would make mosquitto drop the
+/// connection on every try (a malformed UTF-8 string): such a row is dead
+/// at once with its reason, the row of its key behind it goes through, and
+/// no row is put off by a lost connection.
+#[test]
+fn an_mqtt5_row_the_broker_would_refuse_is_dead_at_once() {
+    use rumqttc::v5::mqttbytes::v5::Packet as P5;
+    use rumqttc::v5::mqttbytes::QoS as QoS5;
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(&dir.path().join("broker"));
+    let port = broker.port_v5;
+    let (reader, mut reader_conn) = rumqttc::v5::Client::new(options_v5("bad-reader", port), 16);
+    reader.subscribe("bad/#", QoS5::AtLeastOnce).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(Instant::now() < deadline, "no SUBACK");
+        if let Ok(Ok(rumqttc::v5::Event::Incoming(P5::SubAck(_)))) =
+            reader_conn.recv_timeout(Duration::from_millis(100))
+        {
+            break;
+        }
+    }
+    let a_db = dir.path().join("a.db");
+    let a = Postroom::builder()
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            MqttSink::v5(options_v5("bad-a", port))
+                .topic_prefix("bad/")
+                .backoff(Duration::from_millis(50), Duration::from_millis(500)),
+        )
+        .open(&a_db)
+        .unwrap();
+    a.transaction(|tx| {
+        tx.publish(
+            Outgoing::new("t", "newline")
+                .with_key("k")
+                .with_header("note", "a\nb"),
+        )?;
+        tx.publish(
+            Outgoing::new("t", "tab")
+                .with_key("k")
+                .with_header("note", "a\tb"),
+        )?;
+        tx.publish(
+            Outgoing::new("t", "nul")
+                .with_key("k")
+                .with_header("note", "a\0b"),
+        )?;
+        tx.publish(
+            Outgoing::new("t", "name")
+                .with_key("k")
+                .with_header("n\u{1}", "v"),
+        )?;
+        tx.publish(
+            Outgoing::new("t", "fine")
+                .with_key("k")
+                .with_header("note", "a b é"),
+        )?;
+        Ok(())
+    })
+    .unwrap();
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while got.is_empty() && Instant::now() < deadline {
+        if let Ok(Ok(rumqttc::v5::Event::Incoming(P5::Publish(p)))) =
+            reader_conn.recv_timeout(Duration::from_millis(100))
+        {
+            got.push(p);
+        }
+    }
+    assert_eq!(got.len(), 1, "the good row reached the broker");
+    assert_eq!(&got[0].payload[..], b"fine");
+    eventually(10, "the four bad rows dead, the good one sent", || {
+        let outbox = a.stats().unwrap().outbox;
+        (outbox.dead, outbox.sent) == (4, 1)
+    });
+    let conn_a = rusqlite::Connection::open(&a_db).unwrap();
+    let rows: Vec<(String, String, Option<String>)> = conn_a
+        .prepare("SELECT payload, status, last_error FROM postroom_outbox ORDER BY seq")
+        .unwrap()
+        .query_map([], |r| {
+            Ok((
+                String::from_utf8_lossy(&r.get::<_, Option<Vec<u8>>>(0)?.unwrap_or_default())
+                    .into_owned(),
+                r.get(1)?,
+                r.get(2)?,
+            ))
+        })
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    for (payload, status, error) in &rows[..4] {
+        assert_eq!(status, "dead", "{payload}: {error:?}");
+        assert!(
+            error.as_deref().unwrap_or_default().contains("header"),
+            "{payload}: {error:?}"
+        );
+    }
+    assert_eq!(rows[4].1, "sent");
+    assert_eq!(rows[4].2, None, "the good row was never put off: {rows:?}");
+    a.shutdown(Duration::from_secs(5)).unwrap();
+}
+
+/// Issue 31, "wire input is data, never a wedge", sizes: a broker's
+/// Maximum Packet Size (MQTT 5 CONNACK; mosquitto's `max_packet_size`)
+/// bounds what a client may send. A row over it can never go through
+/// (rumqttc refuses to write it and fails the connection, which read as an
+/// outage for ever): it is dead at once with the reason, and the row of
+/// its key behind it goes through on the same connection.
+#[test]
+fn an_mqtt5_row_over_the_brokers_maximum_packet_size_is_dead_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start_with(&dir.path().join("broker"), "max_packet_size 4096");
+    if broker.kind != broker::Kind::Mosquitto {
+        println!("skipped: the embedded broker has no max_packet_size setting");
+        return;
+    }
+    let a_db = dir.path().join("a.db");
+    let a = Postroom::builder()
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            MqttSink::v5(options_v5("size-a", broker.port_v5))
+                .topic_prefix("size/")
+                .backoff(Duration::from_millis(50), Duration::from_millis(500)),
+        )
+        .open(&a_db)
+        .unwrap();
+    a.transaction(|tx| {
+        tx.publish(Outgoing::new("t", vec![b'x'; 10_000]).with_key("k"))?;
+        tx.publish(Outgoing::new("t", vec![b'y'; 3_000]).with_key("k"))?;
+        Ok(())
+    })
+    .unwrap();
+    eventually(20, "the large row dead, the other sent", || {
+        let outbox = a.stats().unwrap().outbox;
+        (outbox.dead, outbox.sent) == (1, 1)
+    });
+    let conn_a = rusqlite::Connection::open(&a_db).unwrap();
+    let rows: Vec<(String, Option<String>)> = conn_a
+        .prepare("SELECT status, last_error FROM postroom_outbox ORDER BY seq")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(rows[0].0, "dead");
+    let why = rows[0].1.as_deref().unwrap_or_default();
+    assert!(
+        why.contains("Maximum Packet Size") && why.contains("4096"),
+        "{why}"
+    );
+    assert_eq!(rows[1], ("sent".to_owned(), None), "never put off");
+    a.shutdown(Duration::from_secs(5)).unwrap();
+}

@@ -25,6 +25,36 @@ pub(crate) fn receive(
     hash: &[u8; 32],
     now_ms: i64,
 ) -> rusqlite::Result<Receipt> {
+    store(conn, consumer, msg, hash, None, now_ms)
+}
+
+/// Stores a message an intake could not hand on as it is straight into the
+/// dead letters (`dead`, no attempt made, `reason` as its `last_error`,
+/// workers' once redriven), unless its key is known: then, as for
+/// [`receive`], a duplicate or a conflict. `msg` must already be storable
+/// (`config::storable`); `hash` is the digest of the payload as it came.
+/// A sequenced one settles its number (the watermark triggers), so the
+/// stream's watermark passes it.
+pub(crate) fn receive_dead(
+    conn: &Connection,
+    consumer: &str,
+    msg: &Message,
+    hash: &[u8; 32],
+    reason: &str,
+    now_ms: i64,
+) -> rusqlite::Result<Receipt> {
+    store(conn, consumer, msg, hash, Some(reason), now_ms)
+}
+
+/// [`receive`], or with `dead` [`receive_dead`].
+fn store(
+    conn: &Connection,
+    consumer: &str,
+    msg: &Message,
+    hash: &[u8; 32],
+    dead: Option<&str>,
+    now_ms: i64,
+) -> rusqlite::Result<Receipt> {
     let key = inbox::Key {
         consumer,
         source: &msg.source,
@@ -54,8 +84,10 @@ pub(crate) fn receive(
             conn.prepare_cached(
                 "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
                      payload_hash, headers, ordering_key, attempts, received_at, updated_at,
-                     next_attempt_at, queued, seq, seq_stream)
-                 VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6, ?7, 0, ?8, ?8, NULL, 1, ?9, ?10)",
+                     next_attempt_at, queued, seq, seq_stream, last_error)
+                 VALUES (?1, ?2, ?3, CASE WHEN ?11 IS NULL THEN 'pending' ELSE 'dead' END, ?4, ?5,
+                     ?6, ?7, 0,
+                     ?8, ?8, NULL, 1, ?9, ?10, ?11)",
             )?
             .execute(params![
                 consumer,
@@ -68,6 +100,7 @@ pub(crate) fn receive(
                 now_ms,
                 msg.sequence.map(|seq| seq as i64),
                 msg.sequence_stream(),
+                dead,
             ])?;
             return Ok(Receipt::Accepted);
         }

@@ -38,6 +38,8 @@ pub struct Broker {
     /// Where MQTT 5 clients connect (mosquitto: the same port).
     pub port_v5: u16,
     dir: PathBuf,
+    /// Lines added to mosquitto's config ([`Broker::start_with`]).
+    extra: String,
     mosquitto: Option<Child>,
     relays: Vec<Relay>,
 }
@@ -65,6 +67,13 @@ pub fn free_port() -> u16 {
 impl Broker {
     /// Starts a broker, its files under `dir`, and prints which one.
     pub fn start(dir: &Path) -> Broker {
+        Self::start_with(dir, "")
+    }
+
+    /// [`start`](Broker::start) with `extra` lines in mosquitto's config
+    /// (ignored by the embedded broker: a test that needs them checks
+    /// `kind`).
+    pub fn start_with(dir: &Path, extra: &str) -> Broker {
         std::fs::create_dir_all(dir).unwrap();
         let port = free_port();
         let kind = if mosquitto_path().is_some() {
@@ -81,6 +90,7 @@ impl Broker {
             port,
             port_v5,
             dir: dir.to_path_buf(),
+            extra: extra.to_owned(),
             mosquitto: None,
             relays: Vec::new(),
         };
@@ -113,10 +123,11 @@ impl Broker {
                         "listener {port} 127.0.0.1\nallow_anonymous true\n\
                          persistence true\npersistence_location {dir}/\n\
                          max_queued_messages 0\nlog_dest file {dir}/mosquitto.log\n\
-                         log_type all\nset_tcp_nodelay true\n{user}",
+                         log_type all\nset_tcp_nodelay true\n{user}{extra}\n",
                         port = self.port,
                         dir = self.dir.display(),
                         user = if root { "user root\n" } else { "" },
+                        extra = self.extra,
                     ),
                 )
                 .unwrap();
