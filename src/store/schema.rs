@@ -345,7 +345,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
 }
 
 /// The triggers that keep `postroom_inbox_keys` in step with the inbox.
-const KEY_TRIGGERS: [&str; 5] = [
+pub(crate) const KEY_TRIGGERS: [&str; 5] = [
     "postroom_inbox_key_insert",
     "postroom_inbox_key_status",
     "postroom_inbox_key_delete",
@@ -384,6 +384,56 @@ fn refuse_missing_triggers(conn: &Connection, not_yet: &[&str]) -> Result<()> {
             ),
         )),
     }
+}
+
+/// What [`audit_triggers`] finds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum TriggerFinding {
+    /// One of the schema's triggers is not in the file.
+    Missing(&'static str),
+    /// One of the schema's triggers is there with other SQL (edited by
+    /// hand, or replaced): what it keeps is no longer kept as the engine
+    /// relies on.
+    Altered(&'static str),
+    /// A trigger on a postroom table that the schema does not have: it
+    /// runs inside the engine's statements.
+    Foreign { name: String, table: String },
+}
+
+/// Compares the file's triggers with the schema's, by their SQL (blanks
+/// collapsed): an allowlist, the schema's own, rather than a list of
+/// known ways to break them.
+pub(crate) fn audit_triggers(conn: &Connection) -> rusqlite::Result<Vec<TriggerFinding>> {
+    let shipped = Connection::open_in_memory()?;
+    shipped.execute_batch(SCHEMA_SQL)?;
+    let triggers = |conn: &Connection| -> rusqlite::Result<Vec<(String, String, String)>> {
+        conn.prepare(
+            "SELECT name, tbl_name, coalesce(sql, '') FROM sqlite_master WHERE type = 'trigger'",
+        )?
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+        .collect()
+    };
+    let squeeze = |sql: &str| sql.split_whitespace().collect::<Vec<_>>().join(" ");
+    let ours = triggers(&shipped)?;
+    let theirs = triggers(conn)?;
+    let mut found = Vec::new();
+    for name in schema_objects().filter_map(|(kind, name)| (kind == "trigger").then_some(name)) {
+        let want = ours.iter().find(|(n, _, _)| n == name).map(|(_, _, sql)| squeeze(sql));
+        match theirs.iter().find(|(n, _, _)| n == name) {
+            None => found.push(TriggerFinding::Missing(name)),
+            Some((_, _, sql)) if Some(squeeze(sql)) != want => {
+                found.push(TriggerFinding::Altered(name))
+            }
+            Some(_) => {}
+        }
+    }
+    for (name, table, _) in theirs {
+        let postroom_table = table.starts_with("postroom_");
+        if postroom_table && !ours.iter().any(|(n, _, _)| *n == name) {
+            found.push(TriggerFinding::Foreign { name, table });
+        }
+    }
+    Ok(found)
 }
 
 /// Every table, index and trigger [`SCHEMA_SQL`] creates, as
