@@ -252,9 +252,16 @@ pub fn open_read(path: impl AsRef<Path>, busy_timeout: Duration) -> Result<(Conn
     // read-only connection: the file alone is read instead.
     let empty = std::fs::metadata(&path).map_or(true, |m| m.len() == 0);
     let mut view = ReadView {
-        engine_running: locked(&crate::store::beside(&path, "-postroom"), |kind| {
-            kind == "FLOCK"
-        }),
+        // The engine file's lock, or the database file's own (which holds
+        // when the engine file was deleted; SQLite's locks there are POSIX).
+        engine_running: match (
+            locked(&crate::store::beside(&path, "-postroom"), |kind| kind == "FLOCK"),
+            locked(&path, |kind| kind == "FLOCK"),
+        ) {
+            (Some(true), _) | (_, Some(true)) => Some(true),
+            (Some(false), Some(false)) => Some(false),
+            _ => None,
+        },
         shm_in_use: locked(&crate::store::beside(&path, "-shm"), |_| true),
         path,
         immutable: !(has_wal && has_shm) || empty,

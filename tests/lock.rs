@@ -143,6 +143,12 @@ fn second_engine_after_deleting(suffixes: &[&str]) {
     started_rx
         .recv_timeout(Duration::from_secs(60))
         .expect("the first engine's effect started");
+    // Lease tokens are unique across processes: not 1, 2, … in each.
+    let token = count(
+        &raw(&db),
+        "SELECT lease_token FROM postroom_inbox WHERE status = 'processing'",
+    );
+    assert_ne!(token, 1, "the first claim's lease token is 1, as in every process");
 
     for suffix in suffixes {
         let path = with_suffix(&db, suffix);

@@ -743,6 +743,39 @@ mod tests {
         assert!(file.read().unwrap().is_none());
     }
 
+    /// The database file's lock: refused to a second holder in this
+    /// process (one descriptor, so `flock` alone would let it in), taken
+    /// again once released, and kept through the engine file's deletion.
+    #[test]
+    fn the_database_lock_holds_whatever_is_deleted_beside_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("x.db");
+        std::fs::write(&db, b"").unwrap();
+        let mut first = EngineFile::lock(&db).unwrap();
+        first.lock_database(&db).unwrap();
+        let slot = first.slot(1);
+        std::fs::remove_file(EngineFile::path_for(&db)).unwrap();
+        let mut second = EngineFile::lock(&db).unwrap();
+        assert!(matches!(
+            second.lock_database(&db),
+            Err(Error::AlreadyOpen { .. })
+        ));
+        second.discard();
+        assert!(!EngineFile::path_for(&db).exists());
+        // A worker's slot keeps the locks after the writer's handle goes.
+        drop(first);
+        assert!(matches!(
+            DatabaseLock::acquire(&db),
+            Err(Error::AlreadyOpen { .. })
+        ));
+        drop(slot);
+        let again = DatabaseLock::acquire(&db).unwrap().unwrap();
+        drop(again);
+        // One descriptor for the file, however often it was locked.
+        let key = key_of(&std::fs::metadata(&db).unwrap());
+        assert!(registry().get(&key).is_some_and(|r| !r.held));
+    }
+
     #[test]
     fn second_lock_is_refused_and_released_on_drop() {
         let dir = tempfile::tempdir().unwrap();

@@ -772,6 +772,31 @@ mod tests {
 
     /// The open-time check knows every object the schema creates.
     #[test]
+    fn lease_tokens_start_at_a_random_positive_base() {
+        let conn = Connection::open_in_memory().unwrap();
+        let bases: std::collections::HashSet<i64> =
+            (0..16).map(|_| lease_token_base(&conn).unwrap()).collect();
+        assert_eq!(bases.len(), 16);
+        assert!(bases.iter().all(|&b| (1..1 << 62).contains(&b)));
+    }
+
+    /// A copy of a file, at another path, has another identity; the same
+    /// file renamed keeps its own.
+    #[test]
+    fn a_copy_has_another_file_identity() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a.db");
+        std::fs::write(&a, b"x").unwrap();
+        let first = file_identity(&a).unwrap();
+        let b = dir.path().join("b.db");
+        std::fs::copy(&a, &b).unwrap();
+        assert_ne!(file_identity(&b).unwrap(), first);
+        let moved = dir.path().join("moved.db");
+        std::fs::rename(&a, &moved).unwrap();
+        assert_eq!(file_identity(&moved).unwrap(), first);
+    }
+
+    #[test]
     fn every_object_of_the_schema_is_listed() {
         let objects: Vec<_> = schema_objects().collect();
         let creates = SCHEMA_SQL.matches("CREATE ").count();
