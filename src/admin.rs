@@ -255,7 +255,9 @@ pub fn open_read(path: impl AsRef<Path>, busy_timeout: Duration) -> Result<(Conn
         // The engine file's lock, or the database file's own (which holds
         // when the engine file was deleted; SQLite's locks there are POSIX).
         engine_running: match (
-            locked(&crate::store::beside(&path, "-postroom"), |kind| kind == "FLOCK"),
+            locked(&crate::store::beside(&path, "-postroom"), |kind| {
+                kind == "FLOCK"
+            }),
             locked(&path, |kind| kind == "FLOCK"),
         ) {
             (Some(true), _) | (_, Some(true)) => Some(true),
@@ -2510,18 +2512,17 @@ fn check_triggers(conn: &Connection, report: &mut CheckReport) -> Result<()> {
         };
         match found {
             TriggerFinding::Missing(name) if schema::KEY_TRIGGERS.contains(&name) => {}
-            TriggerFinding::Missing(name) => report.violation(finding(format!("trigger {name} is missing: what it keeps is not kept"),
-            )),
+            TriggerFinding::Missing(name) => report.violation(finding(format!(
+                "trigger {name} is missing: what it keeps is not kept"
+            ))),
             TriggerFinding::Altered(name) => report.violation(finding(format!(
-                    "trigger {name} is not the one the schema ships (its SQL differs): what \
+                "trigger {name} is not the one the schema ships (its SQL differs): what \
                      it keeps is not kept as the engine relies on; restore it from schema.sql"
-                ),
-            )),
+            ))),
             TriggerFinding::Foreign { name, table } => report.warning(finding(format!(
-                    "trigger {name} on {table} is not postroom's: it runs inside the engine's \
+                "trigger {name} on {table} is not postroom's: it runs inside the engine's \
                      statements, so make sure it neither changes nor ignores them"
-                ),
-            )),
+            ))),
         }
     }
     Ok(())

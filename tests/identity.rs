@@ -158,7 +158,11 @@ fn a_database_reopened_in_place_keeps_its_instance_id() {
         .unwrap()
         .shutdown(Duration::from_secs(10))
         .unwrap();
-    assert_eq!(instance_id(&moved), first, "a renamed file is the same file");
+    assert_eq!(
+        instance_id(&moved),
+        first,
+        "a renamed file is the same file"
+    );
 }
 
 #[cfg(feature = "mqtt")]
@@ -184,11 +188,15 @@ fn copies_of_one_database_publish_as_separate_streams_through_a_sequenced_mqtt_i
             .unwrap(),
     );
     create_domain(&server);
-    let intake = MqttIntake::builder(options("golden-server", broker.port), Arc::clone(&server), "orders")
-        .subscribe("golden/#")
-        .sequenced()
-        .start()
-        .unwrap();
+    let intake = MqttIntake::builder(
+        options("golden-server", broker.port),
+        Arc::clone(&server),
+        "orders",
+    )
+    .subscribe("golden/#")
+    .sequenced()
+    .start()
+    .unwrap();
     assert!(intake.wait_subscribed(Duration::from_secs(20)));
     for (n, db) in devices.iter().enumerate() {
         // The same configuration on every device (as an image carries it),

@@ -109,7 +109,11 @@ fn second_engine_in_a_child(db: &Path) -> Vec<String> {
     wait_or_kill(&mut child, 60, "the second engine");
     // Only the protocol's lines (libtest prints its own).
     said.into_iter()
-        .filter(|l| ["REFUSED", "OPENED", "EFFECTS", "ERROR"].iter().any(|w| l.starts_with(w)))
+        .filter(|l| {
+            ["REFUSED", "OPENED", "EFFECTS", "ERROR"]
+                .iter()
+                .any(|w| l.starts_with(w))
+        })
         .collect()
 }
 
@@ -148,12 +152,14 @@ fn second_engine_after_deleting(suffixes: &[&str]) {
         &raw(&db),
         "SELECT lease_token FROM postroom_inbox WHERE status = 'processing'",
     );
-    assert_ne!(token, 1, "the first claim's lease token is 1, as in every process");
+    assert_ne!(
+        token, 1,
+        "the first claim's lease token is 1, as in every process"
+    );
 
     for suffix in suffixes {
         let path = with_suffix(&db, suffix);
-        std::fs::remove_file(&path)
-            .unwrap_or_else(|e| panic!("remove {}: {e}", path.display()));
+        std::fs::remove_file(&path).unwrap_or_else(|e| panic!("remove {}: {e}", path.display()));
     }
     let said = second_engine_in_a_child(&db);
     let in_process = Postroom::builder().workers(0).open(&db);

@@ -436,9 +436,7 @@ fn on_network_filesystem(file: &File) -> bool {
     // The field's width and sign differ by architecture; the magic numbers
     // are 32 bits.
     #[allow(clippy::unnecessary_cast)]
-    rustix::fs::fstatfs(file).is_ok_and(|fs| {
-        matches!(fs.f_type as u32, NFS | SMB | CIFS | SMB2)
-    })
+    rustix::fs::fstatfs(file).is_ok_and(|fs| matches!(fs.f_type as u32, NFS | SMB | CIFS | SMB2))
 }
 
 /// Opens the engine file at `path`, creating it (mode 0600) if missing:

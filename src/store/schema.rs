@@ -418,7 +418,10 @@ pub(crate) fn audit_triggers(conn: &Connection) -> rusqlite::Result<Vec<TriggerF
     let theirs = triggers(conn)?;
     let mut found = Vec::new();
     for name in schema_objects().filter_map(|(kind, name)| (kind == "trigger").then_some(name)) {
-        let want = ours.iter().find(|(n, _, _)| n == name).map(|(_, _, sql)| squeeze(sql));
+        let want = ours
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .map(|(_, _, sql)| squeeze(sql));
         match theirs.iter().find(|(n, _, _)| n == name) {
             None => found.push(TriggerFinding::Missing(name)),
             Some((_, _, sql)) if Some(squeeze(sql)) != want => {
@@ -669,7 +672,8 @@ pub(crate) struct Reminted {
 /// be answered as duplicates of the first's. Only the engine calls it,
 /// holding the database's lock.
 pub(crate) fn claim_identity(conn: &mut Connection, db: &Path) -> Result<Option<Reminted>> {
-    let identity = file_identity(db).map_err(|e| Error::io("read the database file's identity", e))?;
+    let identity =
+        file_identity(db).map_err(|e| Error::io("read the database file's identity", e))?;
     let read = |conn: &Connection, key: &str| -> rusqlite::Result<Option<String>> {
         conn.query_row(
             "SELECT value FROM postroom_meta WHERE key = ?1",
@@ -709,8 +713,10 @@ pub(crate) fn claim_identity(conn: &mut Connection, db: &Path) -> Result<Option<
 /// about (claims made) / 2^62, should two ever run on one file (an older
 /// build that looks only at the engine file, a network filesystem).
 pub(crate) fn lease_token_base(conn: &Connection) -> Result<i64> {
-    conn.query_row("SELECT (random() & 4611686018427387903) | 1", [], |r| r.get(0))
-        .map_err(|e| Error::sqlite("pick the lease tokens' base", e))
+    conn.query_row("SELECT (random() & 4611686018427387903) | 1", [], |r| {
+        r.get(0)
+    })
+    .map_err(|e| Error::sqlite("pick the lease tokens' base", e))
 }
 
 /// Adds the inbox's sequence columns (schema version 6) to an inbox that
