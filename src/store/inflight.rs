@@ -42,7 +42,7 @@
 //! * the engine file's, as before (older builds look only there);
 //! * the database file's own ([`DatabaseLock`]), which holds while the
 //!   engine runs whatever is deleted beside the database: the lock is on
-//!   the inode, which cannot be replaced from under an open engine. It is
+//!   the database's inode, which the engine keeps open. It is
 //!   taken through a descriptor this process never closes, because closing
 //!   any descriptor of a file drops the process's POSIX (`fcntl`) locks on
 //!   it, SQLite's own. `flock` and `fcntl` locks are independent on local

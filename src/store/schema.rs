@@ -1,4 +1,10 @@
-//! Opening the database: pragmas, integrity check, schema and migrations.
+//! Opening the database: pragmas, integrity check, schema and migrations,
+//! and the file's own identity.
+//!
+//! Invariant: the instance id in `postroom_meta` (the stream an outbox's
+//! `seq` numbers downstream) belongs to this file: the file identity
+//! recorded beside it is this file's, or the engine's next open mints a
+//! new id ([`claim_identity`]) before anything is relayed.
 
 use std::fs::OpenOptions;
 use std::io;
