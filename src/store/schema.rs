@@ -346,6 +346,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
     }
     refuse_missing_triggers(&tx, &[])?;
     refuse_incomplete_schema(&tx)?;
+    refuse_altered_triggers(&tx)?;
     failpoint::hit("schema.migrate")?;
     tx.commit().map_err(|e| Error::sqlite("commit schema", e))
 }
@@ -387,6 +388,28 @@ fn refuse_missing_triggers(conn: &Connection, not_yet: &[&str]) -> Result<()> {
                 "trigger {name} is missing: postroom's dedupe depends on it, and the key table \
                  may no longer match the inbox; the file was changed outside postroom \
                  (run `postroom check`)"
+            ),
+        )),
+    }
+}
+
+/// Refuses a file where one of postroom's triggers is not the schema's
+/// ([`audit_triggers`]): what it keeps (the key table, the watermarks)
+/// would not be kept as every answer relies on. Someone else's trigger on
+/// a postroom table is left to `postroom check` to warn of.
+fn refuse_altered_triggers(conn: &Connection) -> Result<()> {
+    let found = audit_triggers(conn).map_err(|e| Error::sqlite("read schema", e))?;
+    match found.iter().find_map(|f| match f {
+        TriggerFinding::Altered(name) => Some(name),
+        _ => None,
+    }) {
+        None => Ok(()),
+        Some(name) => Err(Error::invalid(
+            "database",
+            format!(
+                "trigger {name} is not the one postroom's schema ships (its SQL was changed \
+                 outside postroom): postroom's answers depend on it; recreate it from \
+                 schema.sql (DROP TRIGGER {name}, then run the schema), and run `postroom check`"
             ),
         )),
     }
