@@ -233,3 +233,59 @@ fn a_reopen_right_after_shutdown_is_never_refused_while_the_app_spawns_processes
     assert!(spawned.load(Ordering::Relaxed) > 0);
     assert_eq!(refused, 0, "reopens refused as AlreadyOpen");
 }
+
+/// The database file's lock is taken through a descriptor the process
+/// never closes: closing any descriptor of a file drops every POSIX lock
+/// the process holds on it, so an engine that closed its own would take
+/// away the read lock of the app's connection on the same file (SQLite
+/// then believes it holds a lock it does not).
+#[test]
+fn an_engine_never_drops_the_apps_own_sqlite_locks_on_the_database() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.db");
+    Postroom::builder()
+        .open(&db)
+        .unwrap()
+        .shutdown(Duration::from_secs(10))
+        .unwrap();
+    let meta = std::fs::metadata(&db).unwrap();
+    let id = format!(
+        "{:02x}:{:02x}:{}",
+        rustix::fs::major(meta.dev()),
+        rustix::fs::minor(meta.dev()),
+        meta.ino()
+    );
+    let pid = std::process::id().to_string();
+    // `11: POSIX  ADVISORY  READ 1234 fe:00:5678 1073741826 1073742335`
+    let posix_locks_held = || {
+        std::fs::read_to_string("/proc/locks")
+            .unwrap()
+            .lines()
+            .filter(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                f.get(1) == Some(&"POSIX")
+                    && f.get(4) == Some(&pid.as_str())
+                    && f.get(5) == Some(&id.as_str())
+            })
+            .count()
+    };
+    // The app's own connection, in a read transaction: SQLite holds a
+    // shared POSIX lock on the database file for it.
+    let app = raw(&db);
+    app.execute_batch("BEGIN").unwrap();
+    count(&app, "SELECT count(*) FROM postroom_inbox");
+    assert!(posix_locks_held() > 0, "the app's read lock");
+    for _ in 0..3 {
+        Postroom::builder()
+            .open(&db)
+            .unwrap()
+            .shutdown(Duration::from_secs(10))
+            .unwrap();
+        assert!(
+            posix_locks_held() > 0,
+            "the engine's open and shutdown dropped the app's SQLite lock on the database"
+        );
+    }
+    app.execute_batch("COMMIT").unwrap();
+}
