@@ -252,9 +252,18 @@ pub fn open_read(path: impl AsRef<Path>, busy_timeout: Duration) -> Result<(Conn
     // read-only connection: the file alone is read instead.
     let empty = std::fs::metadata(&path).map_or(true, |m| m.len() == 0);
     let mut view = ReadView {
-        engine_running: locked(&crate::store::beside(&path, "-postroom"), |kind| {
-            kind == "FLOCK"
-        }),
+        // The engine file's lock, or the database file's own (which holds
+        // when the engine file was deleted; SQLite's locks there are POSIX).
+        engine_running: match (
+            locked(&crate::store::beside(&path, "-postroom"), |kind| {
+                kind == "FLOCK"
+            }),
+            locked(&path, |kind| kind == "FLOCK"),
+        ) {
+            (Some(true), _) | (_, Some(true)) => Some(true),
+            (Some(false), Some(false)) => Some(false),
+            _ => None,
+        },
         shm_in_use: locked(&crate::store::beside(&path, "-shm"), |_| true),
         path,
         immutable: !(has_wal && has_shm) || empty,
@@ -2308,6 +2317,23 @@ pub enum FindingKind {
     /// as read is consistent, but unless an engine has already gone on past
     /// the damage, its next open drops them; keep a copy of the files.
     WalDamage,
+    /// One of postroom's triggers is missing or not as the schema ships it
+    /// (its SQL differs): what it keeps (the key table, the watermarks) is
+    /// no longer kept. A trigger of someone else's on a postroom table is
+    /// a warning of this kind: it runs inside the engine's statements.
+    Trigger,
+    /// A sequence watermark contradicts itself: `settled_below` under 1, a
+    /// listed sequence at or below it or above the stream's `highest`, a
+    /// listing without its stream, or more listed than the bound. A
+    /// retained row below the watermark that has not settled is a warning
+    /// of this kind (a dead letter redriven after its number settled; else
+    /// the watermark passed a message that never settled).
+    Watermark,
+    /// The file is not the one its instance id was given to (a copy, a
+    /// restore into a new file, or made by an older build): a warning.
+    /// The next engine open gives it a new instance id, and a downstream
+    /// postroom numbers its outbox as a new stream.
+    Identity,
 }
 
 impl fmt::Display for FindingKind {
@@ -2320,6 +2346,9 @@ impl fmt::Display for FindingKind {
             FindingKind::KeyTable => "key_table",
             FindingKind::ExpiredLease => "expired_lease",
             FindingKind::WalDamage => "wal_damage",
+            FindingKind::Trigger => "trigger",
+            FindingKind::Watermark => "watermark",
+            FindingKind::Identity => "identity",
         })
     }
 }
@@ -2470,6 +2499,165 @@ pub fn check(conn: &Connection, full: bool) -> Result<CheckReport> {
     Ok(report)
 }
 
+/// postroom's triggers against the schema's (missing key triggers are
+/// reported as `key_table` findings, as before).
+fn check_triggers(conn: &Connection, report: &mut CheckReport) -> Result<()> {
+    use schema::TriggerFinding;
+    for found in schema::audit_triggers(conn).map_err(sql("check triggers"))? {
+        let finding = |detail: String| Finding {
+            kind: FindingKind::Trigger,
+            table: "sqlite_master",
+            id: 0,
+            detail,
+        };
+        match found {
+            TriggerFinding::Missing(name) if schema::KEY_TRIGGERS.contains(&name) => {}
+            TriggerFinding::Missing(name) => report.violation(finding(format!(
+                "trigger {name} is missing: what it keeps is not kept"
+            ))),
+            TriggerFinding::Altered(name) => report.violation(finding(format!(
+                "trigger {name} is not the one the schema ships (its SQL differs): what \
+                     it keeps is not kept as the engine relies on; restore it from schema.sql"
+            ))),
+            TriggerFinding::Foreign { name, table } => report.warning(finding(format!(
+                "trigger {name} on {table} is not postroom's: it runs inside the engine's \
+                     statements, so make sure it neither changes nor ignores them"
+            ))),
+        }
+    }
+    Ok(())
+}
+
+/// The sequence watermarks' invariants (docs/DESIGN.md "Sequence
+/// watermarks"), each a query over the two tables and the inbox.
+fn check_watermarks(conn: &Connection, report: &mut CheckReport) -> Result<()> {
+    let op = sql("check watermarks");
+    let bound = crate::store::watermark::MAX_LISTED_SEQUENCES as i64 + 1;
+    // (query, a violation rather than a warning)
+    let checks: [(&str, bool); 5] = [
+        (
+            "SELECT consumer, stream, 'settled_below is ' || settled_below || ', below 1'
+             FROM postroom_watermarks WHERE settled_below < 1 OR unrecorded < 0",
+            true,
+        ),
+        (
+            "SELECT s.consumer, s.stream,
+                    'sequence ' || s.seq || ' is listed, but its stream has no watermark'
+             FROM postroom_watermark_settled s
+             WHERE NOT EXISTS (SELECT 1 FROM postroom_watermarks w
+                               WHERE w.consumer = s.consumer AND w.stream = s.stream)",
+            true,
+        ),
+        (
+            "SELECT s.consumer, s.stream,
+                    'sequence ' || s.seq || ' is listed, but the watermark is '
+                    || (w.settled_below - 1) || CASE WHEN s.seq = w.settled_below
+                    THEN ' (it should have moved past it)' ELSE ' (above it)' END
+             FROM postroom_watermark_settled s
+             JOIN postroom_watermarks w ON w.consumer = s.consumer AND w.stream = s.stream
+             WHERE s.seq <= w.settled_below",
+            true,
+        ),
+        (
+            "SELECT s.consumer, s.stream,
+                    'sequence ' || max(s.seq) || ' is listed, above the highest stored, '
+                    || coalesce(w.highest, 'none')
+             FROM postroom_watermark_settled s
+             JOIN postroom_watermarks w ON w.consumer = s.consumer AND w.stream = s.stream
+             GROUP BY s.consumer, s.stream
+             HAVING max(s.seq) > coalesce(w.highest, 0)",
+            true,
+        ),
+        (
+            "SELECT i.consumer, i.seq_stream,
+                    'inbox row ' || i.id || ' (sequence ' || i.seq || ') is ' || i.status
+                    || ' below the watermark ' || (w.settled_below - 1)
+                    || ': a redriven dead letter, or the watermark passed a message that \
+                    never settled'
+             FROM postroom_inbox i
+             JOIN postroom_watermarks w ON w.consumer = i.consumer AND w.stream = i.seq_stream
+             WHERE i.seq IS NOT NULL AND i.seq < w.settled_below
+               AND i.status NOT IN ('completed', 'dead')",
+            false,
+        ),
+    ];
+    for (query, violation) in checks {
+        let mut stmt = conn.prepare(query).map_err(&op)?;
+        let mut rows = stmt.query([]).map_err(&op)?;
+        while let Some(r) = rows.next().map_err(&op)? {
+            let consumer: String = r.get(0).map_err(&op)?;
+            let stream: String = r.get(1).map_err(&op)?;
+            let what: String = r.get(2).map_err(&op)?;
+            let finding = Finding {
+                kind: FindingKind::Watermark,
+                table: "postroom_watermarks",
+                id: 0,
+                detail: format!("consumer {consumer:?}, stream {stream:?}: {what}"),
+            };
+            if violation {
+                report.violation(finding);
+            } else {
+                report.warning(finding);
+            }
+        }
+    }
+    let mut stmt = conn
+        .prepare(
+            "SELECT consumer, stream, count(*) FROM postroom_watermark_settled
+             GROUP BY consumer, stream HAVING count(*) > ?1",
+        )
+        .map_err(&op)?;
+    let mut rows = stmt.query([bound]).map_err(&op)?;
+    while let Some(r) = rows.next().map_err(&op)? {
+        let consumer: String = r.get(0).map_err(&op)?;
+        let stream: String = r.get(1).map_err(&op)?;
+        let n: i64 = r.get(2).map_err(&op)?;
+        report.violation(Finding {
+            kind: FindingKind::Watermark,
+            table: "postroom_watermark_settled",
+            id: 0,
+            detail: format!(
+                "consumer {consumer:?}, stream {stream:?}: {n} sequences listed, above the \
+                 bound of {bound}"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The identity recorded beside the instance id against this file's.
+fn check_identity(conn: &Connection, db: &Path, report: &mut CheckReport) -> Result<()> {
+    let Ok(identity) = schema::file_identity(db) else {
+        return Ok(());
+    };
+    let recorded: Option<String> = conn
+        .query_row(
+            "SELECT value FROM postroom_meta WHERE key = ?1",
+            [schema::FILE_IDENTITY_KEY],
+            |r| r.get(0),
+        )
+        .optional()
+        .map_err(sql("check identity"))?;
+    if recorded.as_deref() != Some(identity.as_str()) {
+        report.warning(Finding {
+            kind: FindingKind::Identity,
+            table: "postroom_meta",
+            id: 0,
+            detail: format!(
+                "this file is not the one its instance id was given to ({}): the next engine \
+                 open gives it a new instance id, and a downstream postroom numbers its outbox \
+                 as a new stream (nothing is lost)",
+                if recorded.is_some() {
+                    "a copy, or a restore into a new file"
+                } else {
+                    "no file identity recorded: made by an older build"
+                }
+            ),
+        });
+    }
+    Ok(())
+}
+
 fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Result<()> {
     for name in schema::missing_triggers(conn).map_err(sql("check inbox keys"))? {
         report.violation(Finding {
@@ -2479,6 +2667,8 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
             detail: format!("trigger {name} is missing"),
         });
     }
+    check_triggers(conn, report)?;
+    check_watermarks(conn, report)?;
     inbox::key_mismatches(conn, |table, id, what| {
         report.violation(Finding {
             kind: FindingKind::KeyTable,
@@ -2643,6 +2833,10 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
                 });
             }
         }
+    }
+    drop(rows);
+    if let Some(db) = conn.path().filter(|p| !p.is_empty()) {
+        check_identity(conn, Path::new(db), report)?;
     }
     Ok(())
 }

@@ -250,19 +250,32 @@ impl Postroom {
         schema::check_sqlite_version(rusqlite::version_number())?;
         let given = path;
         let path = &schema::resolve(given)?;
-        let mut engine_file = EngineFile::lock(path).map_err(|e| match e {
+        let named = |e| match e {
             Error::AlreadyOpen { .. } => Error::AlreadyOpen {
                 path: given.to_path_buf(),
             },
             e => e,
-        })?;
+        };
+        let mut engine_file = EngineFile::lock(path).map_err(named)?;
         // A refusal from here to the recovery changes nothing: it leaves no
         // file this open created (an engine file, an empty database file).
         let mut created = false;
         let opened = (|| {
             created = schema::create_if_missing(path)?;
+            // Before SQLite opens it: a second engine touches nothing.
+            engine_file.lock_database(path).map_err(named)?;
             let mut conn = schema::open_writer(path, &config)?;
             schema::migrate(&mut conn)?;
+            if let Some(minted) = schema::claim_identity(&mut conn, path)? {
+                log::info!(
+                    "postroom: {} is not the file its instance id was given to (a copy, a \
+                     restore, or made by an older build): new instance id {} (was {}); a \
+                     downstream postroom numbers this outbox as a new stream",
+                    path.display(),
+                    minted.new,
+                    minted.old.as_deref().unwrap_or("none"),
+                );
+            }
             Ok(conn)
         })();
         let mut conn = match opened {
@@ -277,6 +290,7 @@ impl Postroom {
             }
         };
         recovery::recover(&conn, &config, &*clock, &mut engine_file)?;
+        let first_token = schema::lease_token_base(&conn)?;
         let wal_bounds = wal::WalBounds::for_database(&conn, path, config.checkpoint_wal_bytes);
         checkpoint::at_open(&conn, path, wal_bounds.truncate_bytes, config.busy_timeout);
         let guard = UserCodeGuard::install(&mut conn)
@@ -301,8 +315,7 @@ impl Postroom {
         let (checkpoint_wake, checkpoint_woken) = crossbeam_channel::bounded(1);
         let worker_slots = (1..=config.workers)
             .map(|n| engine_file.slot(n))
-            .collect::<std::io::Result<Vec<_>>>()
-            .map_err(|e| Error::io("open engine file for workers", e))?;
+            .collect::<Vec<_>>();
         let state = WriterState {
             outbox_dirty,
             relay_wake: sink.is_some().then_some(relay_wake),
@@ -348,7 +361,7 @@ impl Postroom {
             wake_tx,
             wake_rx,
             in_flight: AtomicUsize::new(0),
-            next_token: AtomicI64::new(1),
+            next_token: AtomicI64::new(first_token),
         });
         // From here on, a failure drops `room`, which shuts down whatever
         // threads were started.

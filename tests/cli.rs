@@ -2098,3 +2098,120 @@ fn top_stops_when_its_reader_goes_away() {
     let status = common::wait_or_kill(&mut child, 10, "top to stop after its reader left");
     assert!(status.success(), "{status:?}");
 }
+
+/// `check` verifies what the engine relies on beyond the rows: postroom's
+/// triggers as the schema ships them (a missing or edited one is a
+/// violation, someone else's trigger on a postroom table a warning), the
+/// sequence watermarks' invariants, and that the file is the one its
+/// instance id was given to (a copy is a warning: the next open re-mints).
+#[test]
+fn check_verifies_triggers_watermarks_and_the_files_identity() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.db");
+    let room = Postroom::builder()
+        .workers(0)
+        .consumer("c", handler_fn(|_, _| Ok(())))
+        .open(&db)
+        .unwrap();
+    for seq in [1, 2, 4] {
+        room.deliver(
+            "c",
+            Message::new("dev", format!("m-{seq}"), "p").with_sequence(seq),
+        )
+        .unwrap();
+    }
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    drop(room);
+    let kinds = |report: &Value, list: &str| -> Vec<String> {
+        report[list]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["kind"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let clean = cli_ok(&db, &["check", "--json"], 0).json();
+    assert_eq!(clean["warnings_total"], 0, "{clean}");
+
+    // A copy of the file: a warning, the original stays clean.
+    let copy = dir.path().join("copy.db");
+    std::fs::copy(&db, &copy).unwrap();
+    let copied = cli_ok(&copy, &["check", "--json"], 0).json();
+    assert_eq!(kinds(&copied, "warnings"), ["identity"], "{copied}");
+
+    let conn = raw(&db);
+    // Someone else's trigger on a postroom table: a warning.
+    conn.execute_batch(
+        "CREATE TRIGGER app_audit AFTER INSERT ON postroom_outbox BEGIN SELECT 1; END;",
+    )
+    .unwrap();
+    let foreign = cli_ok(&db, &["check", "--json"], 0).json();
+    assert_eq!(kinds(&foreign, "warnings"), ["trigger"], "{foreign}");
+    // A watermark trigger edited to do nothing: a violation.
+    conn.execute_batch(
+        "DROP TRIGGER postroom_inbox_seq_seen;
+         CREATE TRIGGER postroom_inbox_seq_seen AFTER INSERT ON postroom_inbox
+         WHEN 0 BEGIN SELECT 1; END;",
+    )
+    .unwrap();
+    let altered = cli_ok(&db, &["check", "--json"], 4).json();
+    assert_eq!(kinds(&altered, "violations"), ["trigger"], "{altered}");
+    conn.execute_batch("DROP TRIGGER postroom_inbox_seq_seen; DROP TRIGGER app_audit;")
+        .unwrap();
+    let missing = cli_ok(&db, &["check", "--json"], 4).json();
+    assert_eq!(kinds(&missing, "violations"), ["trigger"], "{missing}");
+    assert!(
+        missing["violations"][0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("postroom_inbox_seq_seen"),
+        "{missing}"
+    );
+    conn.execute_batch(postroom::SCHEMA_SQL).unwrap();
+    check_clean(&db);
+
+    // The watermarks contradicting themselves: each a violation.
+    let (w, listed): (i64, i64) = conn
+        .query_row(
+            "SELECT settled_below, (SELECT count(*) FROM postroom_watermark_settled)
+             FROM postroom_watermarks",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!((w, listed), (3, 1));
+    for (tamper, undo) in [
+        (
+            "UPDATE postroom_watermarks SET settled_below = 0",
+            "UPDATE postroom_watermarks SET settled_below = 3",
+        ),
+        (
+            "UPDATE postroom_watermark_settled SET seq = 3",
+            "UPDATE postroom_watermark_settled SET seq = 4",
+        ),
+        (
+            "UPDATE postroom_watermark_settled SET seq = 9",
+            "UPDATE postroom_watermark_settled SET seq = 4",
+        ),
+        (
+            "UPDATE postroom_watermark_settled SET stream = 'elsewhere'",
+            "UPDATE postroom_watermark_settled SET stream = 'dev'",
+        ),
+    ] {
+        conn.execute_batch(tamper).unwrap();
+        let bad = cli_ok(&db, &["check", "--json"], 4).json();
+        assert!(
+            kinds(&bad, "violations").iter().all(|k| k == "watermark"),
+            "{tamper}: {bad}"
+        );
+        conn.execute_batch(undo).unwrap();
+    }
+    check_clean(&db);
+    // A retained row below the watermark that has not settled: a warning.
+    conn.execute_batch(
+        "UPDATE postroom_inbox SET status = 'pending', processed_at = NULL WHERE seq = 1",
+    )
+    .unwrap();
+    let unsettled = cli_ok(&db, &["check", "--json"], 0).json();
+    assert_eq!(kinds(&unsettled, "warnings"), ["watermark"], "{unsettled}");
+}

@@ -420,3 +420,47 @@ fn a_damaged_rollback_journal_database_is_refused_before_anything_is_written() {
         "the refused file changed"
     );
 }
+
+/// The engine relies on postroom's triggers as the schema ships them (the
+/// key table, the watermarks): a file where one was edited is refused at
+/// open, naming it, as one missing a trigger is. An allowlist (the
+/// schema's own SQL), not a list of known ways to break one.
+#[test]
+fn a_file_whose_trigger_was_edited_is_refused_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.db");
+    open(&db)
+        .unwrap()
+        .shutdown(Duration::from_secs(10))
+        .unwrap();
+    raw(&db)
+        .execute_batch(
+            "DROP TRIGGER postroom_inbox_seq_seen;
+             CREATE TRIGGER postroom_inbox_seq_seen AFTER INSERT ON postroom_inbox
+             WHEN 0 BEGIN SELECT 1; END;",
+        )
+        .unwrap();
+    let err = open(&db).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidInput {
+                field: "database",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("postroom_inbox_seq_seen"), "{err}");
+    // Restored as the schema ships it, the file opens again.
+    raw(&db)
+        .execute_batch(&format!(
+            "DROP TRIGGER postroom_inbox_seq_seen; {}",
+            postroom::SCHEMA_SQL
+        ))
+        .unwrap();
+    open(&db)
+        .unwrap()
+        .shutdown(Duration::from_secs(10))
+        .unwrap();
+}

@@ -98,6 +98,10 @@ pub(crate) struct Shared {
     pub wake_tx: Sender<()>,
     pub wake_rx: Receiver<()>,
     pub in_flight: AtomicUsize,
+    /// The next claim's lease token. Starts at a random base
+    /// (`schema::lease_token_base`), not 1, so that tokens are unique
+    /// across processes: were two engines ever on one file, equal tokens
+    /// would let each one's claim pass the other's fence.
     pub next_token: AtomicI64,
 }
 

@@ -32,11 +32,30 @@
 //! 4 KiB are slots for that: slot 0 names the claim whose transactional
 //! step runs on the writer, slot n the claim whose external step runs on
 //! worker n. The inline marker follows at [`RECORD_OFFSET`].
+//!
+//! The engine's exclusivity rests on two `flock`s, both released
+//! explicitly (`LOCK_UN`, which acts on the open file description) when
+//! the last handle goes, never by `close` alone: a child process that
+//! another thread of the app forks shares every description until it
+//! execs, so a lock released only by closing outlives the engine
+//! ([`Held`]).
+//! * the engine file's, as before (older builds look only there);
+//! * the database file's own ([`DatabaseLock`]), which holds while the
+//!   engine runs whatever is deleted beside the database: the lock is on
+//!   the database's inode, which the engine keeps open. It is
+//!   taken through a descriptor this process never closes, because closing
+//!   any descriptor of a file drops the process's POSIX (`fcntl`) locks on
+//!   it, SQLite's own. `flock` and `fcntl` locks are independent on local
+//!   Linux filesystems, and SQLite's unix VFS takes only `fcntl` locks; on
+//!   a network filesystem, where the kernel emulates `flock` with `fcntl`,
+//!   it is not taken (only the engine file's lock holds there).
 
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{Error, Result};
 use crate::message::Message;
@@ -106,10 +125,32 @@ pub(crate) struct StartedClaim {
     pub token: i64,
 }
 
-/// The locked engine file. Dropping it releases the lock.
+/// What an engine holds while it runs: the engine file, locked, and the
+/// database file's lock. Shared by the writer's [`EngineFile`] and every
+/// worker's [`ClaimSlot`], and released when the last of them goes (a
+/// worker still running past a shutdown's deadline keeps the engine's
+/// claim, so it keeps the locks).
+#[derive(Debug)]
+struct Held {
+    file: File,
+    database: OnceLock<DatabaseLock>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // `LOCK_UN` on the description, not just `close`: a child forked
+        // meanwhile shares the description until it execs, and would keep
+        // the lock after this engine is gone.
+        let _ = self.file.unlock();
+        // `database` releases its own lock as it drops, after this.
+    }
+}
+
+/// The locked engine file. Dropping it (with every [`ClaimSlot`])
+/// releases the locks.
 #[derive(Debug)]
 pub(crate) struct EngineFile {
-    file: File,
+    held: Arc<Held>,
     buf: Vec<u8>,
     path: PathBuf,
     /// This engine created it: a refused open removes it ([`Self::discard`]).
@@ -159,7 +200,10 @@ impl EngineFile {
                 _ => continue,
             }
             let engine_file = EngineFile {
-                file,
+                held: Arc::new(Held {
+                    file,
+                    database: OnceLock::new(),
+                }),
                 buf: Vec::new(),
                 path,
                 created,
@@ -176,6 +220,20 @@ impl EngineFile {
         ))
     }
 
+    /// Also locks the database file itself ([`DatabaseLock`]), once it
+    /// exists: [`Error::AlreadyOpen`] when another engine, in this process
+    /// or another, has it, even if every file beside it was deleted.
+    pub fn lock_database(&mut self, db: &Path) -> Result<()> {
+        if self.held.database.get().is_some() {
+            return Ok(());
+        }
+        if let Some(lock) = DatabaseLock::acquire(db)? {
+            // Only this engine's open thread reaches it, once.
+            let _ = self.held.database.set(lock);
+        }
+        Ok(())
+    }
+
     fn take_database_owner(&self, db: &Path, mine: &std::fs::Metadata) -> Result<()> {
         let Ok(owner) = std::fs::metadata(db) else {
             return Ok(());
@@ -183,7 +241,7 @@ impl EngineFile {
         if mine.uid() != 0 || owner.uid() == 0 {
             return Ok(());
         }
-        match std::os::unix::fs::fchown(&self.file, Some(owner.uid()), Some(owner.gid())) {
+        match std::os::unix::fs::fchown(&self.held.file, Some(owner.uid()), Some(owner.gid())) {
             Ok(()) => Ok(()),
             // Not root after all (a root-owned file left writable).
             Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Ok(()),
@@ -202,29 +260,30 @@ impl EngineFile {
 
     /// The marker left by the previous engine, if it is valid.
     pub fn read(&mut self) -> io::Result<Option<Inflight>> {
-        let len = self.file.metadata()?.len();
+        let len = self.held.file.metadata()?.len();
         if len < RECORD_OFFSET + (MAGIC.len() + 4 + 32) as u64 || len > MAX_RECORD {
             return Ok(None);
         }
         let mut bytes = vec![0; (len - RECORD_OFFSET) as usize];
-        self.file.read_exact_at(&mut bytes, RECORD_OFFSET)?;
+        self.held.file.read_exact_at(&mut bytes, RECORD_OFFSET)?;
         Ok(decode(&bytes))
     }
 
     /// Invalidates the marker and every claim slot, durably: one fsync per
     /// engine open, so a power cut cannot bring back what recovery dealt with.
     pub fn clear(&mut self) -> io::Result<()> {
-        self.file
+        self.held
+            .file
             .write_all_at(&[0u8; RECORD_OFFSET as usize + 8], 0)?;
-        self.file.sync_data()
+        self.held.file.sync_data()
     }
 
     /// The claims whose user code was running when the previous process
     /// died (valid slots only).
     pub fn started_claims(&self) -> io::Result<Vec<StartedClaim>> {
-        let len = self.file.metadata()?.len();
+        let len = self.held.file.metadata()?.len();
         let mut table = vec![0u8; RECORD_OFFSET.min(len) as usize];
-        self.file.read_exact_at(&mut table, 0)?;
+        self.held.file.read_exact_at(&mut table, 0)?;
         Ok(table
             .chunks_exact(SLOT_BYTES as usize)
             .filter_map(decode_slot)
@@ -232,12 +291,12 @@ impl EngineFile {
     }
 
     /// A handle on claim slot `index` (1.. for workers) that another thread
-    /// can write through.
-    pub fn slot(&self, index: usize) -> io::Result<ClaimSlot> {
-        Ok(ClaimSlot {
-            file: self.file.try_clone()?,
+    /// can write through; it keeps the engine's locks while it lives.
+    pub fn slot(&self, index: usize) -> ClaimSlot {
+        ClaimSlot {
+            held: Arc::clone(&self.held),
             index,
-        })
+        }
     }
 }
 
@@ -251,12 +310,133 @@ impl InflightLog for EngineFile {
         at_ms: i64,
     ) -> io::Result<()> {
         encode(&mut self.buf, consumer, msg, hash, prior_attempts, at_ms);
-        self.file.write_all_at(&self.buf, RECORD_OFFSET)
+        self.held.file.write_all_at(&self.buf, RECORD_OFFSET)
     }
 
     fn end(&mut self) -> io::Result<()> {
-        self.file.write_all_at(&[0u8; 8], RECORD_OFFSET)
+        self.held.file.write_all_at(&[0u8; 8], RECORD_OFFSET)
     }
+}
+
+/// A database file's identity on this machine: `(st_dev, st_ino)`.
+type FileKey = (u64, u64);
+
+/// A descriptor on a database file, kept for the life of the process, and
+/// whether an engine of this process holds its lock.
+#[derive(Debug)]
+struct Registered {
+    file: Arc<File>,
+    held: bool,
+}
+
+/// Every database file this process has locked, by identity. Entries are
+/// never removed: closing their descriptors would drop SQLite's `fcntl`
+/// locks on the file (the app's connections' too). One descriptor per
+/// database file the process ever opened an engine on; and since the
+/// descriptor keeps the inode alive, its number cannot be reused by
+/// another file while the process lives.
+fn registry() -> std::sync::MutexGuard<'static, HashMap<FileKey, Registered>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<FileKey, Registered>>> = OnceLock::new();
+    REGISTRY
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+fn key_of(meta: &std::fs::Metadata) -> FileKey {
+    (meta.dev(), meta.ino())
+}
+
+/// The `flock` on the database file itself: one engine per database even
+/// when every file beside it was deleted (see the module docs). Dropping
+/// it releases the lock (`LOCK_UN`); the descriptor stays open.
+#[derive(Debug)]
+pub(crate) struct DatabaseLock {
+    key: FileKey,
+    file: Arc<File>,
+}
+
+impl DatabaseLock {
+    /// Locks the existing database file `db`: `None` on a network
+    /// filesystem (see the module docs), [`Error::AlreadyOpen`] when an
+    /// engine of this process or another holds it.
+    pub fn acquire(db: &Path) -> Result<Option<DatabaseLock>> {
+        let err = |e| Error::io("lock database file", e);
+        for _ in 0..100 {
+            let key = key_of(&std::fs::metadata(db).map_err(err)?);
+            let mut registry = registry();
+            let file = match registry.get(&key) {
+                Some(found) if found.held => {
+                    return Err(Error::AlreadyOpen {
+                        path: db.to_path_buf(),
+                    })
+                }
+                Some(found) => Arc::clone(&found.file),
+                None => {
+                    let file = Arc::new(File::open(db).map_err(err)?);
+                    let opened = key_of(&file.metadata().map_err(err)?);
+                    // Kept even when it is not the file `key` names (replaced
+                    // in between): it may not be closed either.
+                    registry.entry(opened).or_insert(Registered {
+                        file: Arc::clone(&file),
+                        held: false,
+                    });
+                    if opened != key {
+                        continue;
+                    }
+                    file
+                }
+            };
+            if on_network_filesystem(&file) {
+                return Ok(None);
+            }
+            match file.try_lock() {
+                Ok(()) => {}
+                Err(TryLockError::WouldBlock) => {
+                    return Err(Error::AlreadyOpen {
+                        path: db.to_path_buf(),
+                    })
+                }
+                Err(TryLockError::Error(e)) => return Err(err(e)),
+            }
+            // Still the file at the path (not replaced after the `stat`)?
+            if std::fs::metadata(db).is_ok_and(|now| key_of(&now) == key) {
+                if let Some(entry) = registry.get_mut(&key) {
+                    entry.held = true;
+                }
+                return Ok(Some(DatabaseLock { key, file }));
+            }
+            let _ = file.unlock();
+        }
+        Err(err(io::Error::other(format!(
+            "{} kept being replaced while it was being locked",
+            db.display()
+        ))))
+    }
+}
+
+impl Drop for DatabaseLock {
+    fn drop(&mut self) {
+        let mut registry = registry();
+        // `LOCK_UN` on the description: a child forked meanwhile shares it.
+        let _ = self.file.unlock();
+        if let Some(entry) = registry.get_mut(&self.key) {
+            entry.held = false;
+        }
+    }
+}
+
+/// NFS, SMB/CIFS: there the kernel emulates `flock` with a whole-file
+/// `fcntl` lock, which would meet SQLite's own byte-range locks.
+fn on_network_filesystem(file: &File) -> bool {
+    const NFS: u32 = 0x6969;
+    const SMB: u32 = 0x517B;
+    const CIFS: u32 = 0xFF53_4D42;
+    const SMB2: u32 = 0xFE53_4D42;
+    // The field's width and sign differ by architecture; the magic numbers
+    // are 32 bits.
+    #[allow(clippy::unnecessary_cast)]
+    rustix::fs::fstatfs(file).is_ok_and(|fs| matches!(fs.f_type as u32, NFS | SMB | CIFS | SMB2))
 }
 
 /// Opens the engine file at `path`, creating it (mode 0600) if missing:
@@ -301,29 +481,29 @@ pub(crate) trait ClaimMarks {
 /// Slot 0, the writer's: queued transactional steps.
 impl ClaimMarks for EngineFile {
     fn started(&mut self, row_id: i64, token: i64) -> io::Result<()> {
-        self.file.write_all_at(&encode_slot(row_id, token), 0)
+        self.held.file.write_all_at(&encode_slot(row_id, token), 0)
     }
     fn finished(&mut self) -> io::Result<()> {
-        self.file.write_all_at(&[0u8; SLOT_BYTES as usize], 0)
+        self.held.file.write_all_at(&[0u8; SLOT_BYTES as usize], 0)
     }
 }
 
 /// A worker's claim slot: its own bytes of the engine file, written with
-/// positioned writes through its own handle, so no lock is shared.
+/// positioned writes (no file offset, so no lock is shared).
 #[derive(Debug)]
 pub(crate) struct ClaimSlot {
-    file: File,
+    held: Arc<Held>,
     index: usize,
 }
 
 impl ClaimMarks for ClaimSlot {
     fn started(&mut self, row_id: i64, token: i64) -> io::Result<()> {
         let at = self.index as u64 * SLOT_BYTES;
-        self.file.write_all_at(&encode_slot(row_id, token), at)
+        self.held.file.write_all_at(&encode_slot(row_id, token), at)
     }
     fn finished(&mut self) -> io::Result<()> {
         let at = self.index as u64 * SLOT_BYTES;
-        self.file.write_all_at(&[0u8; SLOT_BYTES as usize], at)
+        self.held.file.write_all_at(&[0u8; SLOT_BYTES as usize], at)
     }
 }
 
@@ -545,7 +725,7 @@ mod tests {
         let msg = Message::new("s", "m", vec![9u8; 10_000]);
         let hash = *blake3::hash(msg.payload()).as_bytes();
         InflightLog::begin(&mut file, "c", &msg, &hash, 0, 1).unwrap();
-        let mut worker = file.slot(3).unwrap();
+        let mut worker = file.slot(3);
         worker.started(42, 7).unwrap();
         ClaimMarks::started(&mut file, 41, 7).unwrap();
         let claim = |row_id, token| StartedClaim { row_id, token };
@@ -559,6 +739,39 @@ mod tests {
         file.clear().unwrap();
         assert!(file.started_claims().unwrap().is_empty());
         assert!(file.read().unwrap().is_none());
+    }
+
+    /// The database file's lock: refused to a second holder in this
+    /// process (one descriptor, so `flock` alone would let it in), taken
+    /// again once released, and kept through the engine file's deletion.
+    #[test]
+    fn the_database_lock_holds_whatever_is_deleted_beside_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("x.db");
+        std::fs::write(&db, b"").unwrap();
+        let mut first = EngineFile::lock(&db).unwrap();
+        first.lock_database(&db).unwrap();
+        let slot = first.slot(1);
+        std::fs::remove_file(EngineFile::path_for(&db)).unwrap();
+        let mut second = EngineFile::lock(&db).unwrap();
+        assert!(matches!(
+            second.lock_database(&db),
+            Err(Error::AlreadyOpen { .. })
+        ));
+        second.discard();
+        assert!(!EngineFile::path_for(&db).exists());
+        // A worker's slot keeps the locks after the writer's handle goes.
+        drop(first);
+        assert!(matches!(
+            DatabaseLock::acquire(&db),
+            Err(Error::AlreadyOpen { .. })
+        ));
+        drop(slot);
+        let again = DatabaseLock::acquire(&db).unwrap().unwrap();
+        drop(again);
+        // One descriptor for the file, however often it was locked.
+        let key = key_of(&std::fs::metadata(&db).unwrap());
+        assert!(registry().get(&key).is_some_and(|r| !r.held));
     }
 
     #[test]

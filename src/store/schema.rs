@@ -1,4 +1,10 @@
-//! Opening the database: pragmas, integrity check, schema and migrations.
+//! Opening the database: pragmas, integrity check, schema and migrations,
+//! and the file's own identity.
+//!
+//! Invariant: the instance id in `postroom_meta` (the stream an outbox's
+//! `seq` numbers downstream) belongs to this file: the file identity
+//! recorded beside it is this file's, or the engine's next open mints a
+//! new id ([`claim_identity`]) before anything is relayed.
 
 use std::fs::OpenOptions;
 use std::io;
@@ -340,12 +346,13 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
     }
     refuse_missing_triggers(&tx, &[])?;
     refuse_incomplete_schema(&tx)?;
+    refuse_altered_triggers(&tx)?;
     failpoint::hit("schema.migrate")?;
     tx.commit().map_err(|e| Error::sqlite("commit schema", e))
 }
 
 /// The triggers that keep `postroom_inbox_keys` in step with the inbox.
-const KEY_TRIGGERS: [&str; 5] = [
+pub(crate) const KEY_TRIGGERS: [&str; 5] = [
     "postroom_inbox_key_insert",
     "postroom_inbox_key_status",
     "postroom_inbox_key_delete",
@@ -384,6 +391,81 @@ fn refuse_missing_triggers(conn: &Connection, not_yet: &[&str]) -> Result<()> {
             ),
         )),
     }
+}
+
+/// Refuses a file where one of postroom's triggers is not the schema's
+/// ([`audit_triggers`]): what it keeps (the key table, the watermarks)
+/// would not be kept as every answer relies on. Someone else's trigger on
+/// a postroom table is left to `postroom check` to warn of.
+fn refuse_altered_triggers(conn: &Connection) -> Result<()> {
+    let found = audit_triggers(conn).map_err(|e| Error::sqlite("read schema", e))?;
+    match found.iter().find_map(|f| match f {
+        TriggerFinding::Altered(name) => Some(name),
+        _ => None,
+    }) {
+        None => Ok(()),
+        Some(name) => Err(Error::invalid(
+            "database",
+            format!(
+                "trigger {name} is not the one postroom's schema ships (its SQL was changed \
+                 outside postroom): postroom's answers depend on it; recreate it from \
+                 schema.sql (DROP TRIGGER {name}, then run the schema), and run `postroom check`"
+            ),
+        )),
+    }
+}
+
+/// What [`audit_triggers`] finds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum TriggerFinding {
+    /// One of the schema's triggers is not in the file.
+    Missing(&'static str),
+    /// One of the schema's triggers is there with other SQL (edited by
+    /// hand, or replaced): what it keeps is no longer kept as the engine
+    /// relies on.
+    Altered(&'static str),
+    /// A trigger on a postroom table that the schema does not have: it
+    /// runs inside the engine's statements.
+    Foreign { name: String, table: String },
+}
+
+/// Compares the file's triggers with the schema's, by their SQL (blanks
+/// collapsed): an allowlist, the schema's own, rather than a list of
+/// known ways to break them.
+pub(crate) fn audit_triggers(conn: &Connection) -> rusqlite::Result<Vec<TriggerFinding>> {
+    let shipped = Connection::open_in_memory()?;
+    shipped.execute_batch(SCHEMA_SQL)?;
+    let triggers = |conn: &Connection| -> rusqlite::Result<Vec<(String, String, String)>> {
+        conn.prepare(
+            "SELECT name, tbl_name, coalesce(sql, '') FROM sqlite_master WHERE type = 'trigger'",
+        )?
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+        .collect()
+    };
+    let squeeze = |sql: &str| sql.split_whitespace().collect::<Vec<_>>().join(" ");
+    let ours = triggers(&shipped)?;
+    let theirs = triggers(conn)?;
+    let mut found = Vec::new();
+    for name in schema_objects().filter_map(|(kind, name)| (kind == "trigger").then_some(name)) {
+        let want = ours
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .map(|(_, _, sql)| squeeze(sql));
+        match theirs.iter().find(|(n, _, _)| n == name) {
+            None => found.push(TriggerFinding::Missing(name)),
+            Some((_, _, sql)) if Some(squeeze(sql)) != want => {
+                found.push(TriggerFinding::Altered(name))
+            }
+            Some(_) => {}
+        }
+    }
+    for (name, table, _) in theirs {
+        let postroom_table = table.starts_with("postroom_");
+        if postroom_table && !ours.iter().any(|(n, _, _)| *n == name) {
+            found.push(TriggerFinding::Foreign { name, table });
+        }
+    }
+    Ok(found)
 }
 
 /// Every table, index and trigger [`SCHEMA_SQL`] creates, as
@@ -549,6 +631,123 @@ fn add_instance_id(tx: &Connection) -> rusqlite::Result<()> {
     .map(drop)
 }
 
+/// Where the file's identity on disk is recorded, beside its instance id.
+pub(crate) const FILE_IDENTITY_KEY: &str = "instance_file";
+
+/// The identity of the database file on this machine, as the instance id
+/// relies on it: a blake3 of its inode number, its birth time (where the
+/// filesystem records one) and the machine's `/etc/machine-id` (where
+/// readable). A copy of the file (another path, another device, a restore
+/// from a backup into a new file) differs in at least one of them; the
+/// file renamed in place, or the machine rebooted, does not. `st_dev` is
+/// left out: it is not stable across reboots for removable disks, LVM or
+/// btrfs. On FAT and exFAT, whose inode numbers are made up at each mount,
+/// the inode number is left out too. See docs/DESIGN.md "Files and schema".
+pub(crate) fn file_identity(db: &Path) -> io::Result<String> {
+    let meta = std::fs::metadata(db)?;
+    let mut h = blake3::Hasher::new();
+    h.update(b"postroom-file-identity\0");
+    if inode_numbers_are_stable(db) {
+        h.update(b"ino");
+        h.update(&meta.ino().to_le_bytes());
+    }
+    if let Some(born) = meta
+        .created()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+    {
+        h.update(b"btime");
+        h.update(&born.as_secs().to_le_bytes());
+        h.update(&born.subsec_nanos().to_le_bytes());
+    }
+    if let Some(id) = machine_id() {
+        h.update(b"machine");
+        h.update(id.as_bytes());
+    }
+    Ok(h.finalize().to_hex()[..32].to_owned())
+}
+
+fn machine_id() -> Option<String> {
+    ["/etc/machine-id", "/var/lib/dbus/machine-id"]
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok())
+        .map(|id| id.trim().to_owned())
+        .filter(|id| !id.is_empty())
+}
+
+/// False on FAT and exFAT: their inode numbers change from mount to mount.
+fn inode_numbers_are_stable(db: &Path) -> bool {
+    const MSDOS: u32 = 0x4d44;
+    const EXFAT: u32 = 0x2011_BAB0;
+    // The field's width and sign differ by architecture; magic numbers are
+    // 32 bits.
+    #[allow(clippy::unnecessary_cast)]
+    rustix::fs::statfs(db).map_or(true, |fs| !matches!(fs.f_type as u32, MSDOS | EXFAT))
+}
+
+/// A new instance id, when the file is not the one its id was given to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Reminted {
+    pub old: Option<String>,
+    pub new: String,
+}
+
+/// Makes the instance id the file's own: if the file identity recorded
+/// beside it ([`FILE_IDENTITY_KEY`]) is not this file's
+/// ([`file_identity`]) — the file is a copy, or was made by a build that
+/// recorded none — a new id is minted and this file's identity recorded,
+/// in one transaction. Without it, copies of one file (a golden image)
+/// would be one outbox stream downstream, and the second copy's rows would
+/// be answered as duplicates of the first's. Only the engine calls it,
+/// holding the database's lock.
+pub(crate) fn claim_identity(conn: &mut Connection, db: &Path) -> Result<Option<Reminted>> {
+    let identity =
+        file_identity(db).map_err(|e| Error::io("read the database file's identity", e))?;
+    let read = |conn: &Connection, key: &str| -> rusqlite::Result<Option<String>> {
+        conn.query_row(
+            "SELECT value FROM postroom_meta WHERE key = ?1",
+            [key],
+            |r| r.get(0),
+        )
+        .map(Some)
+        .or_else(|e| match e {
+            rusqlite::Error::QueryReturnedNoRows => Ok(None),
+            e => Err(e),
+        })
+    };
+    let err = |e| Error::sqlite("record the file's identity", e);
+    if read(conn, FILE_IDENTITY_KEY).map_err(err)?.as_deref() == Some(identity.as_str()) {
+        return Ok(None);
+    }
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(err)?;
+    let old = read(&tx, "instance_id").map_err(err)?;
+    let new: String = tx
+        .query_row("SELECT lower(hex(randomblob(16)))", [], |r| r.get(0))
+        .map_err(err)?;
+    tx.execute(
+        "INSERT OR REPLACE INTO postroom_meta (key, value) VALUES ('instance_id', ?1), (?2, ?3)",
+        rusqlite::params![new, FILE_IDENTITY_KEY, identity],
+    )
+    .map_err(err)?;
+    tx.commit().map_err(err)?;
+    Ok(Some(Reminted { old, new }))
+}
+
+/// Where this engine's lease tokens start: 62 random bits (at least 1).
+/// Not "the highest stored token + 1": a released row's token is cleared,
+/// and two engines that both read the same maximum would hand out the same
+/// tokens; random bases make two engines' tokens meet with a chance of
+/// about (claims made) / 2^62, should two ever run on one file (an older
+/// build that looks only at the engine file, a network filesystem).
+pub(crate) fn lease_token_base(conn: &Connection) -> Result<i64> {
+    conn.query_row("SELECT (random() & 4611686018427387903) | 1", [], |r| {
+        r.get(0)
+    })
+    .map_err(|e| Error::sqlite("pick the lease tokens' base", e))
+}
+
 /// Adds the inbox's sequence columns (schema version 6) to an inbox that
 /// lacks them, so that [`SCHEMA_SQL`]'s index and triggers on them can be
 /// created by any step; an inbox the schema is about to create (a rebuild
@@ -607,6 +806,31 @@ mod tests {
     use super::*;
 
     /// The open-time check knows every object the schema creates.
+    #[test]
+    fn lease_tokens_start_at_a_random_positive_base() {
+        let conn = Connection::open_in_memory().unwrap();
+        let bases: std::collections::HashSet<i64> =
+            (0..16).map(|_| lease_token_base(&conn).unwrap()).collect();
+        assert_eq!(bases.len(), 16);
+        assert!(bases.iter().all(|&b| (1..1 << 62).contains(&b)));
+    }
+
+    /// A copy of a file, at another path, has another identity; the same
+    /// file renamed keeps its own.
+    #[test]
+    fn a_copy_has_another_file_identity() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a.db");
+        std::fs::write(&a, b"x").unwrap();
+        let first = file_identity(&a).unwrap();
+        let b = dir.path().join("b.db");
+        std::fs::copy(&a, &b).unwrap();
+        assert_ne!(file_identity(&b).unwrap(), first);
+        let moved = dir.path().join("moved.db");
+        std::fs::rename(&a, &moved).unwrap();
+        assert_eq!(file_identity(&moved).unwrap(), first);
+    }
+
     #[test]
     fn every_object_of_the_schema_is_listed() {
         let objects: Vec<_> = schema_objects().collect();
