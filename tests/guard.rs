@@ -183,3 +183,95 @@ fn a_handler_cannot_drop_alter_or_create_postroom_objects() {
     );
     integrity_ok(&raw(&path));
 }
+
+/// Finding 6: pragmas the old denylist missed wedged every later write
+/// until the engine was reopened. Each is refused, and later deliveries
+/// (and dedupe) work.
+#[test]
+fn pragmas_outside_the_allowlist_are_refused_and_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let room = room(&path);
+    room.deliver("c", Message::new("s", "first", "x")).unwrap();
+    let attempts = [
+        "PRAGMA count_changes = 1",
+        "PRAGMA max_page_count = 1",
+        "PRAGMA main.max_page_count = 1",
+        "SELECT * FROM pragma_max_page_count(1)",
+        "PRAGMA defer_foreign_keys = 1",
+        "PRAGMA cache_size = 1",
+        "PRAGMA mmap_size = 0",
+        "PRAGMA temp_store = MEMORY",
+        "PRAGMA secure_delete = 1",
+        "PRAGMA automatic_index = 0",
+        "PRAGMA optimize",
+        "PRAGMA shrink_memory",
+        "PRAGMA incremental_vacuum",
+        "PRAGMA wal_checkpoint",
+        "PRAGMA no_such_pragma = 1",
+        "ATTACH ':memory:' AS other",
+        "ANALYZE",
+    ];
+    for (i, sql) in attempts.iter().enumerate() {
+        let outcome = room
+            .deliver("sql", Message::new("s", format!("q{i}"), *sql))
+            .unwrap();
+        assert!(
+            matches!(&outcome, Outcome::Dead { error, .. } if error.contains("not authorized")),
+            "{sql}: {outcome:?}"
+        );
+        assert_eq!(
+            room.deliver("c", Message::new("s", format!("after-q{i}"), "x"))
+                .unwrap(),
+            Outcome::Processed { attempts: 1 },
+            "after {sql}"
+        );
+        assert_eq!(
+            room.deliver("c", Message::new("s", "first", "x")).unwrap(),
+            Outcome::Duplicate,
+            "after {sql}"
+        );
+    }
+    assert_eq!(pragma(&room, "count_changes"), "0");
+    assert_ne!(pragma(&room, "max_page_count"), "1");
+}
+
+/// Finding 3, as it was: a handler reached the connection through `Tx`'s
+/// Deref and switched triggers (dedupe) off, or shortened the busy
+/// timeout, for every later message. `Tx` no longer derefs to the
+/// connection, so this cannot compile (see the `compile_fail` examples on
+/// `Tx`); kept here as it failed on 1b0f395.
+#[test]
+fn a_handler_cannot_turn_dedupe_off_or_the_busy_timeout_down_for_later_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let room = Postroom::builder()
+        .workers(0)
+        .consumer(
+            "evil",
+            handler_fn(|tx, msg| {
+                let _ = tx.set_db_config(
+                    rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_TRIGGER,
+                    false,
+                );
+                let _ = tx.busy_timeout(Duration::ZERO);
+                apply(tx, msg)
+            }),
+        )
+        .consumer("c", handler_fn(apply))
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    create_domain(&room);
+    room.deliver("evil", Message::new("s", "e", "x")).unwrap();
+    let outcomes: Vec<Outcome> = (0..3)
+        .map(|_| room.deliver("c", Message::new("s", "m", "x")).unwrap())
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::Processed { attempts: 1 },
+            Outcome::Duplicate,
+            Outcome::Duplicate
+        ]
+    );
+    assert_eq!(pragma(&room, "busy_timeout"), "5000");
+}
