@@ -197,7 +197,6 @@ fn pragmas_outside_the_allowlist_are_refused_and_change_nothing() {
         "PRAGMA count_changes = 1",
         "PRAGMA max_page_count = 1",
         "PRAGMA main.max_page_count = 1",
-        "SELECT * FROM pragma_max_page_count(1)",
         "PRAGMA defer_foreign_keys = 1",
         "PRAGMA cache_size = 1",
         "PRAGMA mmap_size = 0",
@@ -236,11 +235,13 @@ fn pragmas_outside_the_allowlist_are_refused_and_change_nothing() {
     assert_ne!(pragma(&room, "max_page_count"), "1");
 }
 
-/// Finding 3, as it was: a handler reached the connection through `Tx`'s
-/// Deref and switched triggers (dedupe) off, or shortened the busy
-/// timeout, for every later message. `Tx` no longer derefs to the
-/// connection, so this cannot compile (see the `compile_fail` examples on
-/// `Tx`); kept here as it failed on 1b0f395.
+/// Finding 3: on 1b0f395 a handler reached the connection through `Tx`'s
+/// Deref (`tx.set_db_config(SQLITE_DBCONFIG_ENABLE_TRIGGER, false)`,
+/// `tx.busy_timeout(Duration::ZERO)`): afterwards the same message
+/// delivered three times answered `Processed` three times. `Tx` no longer
+/// derefs to the connection, so that code does not compile (the
+/// `compile_fail` examples on `Tx`); what is left is SQL, and the
+/// allowlist refuses the SQL way to the same state.
 #[test]
 fn a_handler_cannot_turn_dedupe_off_or_the_busy_timeout_down_for_later_messages() {
     let dir = tempfile::tempdir().unwrap();
@@ -249,11 +250,19 @@ fn a_handler_cannot_turn_dedupe_off_or_the_busy_timeout_down_for_later_messages(
         .consumer(
             "evil",
             handler_fn(|tx, msg| {
-                let _ = tx.set_db_config(
-                    rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_TRIGGER,
-                    false,
-                );
-                let _ = tx.busy_timeout(Duration::ZERO);
+                for sql in [
+                    "PRAGMA busy_timeout = 0",
+                    "PRAGMA foreign_keys = 0",
+                    "PRAGMA writable_schema = 1",
+                    "PRAGMA recursive_triggers = 1",
+                    "DELETE FROM postroom_inbox",
+                    "UPDATE postroom_inbox SET status = 'failed'",
+                    "INSERT INTO postroom_outbox (topic) VALUES ('x')",
+                    "DELETE FROM sqlite_stat1",
+                ] {
+                    let denied = tx.execute_batch(sql).unwrap_err().to_string();
+                    assert!(denied.contains("not authorized"), "{sql}: {denied}");
+                }
                 apply(tx, msg)
             }),
         )
@@ -261,9 +270,11 @@ fn a_handler_cannot_turn_dedupe_off_or_the_busy_timeout_down_for_later_messages(
         .open(dir.path().join("app.db"))
         .unwrap();
     create_domain(&room);
-    room.deliver("evil", Message::new("s", "e", "x")).unwrap();
     let outcomes: Vec<Outcome> = (0..3)
-        .map(|_| room.deliver("c", Message::new("s", "m", "x")).unwrap())
+        .map(|_| {
+            room.deliver("evil", Message::new("s", "e", "x")).unwrap();
+            room.deliver("c", Message::new("s", "m", "x")).unwrap()
+        })
         .collect();
     assert_eq!(
         outcomes,
@@ -274,4 +285,99 @@ fn a_handler_cannot_turn_dedupe_off_or_the_busy_timeout_down_for_later_messages(
         ]
     );
     assert_eq!(pragma(&room, "busy_timeout"), "5000");
+}
+
+/// Statements a handler prepares through the statement cache are its own:
+/// the engine's cached `RELEASE postroom_handler` (prepared unguarded) is
+/// not handed out, so the authorizer sees, and denies, the handler's.
+#[test]
+fn a_handler_never_gets_the_engines_cached_statements() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let room = Postroom::builder()
+        .workers(0)
+        .max_attempts(1)
+        .consumer(
+            "cached",
+            handler_fn(|tx, msg| {
+                let sql = String::from_utf8(msg.payload().to_vec())
+                    .map_err(|e| Failure::reject(e.to_string()))?;
+                tx.execute(&sql, [])?;
+                apply(tx, msg)
+            }),
+        )
+        .consumer("c", handler_fn(apply))
+        .open(&path)
+        .unwrap();
+    create_domain(&room);
+    // The engine has run (and cached) its savepoint statements.
+    room.deliver("c", Message::new("s", "first", "x")).unwrap();
+    for (i, sql) in ["RELEASE postroom_handler", "ROLLBACK TO postroom_handler"]
+        .iter()
+        .enumerate()
+    {
+        let outcome = room
+            .deliver("cached", Message::new("s", format!("r{i}"), *sql))
+            .unwrap();
+        assert!(
+            matches!(&outcome, Outcome::Dead { error, .. } if error.contains("not authorized")),
+            "{sql}: {outcome:?}"
+        );
+        assert_eq!(
+            room.deliver("c", Message::new("s", "first", "x")).unwrap(),
+            Outcome::Duplicate
+        );
+    }
+    integrity_ok(&raw(&path));
+}
+
+/// What a handler may do stays possible: savepoints of its own (and
+/// `Tx::savepoint`, whose rolled-back publishes are gone), tables with
+/// AUTOINCREMENT created, renamed and dropped, reading postroom's tables.
+#[test]
+fn a_handlers_own_savepoints_and_schema_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let room = Postroom::builder()
+        .workers(0)
+        .max_attempts(1)
+        .consumer(
+            "c",
+            handler_fn(|tx, msg| {
+                tx.execute_batch(
+                    "CREATE TABLE IF NOT EXISTS auto (id INTEGER PRIMARY KEY AUTOINCREMENT, v);
+                     INSERT INTO auto (v) VALUES (1);
+                     ALTER TABLE auto RENAME TO auto2;
+                     DROP TABLE auto2;
+                     SAVEPOINT mine; INSERT INTO applied VALUES ('x', 'y', NULL);
+                     ROLLBACK TO mine; RELEASE mine;",
+                )?;
+                let seen: i64 =
+                    tx.query_row("SELECT count(*) FROM postroom_inbox", [], |r| r.get(0))?;
+                assert!(seen >= 0);
+                let kept = tx.savepoint(|tx| {
+                    tx.publish(postroom::Outgoing::new("kept", "k"))?;
+                    Ok::<_, Failure>(tx.last_insert_rowid())
+                })?;
+                assert!(kept > 0);
+                let dropped = tx.savepoint(|tx| {
+                    tx.publish(postroom::Outgoing::new("dropped", "d"))?;
+                    Err::<(), _>(Failure::retry("changed my mind"))
+                });
+                assert!(dropped.is_err());
+                apply(tx, msg)
+            }),
+        )
+        .open(&path)
+        .unwrap();
+    create_domain(&room);
+    assert_eq!(
+        room.deliver("c", Message::new("s", "m", "x")).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    let conn = raw(&path);
+    let topics = column::<Vec<String>>(&conn, "SELECT topic FROM postroom_outbox ORDER BY seq");
+    assert_eq!(topics, ["kept", "applied"]);
+    assert_eq!(count(&conn, "SELECT count(*) FROM applied WHERE consumer = 'x'"), 0);
+    integrity_ok(&conn);
 }

@@ -749,16 +749,19 @@ fn a_handler_cannot_change_how_the_engine_commits() {
             "PRAGMA locking_mode = EXCLUSIVE",
             "PRAGMA wal_checkpoint",
             "PRAGMA wal_checkpoint(TRUNCATE)",
+            // Connection state too: the allowlist sets none of it.
+            "PRAGMA cache_size = -4000",
         ],
     );
-    // Reading them, and setting anything else, is the handler's business.
+    // Reading them, and setting the application's header fields, is the
+    // handler's business.
     let ok = room
         .deliver(
             "c",
             Message::new(
                 "b",
                 "reads",
-                "PRAGMA synchronous; PRAGMA cache_size = -4000;",
+                "PRAGMA synchronous; PRAGMA user_version = 3;",
             ),
         )
         .unwrap();
