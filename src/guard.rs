@@ -313,6 +313,19 @@ pub(crate) fn user_sql(sql: &str) -> String {
     tagged
 }
 
+/// Runs `f` with `flag` set to `value`, then sets it back (on a panic too).
+fn set_during<T>(flag: &AtomicBool, value: bool, f: impl FnOnce() -> T) -> T {
+    struct Reset<'a>(&'a AtomicBool, bool);
+    impl Drop for Reset<'_> {
+        fn drop(&mut self) {
+            self.0.store(self.1, Ordering::Relaxed);
+        }
+    }
+    let before = flag.swap(value, Ordering::Relaxed);
+    let _reset = Reset(flag, before);
+    f()
+}
+
 /// The connection state [`UserCodeGuard::verify`] holds user code to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Expected {
@@ -366,7 +379,13 @@ impl Expected {
 /// to. Cloning shares both.
 #[derive(Debug, Clone)]
 pub(crate) struct UserCodeGuard {
+    /// User code is running: commits are vetoed, the allowlist applies.
     in_user_code: Arc<AtomicBool>,
+    /// Engine code runs from inside user code (`publish`): the allowlist
+    /// is lifted, the commit veto is not (after SQLite rolled the
+    /// transaction back by itself, `publish`'s insert would otherwise
+    /// commit on its own).
+    engine_inside: Arc<AtomicBool>,
     expected: Arc<Mutex<Expected>>,
 }
 
@@ -377,11 +396,16 @@ impl UserCodeGuard {
     pub fn install(conn: &mut Connection) -> rusqlite::Result<UserCodeGuard> {
         let guard = UserCodeGuard {
             in_user_code: Arc::default(),
+            engine_inside: Arc::default(),
             expected: Arc::new(Mutex::new(Expected::read(conn)?)),
         };
         let in_user_code = Arc::clone(&guard.in_user_code);
+        let engine_inside = Arc::clone(&guard.engine_inside);
         conn.authorizer(Some(move |ctx: AuthContext<'_>| {
-            if !in_user_code.load(Ordering::Relaxed) || user_code_may(&ctx.action) {
+            if !in_user_code.load(Ordering::Relaxed)
+                || engine_inside.load(Ordering::Relaxed)
+                || user_code_may(&ctx.action)
+            {
                 Authorization::Allow
             } else {
                 // The statement fails `not authorized`; this says why.
@@ -396,26 +420,14 @@ impl UserCodeGuard {
 
     /// Runs `f` with the allowlist applied and commits vetoed.
     pub fn run<T>(&self, f: impl FnOnce() -> T) -> T {
-        self.with(true, f)
+        set_during(&self.in_user_code, true, f)
     }
 
     /// Runs engine code `f` from inside user code (a `Tx` method that
     /// writes postroom's tables, as `publish` does) with the allowlist
-    /// lifted. `f` must not run user code.
+    /// lifted; commits stay vetoed. `f` must not run user code.
     pub fn engine<T>(&self, f: impl FnOnce() -> T) -> T {
-        self.with(false, f)
-    }
-
-    fn with<T>(&self, guarded: bool, f: impl FnOnce() -> T) -> T {
-        struct Reset<'a>(&'a AtomicBool, bool);
-        impl Drop for Reset<'_> {
-            fn drop(&mut self) {
-                self.0.store(self.1, Ordering::Relaxed);
-            }
-        }
-        let before = self.in_user_code.swap(guarded, Ordering::Relaxed);
-        let _reset = Reset(&self.in_user_code, before);
-        f()
+        set_during(&self.engine_inside, true, f)
     }
 
     /// Checks, after user code ran on `conn`, that the connection state the
