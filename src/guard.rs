@@ -168,14 +168,14 @@ pub(crate) const FLAGS: [DbConfig; 15] = [
 /// the flags that decide whether the engine's writes and constraints act.
 /// Each read is one cached statement (see `verify`'s cost in
 /// docs/DESIGN.md).
-pub(crate) const PRAGMAS: [&str; 7] = [
-    "busy_timeout",
-    "max_page_count",
-    "count_changes",
-    "query_only",
-    "synchronous",
-    "recursive_triggers",
-    "ignore_check_constraints",
+pub(crate) const PRAGMAS: [(&str, &str); 7] = [
+    ("busy_timeout", "PRAGMA busy_timeout"),
+    ("max_page_count", "PRAGMA max_page_count"),
+    ("count_changes", "PRAGMA count_changes"),
+    ("query_only", "PRAGMA query_only"),
+    ("synchronous", "PRAGMA synchronous"),
+    ("recursive_triggers", "PRAGMA recursive_triggers"),
+    ("ignore_check_constraints", "PRAGMA ignore_check_constraints"),
 ];
 
 /// True for a name in postroom's namespace: its tables, indexes, triggers.
@@ -333,10 +333,8 @@ struct Expected {
     pragmas: [i64; PRAGMAS.len()],
 }
 
-fn read_pragma(conn: &Connection, name: &str) -> rusqlite::Result<i64> {
-    // The names are the constants above: no user text reaches this SQL.
-    conn.prepare_cached(&format!("PRAGMA {name}"))?
-        .query_row([], |r| r.get(0))
+fn read_pragma(conn: &Connection, sql: &str) -> rusqlite::Result<i64> {
+    conn.prepare_cached(sql)?.query_row([], |r| r.get(0))
 }
 
 impl Expected {
@@ -346,8 +344,8 @@ impl Expected {
             *value = conn.db_config(flag)?;
         }
         let mut pragmas = [0; PRAGMAS.len()];
-        for (value, name) in pragmas.iter_mut().zip(PRAGMAS) {
-            *value = read_pragma(conn, name)?;
+        for (value, (_, sql)) in pragmas.iter_mut().zip(PRAGMAS) {
+            *value = read_pragma(conn, sql)?;
         }
         Ok(Expected { flags, pragmas })
     }
@@ -363,7 +361,7 @@ impl Expected {
                 }
             }
         }
-        for ((name, want), got) in PRAGMAS.iter().zip(self.pragmas).zip(found.pragmas) {
+        for (((name, _), want), got) in PRAGMAS.iter().zip(self.pragmas).zip(found.pragmas) {
             if want != got {
                 changed.push(format!("{name} {got} (was {want})"));
                 if let Err(e) = conn.pragma_update(None, name, want) {
@@ -528,10 +526,10 @@ mod cost {
             }
         }
         println!("flags: {:?}", t.elapsed() / n);
-        for p in PRAGMAS {
+        for (p, sql) in PRAGMAS {
             let t = std::time::Instant::now();
             for _ in 0..n {
-                read_pragma(&conn, p).unwrap();
+                read_pragma(&conn, sql).unwrap();
             }
             println!("{p}: {:?}", t.elapsed() / n);
         }
