@@ -175,7 +175,10 @@ pub(crate) const PRAGMAS: [(&str, &str); 7] = [
     ("query_only", "PRAGMA query_only"),
     ("synchronous", "PRAGMA synchronous"),
     ("recursive_triggers", "PRAGMA recursive_triggers"),
-    ("ignore_check_constraints", "PRAGMA ignore_check_constraints"),
+    (
+        "ignore_check_constraints",
+        "PRAGMA ignore_check_constraints",
+    ),
 ];
 
 /// True for a name in postroom's namespace: its tables, indexes, triggers.

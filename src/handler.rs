@@ -260,9 +260,9 @@ impl<'c> Tx<'c> {
             .check_outgoing(&out)
             .map_err(|e| Failure::reject(e.to_string()))?;
         // The engine's own write to its table, which user SQL may not do.
-        let id = self.guard.engine(|| {
-            outbox::insert(self.conn, &out, self.cause, self.published, self.now_ms)
-        })?;
+        let id = self
+            .guard
+            .engine(|| outbox::insert(self.conn, &out, self.cause, self.published, self.now_ms))?;
         self.published += 1;
         Ok(id)
     }

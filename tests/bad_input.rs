@@ -542,7 +542,10 @@ fn tighten_quota(room: &Postroom) -> i64 {
         .transaction(|tx| Ok(tx.query_row("PRAGMA page_count", [], |r| r.get(0))?))
         .unwrap();
     let quota = u32::try_from(pages + 30).unwrap();
-    assert_eq!(room.set_max_page_count_for_tests(quota).unwrap(), u64::from(quota));
+    assert_eq!(
+        room.set_max_page_count_for_tests(quota).unwrap(),
+        u64::from(quota)
+    );
     pages
 }
 

@@ -378,6 +378,9 @@ fn a_handlers_own_savepoints_and_schema_work() {
     let conn = raw(&path);
     let topics = column::<Vec<String>>(&conn, "SELECT topic FROM postroom_outbox ORDER BY seq");
     assert_eq!(topics, ["kept", "applied"]);
-    assert_eq!(count(&conn, "SELECT count(*) FROM applied WHERE consumer = 'x'"), 0);
+    assert_eq!(
+        count(&conn, "SELECT count(*) FROM applied WHERE consumer = 'x'"),
+        0
+    );
     integrity_ok(&conn);
 }

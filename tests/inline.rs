@@ -758,11 +758,7 @@ fn a_handler_cannot_change_how_the_engine_commits() {
     let ok = room
         .deliver(
             "c",
-            Message::new(
-                "b",
-                "reads",
-                "PRAGMA synchronous; PRAGMA user_version = 3;",
-            ),
+            Message::new("b", "reads", "PRAGMA synchronous; PRAGMA user_version = 3;"),
         )
         .unwrap();
     assert_eq!(ok, Outcome::Processed { attempts: 1 });
