@@ -504,7 +504,7 @@ mod tests {
     #[test]
     fn verify_is_cheap() {
         let (conn, guard) = guarded();
-        let n = 20_000;
+        let n = 2_000;
         let start = std::time::Instant::now();
         for _ in 0..n {
             assert_eq!(guard.verify(&conn).unwrap(), None);
@@ -515,26 +515,70 @@ mod tests {
     }
 }
 
+/// What `verify` costs beside a delivery: `cargo test --release --lib
+/// guard::cost -- --ignored --nocapture` (numbers in docs/DESIGN.md).
 #[cfg(test)]
 mod cost {
     use super::*;
+    use std::time::{Duration, Instant};
+
     #[test]
-    fn cost_breakdown() {
+    #[ignore = "a measurement; run it in release"]
+    fn verify_beside_a_delivery() {
         let conn = Connection::open_in_memory().unwrap();
-        let n = 5000;
-        let t = std::time::Instant::now();
+        let n = 20_000;
+        let t = Instant::now();
         for _ in 0..n {
             for f in FLAGS {
                 conn.db_config(f).unwrap();
             }
         }
-        println!("flags: {:?}", t.elapsed() / n);
+        println!("{} flags: {:?}", FLAGS.len(), t.elapsed() / n);
         for (p, sql) in PRAGMAS {
-            let t = std::time::Instant::now();
+            let t = Instant::now();
             for _ in 0..n {
                 read_pragma(&conn, sql).unwrap();
             }
             println!("{p}: {:?}", t.elapsed() / n);
         }
+        let mut conn = conn;
+        let guard = UserCodeGuard::install(&mut conn).unwrap();
+        let t = Instant::now();
+        for _ in 0..n {
+            assert_eq!(guard.verify(&conn).unwrap(), None);
+        }
+        println!("verify: {:?}", t.elapsed() / n);
+
+        // A delivery with a one-row handler, delivered from 4 threads so
+        // batches form, as on a busy engine.
+        let dir = tempfile::tempdir().unwrap();
+        let room = crate::Postroom::builder()
+            .workers(0)
+            .consumer(
+                "c",
+                crate::handler_fn(|tx, msg| {
+                    tx.execute("INSERT INTO t VALUES (?1)", [msg.id()])?;
+                    Ok(())
+                }),
+            )
+            .open(dir.path().join("app.db"))
+            .unwrap();
+        room.transaction(|tx| Ok(tx.execute_batch("CREATE TABLE t (id TEXT)")?))
+            .unwrap();
+        let per_thread = 5_000;
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for th in 0..4 {
+                let room = &room;
+                s.spawn(move || {
+                    for i in 0..per_thread {
+                        let msg = crate::Message::new("s", format!("{th}-{i}"), "x");
+                        room.deliver("c", msg).unwrap();
+                    }
+                });
+            }
+        });
+        println!("delivery: {:?} per message", t.elapsed() / (4 * per_thread));
+        room.shutdown(Duration::from_secs(10)).unwrap();
     }
 }
