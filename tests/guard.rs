@@ -1,8 +1,11 @@
 //! Handler SQL runs on the engine's write connection, inside the engine's
 //! transaction; it must not be able to turn a guarantee off for later
-//! batches: no setting of connection-state pragmas, no schema changes to
-//! postroom's objects. A denied statement fails like any SQL error: the
-//! attempt fails, nothing of it is stored, the engine carries on.
+//! batches. A `Tx` is not the connection (what would set connection state
+//! does not compile: the `compile_fail` examples on `Tx`), and its SQL
+//! passes an allowlist: no pragma sets connection state, no schema change
+//! or write touches postroom's objects, no statement the engine cached is
+//! handed out. A denied statement fails like any SQL error: the attempt
+//! fails, nothing of it is stored, the engine carries on.
 
 mod common;
 
