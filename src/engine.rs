@@ -689,6 +689,8 @@ impl Postroom {
     ///
     /// If `f` fails or panics its writes are rolled back and the failure is
     /// returned as [`Error::Aborted`] (or the SQLite error it carried).
+    /// `f` gets the same [`Tx`] a handler does, under the same rules: SQL
+    /// for the application's tables, no connection settings.
     pub fn transaction<T, F>(&self, f: F) -> Result<T>
     where
         T: Send + 'static,
