@@ -371,7 +371,7 @@ pub(crate) fn run_user_step(
             attempt: at.attempt,
             received_at: at.received_at,
         };
-        let mut tx = Tx::new(conn, env.config, env.now_ms, Some(cause));
+        let mut tx = Tx::new(conn, env.config, env.guard, env.now_ms, Some(cause));
         let guard = env.guard;
         panic::catch_unwind(AssertUnwindSafe(|| guard.run(|| body(&mut tx))))
     };
@@ -381,7 +381,15 @@ pub(crate) fn run_user_step(
         // this batch was stored; not the message's fault.
         return Err(rolled_back("handler", result.ok().and_then(Result::err)));
     }
+    // Before anything is recorded: the state dedupe and the engine's writes
+    // rest on (see `guard`). Changed, it is restored and the attempt fails
+    // for good: the handler would do it again.
+    let changed = env
+        .guard
+        .verify(conn)
+        .map_err(|e| Error::sqlite("verify connection state", e))?;
     let failure = match result {
+        _ if changed.is_some() => changed.map(Failure::reject),
         Ok(Ok(())) => None,
         Ok(Err(failure)) => Some(failure),
         Err(panic) => Some(Failure::retry(format_args!(

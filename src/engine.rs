@@ -702,14 +702,16 @@ impl Postroom {
     ///
     /// If `f` fails or panics its writes are rolled back and the failure is
     /// returned as [`Error::Aborted`] (or the SQLite error it carried).
+    /// `f` gets the same [`Tx`] a handler does, under the same rules: SQL
+    /// for the application's tables, no connection settings.
     pub fn transaction<T, F>(&self, f: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnOnce(&mut Tx<'_>) -> Result<T, Failure> + Send + 'static,
     {
         self.submit(move |w| {
-            let mut tx = Tx::new(w.conn, w.config, w.clock.now_ms(), None);
             let guard = w.guard;
+            let mut tx = Tx::new(w.conn, w.config, guard, w.clock.now_ms(), None);
             let result = panic::catch_unwind(AssertUnwindSafe(|| guard.run(|| f(&mut tx))));
             if w.conn.is_autocommit() {
                 // SQLite rolled back by itself (see `guard`).
@@ -717,6 +719,13 @@ impl Postroom {
                     "transaction",
                     result.ok().and_then(Result::err),
                 ));
+            }
+            // As after a handler (see `delivery::run_user_step`).
+            if let Some(reason) = guard
+                .verify(w.conn)
+                .map_err(|e| Error::sqlite("verify connection state", e))?
+            {
+                return Err(Error::Aborted { reason });
             }
             match result {
                 Ok(Ok(value)) => Ok(value),
@@ -728,6 +737,26 @@ impl Postroom {
                     reason: format!("closure panicked: {}", panic_message(panic.as_ref())),
                 }),
             }
+        })
+    }
+
+    /// Test support, not part of the API: sets the write connection's page
+    /// quota (`PRAGMA max_page_count`), which is how the tests fill the
+    /// disk on demand, and returns the quota now in force. User code cannot
+    /// set it (it is connection state; see [`Tx`]).
+    #[doc(hidden)]
+    pub fn set_max_page_count_for_tests(&self, pages: u32) -> Result<u64> {
+        self.submit(move |w| {
+            let sql = format!("PRAGMA max_page_count = {pages}");
+            let set: i64 = w
+                .conn
+                .query_row(&sql, [], |r| r.get(0))
+                .map_err(|e| Error::sqlite("set max_page_count", e))?;
+            // The engine's own change: the state user code is held to now.
+            w.guard
+                .rebase(w.conn)
+                .map_err(|e| Error::sqlite("read connection state", e))?;
+            Ok(u64::try_from(set).unwrap_or(0))
         })
     }
 

@@ -1,15 +1,20 @@
 //! Keeps user code (handlers, transaction closures) from committing
 //! anything by itself, or from changing what later batches run with.
 //!
+//! User code never holds the connection: [`Tx`](crate::Tx) hands out SQL
+//! (statements, queries, batches, savepoints of its own), nothing that sets
+//! connection state (`set_db_config`, `busy_timeout`, hooks, functions,
+//! `ATTACH` through the API...). So everything user code does reaches
+//! SQLite as SQL, and all SQL passes the authorizer when it is prepared.
+//!
 //! Invariant: while user code runs, no commit can happen on the write
 //! connection. Two hooks enforce it:
-//! * the authorizer (run when a statement is prepared) denies `BEGIN`,
-//!   `COMMIT`, `ROLLBACK` and the engine's savepoints, so the common mistake
-//!   gets a clear `not authorized` error and changes nothing;
+//! * the authorizer denies `BEGIN`, `COMMIT`, `ROLLBACK` and the engine's
+//!   savepoints, so the common mistake gets a clear `not authorized` error
+//!   and changes nothing;
 //! * the commit hook vetoes every commit, which turns it into a rollback.
-//!   This catches what the authorizer cannot: the engine's own cached
-//!   `COMMIT` fetched through `prepare_cached`, and, after SQLite rolled the
-//!   whole transaction back by itself (a full disk, an I/O error), the
+//!   This catches what the authorizer cannot: after SQLite rolled the whole
+//!   transaction back by itself (a full disk, an I/O error), the
 //!   auto-committing statements user code would run next. Without it such a
 //!   statement would commit half a handler's work on its own.
 //!
@@ -17,57 +22,163 @@
 //! batch: nothing of it was stored or acknowledged.
 //!
 //! Invariant: user code cannot turn a guarantee off for later batches. The
-//! write connection is shared by every batch, so the authorizer also
-//! denies, while user code runs:
-//! * setting a pragma of [`ENGINE_PRAGMAS`]: connection state that decides
-//!   how the engine's commits reach the disk, whether its statements may
-//!   write, and whether postroom's constraints and triggers hold (a value
-//!   set would stick until the engine is reopened);
-//! * creating, dropping or altering any object named `postroom_*`, and
-//!   creating an index or trigger (temporary ones included) on a postroom
-//!   table: dropping `postroom_inbox_key_insert` would silently turn dedupe
-//!   off, a trigger on the outbox could eat what handlers publish.
+//! authorizer is an ALLOWLIST ([`user_code_may`]): reads, selects,
+//! functions, recursive CTEs; writes to the application's tables; the
+//! application's own schema changes (never on a `postroom_*` object, nor an
+//! index or trigger on a postroom table); savepoints of its own; and only
+//! the pragmas of [`REPORTING_PRAGMAS`] (no argument), [`ASKING_PRAGMAS`]
+//! (an argument naming what to report on) and [`APP_PRAGMAS`] (the file
+//! header fields that belong to the application). Everything else, and
+//! anything a newer SQLite may add, is denied: transaction control,
+//! `ATTACH`/`DETACH`, `ANALYZE`, writes to postroom's tables and to most of
+//! SQLite's own (`sqlite_stat1`), and every pragma that sets
+//! connection state or acts (`count_changes`, `max_page_count`,
+//! `optimize`, `wal_checkpoint`, `incremental_vacuum`, ...).
+//!
+//! Statements user code prepares through the connection's statement cache
+//! are keyed apart from the engine's ([`user_sql`]): a cache hit skips the
+//! authorizer, so user code must never be handed a statement the engine
+//! prepared unguarded (its `RELEASE postroom_handler`, its inbox writes).
+//!
+//! Invariant, checked rather than assumed: after each piece of user code,
+//! before the engine records or commits anything, [`UserCodeGuard::verify`]
+//! compares the connection state the guarantees rest on ([`FLAGS`],
+//! [`PRAGMAS`]) with what it was when the guard was installed; a
+//! difference is restored, logged, and fails that attempt. Nothing user
+//! code can reach should change it: this is the net under the allowlist.
 //!
 //! A denied statement fails to prepare (`not authorized`); the handler's
-//! attempt fails like on any other SQL error. Reading those pragmas, the
-//! application's own pragmas (`user_version`, `application_id`, ...) and
-//! the application's own schema changes stay allowed.
+//! attempt fails like on any other SQL error.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
-use rusqlite::hooks::{AuthAction, AuthContext, Authorization};
+use rusqlite::config::DbConfig;
+use rusqlite::hooks::{AuthAction, AuthContext, Authorization, TransactionOperation};
 use rusqlite::Connection;
 
 /// Prefix of the engine's savepoints and schema objects.
 const ENGINE_PREFIX: &str = "postroom_";
 
-/// Pragmas user code may read but not set (`wal_checkpoint` not even run):
-/// durability, the WAL and the WAL hook that `wal_autocheckpoint` would
-/// silently replace; the lock and the busy timeout; whether the connection
-/// may write; how schema, constraints, foreign keys and triggers behave;
-/// and what the engine's queries return.
-const ENGINE_PRAGMAS: [&str; 20] = [
-    "synchronous",
+/// Prefixed to every statement user code prepares, so that its cached
+/// statements never share a cache entry with the engine's (the engine's
+/// SQL never starts with it). See the module doc.
+const USER_SQL_TAG: &str = "/* postroom: user code */ ";
+
+/// Pragmas user code may run without an argument: they only report a
+/// value, change nothing and act on nothing. (`optimize`, `wal_checkpoint`,
+/// `shrink_memory`, `incremental_vacuum` act even without one: not here.)
+pub(crate) const REPORTING_PRAGMAS: &[&str] = &[
+    "analysis_limit",
+    "application_id",
+    "auto_vacuum",
+    "automatic_index",
+    "busy_timeout",
+    "cache_size",
+    "cache_spill",
+    "cell_size_check",
+    "checkpoint_fullfsync",
+    "collation_list",
+    "compile_options",
+    "count_changes",
+    "data_version",
+    "database_list",
+    "defer_foreign_keys",
+    "encoding",
+    "foreign_key_check",
+    "foreign_keys",
+    "freelist_count",
+    "fullfsync",
+    "function_list",
+    "hard_heap_limit",
+    "ignore_check_constraints",
+    "integrity_check",
     "journal_mode",
     "journal_size_limit",
-    "locking_mode",
-    "wal_autocheckpoint",
-    "wal_checkpoint",
-    "busy_timeout",
-    "query_only",
-    "foreign_keys",
-    "writable_schema",
-    "schema_version",
-    "recursive_triggers",
-    "ignore_check_constraints",
     "legacy_alter_table",
-    "trusted_schema",
-    "cell_size_check",
+    "locking_mode",
+    "max_page_count",
+    "mmap_size",
+    "module_list",
+    "page_count",
+    "page_size",
+    "pragma_list",
+    "query_only",
+    "quick_check",
     "read_uncommitted",
+    "recursive_triggers",
     "reverse_unordered_selects",
-    "case_sensitive_like",
-    "fullfsync",
+    "schema_version",
+    "secure_delete",
+    "soft_heap_limit",
+    "synchronous",
+    "table_list",
+    "temp_store",
+    "threads",
+    "trusted_schema",
+    "user_version",
+    "wal_autocheckpoint",
+    "writable_schema",
+];
+
+/// Pragmas whose argument names what to report on (a table, an index, a
+/// row limit), never a value to set.
+pub(crate) const ASKING_PRAGMAS: &[&str] = &[
+    "foreign_key_check",
+    "foreign_key_list",
+    "index_info",
+    "index_list",
+    "index_xinfo",
+    "integrity_check",
+    "quick_check",
+    "table_info",
+    "table_list",
+    "table_xinfo",
+];
+
+/// Pragmas user code may set: file header fields that belong to the
+/// application (its schema version, its file type), which postroom never
+/// reads.
+pub(crate) const APP_PRAGMAS: &[&str] = &["user_version", "application_id"];
+
+/// `sqlite3_db_config` flags the engine relies on: triggers (dedupe, the
+/// watermarks), foreign keys, views, the schema's protection and how it is
+/// read, query planning. Each read is one C call with no SQL.
+pub(crate) const FLAGS: [DbConfig; 15] = [
+    DbConfig::SQLITE_DBCONFIG_ENABLE_TRIGGER,
+    DbConfig::SQLITE_DBCONFIG_ENABLE_FKEY,
+    DbConfig::SQLITE_DBCONFIG_ENABLE_VIEW,
+    DbConfig::SQLITE_DBCONFIG_DEFENSIVE,
+    DbConfig::SQLITE_DBCONFIG_WRITABLE_SCHEMA,
+    DbConfig::SQLITE_DBCONFIG_TRUSTED_SCHEMA,
+    DbConfig::SQLITE_DBCONFIG_LEGACY_ALTER_TABLE,
+    DbConfig::SQLITE_DBCONFIG_DQS_DML,
+    DbConfig::SQLITE_DBCONFIG_DQS_DDL,
+    DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG,
+    DbConfig::SQLITE_DBCONFIG_TRIGGER_EQP,
+    DbConfig::SQLITE_DBCONFIG_RESET_DATABASE,
+    DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE,
+    DbConfig::SQLITE_DBCONFIG_LEGACY_FILE_FORMAT,
+    DbConfig::SQLITE_DBCONFIG_REVERSE_SCANORDER,
+];
+
+/// Connection state only a pragma reports, each a whole number: the ones
+/// whose change wedged or weakened the engine (finding 3 and 6 of issue
+/// 31: `busy_timeout`, `count_changes`, `max_page_count`), durability, and
+/// the flags that decide whether the engine's writes and constraints act.
+/// Each read is one cached statement (see `verify`'s cost in
+/// docs/DESIGN.md).
+pub(crate) const PRAGMAS: [(&str, &str); 7] = [
+    ("busy_timeout", "PRAGMA busy_timeout"),
+    ("max_page_count", "PRAGMA max_page_count"),
+    ("count_changes", "PRAGMA count_changes"),
+    ("query_only", "PRAGMA query_only"),
+    ("synchronous", "PRAGMA synchronous"),
+    ("recursive_triggers", "PRAGMA recursive_triggers"),
+    (
+        "ignore_check_constraints",
+        "PRAGMA ignore_check_constraints",
+    ),
 ];
 
 /// True for a name in postroom's namespace: its tables, indexes, triggers.
@@ -76,10 +187,44 @@ fn is_engine_object(name: &str) -> bool {
         .is_some_and(|prefix| prefix.eq_ignore_ascii_case(ENGINE_PREFIX))
 }
 
-/// True when `action` creates, drops or alters one of postroom's objects,
-/// or hangs an index or trigger on one of its tables.
-fn changes_engine_schema(action: &AuthAction<'_>) -> bool {
-    match *action {
+fn listed(list: &[&str], name: &str) -> bool {
+    list.iter().any(|p| p.eq_ignore_ascii_case(name))
+}
+
+/// SQLite's own tables that user code may write: those SQLite writes
+/// itself for an allowed schema change, which the authorizer sees as
+/// writes. The schema table (writing it directly needs `writable_schema`,
+/// which user code cannot set) and `sqlite_sequence`, which `ALTER TABLE
+/// .. RENAME` and `DROP TABLE` of an application's `AUTOINCREMENT` table
+/// update. (The one postroom counter there is `postroom_conflicts`': a
+/// handler rewriting it could only make an id of a conflict already gone
+/// be given again.) Not `sqlite_stat1`: it steers the engine's plans.
+const SQLITE_TABLES_WRITTEN: [&str; 5] = [
+    "sqlite_master",
+    "sqlite_temp_master",
+    "sqlite_schema",
+    "sqlite_temp_schema",
+    "sqlite_sequence",
+];
+
+/// True when user code may write rows of `table`: the application's
+/// tables, not postroom's (deleting an inbox row would re-open its key),
+/// nor SQLite's own but [`SQLITE_TABLES_WRITTEN`].
+fn may_write(table: &str) -> bool {
+    if is_engine_object(table) {
+        return false;
+    }
+    let internal = table
+        .get(..7)
+        .is_some_and(|p| p.eq_ignore_ascii_case("sqlite_"));
+    !internal || listed(&SQLITE_TABLES_WRITTEN, table)
+}
+
+/// True when user code may run the schema change `action`: one on the
+/// application's objects, which neither is a postroom object nor hangs an
+/// index or trigger on one. `None`: `action` is not a schema change.
+fn schema_change_allowed(action: &AuthAction<'_>) -> Option<bool> {
+    let engine = match *action {
         AuthAction::CreateTable { table_name }
         | AuthAction::CreateTempTable { table_name }
         | AuthAction::DropTable { table_name }
@@ -102,81 +247,385 @@ fn changes_engine_schema(action: &AuthAction<'_>) -> bool {
         | AuthAction::DropTempIndex {
             index_name,
             table_name,
-        } => is_engine_object(index_name) || is_engine_object(table_name),
-        AuthAction::CreateTrigger {
-            trigger_name,
+        }
+        | AuthAction::CreateTrigger {
+            trigger_name: index_name,
             table_name,
         }
         | AuthAction::CreateTempTrigger {
-            trigger_name,
+            trigger_name: index_name,
             table_name,
         }
         | AuthAction::DropTrigger {
-            trigger_name,
+            trigger_name: index_name,
             table_name,
         }
         | AuthAction::DropTempTrigger {
-            trigger_name,
+            trigger_name: index_name,
             table_name,
-        } => is_engine_object(trigger_name) || is_engine_object(table_name),
+        } => is_engine_object(index_name) || is_engine_object(table_name),
         AuthAction::CreateView { view_name }
         | AuthAction::CreateTempView { view_name }
         | AuthAction::DropView { view_name }
         | AuthAction::DropTempView { view_name } => is_engine_object(view_name),
-        _ => false,
+        AuthAction::Reindex { index_name } => is_engine_object(index_name),
+        _ => return None,
+    };
+    Some(!engine)
+}
+
+/// The allowlist: what user code may prepare. Anything not named here is
+/// denied, including actions a later SQLite adds.
+pub(crate) fn user_code_may(action: &AuthAction<'_>) -> bool {
+    match *action {
+        AuthAction::Select
+        | AuthAction::Recursive
+        | AuthAction::Read { .. }
+        | AuthAction::Function { .. } => true,
+        AuthAction::Insert { table_name }
+        | AuthAction::Delete { table_name }
+        | AuthAction::Update { table_name, .. } => may_write(table_name),
+        AuthAction::Savepoint {
+            operation,
+            savepoint_name,
+        } => {
+            matches!(
+                operation,
+                TransactionOperation::Begin
+                    | TransactionOperation::Release
+                    | TransactionOperation::Rollback
+            ) && !is_engine_object(savepoint_name)
+        }
+        AuthAction::Pragma {
+            pragma_name,
+            pragma_value: None,
+        } => listed(REPORTING_PRAGMAS, pragma_name),
+        AuthAction::Pragma {
+            pragma_name,
+            pragma_value: Some(_),
+        } => listed(ASKING_PRAGMAS, pragma_name) || listed(APP_PRAGMAS, pragma_name),
+        ref other => schema_change_allowed(other).unwrap_or(false),
     }
 }
 
-/// The authorizer's switch. Cloning shares it.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct UserCodeGuard(Arc<AtomicBool>);
+/// `sql` as user code prepares it: tagged so its cache entry is its own.
+pub(crate) fn user_sql(sql: &str) -> String {
+    let mut tagged = String::with_capacity(USER_SQL_TAG.len() + sql.len());
+    tagged.push_str(USER_SQL_TAG);
+    tagged.push_str(sql);
+    tagged
+}
+
+/// Runs `f` with `flag` set to `value`, then sets it back (on a panic too).
+fn set_during<T>(flag: &AtomicBool, value: bool, f: impl FnOnce() -> T) -> T {
+    struct Reset<'a>(&'a AtomicBool, bool);
+    impl Drop for Reset<'_> {
+        fn drop(&mut self) {
+            self.0.store(self.1, Ordering::Relaxed);
+        }
+    }
+    let before = flag.swap(value, Ordering::Relaxed);
+    let _reset = Reset(flag, before);
+    f()
+}
+
+/// The connection state [`UserCodeGuard::verify`] holds user code to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Expected {
+    flags: [bool; FLAGS.len()],
+    pragmas: [i64; PRAGMAS.len()],
+}
+
+fn read_pragma(conn: &Connection, sql: &str) -> rusqlite::Result<i64> {
+    conn.prepare_cached(sql)?.query_row([], |r| r.get(0))
+}
+
+impl Expected {
+    fn read(conn: &Connection) -> rusqlite::Result<Expected> {
+        let mut state = Expected {
+            flags: [false; FLAGS.len()],
+            pragmas: [0; PRAGMAS.len()],
+        };
+        state.read_flags(conn)?;
+        state.read_pragmas(conn)?;
+        Ok(state)
+    }
+
+    fn read_flags(&mut self, conn: &Connection) -> rusqlite::Result<()> {
+        for (value, flag) in self.flags.iter_mut().zip(FLAGS) {
+            *value = conn.db_config(flag)?;
+        }
+        Ok(())
+    }
+
+    fn read_pragmas(&mut self, conn: &Connection) -> rusqlite::Result<()> {
+        for (value, (_, sql)) in self.pragmas.iter_mut().zip(PRAGMAS) {
+            *value = read_pragma(conn, sql)?;
+        }
+        Ok(())
+    }
+
+    /// Sets `conn` back to `self`, returning what differed.
+    fn restore(&self, conn: &Connection, found: &Expected) -> Vec<String> {
+        let mut changed = Vec::new();
+        for ((flag, want), got) in FLAGS.iter().zip(self.flags).zip(found.flags) {
+            if want != got {
+                changed.push(format!("{flag:?} {got} (was {want})"));
+                if let Err(e) = conn.set_db_config(*flag, want) {
+                    log::error!("postroom: could not restore {flag:?}: {e}");
+                }
+            }
+        }
+        for (((name, _), want), got) in PRAGMAS.iter().zip(self.pragmas).zip(found.pragmas) {
+            if want != got {
+                changed.push(format!("{name} {got} (was {want})"));
+                if let Err(e) = conn.pragma_update(None, name, want) {
+                    log::error!("postroom: could not restore pragma {name}: {e}");
+                }
+            }
+        }
+        changed
+    }
+}
+
+/// The authorizer's switch, and the connection state user code is held
+/// to. Cloning shares both.
+#[derive(Debug, Clone)]
+pub(crate) struct UserCodeGuard {
+    /// User code is running: commits are vetoed, the allowlist applies.
+    in_user_code: Arc<AtomicBool>,
+    /// Engine code runs from inside user code (`publish`): the allowlist
+    /// is lifted, the commit veto is not (after SQLite rolled the
+    /// transaction back by itself, `publish`'s insert would otherwise
+    /// commit on its own).
+    engine_inside: Arc<AtomicBool>,
+    /// User code prepared a `PRAGMA` (or a pragma table function) since
+    /// the last `verify`: only then can pragma-only state have changed.
+    pragma_seen: Arc<AtomicBool>,
+    expected: Arc<Mutex<Expected>>,
+}
 
 impl UserCodeGuard {
-    /// Installs the authorizer and the commit hook on `conn`.
+    /// Installs the authorizer and the commit hook on `conn`, and takes the
+    /// connection's present state as the state user code must leave (so
+    /// install it once the connection is configured).
     pub fn install(conn: &mut Connection) -> rusqlite::Result<UserCodeGuard> {
-        let guard = UserCodeGuard::default();
-        let in_user_code = Arc::clone(&guard.0);
+        let guard = UserCodeGuard {
+            in_user_code: Arc::default(),
+            engine_inside: Arc::default(),
+            pragma_seen: Arc::default(),
+            expected: Arc::new(Mutex::new(Expected::read(conn)?)),
+        };
+        let in_user_code = Arc::clone(&guard.in_user_code);
+        let engine_inside = Arc::clone(&guard.engine_inside);
+        let pragma_seen = Arc::clone(&guard.pragma_seen);
         conn.authorizer(Some(move |ctx: AuthContext<'_>| {
-            if !in_user_code.load(Ordering::Relaxed) {
+            if !in_user_code.load(Ordering::Relaxed) || engine_inside.load(Ordering::Relaxed) {
                 return Authorization::Allow;
             }
-            match ctx.action {
-                AuthAction::Transaction { .. } => Authorization::Deny,
-                AuthAction::Savepoint { savepoint_name, .. }
-                    if is_engine_object(savepoint_name) =>
-                {
-                    Authorization::Deny
-                }
-                AuthAction::Pragma {
-                    pragma_name,
-                    pragma_value,
-                } if ENGINE_PRAGMAS
-                    .iter()
-                    .any(|p| p.eq_ignore_ascii_case(pragma_name))
-                    && (pragma_value.is_some()
-                        || pragma_name.eq_ignore_ascii_case("wal_checkpoint")) =>
-                {
-                    Authorization::Deny
-                }
-                ref action if changes_engine_schema(action) => Authorization::Deny,
-                _ => Authorization::Allow,
+            if matches!(ctx.action, AuthAction::Pragma { .. }) {
+                pragma_seen.store(true, Ordering::Relaxed);
+            }
+            if user_code_may(&ctx.action) {
+                Authorization::Allow
+            } else {
+                // The statement fails `not authorized`; this says why.
+                log::debug!("postroom: user code may not run {:?}", ctx.action);
+                Authorization::Deny
             }
         }))?;
-        let in_user_code = Arc::clone(&guard.0);
+        let in_user_code = Arc::clone(&guard.in_user_code);
         conn.commit_hook(Some(move || in_user_code.load(Ordering::Relaxed)))?;
         Ok(guard)
     }
 
-    /// Runs `f` with transaction control denied and commits vetoed.
+    /// Runs `f` with the allowlist applied and commits vetoed.
     pub fn run<T>(&self, f: impl FnOnce() -> T) -> T {
-        struct Reset<'a>(&'a AtomicBool);
-        impl Drop for Reset<'_> {
-            fn drop(&mut self) {
-                self.0.store(false, Ordering::Relaxed);
+        set_during(&self.in_user_code, true, f)
+    }
+
+    /// Runs engine code `f` from inside user code (a `Tx` method that
+    /// writes postroom's tables, as `publish` does) with the allowlist
+    /// lifted; commits stay vetoed. `f` must not run user code.
+    pub fn engine<T>(&self, f: impl FnOnce() -> T) -> T {
+        set_during(&self.engine_inside, true, f)
+    }
+
+    /// Checks, after user code ran on `conn`, that the connection state the
+    /// engine relies on is as it was. On a difference, restores it, logs,
+    /// and returns what differed, for the caller to fail the attempt with.
+    /// A read that fails is an `Err` (the caller fails the batch).
+    ///
+    /// The flags are read every time (one C call each, no SQL). The
+    /// pragma-only state is read when user code prepared a pragma since the
+    /// last check: SQL is the only way user code has to the connection, and
+    /// a `PRAGMA` statement (or pragma function) the only SQL that changes
+    /// it; each one user code prepares meets the authorizer, which notes it.
+    /// (A cached one skips the authorizer, but the only pragmas user code
+    /// may prepare set nothing this checks.) Reading them all costs several
+    /// µs, about a fiftieth of a delivery on a loaded 2-core machine
+    /// (docs/DESIGN.md), too much to pay per message for a net.
+    pub fn verify(&self, conn: &Connection) -> rusqlite::Result<Option<String>> {
+        let expected = self.expected.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut found = expected.clone();
+        found.read_flags(conn)?;
+        if self.pragma_seen.swap(false, Ordering::Relaxed) {
+            found.read_pragmas(conn)?;
+        }
+        if found == *expected {
+            return Ok(None);
+        }
+        let changed = expected.restore(conn, &found).join(", ");
+        log::error!(
+            "postroom: user code changed the write connection ({changed}); restored. \
+             A handler or transaction closure must not change connection settings"
+        );
+        Ok(Some(format!(
+            "user code changed the connection's settings ({changed}); postroom restored them \
+             and failed this attempt"
+        )))
+    }
+
+    /// Takes `conn`'s present state as the one user code must leave: for
+    /// the engine's own deliberate changes.
+    pub fn rebase(&self, conn: &Connection) -> rusqlite::Result<()> {
+        let now = Expected::read(conn)?;
+        *self.expected.lock().unwrap_or_else(PoisonError::into_inner) = now;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn guarded() -> (Connection, UserCodeGuard) {
+        let mut conn = Connection::open_in_memory().unwrap();
+        let guard = UserCodeGuard::install(&mut conn).unwrap();
+        (conn, guard)
+    }
+
+    #[test]
+    fn verify_finds_and_restores_what_changed() {
+        let (conn, guard) = guarded();
+        assert_eq!(guard.verify(&conn).unwrap(), None);
+        conn.set_db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_TRIGGER, false)
+            .unwrap();
+        conn.busy_timeout(std::time::Duration::ZERO).unwrap();
+        conn.pragma_update(None, "count_changes", 1).unwrap();
+        // Only the flags are read unless user code prepared a pragma.
+        let changed = guard.verify(&conn).unwrap().unwrap();
+        assert!(changed.contains("ENABLE_TRIGGER"), "{changed}");
+        assert!(!changed.contains("busy_timeout"), "{changed}");
+        conn.busy_timeout(std::time::Duration::ZERO).unwrap();
+        conn.set_db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_TRIGGER, false)
+            .unwrap();
+        guard.run(|| {
+            conn.prepare("PRAGMA user_version")
+                .unwrap()
+                .finalize()
+                .unwrap()
+        });
+        let changed = guard.verify(&conn).unwrap().unwrap();
+        for what in ["ENABLE_TRIGGER", "busy_timeout", "count_changes"] {
+            assert!(changed.contains(what), "{changed}");
+        }
+        assert_eq!(guard.verify(&conn).unwrap(), None);
+        assert!(conn
+            .db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_TRIGGER)
+            .unwrap());
+    }
+
+    #[test]
+    fn user_statements_never_share_the_engines_cache_entries() {
+        let (conn, guard) = guarded();
+        conn.execute_batch("BEGIN").unwrap();
+        // The engine's statement, cached while unguarded.
+        conn.prepare_cached("SAVEPOINT postroom_x").unwrap();
+        let denied = guard.run(|| conn.prepare_cached(&user_sql("SAVEPOINT postroom_x")).err());
+        assert!(denied.is_some_and(|e| e.to_string().contains("not authorized")));
+    }
+
+    /// What one `verify` costs, printed (`--nocapture`); bounded loosely so
+    /// a busy machine passes.
+    #[test]
+    fn verify_is_cheap() {
+        let (conn, guard) = guarded();
+        let n = 2_000;
+        let start = std::time::Instant::now();
+        for _ in 0..n {
+            assert_eq!(guard.verify(&conn).unwrap(), None);
+        }
+        let each = start.elapsed() / n;
+        println!("verify: {each:?} per call");
+        assert!(each < std::time::Duration::from_millis(1), "{each:?}");
+    }
+}
+
+/// What `verify` costs beside a delivery: `cargo test --release --lib
+/// guard::cost -- --ignored --nocapture` (numbers in docs/DESIGN.md).
+#[cfg(test)]
+mod cost {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    #[ignore = "a measurement; run it in release"]
+    fn verify_beside_a_delivery() {
+        let conn = Connection::open_in_memory().unwrap();
+        let n = 20_000;
+        let t = Instant::now();
+        for _ in 0..n {
+            for f in FLAGS {
+                conn.db_config(f).unwrap();
             }
         }
-        self.0.store(true, Ordering::Relaxed);
-        let _reset = Reset(&self.0);
-        f()
+        println!("{} flags: {:?}", FLAGS.len(), t.elapsed() / n);
+        for (p, sql) in PRAGMAS {
+            let t = Instant::now();
+            for _ in 0..n {
+                read_pragma(&conn, sql).unwrap();
+            }
+            println!("{p}: {:?}", t.elapsed() / n);
+        }
+        let mut conn = conn;
+        let guard = UserCodeGuard::install(&mut conn).unwrap();
+        let t = Instant::now();
+        for _ in 0..n {
+            assert_eq!(guard.verify(&conn).unwrap(), None);
+        }
+        println!("verify: {:?}", t.elapsed() / n);
+
+        // A delivery with a one-row handler, delivered from 4 threads so
+        // batches form, as on a busy engine.
+        let dir = tempfile::tempdir().unwrap();
+        let room = crate::Postroom::builder()
+            .workers(0)
+            .consumer(
+                "c",
+                crate::handler_fn(|tx, msg| {
+                    tx.execute("INSERT INTO t VALUES (?1)", [msg.id()])?;
+                    Ok(())
+                }),
+            )
+            .open(dir.path().join("app.db"))
+            .unwrap();
+        room.transaction(|tx| Ok(tx.execute_batch("CREATE TABLE t (id TEXT)")?))
+            .unwrap();
+        let per_thread = 5_000;
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for th in 0..4 {
+                let room = &room;
+                s.spawn(move || {
+                    for i in 0..per_thread {
+                        let msg = crate::Message::new("s", format!("{th}-{i}"), "x");
+                        room.deliver("c", msg).unwrap();
+                    }
+                });
+            }
+        });
+        println!("delivery: {:?} per message", t.elapsed() / (4 * per_thread));
+        room.shutdown(Duration::from_secs(10)).unwrap();
     }
 }

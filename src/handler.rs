@@ -1,10 +1,9 @@
 //! Handlers and the transaction they write through.
 
-use std::ops::Deref;
-
 use rusqlite::Connection;
 
 use crate::config::Config;
+use crate::guard::{self, UserCodeGuard};
 use crate::message::{Failure, Message, Outgoing};
 use crate::store::outbox;
 use crate::store::outbox::Cause;
@@ -183,12 +182,49 @@ pub(crate) fn idempotency_key(consumer: &str, msg: &Message) -> String {
     )
 }
 
-/// The write transaction a handler runs in. Derefs to
-/// [`rusqlite::Connection`] for domain SQL; [`Tx::publish`] adds outbox rows.
-/// There is no commit: the engine commits when the handler returns `Ok`.
+/// The write transaction a handler (or a
+/// [`Postroom::transaction`](crate::Postroom::transaction) closure) runs in:
+/// SQL for the application's tables, [`Tx::publish`] for outbox rows, and
+/// savepoints of its own ([`Tx::savepoint`]). There is no commit: the engine
+/// commits when the handler returns `Ok`.
+///
+/// A `Tx` is not the connection: it offers what a handler needs and nothing
+/// that would change the connection for later messages, which share it
+/// (`set_db_config`, `busy_timeout`, hooks, functions, `pragma_update`...
+/// do not exist here). Its SQL passes an allowlist: reads and writes of the
+/// application's tables, its own schema changes, reading pragmas, setting
+/// `user_version` and `application_id`; anything else (transaction control,
+/// `ATTACH`, writes to postroom's tables, pragmas that set connection state)
+/// fails to prepare with `not authorized`. Read postroom's tables freely.
+///
+/// These do not compile: a handler cannot reach the connection.
+///
+/// ```compile_fail,E0599
+/// let h = postroom::handler_fn(|tx, _msg| {
+///     // Would switch dedupe off for every later message.
+///     tx.set_db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_TRIGGER, false)?;
+///     Ok(())
+/// });
+/// ```
+///
+/// ```compile_fail,E0599
+/// let h = postroom::handler_fn(|tx, _msg| {
+///     // Would make later deliveries fail `Busy` at once.
+///     tx.busy_timeout(std::time::Duration::ZERO)?;
+///     Ok(())
+/// });
+/// ```
+///
+/// ```compile_fail,E0614
+/// let h = postroom::handler_fn(|tx, _msg| {
+///     let conn: &rusqlite::Connection = &**tx;
+///     Ok(())
+/// });
+/// ```
 pub struct Tx<'c> {
     conn: &'c Connection,
     config: &'c Config,
+    guard: &'c UserCodeGuard,
     now_ms: i64,
     cause: Option<Cause<'c>>,
     published: u32,
@@ -198,12 +234,14 @@ impl<'c> Tx<'c> {
     pub(crate) fn new(
         conn: &'c Connection,
         config: &'c Config,
+        guard: &'c UserCodeGuard,
         now_ms: i64,
         cause: Option<Cause<'c>>,
     ) -> Self {
         Tx {
             conn,
             config,
+            guard,
             now_ms,
             cause,
             published: 0,
@@ -221,7 +259,10 @@ impl<'c> Tx<'c> {
         self.config
             .check_outgoing(&out)
             .map_err(|e| Failure::reject(e.to_string()))?;
-        let id = outbox::insert(self.conn, &out, self.cause, self.published, self.now_ms)?;
+        // The engine's own write to its table, which user SQL may not do.
+        let id = self
+            .guard
+            .engine(|| outbox::insert(self.conn, &out, self.cause, self.published, self.now_ms))?;
         self.published += 1;
         Ok(id)
     }
@@ -250,7 +291,100 @@ impl<'c> Tx<'c> {
     /// # Ok(()) }
     /// ```
     pub fn execute<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize> {
-        self.conn.prepare_cached(sql)?.execute(params)
+        self.prepare_cached(sql)?.execute(params)
+    }
+
+    /// Runs SQL statements separated by `;`, with no parameters, as
+    /// [`Connection::execute_batch`] does (not cached: for schema set-up
+    /// and one-off work).
+    pub fn execute_batch(&self, sql: &str) -> rusqlite::Result<()> {
+        self.conn.execute_batch(sql)
+    }
+
+    /// Runs a query expected to return at least one row and maps the first,
+    /// as [`Connection::query_row`] does, through the statement cache.
+    pub fn query_row<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
+    where
+        P: rusqlite::Params,
+        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    {
+        self.prepare_cached(sql)?.query_row(params, f)
+    }
+
+    /// Prepares a statement, as [`Connection::prepare`] does. A statement
+    /// runs the SQL it was prepared with and nothing else; it lives no
+    /// longer than this borrow of the transaction.
+    pub fn prepare(&self, sql: &str) -> rusqlite::Result<rusqlite::Statement<'_>> {
+        self.conn.prepare(sql)
+    }
+
+    /// Prepares a statement through the connection's statement cache, as
+    /// [`Connection::prepare_cached`] does. User code's entries are its own:
+    /// it is never handed a statement the engine prepared.
+    pub fn prepare_cached(&self, sql: &str) -> rusqlite::Result<rusqlite::CachedStatement<'_>> {
+        self.conn.prepare_cached(&guard::user_sql(sql))
+    }
+
+    /// The rowid of the last row inserted (by this transaction's SQL or, after
+    /// [`Tx::publish`], the engine's), as [`Connection::last_insert_rowid`].
+    pub fn last_insert_rowid(&self) -> i64 {
+        self.conn.last_insert_rowid()
+    }
+
+    /// The rows changed by the last `INSERT`, `UPDATE` or `DELETE`, as
+    /// [`Connection::changes`].
+    pub fn changes(&self) -> u64 {
+        self.conn.changes()
+    }
+
+    /// Runs `f` in a savepoint of its own: if `f` returns `Err`, what it
+    /// wrote (rows and published messages) is rolled back and the rest of
+    /// the transaction stands, so a handler can try a step and carry on
+    /// without it. Savepoints nest.
+    ///
+    /// ```
+    /// # use postroom::{handler_fn, Failure, Postroom, Message};
+    /// # fn main() -> postroom::Result<()> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// let room = Postroom::builder()
+    ///     .consumer("c", handler_fn(|tx, msg| {
+    ///         tx.execute("INSERT INTO seen (id) VALUES (?1)", [msg.id()])?;
+    ///         // Best effort: a duplicate audit row is dropped, `seen` stays.
+    ///         let _ = tx.savepoint(|tx| {
+    ///             tx.execute("INSERT INTO audit (id) VALUES (?1)", [msg.id()])?;
+    ///             Ok::<_, Failure>(())
+    ///         });
+    ///         Ok(())
+    ///     }))
+    ///     .open(dir.path().join("app.db"))?;
+    /// room.transaction(|tx| {
+    ///     Ok(tx.execute_batch("CREATE TABLE seen (id TEXT);
+    ///                          CREATE TABLE audit (id TEXT UNIQUE);")?)
+    /// })?;
+    /// room.deliver("c", Message::new("s", "m1", "x"))?;
+    /// # room.shutdown(std::time::Duration::from_secs(5))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn savepoint<T>(
+        &mut self,
+        f: impl FnOnce(&mut Tx<'c>) -> Result<T, Failure>,
+    ) -> Result<T, Failure> {
+        self.execute("SAVEPOINT tx_savepoint", [])?;
+        let published = self.published;
+        match f(self) {
+            Ok(value) => {
+                self.execute("RELEASE tx_savepoint", [])?;
+                Ok(value)
+            }
+            Err(failure) => {
+                self.execute("ROLLBACK TO tx_savepoint", [])?;
+                self.execute("RELEASE tx_savepoint", [])?;
+                // Rolled back: its publishes never happened, and the next
+                // one takes their place (ids stay stable across attempts).
+                self.published = published;
+                Err(failure)
+            }
+        }
     }
 
     /// Which attempt this is, from 1; 0 outside a message handler.
@@ -275,12 +409,5 @@ impl<'c> Tx<'c> {
     /// The time the engine uses for this transaction, in unix milliseconds.
     pub fn now_ms(&self) -> i64 {
         self.now_ms
-    }
-}
-
-impl Deref for Tx<'_> {
-    type Target = Connection;
-    fn deref(&self) -> &Connection {
-        self.conn
     }
 }

@@ -183,9 +183,9 @@ pub mod mqtt;
 pub mod sim;
 mod sinks;
 
-/// The rusqlite this crate is built on: [`Tx`] derefs to its `Connection`,
-/// so handlers can use its traits (`OptionalExtension`, …) without pinning
-/// the version themselves. Use this path rather than a rusqlite dependency
+/// The rusqlite this crate is built on: [`Tx`] hands out its statements,
+/// rows and errors, so handlers can use its traits (`OptionalExtension`,
+/// …) without pinning the version themselves. Use this path rather than a rusqlite dependency
 /// of your own: only one `libsqlite3-sys` can be linked into a program, so
 /// a second rusqlite version cannot be added beside this one.
 ///

@@ -401,18 +401,8 @@ fn disk_full_is_a_clear_error_that_changes_nothing_and_recovers() {
     let conn = raw(room.path());
     room.deliver("c", Message::new("b", "before", "x")).unwrap();
     let before = snapshot(&conn);
-    let pages: i64 = room
-        .transaction(|tx| {
-            let pages: i64 = tx.query_row("PRAGMA page_count", [], |r| r.get(0))?;
-            // Room for a few dozen small messages, not for a 200 kB one.
-            tx.query_row(
-                &format!("PRAGMA max_page_count = {}", pages + 30),
-                [],
-                |r| r.get::<_, i64>(0),
-            )?;
-            Ok(pages)
-        })
-        .unwrap();
+    // Room for a few dozen small messages, not for a 200 kB one.
+    let pages = tighten_quota(&room);
     assert!(pages > 0);
 
     let big = Message::new("b", "big", vec![b'p'; 200_000]);
@@ -480,13 +470,7 @@ fn disk_full_is_a_clear_error_that_changes_nothing_and_recovers() {
         "full {full}, acked {acked}: the test proves nothing"
     );
 
-    room.transaction(|tx| {
-        tx.query_row("PRAGMA max_page_count = 1073741823", [], |r| {
-            r.get::<_, i64>(0)
-        })?;
-        Ok(())
-    })
-    .unwrap();
+    lift_quota(&room);
     assert_eq!(
         room.deliver("c", big.clone()).unwrap(),
         Outcome::Processed { attempts: 1 }
@@ -551,28 +535,22 @@ fn a_second_engine_on_the_same_file_is_refused() {
 }
 
 /// Sets a page quota with room for a few dozen small rows but not for a
-/// 200 kB one.
-fn tighten_quota(room: &Postroom) {
-    room.transaction(|tx| {
-        let pages: i64 = tx.query_row("PRAGMA page_count", [], |r| r.get(0))?;
-        tx.query_row(
-            &format!("PRAGMA max_page_count = {}", pages + 30),
-            [],
-            |r| r.get::<_, i64>(0),
-        )?;
-        Ok(())
-    })
-    .unwrap();
+/// 200 kB one; returns the pages in use. (Connection state: user code
+/// cannot set it, so the tests go through the engine's test hook.)
+fn tighten_quota(room: &Postroom) -> i64 {
+    let pages: i64 = room
+        .transaction(|tx| Ok(tx.query_row("PRAGMA page_count", [], |r| r.get(0))?))
+        .unwrap();
+    let quota = u32::try_from(pages + 30).unwrap();
+    assert_eq!(
+        room.set_max_page_count_for_tests(quota).unwrap(),
+        u64::from(quota)
+    );
+    pages
 }
 
 fn lift_quota(room: &Postroom) {
-    room.transaction(|tx| {
-        tx.query_row("PRAGMA max_page_count = 1073741823", [], |r| {
-            r.get::<_, i64>(0)
-        })?;
-        Ok(())
-    })
-    .unwrap();
+    room.set_max_page_count_for_tests(1_073_741_823).unwrap();
 }
 
 /// A full disk can make SQLite roll back the whole transaction. A handler

@@ -1,8 +1,11 @@
 //! Handler SQL runs on the engine's write connection, inside the engine's
 //! transaction; it must not be able to turn a guarantee off for later
-//! batches: no setting of connection-state pragmas, no schema changes to
-//! postroom's objects. A denied statement fails like any SQL error: the
-//! attempt fails, nothing of it is stored, the engine carries on.
+//! batches. A `Tx` is not the connection (what would set connection state
+//! does not compile: the `compile_fail` examples on `Tx`), and its SQL
+//! passes an allowlist: no pragma sets connection state, no schema change
+//! or write touches postroom's objects, no statement the engine cached is
+//! handed out. A denied statement fails like any SQL error: the attempt
+//! fails, nothing of it is stored, the engine carries on.
 
 mod common;
 
@@ -182,4 +185,205 @@ fn a_handler_cannot_drop_alter_or_create_postroom_objects() {
         Outcome::Processed { attempts: 1 }
     );
     integrity_ok(&raw(&path));
+}
+
+/// Finding 6: pragmas the old denylist missed wedged every later write
+/// until the engine was reopened. Each is refused, and later deliveries
+/// (and dedupe) work.
+#[test]
+fn pragmas_outside_the_allowlist_are_refused_and_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let room = room(&path);
+    room.deliver("c", Message::new("s", "first", "x")).unwrap();
+    let attempts = [
+        "PRAGMA count_changes = 1",
+        "PRAGMA max_page_count = 1",
+        "PRAGMA main.max_page_count = 1",
+        "PRAGMA defer_foreign_keys = 1",
+        "PRAGMA cache_size = 1",
+        "PRAGMA mmap_size = 0",
+        "PRAGMA temp_store = MEMORY",
+        "PRAGMA secure_delete = 1",
+        "PRAGMA automatic_index = 0",
+        "PRAGMA optimize",
+        "PRAGMA shrink_memory",
+        "PRAGMA incremental_vacuum",
+        "PRAGMA wal_checkpoint",
+        "PRAGMA no_such_pragma = 1",
+        "ATTACH ':memory:' AS other",
+        "ANALYZE",
+    ];
+    for (i, sql) in attempts.iter().enumerate() {
+        let outcome = room
+            .deliver("sql", Message::new("s", format!("q{i}"), *sql))
+            .unwrap();
+        assert!(
+            matches!(&outcome, Outcome::Dead { error, .. } if error.contains("not authorized")),
+            "{sql}: {outcome:?}"
+        );
+        assert_eq!(
+            room.deliver("c", Message::new("s", format!("after-q{i}"), "x"))
+                .unwrap(),
+            Outcome::Processed { attempts: 1 },
+            "after {sql}"
+        );
+        assert_eq!(
+            room.deliver("c", Message::new("s", "first", "x")).unwrap(),
+            Outcome::Duplicate,
+            "after {sql}"
+        );
+    }
+    assert_eq!(pragma(&room, "count_changes"), "0");
+    assert_ne!(pragma(&room, "max_page_count"), "1");
+}
+
+/// Finding 3: on 1b0f395 a handler reached the connection through `Tx`'s
+/// Deref (`tx.set_db_config(SQLITE_DBCONFIG_ENABLE_TRIGGER, false)`,
+/// `tx.busy_timeout(Duration::ZERO)`): afterwards the same message
+/// delivered three times answered `Processed` three times. `Tx` no longer
+/// derefs to the connection, so that code does not compile (the
+/// `compile_fail` examples on `Tx`); what is left is SQL, and the
+/// allowlist refuses the SQL way to the same state.
+#[test]
+fn a_handler_cannot_turn_dedupe_off_or_the_busy_timeout_down_for_later_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let room = Postroom::builder()
+        .workers(0)
+        .consumer(
+            "evil",
+            handler_fn(|tx, msg| {
+                for sql in [
+                    "PRAGMA busy_timeout = 0",
+                    "PRAGMA foreign_keys = 0",
+                    "PRAGMA writable_schema = 1",
+                    "PRAGMA recursive_triggers = 1",
+                    "DELETE FROM postroom_inbox",
+                    "UPDATE postroom_inbox SET status = 'failed'",
+                    "INSERT INTO postroom_outbox (topic) VALUES ('x')",
+                    "DELETE FROM sqlite_stat1",
+                ] {
+                    let denied = tx.execute_batch(sql).unwrap_err().to_string();
+                    assert!(denied.contains("not authorized"), "{sql}: {denied}");
+                }
+                apply(tx, msg)
+            }),
+        )
+        .consumer("c", handler_fn(apply))
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    create_domain(&room);
+    let outcomes: Vec<Outcome> = (0..3)
+        .map(|_| {
+            room.deliver("evil", Message::new("s", "e", "x")).unwrap();
+            room.deliver("c", Message::new("s", "m", "x")).unwrap()
+        })
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::Processed { attempts: 1 },
+            Outcome::Duplicate,
+            Outcome::Duplicate
+        ]
+    );
+    assert_eq!(pragma(&room, "busy_timeout"), "5000");
+}
+
+/// Statements a handler prepares through the statement cache are its own:
+/// the engine's cached `RELEASE postroom_handler` (prepared unguarded) is
+/// not handed out, so the authorizer sees, and denies, the handler's.
+#[test]
+fn a_handler_never_gets_the_engines_cached_statements() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let room = Postroom::builder()
+        .workers(0)
+        .max_attempts(1)
+        .consumer(
+            "cached",
+            handler_fn(|tx, msg| {
+                let sql = String::from_utf8(msg.payload().to_vec())
+                    .map_err(|e| Failure::reject(e.to_string()))?;
+                tx.execute(&sql, [])?;
+                apply(tx, msg)
+            }),
+        )
+        .consumer("c", handler_fn(apply))
+        .open(&path)
+        .unwrap();
+    create_domain(&room);
+    // The engine has run (and cached) its savepoint statements.
+    room.deliver("c", Message::new("s", "first", "x")).unwrap();
+    for (i, sql) in ["RELEASE postroom_handler", "ROLLBACK TO postroom_handler"]
+        .iter()
+        .enumerate()
+    {
+        let outcome = room
+            .deliver("cached", Message::new("s", format!("r{i}"), *sql))
+            .unwrap();
+        assert!(
+            matches!(&outcome, Outcome::Dead { error, .. } if error.contains("not authorized")),
+            "{sql}: {outcome:?}"
+        );
+        assert_eq!(
+            room.deliver("c", Message::new("s", "first", "x")).unwrap(),
+            Outcome::Duplicate
+        );
+    }
+    integrity_ok(&raw(&path));
+}
+
+/// What a handler may do stays possible: savepoints of its own (and
+/// `Tx::savepoint`, whose rolled-back publishes are gone), tables with
+/// AUTOINCREMENT created, renamed and dropped, reading postroom's tables.
+#[test]
+fn a_handlers_own_savepoints_and_schema_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let room = Postroom::builder()
+        .workers(0)
+        .max_attempts(1)
+        .consumer(
+            "c",
+            handler_fn(|tx, msg| {
+                tx.execute_batch(
+                    "CREATE TABLE IF NOT EXISTS auto (id INTEGER PRIMARY KEY AUTOINCREMENT, v);
+                     INSERT INTO auto (v) VALUES (1);
+                     ALTER TABLE auto RENAME TO auto2;
+                     DROP TABLE auto2;
+                     SAVEPOINT mine; INSERT INTO applied VALUES ('x', 'y', NULL);
+                     ROLLBACK TO mine; RELEASE mine;",
+                )?;
+                let seen: i64 =
+                    tx.query_row("SELECT count(*) FROM postroom_inbox", [], |r| r.get(0))?;
+                assert!(seen >= 0);
+                let kept = tx.savepoint(|tx| {
+                    tx.publish(postroom::Outgoing::new("kept", "k"))?;
+                    Ok::<_, Failure>(tx.last_insert_rowid())
+                })?;
+                assert!(kept > 0);
+                let dropped = tx.savepoint(|tx| {
+                    tx.publish(postroom::Outgoing::new("dropped", "d"))?;
+                    Err::<(), _>(Failure::retry("changed my mind"))
+                });
+                assert!(dropped.is_err());
+                apply(tx, msg)
+            }),
+        )
+        .open(&path)
+        .unwrap();
+    create_domain(&room);
+    assert_eq!(
+        room.deliver("c", Message::new("s", "m", "x")).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    let conn = raw(&path);
+    let topics = column::<Vec<String>>(&conn, "SELECT topic FROM postroom_outbox ORDER BY seq");
+    assert_eq!(topics, ["kept", "applied"]);
+    assert_eq!(
+        count(&conn, "SELECT count(*) FROM applied WHERE consumer = 'x'"),
+        0
+    );
+    integrity_ok(&conn);
 }

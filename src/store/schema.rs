@@ -229,7 +229,9 @@ pub(crate) fn open_writer(path: &Path, config: &Config) -> Result<Connection> {
         .map_err(|e| open_error(path, "set synchronous", e))?;
     conn.pragma_update(None, "foreign_keys", true)
         .map_err(|e| open_error(path, "set foreign_keys", e))?;
-    conn.set_prepared_statement_cache_capacity(64);
+    // The engine's statements, the guard's 7 pragma reads after every
+    // handler, and the handlers' own (keyed apart: see `guard`).
+    conn.set_prepared_statement_cache_capacity(80);
     Ok(conn)
 }
 

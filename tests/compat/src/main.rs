@@ -4,8 +4,12 @@
 use postroom::{handler_fn, Message, Outcome, Postroom};
 
 /// The app's own code, written against its own rusqlite.
+fn count(stmt: &mut rusqlite::Statement<'_>) -> rusqlite::Result<i64> {
+    stmt.query_row([], |r| r.get(0))
+}
+
 fn count_notes(conn: &rusqlite::Connection) -> rusqlite::Result<i64> {
-    conn.query_row("SELECT count(*) FROM notes", [], |r| r.get(0))
+    count(&mut conn.prepare("SELECT count(*) FROM notes")?)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -24,9 +28,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     "INSERT INTO notes (body) VALUES (?1)",
                     [String::from_utf8_lossy(msg.payload())],
                 )?;
-                // `Tx` derefs to postroom's `rusqlite::Connection`: this only
-                // compiles when that is the app's rusqlite, not a second copy.
-                let seen = count_notes(tx)?;
+                // `Tx::prepare` hands out postroom's `rusqlite::Statement`:
+                // this only compiles when that is the app's rusqlite, not a
+                // second copy.
+                let seen = count(&mut tx.prepare("SELECT count(*) FROM notes")?)?;
                 assert!(seen >= 1);
                 Ok(())
             }),
