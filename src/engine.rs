@@ -306,7 +306,11 @@ impl Postroom {
         let state = WriterState {
             outbox_dirty,
             relay_wake: sink.is_some().then_some(relay_wake),
-            checkpoint: writer::CheckpointTrigger::new(checkpoint_wake, wal_bounds),
+            checkpoint: writer::CheckpointTrigger::new(
+                checkpoint_wake,
+                wal_bounds,
+                crate::store::wal_path(path),
+            ),
             conn,
             config: config.clone(),
             clock: Arc::clone(&clock),

@@ -56,3 +56,14 @@ pub(crate) fn relayed(lag_ms: i64) {
 pub(crate) fn outbox_dead() {
     metrics::counter!("postroom_outbox_dead_total").increment(1);
 }
+
+/// A copy-back of the writer's that a reader kept from completing (see
+/// `WriterState::copy_back_inline`).
+pub(crate) fn checkpoint_blocked() {
+    metrics::counter!("postroom_checkpoint_blocked_total").increment(1);
+}
+
+/// A commit that left the WAL past its cap (a reader holds an old snapshot).
+pub(crate) fn wal_over_cap() {
+    metrics::counter!("postroom_wal_over_cap_total").increment(1);
+}

@@ -113,6 +113,28 @@ const BATCH_RUNNING: u64 = u64::MAX;
 /// the next failure, the next commit or the next idle tick.
 const GIVE_BACK_WAIT: Duration = Duration::from_millis(50);
 
+/// The longest the writer's own copy-back after a commit waits for
+/// readers (see [`WriterState::copy_back_inline`]): the engine's own reads
+/// are shorter; a reader that stays longer is another process's snapshot,
+/// and waiting for it would hold every commit up.
+const INLINE_CHECKPOINT_WAIT: Duration = Duration::from_millis(5);
+/// After a copy-back a reader kept from completing, the next try waits at
+/// least this long, doubling up to [`BLOCKED_BACKOFF_MAX`]: a pinned WAL
+/// is not copied back by trying after every commit.
+const BLOCKED_BACKOFF_MIN: Duration = Duration::from_millis(10);
+/// The longest a pinned WAL waits between copy-back tries: about how long
+/// it stays large after the reader left.
+const BLOCKED_BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// The WAL's cap, in multiples of the writer's own copy-back bound
+/// ([`WalBounds::inline_pages`]; about 128 MiB on a large disk, half the
+/// filesystem on a small one). Only a reader holding an old snapshot gets
+/// it there; past it, commits go on (refusing them would turn a DB
+/// browser left open into an outage) but a warning names the cause, once
+/// per doubling, and `postroom_wal_over_cap_total` counts the commits.
+/// The filesystem's size stays the hard limit: a full disk answers the
+/// retryable `Error::StorageFull`.
+pub(crate) const WAL_CAP_FACTOR: c_int = 4;
+
 thread_local! {
     /// The writers (by address) whose lock this thread holds: a caller
     /// inside a handler must not wait for a batch that waits for it.
@@ -572,6 +594,8 @@ pub(crate) struct Counters {
     /// and the longest.
     pub paused_us: AtomicU64,
     pub paused_max_us: AtomicU64,
+    /// The writer's copy-backs a reader kept from completing.
+    pub checkpoints_blocked: AtomicU64,
 }
 
 /// The write connection and what running a batch on it needs.
@@ -609,10 +633,19 @@ pub(crate) struct CheckpointTrigger {
     /// copy-back itself needed space): tried again after each commit, which
     /// proves some space is free again.
     owed: bool,
+    /// A reader kept the last copy-back from completing: none is tried
+    /// before this moment (see [`WriterState::copy_back_inline`]).
+    retry_at: Option<Instant>,
+    /// The wait after the next blocked copy-back.
+    backoff: Duration,
+    /// WAL frames at which the next "past its cap" warning is logged.
+    warn_at: c_int,
+    /// The `-wal` file, for the warning's size.
+    wal: std::path::PathBuf,
 }
 
 impl CheckpointTrigger {
-    pub fn new(wake: Sender<()>, bounds: WalBounds) -> Self {
+    pub fn new(wake: Sender<()>, bounds: WalBounds, wal: std::path::PathBuf) -> Self {
         CheckpointTrigger {
             wake: Some(wake),
             bounds,
@@ -620,6 +653,58 @@ impl CheckpointTrigger {
             last_pages: 0,
             full: false,
             owed: false,
+            retry_at: None,
+            backoff: BLOCKED_BACKOFF_MIN,
+            warn_at: Self::cap(bounds),
+            wal,
+        }
+    }
+
+    /// The WAL's cap in frames (see [`WAL_CAP_FACTOR`]).
+    fn cap(bounds: WalBounds) -> c_int {
+        bounds.inline_pages.saturating_mul(WAL_CAP_FACTOR)
+    }
+
+    /// A reader kept the copy-back made `now` from completing: the next
+    /// try waits, twice as long as the last time (up to a bound).
+    fn blocked(&mut self, now: Instant) {
+        self.retry_at = Some(now + self.backoff);
+        self.backoff = (self.backoff * 2).min(BLOCKED_BACKOFF_MAX);
+    }
+
+    /// A copy-back completed: the next one is tried as soon as it is due.
+    fn completed(&mut self) {
+        self.retry_at = None;
+        self.backoff = BLOCKED_BACKOFF_MIN;
+    }
+
+    /// Past the WAL's cap (only a reader holding an old snapshot gets it
+    /// there): counted per commit, and logged once per doubling, naming the
+    /// cause and what to do. Said again, at info, once it is back under.
+    fn warn_past_cap(&mut self, pages: c_int) {
+        let cap = Self::cap(self.bounds);
+        if pages == 0 {
+            return;
+        }
+        if pages < cap {
+            if self.warn_at > cap {
+                log::info!("postroom writer: the WAL is back under its cap");
+                self.warn_at = cap;
+            }
+            return;
+        }
+        crate::telemetry::wal_over_cap();
+        if pages >= self.warn_at {
+            let bytes = std::fs::metadata(&self.wal).map_or(0, |m| m.len());
+            log::warn!(
+                "postroom writer: the WAL holds {pages} frames ({} MiB), past its cap of {cap}: \
+                 another connection keeps a read transaction open (a DB browser, a long \
+                 query, a backup), so it cannot be copied back. Commits go on and the WAL is \
+                 copied back once that reader ends; end it, or the WAL grows until the disk \
+                 is full",
+                bytes >> 20
+            );
+            self.warn_at = pages.saturating_mul(2);
         }
     }
 
@@ -678,7 +763,7 @@ impl CheckpointTrigger {
             }
             self.wake_at = pages + wake_pages;
         }
-        pages >= self.inline_at()
+        pages >= self.inline_at() && self.retry_at.is_none_or(|at| Instant::now() >= at)
     }
 
     /// Frames from which the writer copies back itself.
@@ -861,23 +946,55 @@ impl WriterState {
             // commit found space, so the copy-back may too.
             self.give_wal_back();
         } else if self.checkpoint.after_commit(pages) {
-            // RESTART waits (up to the busy timeout) for the checkpoint lock
-            // and for readers, and lets the next commit write from the
-            // WAL's start; only when passive passes have not got through.
-            let sql = if self.checkpoint.far_behind(pages) {
-                "PRAGMA wal_checkpoint(RESTART)"
-            } else {
-                "PRAGMA wal_checkpoint(PASSIVE)"
-            };
-            match self.conn.query_row(sql, [], |_| Ok(())) {
-                Ok(()) => {
+            self.copy_back_inline(pages);
+        }
+        self.checkpoint.warn_past_cap(pages);
+    }
+
+    /// The writer's own copy-back, after a commit: never a wait on readers.
+    /// A reader of another process (a DB browser, a report query, a
+    /// backup) may hold an old snapshot for minutes; a copy-back that
+    /// waited `busy_timeout` for it after every commit made every commit
+    /// wait that long (issue 32). So it waits [`INLINE_CHECKPOINT_WAIT`] at
+    /// most (the engine's own reads are that short), and when a reader
+    /// kept it from completing, the next try is put off
+    /// ([`CheckpointTrigger::blocked`]): the WAL grows meanwhile, and is
+    /// copied back once the reader leaves.
+    fn copy_back_inline(&mut self, pages: c_int) {
+        // RESTART lets the next commit write from the WAL's start; only
+        // when passive passes have not got through.
+        let sql = if self.checkpoint.far_behind(pages) {
+            "PRAGMA wal_checkpoint(RESTART)"
+        } else {
+            "PRAGMA wal_checkpoint(PASSIVE)"
+        };
+        let _ = self.conn.busy_timeout(INLINE_CHECKPOINT_WAIT);
+        let result = self.conn.query_row(sql, [], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, i64>(1)?,
+                r.get::<_, i64>(2)?,
+            ))
+        });
+        let _ = self.conn.busy_timeout(self.config.busy_timeout);
+        match result {
+            Ok((busy, log, done)) => {
+                self.counters
+                    .inline_checkpoints
+                    .fetch_add(1, Ordering::Relaxed);
+                if busy != 0 || done < log {
                     self.counters
-                        .inline_checkpoints
+                        .checkpoints_blocked
                         .fetch_add(1, Ordering::Relaxed);
+                    crate::telemetry::checkpoint_blocked();
+                    self.checkpoint.blocked(Instant::now());
+                } else {
+                    self.checkpoint.completed();
                 }
-                Err(e) => {
-                    log::warn!("postroom writer: checkpoint of a {pages}-frame WAL failed: {e}")
-                }
+            }
+            Err(e) => {
+                log::warn!("postroom writer: checkpoint of a {pages}-frame WAL failed: {e}");
+                self.checkpoint.blocked(Instant::now());
             }
         }
     }
@@ -1170,7 +1287,7 @@ mod tests {
     fn the_checkpointer_is_woken_once_per_growth_and_the_writer_copies_back_when_it_is_gone() {
         let (wake, woken) = crossbeam_channel::bounded(1);
         let bounds = WalBounds::new(4 << 20, None, 4096);
-        let mut trigger = CheckpointTrigger::new(wake, bounds);
+        let mut trigger = CheckpointTrigger::new(wake, bounds, std::path::PathBuf::new());
         assert!(!trigger.after_commit(999));
         assert!(woken.try_recv().is_err(), "woken below the threshold");
         assert!(!trigger.after_commit(1000));
