@@ -116,6 +116,11 @@ fn spawn(
     Ok(Running { name, handle, done })
 }
 
+/// The share of [`Postroom::shutdown`]'s deadline kept for the writer,
+/// whatever the other threads take: it commits what they left queued and
+/// closes the database.
+const WRITER_SHARE: f64 = 0.2;
+
 /// `now + wait`; past what an `Instant` holds, a century from now, which
 /// is as good as never.
 fn deadline_after(wait: Duration) -> Instant {
@@ -911,38 +916,45 @@ impl Control {
                 "shutdown called from inside a handler; the engine stops after this batch",
             ));
         }
+        // The writer commits what the others leave queued (the relay's
+        // marks, the workers' last results) and closes the database: it
+        // always gets its share. The others share the rest, so a thread
+        // stuck in user code (a sink's `send`, a handler) costs only its
+        // own place in the report.
+        let writer_share = deadline.mul_f64(WRITER_SHARE);
         let deadline = deadline_after(deadline);
+        let others = deadline.checked_sub(writer_share).unwrap_or(deadline);
         let mut threads = std::mem::take(&mut *self.lock_threads());
         let mut report = ShutdownReport::default();
         if let Some((running, handle)) = threads.signals.take() {
             handle.close();
             // The signal thread may be the one shutting us down.
             if running.handle.thread().id() != thread::current().id() {
-                running.join(deadline, &mut report);
+                running.join(others, &mut report);
             }
         }
         drop(threads.timers_stop.take());
         if let Some(t) = threads.dispatcher.take() {
-            t.join(deadline, &mut report);
+            t.join(others, &mut report);
         }
         for t in threads.workers.drain(..) {
-            t.join(deadline, &mut report);
+            t.join(others, &mut report);
         }
         if let Some(t) = threads.reaper.take() {
-            t.join(deadline, &mut report);
+            t.join(others, &mut report);
         }
         if let Some(t) = threads.checkpointer.take() {
-            t.join(deadline, &mut report);
+            t.join(others, &mut report);
         }
         // The relay flushes what is due (workers may just have published)
-        // until the deadline; it needs the writer to mark what it sent.
+        // until shortly before its share ends; it needs the writer to mark
+        // what it sent, so it stops a tenth of its time early.
         if let Some(stop) = threads.relay_stop.take() {
-            // A tenth of what is left stays for the writer to finish.
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = others.saturating_duration_since(Instant::now());
             let _ = stop.try_send(Instant::now() + left.mul_f64(0.9));
         }
         if let Some(t) = threads.relay.take() {
-            t.join(deadline, &mut report);
+            t.join(others, &mut report);
         }
         self.shared.writer.stop();
         if let Some(t) = threads.writer.take() {
