@@ -58,3 +58,110 @@ fn a_stuck_sink_leaves_the_writer_its_share_of_the_shutdown_deadline() {
     );
     assert!(took < Duration::from_secs(10), "shutdown took {took:?}");
 }
+
+/// Both handlers wait here until the other has arrived (each holding its
+/// own engine's writer), so the two calls into each other cross for sure.
+fn meet(arrived: &std::sync::atomic::AtomicUsize) {
+    arrived.fetch_add(1, Ordering::SeqCst);
+    let until = Instant::now() + Duration::from_secs(10);
+    while arrived.load(Ordering::SeqCst) < 2 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// An engine whose handler, for a message from outside, delivers into
+/// `other` (a message that goes no further).
+fn crossing(
+    path: &std::path::Path,
+    other: Arc<std::sync::OnceLock<Postroom>>,
+    arrived: Arc<std::sync::atomic::AtomicUsize>,
+) -> Postroom {
+    Postroom::builder()
+        .busy_timeout(Duration::from_secs(1))
+        .consumer(
+            "c",
+            handler_fn(move |_tx, msg| {
+                if msg.source() != "outside" {
+                    return Ok(());
+                }
+                meet(&arrived);
+                let other = other.get().expect("both engines open");
+                match other.deliver("c", Message::new("inside", msg.id(), b"x".to_vec())) {
+                    Ok(_) => Ok(()),
+                    Err(e) => Err(postroom::Failure::retry(e)),
+                }
+            }),
+        )
+        .open(path)
+        .unwrap()
+}
+
+/// The second finding: A's handler delivers into B while B's
+/// delivers into A, at the same time on two threads: each held its own
+/// writer and queued for the other's, and neither ever returned; an
+/// unrelated call timed out and shutdown left five threads behind. Now a
+/// caller that holds a writer (it runs in a handler) waits at most the
+/// other engine's busy timeout, and gets the retryable `Error::Busy`: the
+/// handler fails this attempt, the cycle is broken, and everything goes on.
+#[test]
+fn two_engines_whose_handlers_deliver_into_each_other_get_an_error_not_a_deadlock() {
+    let dir = tempfile::tempdir().unwrap();
+    let arrived = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (a_cell, b_cell) = (
+        Arc::new(std::sync::OnceLock::new()),
+        Arc::new(std::sync::OnceLock::new()),
+    );
+    let a = crossing(
+        &dir.path().join("a.db"),
+        Arc::clone(&b_cell),
+        Arc::clone(&arrived),
+    );
+    let b = crossing(
+        &dir.path().join("b.db"),
+        Arc::clone(&a_cell),
+        Arc::clone(&arrived),
+    );
+    assert!(a_cell.set(a).is_ok() && b_cell.set(b).is_ok());
+    let started = Instant::now();
+    let calls: Vec<_> = [(&a_cell, "to-a"), (&b_cell, "to-b")]
+        .into_iter()
+        .map(|(room, id)| {
+            let room = Arc::clone(room);
+            std::thread::spawn(move || {
+                let room = room.get().unwrap();
+                room.deliver("c", Message::new("outside", id, b"x".to_vec()))
+            })
+        })
+        .collect();
+    let outcomes: Vec<_> = calls
+        .into_iter()
+        .map(|call| join_within(call, 20, "a delivery into crossing engines"))
+        .collect();
+    let took = started.elapsed();
+    eprintln!("crossing deliveries answered in {took:?}: {outcomes:?}");
+    // At least one side's inner call met the other's held writer and gave
+    // up; its handler failed this attempt (retried later), nothing hung.
+    assert!(
+        outcomes
+            .iter()
+            .any(|o| matches!(o, Ok(postroom::Outcome::Failed { error, .. }) if error.contains("busy"))),
+        "{outcomes:?}"
+    );
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    // Both engines still answer, and shut down cleanly.
+    let (a, b) = (a_cell.get().unwrap(), b_cell.get().unwrap());
+    let other = within(10, "an unrelated delivery", {
+        let a_cell = Arc::clone(&a_cell);
+        move || {
+            a_cell
+                .get()
+                .unwrap()
+                .deliver("c", Message::new("elsewhere", "n1", b"x".to_vec()))
+        }
+    });
+    assert!(other.unwrap().should_ack());
+    for room in [a, b] {
+        let report = room.shutdown(Duration::from_secs(5)).unwrap();
+        assert!(report.is_clean(), "{report:?}");
+    }
+}
