@@ -37,7 +37,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -76,8 +76,24 @@ impl WriterCtx<'_> {
     }
 }
 
-/// A job, and the channel its answer arrives on.
-pub(crate) type Answered<T> = (Box<dyn Job>, Receiver<Result<T>>);
+/// A job, and how its answer arrives.
+pub(crate) type Answered<T> = (Box<dyn Job>, Answer<T>);
+
+/// Where a job's answer arrives, and the job's claim: a caller that gives
+/// up waiting (see [`WriterHandle::enqueue_job`]) may do so only while the
+/// job has not started, so that an error it answers means nothing of the
+/// job was stored.
+pub(crate) struct Answer<T> {
+    rx: Receiver<Result<T>>,
+    claim: Arc<AtomicU8>,
+}
+
+/// [`Answer::claim`]: queued, not started yet.
+const QUEUED: u8 = 0;
+/// Started (by a batch): its caller waits for the answer.
+const STARTED: u8 = 1;
+/// Its caller gave up before it started: it never runs.
+const ABANDONED: u8 = 2;
 
 /// A unit of work for the writer.
 pub(crate) trait Job: Send {
@@ -154,6 +170,12 @@ pub(crate) fn note_wal_pages(wal: &mut rusqlite::hooks::Wal, pages: c_int) -> ru
         WAL_PAGES.set(pages);
     }
     Ok(())
+}
+
+/// True when this thread holds some writer's lock: it runs inside a batch,
+/// in a handler (of this engine or another).
+fn holds_a_writer() -> bool {
+    HELD.with(|held| !held.borrow().is_empty())
 }
 
 /// What the writer thread and leading callers share.
@@ -298,6 +320,9 @@ pub(crate) struct WriterHandle {
     stop: Sender<()>,
     /// Disconnects when the writer thread ends (its sender is dropped).
     alive: Receiver<()>,
+    /// The longest a caller holding a writer's lock waits for this one
+    /// (see [`WriterHandle::enqueue_job`]).
+    busy_timeout: Duration,
 }
 
 impl WriterHandle {
@@ -344,12 +369,48 @@ impl WriterHandle {
 
     /// Queues a job made by [`job`] or [`rerunnable_job`] and waits for its
     /// answer.
+    ///
+    /// A caller that holds a writer's lock (it runs in a handler of this or
+    /// another engine) waits at most `busy_timeout` for the job to start,
+    /// then answers [`Error::Busy`] and the job never runs. Only such a
+    /// wait can close a cycle (two engines whose handlers deliver into each
+    /// other, each holding its own writer and queued for the other's): a
+    /// caller that holds no lock holds nobody up. Bounding exactly those
+    /// waits breaks every cycle within the busy timeout, without failing
+    /// plain callers that queue behind a long batch. Once the job started,
+    /// its batch runs on a thread holding the lock, whose own waits are
+    /// bounded the same way, so the answer is waited for.
     pub fn enqueue_job<T>(&self, (job, answer): Answered<T>) -> Result<T> {
+        if !holds_a_writer() {
+            crossbeam_channel::select! {
+                send(self.commands, job) -> sent => sent.map_err(|_| Error::Closed)?,
+                recv(self.alive) -> _ => return Err(Error::Closed),
+            }
+            return self.wait(answer.rx);
+        }
+        let deadline = Instant::now() + self.busy_timeout;
+        let busy = Error::Busy {
+            op: "wait, from inside a handler, for another engine's writer (a handler of it \
+                 waits for this one's?)",
+        };
         crossbeam_channel::select! {
             send(self.commands, job) -> sent => sent.map_err(|_| Error::Closed)?,
             recv(self.alive) -> _ => return Err(Error::Closed),
+            default(self.busy_timeout) => return Err(busy),
         }
-        self.wait(answer)
+        crossbeam_channel::select! {
+            recv(answer.rx) -> reply => return reply.map_err(|_| Error::Closed)?,
+            recv(self.alive) -> _ => return answer.rx.try_recv().map_err(|_| Error::Closed)?,
+            default(deadline.saturating_duration_since(Instant::now())) => {}
+        }
+        match answer
+            .claim
+            .compare_exchange(QUEUED, ABANDONED, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => Err(busy),
+            // Started: its batch is running; the answer follows it.
+            Err(_) => self.wait(answer.rx),
+        }
     }
 
     /// Like `submit`, for work that should not hold callers up: it runs when
@@ -362,7 +423,7 @@ impl WriterHandle {
     {
         let (job, answer) = job(work);
         self.background.send(job).map_err(|_| Error::Closed)?;
-        self.wait(answer)
+        self.wait(answer.rx)
     }
 
     /// Runs `work` as a rider (see the module docs): in the next callers'
@@ -384,7 +445,7 @@ impl WriterHandle {
         debug_assert!(displaced.is_none(), "one rider at a time");
         // Full: the thread is already rung.
         let _ = self.rider_bell.try_send(());
-        self.wait(answer)
+        self.wait(answer.rx)
     }
 
     fn wait<T>(&self, answer: Receiver<Result<T>>) -> Result<T> {
@@ -453,7 +514,7 @@ impl Leader<'_> {
         take_queued(self.queued, &mut batch, state.config.max_batch);
         core.run_callers_batch(state, &mut batch);
         drop(self.held);
-        answer.try_recv().map_err(|_| Error::Closed)?
+        answer.rx.try_recv().map_err(|_| Error::Closed)?
     }
 
     /// The write connection, outside any transaction: for reads that may
@@ -477,6 +538,8 @@ struct FnJob<T, F, G = NeverAgain<T>> {
     work: Work<F, G>,
     result: Option<Result<T>>,
     reply: Sender<Result<T>>,
+    /// See [`Answer::claim`].
+    claim: Arc<AtomicU8>,
 }
 
 impl<T, F, G> Job for FnJob<T, F, G>
@@ -486,6 +549,18 @@ where
     G: FnMut(&mut WriterCtx<'_>) -> Result<T> + Send,
 {
     fn run(&mut self, ctx: &mut WriterCtx<'_>) -> Result<()> {
+        // Its caller gave up before it started: nobody hears of it, and
+        // nothing of it may be stored.
+        if self.claim.compare_exchange(QUEUED, STARTED, Ordering::AcqRel, Ordering::Acquire)
+            == Err(ABANDONED)
+        {
+            self.result = Some(Err(Error::Aborted {
+                reason: "its caller stopped waiting".into(),
+            }));
+            return Err(Error::Aborted {
+                reason: "its caller stopped waiting".into(),
+            });
+        }
         let result = match &mut self.work {
             Work::Once(work) => match work.take() {
                 Some(work) => work(ctx),
@@ -543,13 +618,15 @@ where
     T: Send + 'static,
     F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
 {
-    let (reply, answer) = crossbeam_channel::bounded(1);
+    let (reply, rx) = crossbeam_channel::bounded(1);
+    let claim = Arc::new(AtomicU8::new(QUEUED));
     let job: FnJob<T, F> = FnJob {
         work: Work::Once(Some(work)),
         result: None,
         reply,
+        claim: Arc::clone(&claim),
     };
-    (Box::new(job), answer)
+    (Box::new(job), Answer { rx, claim })
 }
 
 /// Like [`job`], for work that can run again when its transaction is
@@ -559,13 +636,15 @@ where
     T: Send + 'static,
     G: FnMut(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
 {
-    let (reply, answer) = crossbeam_channel::bounded(1);
+    let (reply, rx) = crossbeam_channel::bounded(1);
+    let claim = Arc::new(AtomicU8::new(QUEUED));
     let job: FnJob<T, NeverAgain<T>, G> = FnJob {
         work: Work::Again(work),
         result: None,
         reply,
+        claim: Arc::clone(&claim),
     };
-    (Box::new(job), answer)
+    (Box::new(job), Answer { rx, claim })
 }
 
 /// Adds queued jobs to `batch`, up to `max_batch` in all.
@@ -1107,6 +1186,7 @@ pub(crate) struct WriterThread {
 /// end. `alive` must be dropped when the thread ends.
 pub(crate) fn writer(state: WriterState, alive: Receiver<()>) -> (WriterHandle, WriterThread) {
     let max_batch = state.config.max_batch;
+    let busy_timeout = state.config.busy_timeout;
     let core = Core::new(state);
     let (commands, queued) = crossbeam_channel::bounded(max_batch);
     let (background, background_rx) = crossbeam_channel::bounded(1);
@@ -1120,6 +1200,7 @@ pub(crate) fn writer(state: WriterState, alive: Receiver<()>) -> (WriterHandle, 
         rider_bell,
         stop,
         alive,
+        busy_timeout,
     };
     let thread = WriterThread {
         core,
