@@ -308,6 +308,12 @@ impl Postroom {
             .map(|n| engine_file.slot(n))
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| Error::io("open engine file for workers", e))?;
+        // The checkpointer watches for a slow handler (see `checkpoint`).
+        let slow_record = engine_file
+            .slow_record()
+            .map_err(|e| log::warn!("postroom: slow handlers are only logged: {e}"))
+            .ok();
+        let watch = (guard.clone(), slow_record);
         let state = WriterState {
             outbox_dirty,
             relay_wake: sink.is_some().then_some(relay_wake),
@@ -379,7 +385,7 @@ impl Postroom {
             &shared,
             sink,
             relay_woken,
-            checkpoint_woken,
+            (checkpoint_woken, watch),
             wal_bounds,
             worker_slots,
         )?;
@@ -424,7 +430,10 @@ impl Postroom {
         shared: &Arc<Shared>,
         sink: Option<Box<dyn Sink>>,
         relay_woken: crossbeam_channel::Receiver<()>,
-        checkpoint_woken: crossbeam_channel::Receiver<()>,
+        (checkpoint_woken, (guard, slow_record)): (
+            crossbeam_channel::Receiver<()>,
+            (UserCodeGuard, Option<crate::store::inflight::SlowRecord>),
+        ),
         wal_bounds: wal::WalBounds,
         worker_slots: Vec<ClaimSlot>,
     ) -> Result<()> {
@@ -454,6 +463,8 @@ impl Postroom {
             writer: shared.writer.clone(),
             wake: checkpoint_woken,
             stop: stop_rx,
+            guard,
+            slow_record,
         };
         threads.checkpointer = Some(spawn(
             "postroom-checkpointer".into(),

@@ -32,9 +32,16 @@
 //! attempt fails like on any other SQL error. Reading those pragmas, the
 //! application's own pragmas (`user_version`, `application_id`, ...) and
 //! the application's own schema changes stay allowed.
+//!
+//! The guard also notes which handler runs, and since when
+//! ([`UserCodeGuard::run_handler`]): a handler runs inside the writer's
+//! transaction, so one that hangs holds every write of the engine, and the
+//! engine's watcher reports it (see `runtime::checkpoint`). Noting costs a
+//! lock and two string copies into reused buffers per handler.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use rusqlite::hooks::{AuthAction, AuthContext, Authorization};
 use rusqlite::Connection;
@@ -127,9 +134,21 @@ fn changes_engine_schema(action: &AuthAction<'_>) -> bool {
     }
 }
 
-/// The authorizer's switch. Cloning shares it.
+/// The authorizer's switch, and the handler running under it. Cloning
+/// shares both.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct UserCodeGuard(Arc<AtomicBool>);
+pub(crate) struct UserCodeGuard(Arc<AtomicBool>, Arc<Mutex<RunningHandler>>);
+
+/// The handler that runs on the write connection, if one does.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct RunningHandler {
+    /// Counts handler runs: tells one run from the next of the same message.
+    pub run: u64,
+    pub consumer: String,
+    pub message_id: String,
+    /// When it started; `None` while no handler runs.
+    pub since: Option<Instant>,
+}
 
 impl UserCodeGuard {
     /// Installs the authorizer and the commit hook on `conn`.
@@ -165,6 +184,35 @@ impl UserCodeGuard {
         let in_user_code = Arc::clone(&guard.0);
         conn.commit_hook(Some(move || in_user_code.load(Ordering::Relaxed)))?;
         Ok(guard)
+    }
+
+    /// [`run`](Self::run) for a handler of `consumer` handling
+    /// `message_id`, noted as running meanwhile (see the module docs).
+    pub fn run_handler<T>(&self, consumer: &str, message_id: &str, f: impl FnOnce() -> T) -> T {
+        struct Done<'a>(&'a Mutex<RunningHandler>);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.lock().unwrap_or_else(|p| p.into_inner()).since = None;
+            }
+        }
+        {
+            let mut running = self.1.lock().unwrap_or_else(|p| p.into_inner());
+            running.run = running.run.wrapping_add(1);
+            running.consumer.clear();
+            running.consumer.push_str(consumer);
+            running.message_id.clear();
+            running.message_id.push_str(message_id);
+            running.since = Some(Instant::now());
+        }
+        let _done = Done(&self.1);
+        self.run(f)
+    }
+
+    /// The handler running now, if any: a copy, so the watcher holds the
+    /// lock only as long as copying takes.
+    pub fn running(&self) -> Option<RunningHandler> {
+        let running = self.1.lock().unwrap_or_else(|p| p.into_inner());
+        running.since.is_some().then(|| running.clone())
     }
 
     /// Runs `f` with transaction control denied and commits vetoed.

@@ -67,3 +67,9 @@ pub(crate) fn checkpoint_blocked() {
 pub(crate) fn wal_over_cap() {
     metrics::counter!("postroom_wal_over_cap_total").increment(1);
 }
+
+/// A handler that held the writer past the `slow_handler` threshold.
+pub(crate) fn slow_handler(consumer: &str) {
+    metrics::counter!("postroom_slow_handlers_total", "consumer" => consumer.to_owned())
+        .increment(1);
+}

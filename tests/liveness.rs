@@ -165,3 +165,100 @@ fn two_engines_whose_handlers_deliver_into_each_other_get_an_error_not_a_deadloc
         assert!(report.is_clean(), "{report:?}");
     }
 }
+
+/// The seventh finding: a queued or inline handler that hangs
+/// holds every write of the engine, and nothing told an operator which one
+/// or for how long. Now one past `slow_handler` is named in the engine file
+/// (what `postroom status`/`top` print) while it runs, and the record goes
+/// when it returns.
+#[test]
+fn a_slow_handler_is_named_while_it_holds_the_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let room = Arc::new(
+        Postroom::builder()
+            .slow_handler(Duration::from_millis(200))
+            .consumer(
+                "c",
+                handler_fn(|_tx, msg| {
+                    if msg.id().starts_with("slow") {
+                        std::thread::sleep(Duration::from_secs(2));
+                    }
+                    Ok(())
+                }),
+            )
+            .open(&path)
+            .unwrap(),
+    );
+    assert_eq!(postroom::admin::slow_handler(&path), None);
+    let call = {
+        let room = Arc::clone(&room);
+        std::thread::spawn(move || room.deliver("c", Message::new("s", "slow-1", b"x".to_vec())))
+    };
+    let mut seen = None;
+    eventually(10, "the slow handler to be recorded", || {
+        seen = postroom::admin::slow_handler(&path);
+        seen.is_some() || call.is_finished()
+    });
+    let seen = seen.expect("recorded while it ran");
+    assert_eq!((seen.consumer.as_str(), seen.message_id.as_str()), ("c", "slow-1"));
+    let age = postroom::admin::now_ms() - seen.since_ms;
+    assert!((0..60_000).contains(&age), "started {age} ms ago?");
+    if let Some(cli) = option_env!("CARGO_BIN_EXE_postroom") {
+        let out = std::process::Command::new(cli)
+            .arg(&path)
+            .arg("status")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        // The handler may just have returned on a loaded machine.
+        if !call.is_finished() {
+            assert!(text.contains("SLOW HANDLER") && text.contains("c/slow-1"), "{text}");
+        }
+    }
+    let outcome = join_within(call, 30, "the slow delivery").unwrap();
+    assert!(outcome.should_ack(), "{outcome:?}");
+    eventually(10, "the record to be cleared", || {
+        postroom::admin::slow_handler(&path).is_none()
+    });
+}
+
+/// A queued processing batch takes no further rows once its handlers have
+/// held the writer `slow_handler`: a caller waits for about that, not for
+/// the whole batch (here 20 rows of 200 ms: 4 s).
+#[test]
+fn a_queued_batch_of_slow_handlers_stops_taking_rows_past_the_threshold() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let started = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&started);
+    let room = Postroom::builder()
+        .slow_handler(Duration::from_millis(200))
+        .consumer(
+            "q",
+            handler_fn(move |_tx, _msg| {
+                flag.store(true, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(200));
+                Ok(())
+            }),
+        )
+        .consumer("c", handler_fn(|_tx, _msg| Ok(())))
+        .open(&path)
+        .unwrap();
+    let msgs = (0..20).map(|i| Message::new("s", format!("q{i}"), b"x".to_vec()));
+    room.receive_batch("q", msgs).unwrap();
+    eventually(30, "queued processing to start", || {
+        started.load(Ordering::SeqCst)
+    });
+    let t = Instant::now();
+    let outcome = room
+        .deliver("c", Message::new("s", "c1", b"x".to_vec()))
+        .unwrap();
+    let waited = t.elapsed();
+    assert!(outcome.should_ack());
+    eprintln!("a delivery beside a batch of slow handlers waited {waited:?}");
+    assert!(waited < Duration::from_millis(2500), "waited {waited:?}");
+    eventually(60, "the queued rows to be processed", || {
+        room.stats().unwrap().inbox["q"].completed == 20
+    });
+}

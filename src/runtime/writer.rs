@@ -675,6 +675,8 @@ pub(crate) struct Counters {
     pub paused_max_us: AtomicU64,
     /// The writer's copy-backs a reader kept from completing.
     pub checkpoints_blocked: AtomicU64,
+    /// Handlers that held the writer past `slow_handler`.
+    pub slow_handlers: AtomicU64,
 }
 
 /// The write connection and what running a batch on it needs.

@@ -32,6 +32,13 @@
 //! 4 KiB are slots for that: slot 0 names the claim whose transactional
 //! step runs on the writer, slot n the claim whose external step runs on
 //! worker n. The inline marker follows at [`RECORD_OFFSET`].
+//!
+//! The second half of those 4 KiB (past the last worker's slot) holds the
+//! *slow-handler record*: the handler that has held the writer past the
+//! `slow_handler` threshold, written by the engine's watcher when it
+//! notices and cleared when the handler returns, so `postroom status` and
+//! `top` can name it ([`read_slow_handler`]). Not on the hot path: written
+//! only for a slow handler. Recovery reads claim slots only below it.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
@@ -54,6 +61,12 @@ pub(crate) const SLOTS: usize = (RECORD_OFFSET / SLOT_BYTES) as usize;
 // One slot per worker, and one for the writer's inline and batch handlers.
 const _: () = assert!(crate::config::MAX_WORKERS < SLOTS);
 const SLOT_MAGIC: &[u8; 8] = b"PRMCLM01";
+/// Where the slow-handler record starts: past every claim slot.
+const SLOW_OFFSET: u64 = (crate::config::MAX_WORKERS as u64 + 1) * SLOT_BYTES;
+const SLOW_MAGIC: &[u8; 8] = b"PRMSLOW1";
+/// The record's room; a longer message id is cut (on a char boundary).
+const SLOW_BYTES: usize = (RECORD_OFFSET - SLOW_OFFSET) as usize;
+const _: () = assert!(SLOW_BYTES >= 1024);
 /// A marker larger than this is garbage (payloads are capped well below).
 const MAX_RECORD: u64 = 300 * 1024 * 1024;
 
@@ -223,12 +236,22 @@ impl EngineFile {
     /// died (valid slots only).
     pub fn started_claims(&self) -> io::Result<Vec<StartedClaim>> {
         let len = self.file.metadata()?.len();
-        let mut table = vec![0u8; RECORD_OFFSET.min(len) as usize];
+        // The slots only: the slow-handler record after them holds user
+        // bytes (ids), which must never read as a claim.
+        let mut table = vec![0u8; SLOW_OFFSET.min(len) as usize];
         self.file.read_exact_at(&mut table, 0)?;
         Ok(table
             .chunks_exact(SLOT_BYTES as usize)
             .filter_map(decode_slot)
             .collect())
+    }
+
+    /// A handle on the slow-handler record (see the module docs), for the
+    /// engine's watcher thread.
+    pub fn slow_record(&self) -> io::Result<SlowRecord> {
+        Ok(SlowRecord {
+            file: self.file.try_clone()?,
+        })
     }
 
     /// A handle on claim slot `index` (1.. for workers) that another thread
@@ -325,6 +348,86 @@ impl ClaimMarks for ClaimSlot {
         let at = self.index as u64 * SLOT_BYTES;
         self.file.write_all_at(&[0u8; SLOT_BYTES as usize], at)
     }
+}
+
+/// The slow-handler record's handle (see the module docs).
+#[derive(Debug)]
+pub(crate) struct SlowRecord {
+    file: File,
+}
+
+/// A handler that has held the writer past the `slow_handler` threshold,
+/// as the engine file records it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlowHandler {
+    /// The consumer whose handler runs.
+    pub consumer: String,
+    /// The message it handles (cut to fit the record when very long).
+    pub message_id: String,
+    /// When it started, in unix ms.
+    pub since_ms: i64,
+}
+
+impl SlowRecord {
+    /// Records `slow` as the handler holding the writer.
+    pub fn write(&mut self, slow: &SlowHandler) -> io::Result<()> {
+        let mut body = Vec::with_capacity(SLOW_BYTES);
+        body.extend_from_slice(&slow.since_ms.to_le_bytes());
+        put_bytes(&mut body, slow.consumer.as_bytes());
+        // What is left, less the id's length and the checksum.
+        let room = SLOW_BYTES.saturating_sub(SLOW_MAGIC.len() + body.len() + 4 + 32);
+        let mut cut = slow.message_id.len().min(room);
+        while !slow.message_id.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        put_bytes(&mut body, &slow.message_id.as_bytes()[..cut]);
+        let mut record = Vec::with_capacity(SLOW_BYTES);
+        record.extend_from_slice(SLOW_MAGIC);
+        record.extend_from_slice(&body);
+        record.extend_from_slice(blake3::hash(&body).as_bytes());
+        self.file.write_all_at(&record, SLOW_OFFSET)
+    }
+
+    /// The handler has returned.
+    pub fn clear(&mut self) -> io::Result<()> {
+        self.file.write_all_at(&[0u8; 8], SLOW_OFFSET)
+    }
+}
+
+/// The slow handler a running engine of `db` records, if any: `None` when
+/// there is none, no engine file, or the record is torn.
+pub fn read_slow_handler(db: &Path) -> io::Result<Option<SlowHandler>> {
+    let file = match File::open(EngineFile::path_for(db)) {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut bytes = vec![0u8; SLOW_BYTES];
+    let mut read = 0;
+    while read < bytes.len() {
+        match file.read_at(&mut bytes[read..], SLOW_OFFSET + read as u64)? {
+            0 => break,
+            n => read += n,
+        }
+    }
+    Ok(decode_slow(&bytes[..read]))
+}
+
+fn decode_slow(bytes: &[u8]) -> Option<SlowHandler> {
+    let rest = bytes.strip_prefix(SLOW_MAGIC.as_slice())?;
+    let mut cur = Cursor(rest);
+    let since_ms = i64::from_le_bytes(cur.take(8)?.try_into().ok()?);
+    let consumer = String::from_utf8(cur.bytes()?.to_vec()).ok()?;
+    let message_id = String::from_utf8(cur.bytes()?.to_vec()).ok()?;
+    let body_len = rest.len() - cur.0.len();
+    if cur.take(32)? != blake3::hash(&rest[..body_len]).as_bytes() {
+        return None;
+    }
+    Some(SlowHandler {
+        consumer,
+        message_id,
+        since_ms,
+    })
 }
 
 fn slot_check(row_id: i64, token: i64) -> [u8; 8] {
