@@ -142,29 +142,34 @@ impl Deliverer {
     /// Delivers one message (retrying while `Busy`); asserts each call's
     /// bound.
     fn one(&mut self, room: &Postroom) {
+        while !self.try_one(room) {}
+    }
+
+    /// One call delivering the next message: true once acknowledged, false
+    /// when it answered `Busy` (the same message is tried next time).
+    fn try_one(&mut self, room: &Postroom) -> bool {
         let id = format!("m{}", self.next);
-        self.next += 1;
-        loop {
-            let started = Instant::now();
-            let result = room.deliver("c", Message::new("s", id.clone(), vec![b'p'; PAYLOAD]));
-            let took = started.elapsed();
-            self.slowest = self.slowest.max(took);
-            assert!(
-                took <= BUSY * N_BUSY,
-                "deliver {id} took {took:?}, more than {N_BUSY} x busy_timeout ({BUSY:?}): {result:?}"
-            );
-            match result {
-                Ok(o) => {
-                    assert!(o.should_ack(), "{id}: {o:?}");
-                    self.acked.push(id);
-                    return;
-                }
-                Err(e @ Error::Busy { .. }) => {
-                    assert!(e.is_retryable());
-                    self.busy += 1;
-                }
-                Err(e) => panic!("deliver {id}: {e}"),
+        let started = Instant::now();
+        let result = room.deliver("c", Message::new("s", id.clone(), vec![b'p'; PAYLOAD]));
+        let took = started.elapsed();
+        self.slowest = self.slowest.max(took);
+        assert!(
+            took <= BUSY * N_BUSY,
+            "deliver {id} took {took:?}, more than {N_BUSY} x busy_timeout ({BUSY:?}): {result:?}"
+        );
+        match result {
+            Ok(o) => {
+                assert!(o.should_ack(), "{id}: {o:?}");
+                self.acked.push(id);
+                self.next += 1;
+                true
             }
+            Err(e @ Error::Busy { .. }) => {
+                assert!(e.is_retryable());
+                self.busy += 1;
+                false
+            }
+            Err(e) => panic!("deliver {id}: {e}"),
         }
     }
 
@@ -260,6 +265,143 @@ fn a_long_read_transaction_beside_the_engine_does_not_stall_deliveries() {
     eventually(60, "the WAL to be given back", || {
         wal_len(&path) <= 8 << 20
     });
+    let report = room.shutdown(Duration::from_secs(30)).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+}
+
+/// Delivers until `child` exits (at most `limit`); then waits for it.
+fn deliver_while(
+    d: &mut Deliverer,
+    room: &Postroom,
+    child: &mut Child,
+    limit: Duration,
+) -> std::process::ExitStatus {
+    let until = Instant::now() + limit;
+    while Instant::now() < until {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        d.one(room);
+    }
+    wait_or_kill(child, 60, "sqlite3")
+}
+
+fn sqlite3_cli(db: &Path, sql: &str) -> Child {
+    Command::new("sqlite3")
+        .arg(db)
+        .arg(sql)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn sqlite3")
+}
+
+/// `sqlite3 app.db ".backup copy.db"` beside the running engine: its
+/// steps read what is committed, deliveries meanwhile stay bounded, and
+/// once writes pause the copy completes and is a sound database holding
+/// what was acknowledged before it started.
+#[test]
+fn a_backup_by_the_sqlite3_cli_beside_the_engine() {
+    if sqlite3().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = db_in(&dir);
+    let copy = dir.path().join("copy.db");
+    let room = open(&path);
+    let mut d = Deliverer::new();
+    for _ in 0..300 {
+        d.one(&room);
+    }
+    let before = d.acked.len();
+    let mut backup = sqlite3_cli(&path, &format!(".backup '{}'", copy.display()));
+    // A backup restarts when another process writes in between its steps:
+    // it completes once writes pause.
+    let status = deliver_while(&mut d, &room, &mut backup, Duration::from_secs(3));
+    eprintln!(
+        "backup: {status}, {} deliveries beside it, slowest call {:?}",
+        d.acked.len() - before,
+        d.slowest
+    );
+    assert!(status.success(), "{status}");
+    let conn = raw(&copy);
+    integrity_ok(&conn);
+    assert!(count(&conn, "SELECT count(*) FROM applied") >= before as i64);
+    drop(conn);
+    d.check(&path);
+    let report = room.shutdown(Duration::from_secs(30)).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+}
+
+/// `VACUUM` by another process holds the write lock while it rewrites the
+/// file: deliveries meanwhile wait at most `busy_timeout` each (then the
+/// retryable `Error::Busy`), and the engine goes on with the rewritten
+/// file.
+#[test]
+fn a_vacuum_by_the_sqlite3_cli_beside_the_engine() {
+    if sqlite3().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = db_in(&dir);
+    let room = open(&path);
+    let mut d = Deliverer::new();
+    for _ in 0..500 {
+        d.one(&room);
+    }
+    let mut vacuum = sqlite3_cli(&path, "PRAGMA busy_timeout = 30000; VACUUM;");
+    let status = deliver_while(&mut d, &room, &mut vacuum, Duration::from_secs(60));
+    eprintln!(
+        "vacuum: {status}; deliveries answered Busy {} times, slowest call {:?}",
+        d.busy, d.slowest
+    );
+    assert!(status.success(), "{status}");
+    d.for_period(&room, Duration::from_millis(500));
+    d.check(&path);
+    integrity_ok(&raw(&path));
+    let report = room.shutdown(Duration::from_secs(30)).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+}
+
+/// Another process's `BEGIN IMMEDIATE` held longer than `busy_timeout`:
+/// deliveries answer the retryable `Error::Busy` after `busy_timeout`
+/// (never hang), and go on once it commits.
+#[test]
+fn an_external_write_lock_held_past_busy_timeout_answers_busy_then_recovers() {
+    if sqlite3().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = db_in(&dir);
+    let room = open(&path);
+    let mut d = Deliverer::new();
+    d.for_period(&room, Duration::from_millis(300));
+    let mut writer = Session::open(&path);
+    writer.run("BEGIN IMMEDIATE; INSERT INTO applied (consumer, message_id) VALUES ('x', 'x');");
+    let held = Instant::now();
+    // Deliveries keep retrying (each try bounded) while the lock is held.
+    let until = held + 3 * BUSY;
+    let mut done_while_held = 0;
+    while Instant::now() < until && d.busy == 0 {
+        if d.try_one(&room) {
+            done_while_held += 1;
+        }
+    }
+    assert!(d.busy > 0, "no Busy while another process held the lock");
+    assert_eq!(done_while_held, 0, "committed while another process held the lock?");
+    writer.run("COMMIT;");
+    writer.close();
+    let after = d.for_period(&room, Duration::from_millis(500));
+    assert!(after > 0);
+    eprintln!("Busy answers: {}, slowest call {:?}", d.busy, d.slowest);
+    // The external row counts as one more applied row.
+    let conn = raw(&path);
+    assert_eq!(count(&conn, "SELECT count(*) FROM applied WHERE consumer = 'x'"), 1);
+    conn.execute("DELETE FROM applied WHERE consumer = 'x'", [])
+        .unwrap();
+    drop(conn);
+    d.check(&path);
     let report = room.shutdown(Duration::from_secs(30)).unwrap();
     assert!(report.is_clean(), "{report:?}");
 }

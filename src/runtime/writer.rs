@@ -134,6 +134,8 @@ const GIVE_BACK_WAIT: Duration = Duration::from_millis(50);
 /// are shorter; a reader that stays longer is another process's snapshot,
 /// and waiting for it would hold every commit up.
 const INLINE_CHECKPOINT_WAIT: Duration = Duration::from_millis(5);
+/// The longest the last copy-back, at close, waits for readers.
+const CLOSE_CHECKPOINT_WAIT: Duration = Duration::from_millis(100);
 /// After a copy-back a reader kept from completing, the next try waits at
 /// least this long, doubling up to [`BLOCKED_BACKOFF_MAX`]: a pinned WAL
 /// is not copied back by trying after every commit.
@@ -1140,6 +1142,10 @@ impl WriterState {
         if let Err(e) = self.conn.execute_batch("PRAGMA optimize") {
             log::debug!("postroom writer: optimize at shutdown: {e}");
         }
+        // Not waiting on readers: another process's open read transaction
+        // would hold the close (and its share of the shutdown deadline)
+        // for the whole busy timeout. The next open truncates instead.
+        let _ = self.conn.busy_timeout(CLOSE_CHECKPOINT_WAIT);
         if let Err(e) = self
             .conn
             .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
