@@ -582,6 +582,34 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_slow_handler_record_round_trips_and_never_reads_as_a_claim() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("t.db");
+        let file = EngineFile::lock(&db).unwrap();
+        let mut record = file.slow_record().unwrap();
+        assert_eq!(read_slow_handler(&db).unwrap(), None);
+        let slow = SlowHandler {
+            consumer: "c".into(),
+            message_id: "x".repeat(5000),
+            since_ms: 1234,
+        };
+        record.write(&slow).unwrap();
+        let back = read_slow_handler(&db).unwrap().expect("recorded");
+        assert_eq!((back.consumer.as_str(), back.since_ms), ("c", 1234));
+        assert!(back.message_id.len() > 1000 && back.message_id.len() < SLOW_BYTES);
+        // User bytes that happen to form a valid claim slot, in the
+        // record's room: recovery never reads them as a claim.
+        file.file
+            .write_all_at(&encode_slot(7, 9), SLOW_OFFSET + 64)
+            .unwrap();
+        assert_eq!(file.started_claims().unwrap(), vec![]);
+        file.file.write_all_at(&encode_slot(7, 9), 0).unwrap();
+        assert_eq!(file.started_claims().unwrap().len(), 1);
+        record.clear().unwrap();
+        assert_eq!(read_slow_handler(&db).unwrap(), None);
+    }
+
+    #[test]
     fn marker_round_trips_and_rejects_damage() {
         let msg = Message::new("src", "id-1", b"payload".to_vec())
             .with_header("h", "v")
