@@ -262,9 +262,7 @@ fn a_long_read_transaction_beside_the_engine_does_not_stall_deliveries() {
     );
     d.check(&path);
     // Idle, the WAL is copied back and truncated.
-    eventually(60, "the WAL to be given back", || {
-        wal_len(&path) <= 8 << 20
-    });
+    eventually(60, "the WAL to be given back", || wal_len(&path) <= 8 << 20);
     let report = room.shutdown(Duration::from_secs(30)).unwrap();
     assert!(report.is_clean(), "{report:?}");
 }
@@ -389,7 +387,10 @@ fn an_external_write_lock_held_past_busy_timeout_answers_busy_then_recovers() {
         }
     }
     assert!(d.busy > 0, "no Busy while another process held the lock");
-    assert_eq!(done_while_held, 0, "committed while another process held the lock?");
+    assert_eq!(
+        done_while_held, 0,
+        "committed while another process held the lock?"
+    );
     writer.run("COMMIT;");
     writer.close();
     let after = d.for_period(&room, Duration::from_millis(500));
@@ -397,7 +398,10 @@ fn an_external_write_lock_held_past_busy_timeout_answers_busy_then_recovers() {
     eprintln!("Busy answers: {}, slowest call {:?}", d.busy, d.slowest);
     // The external row counts as one more applied row.
     let conn = raw(&path);
-    assert_eq!(count(&conn, "SELECT count(*) FROM applied WHERE consumer = 'x'"), 1);
+    assert_eq!(
+        count(&conn, "SELECT count(*) FROM applied WHERE consumer = 'x'"),
+        1
+    );
     conn.execute("DELETE FROM applied WHERE consumer = 'x'", [])
         .unwrap();
     drop(conn);

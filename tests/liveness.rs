@@ -142,9 +142,9 @@ fn two_engines_whose_handlers_deliver_into_each_other_get_an_error_not_a_deadloc
     // At least one side's inner call met the other's held writer and gave
     // up; its handler failed this attempt (retried later), nothing hung.
     assert!(
-        outcomes
-            .iter()
-            .any(|o| matches!(o, Ok(postroom::Outcome::Failed { error, .. }) if error.contains("busy"))),
+        outcomes.iter().any(
+            |o| matches!(o, Ok(postroom::Outcome::Failed { error, .. }) if error.contains("busy"))
+        ),
         "{outcomes:?}"
     );
     assert!(took < Duration::from_secs(10), "took {took:?}");
@@ -201,7 +201,10 @@ fn a_slow_handler_is_named_while_it_holds_the_writer() {
         seen.is_some() || call.is_finished()
     });
     let seen = seen.expect("recorded while it ran");
-    assert_eq!((seen.consumer.as_str(), seen.message_id.as_str()), ("c", "slow-1"));
+    assert_eq!(
+        (seen.consumer.as_str(), seen.message_id.as_str()),
+        ("c", "slow-1")
+    );
     let age = postroom::admin::now_ms() - seen.since_ms;
     assert!((0..60_000).contains(&age), "started {age} ms ago?");
     if let Some(cli) = option_env!("CARGO_BIN_EXE_postroom") {
@@ -213,7 +216,10 @@ fn a_slow_handler_is_named_while_it_holds_the_writer() {
         let text = String::from_utf8_lossy(&out.stdout);
         // The handler may just have returned on a loaded machine.
         if !call.is_finished() {
-            assert!(text.contains("SLOW HANDLER") && text.contains("c/slow-1"), "{text}");
+            assert!(
+                text.contains("SLOW HANDLER") && text.contains("c/slow-1"),
+                "{text}"
+            );
         }
     }
     let outcome = join_within(call, 30, "the slow delivery").unwrap();

@@ -52,9 +52,9 @@ use rusqlite::{Connection, OpenFlags};
 
 use crate::config::{Config, Durability};
 use crate::guard::UserCodeGuard;
-use crate::store::inflight::{SlowHandler, SlowRecord};
 use crate::runtime::wal::{self, WalBounds};
 use crate::runtime::writer::{Counters, WriterHandle};
+use crate::store::inflight::{SlowHandler, SlowRecord};
 
 /// How often the WAL size is looked at.
 const TICK: Duration = Duration::from_millis(100);

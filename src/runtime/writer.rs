@@ -553,7 +553,9 @@ where
     fn run(&mut self, ctx: &mut WriterCtx<'_>) -> Result<()> {
         // Its caller gave up before it started: nobody hears of it, and
         // nothing of it may be stored.
-        if self.claim.compare_exchange(QUEUED, STARTED, Ordering::AcqRel, Ordering::Acquire)
+        if self
+            .claim
+            .compare_exchange(QUEUED, STARTED, Ordering::AcqRel, Ordering::Acquire)
             == Err(ABANDONED)
         {
             self.result = Some(Err(Error::Aborted {
