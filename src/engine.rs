@@ -750,6 +750,8 @@ impl Postroom {
         let mut stats = stats::read(&conn, &self.shared.path)?;
         stats.batches_committed = self.counters.batches.load(Ordering::Relaxed);
         stats.jobs_committed = self.counters.jobs.load(Ordering::Relaxed);
+        stats.wal_checkpoints_blocked = self.counters.checkpoints_blocked.load(Ordering::Relaxed);
+        stats.slow_handlers = self.counters.slow_handlers.load(Ordering::Relaxed);
         stats.wal_frames_written = self.counters.wal_frames.load(Ordering::Relaxed);
         stats.wal_checkpoints = self.counters.checkpoints.load(Ordering::Relaxed);
         stats.wal_checkpoints_inline = self.counters.inline_checkpoints.load(Ordering::Relaxed);

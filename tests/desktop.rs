@@ -243,6 +243,7 @@ fn a_long_read_transaction_beside_the_engine_does_not_stall_deliveries() {
     let hold = Duration::from_secs(env_u64("POSTROOM_READER_HOLD_SECS").unwrap_or(15));
     let held = d.for_period(&room, hold);
     let wal_held = wal_len(&path);
+    let blocked = room.stats().unwrap().wal_checkpoints_blocked;
     reader.close();
     // Longer: the first commits after it pay for copying back what it
     // held.
@@ -265,6 +266,7 @@ fn a_long_read_transaction_beside_the_engine_does_not_stall_deliveries() {
         after_r >= alone_r / 2.0,
         "after the reader left: {after_r:.0}/s, alone {alone_r:.0}/s"
     );
+    assert!(blocked > 0, "no copy-back was blocked by the reader?");
     // Else the test proved nothing: the stall began past twice the bound.
     assert!(
         wal_held > 2 * 8000 * 4096,

@@ -224,6 +224,7 @@ fn a_slow_handler_is_named_while_it_holds_the_writer() {
     }
     let outcome = join_within(call, 30, "the slow delivery").unwrap();
     assert!(outcome.should_ack(), "{outcome:?}");
+    assert_eq!(room.stats().unwrap().slow_handlers, 1);
     eventually(10, "the record to be cleared", || {
         postroom::admin::slow_handler(&path).is_none()
     });
