@@ -251,7 +251,11 @@ fn a_long_read_transaction_beside_the_engine_does_not_stall_deliveries() {
     let after = d.for_period(&room, after_period);
 
     let rate = |n: usize, t: Duration| n as f64 / t.as_secs_f64();
-    let (alone_r, held_r, after_r) = (rate(alone, base), rate(held, hold), rate(after, after_period));
+    let (alone_r, held_r, after_r) = (
+        rate(alone, base),
+        rate(held, hold),
+        rate(after, after_period),
+    );
     eprintln!(
         "deliveries/s: alone {alone_r:.0}, reader holding {held_r:.0} (WAL {} MiB), \
          after {after_r:.0}; slowest call {:?}",
