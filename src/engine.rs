@@ -120,6 +120,10 @@ fn spawn(
 /// whatever the other threads take: it commits what they left queued and
 /// closes the database.
 const WRITER_SHARE: f64 = 0.2;
+/// ... and at least this much (or half the deadline, if shorter): closing
+/// syncs the file, which on a busy disk takes longer than a fifth of a
+/// short deadline.
+const WRITER_SHARE_FLOOR: Duration = Duration::from_secs(1);
 
 /// `now + wait`; past what an `Instant` holds, a century from now, which
 /// is as good as never.
@@ -934,9 +938,16 @@ impl Control {
         // always gets its share. The others share the rest, so a thread
         // stuck in user code (a sink's `send`, a handler) costs only its
         // own place in the report.
-        let writer_share = deadline.mul_f64(WRITER_SHARE);
+        // Shares of the deadline as an `Instant` holds it (`Duration::MAX`
+        // is a century), not of the `Duration`: a share of `MAX` taken from
+        // a century ahead would land before now.
+        let now = Instant::now();
         let deadline = deadline_after(deadline);
-        let others = deadline.checked_sub(writer_share).unwrap_or(deadline);
+        let total = deadline.saturating_duration_since(now);
+        let writer_share = total
+            .mul_f64(WRITER_SHARE)
+            .max((total / 2).min(WRITER_SHARE_FLOOR));
+        let others = deadline.checked_sub(writer_share).unwrap_or(now);
         let mut threads = std::mem::take(&mut *self.lock_threads());
         let mut report = ShutdownReport::default();
         if let Some((running, handle)) = threads.signals.take() {
