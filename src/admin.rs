@@ -2840,3 +2840,36 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
     }
     Ok(())
 }
+
+/// A handler that has held a running engine's writer longer than its
+/// `slow_handler` threshold: every write of that engine waits for it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct SlowHandler {
+    /// Its consumer.
+    pub consumer: String,
+    /// The message it handles (a very long id is cut).
+    pub message_id: String,
+    /// When it started (unix ms).
+    pub since_ms: i64,
+}
+
+/// The slow handler that the engine running on the database at `path`
+/// records in its engine file, if any. `None` also when no engine runs
+/// (a record left by a process that died is stale; its next open clears
+/// it) or the record cannot be read.
+pub fn slow_handler(path: &Path) -> Option<SlowHandler> {
+    let path = schema::resolve(path).ok()?;
+    let running = locked(&crate::store::beside(&path, "-postroom"), |kind| {
+        kind == "FLOCK"
+    });
+    if running == Some(false) {
+        return None;
+    }
+    let slow = crate::store::inflight::read_slow_handler(&path).ok()??;
+    Some(SlowHandler {
+        consumer: slow.consumer,
+        message_id: slow.message_id,
+        since_ms: slow.since_ms,
+    })
+}

@@ -161,6 +161,21 @@ impl Builder {
         self
     }
 
+    /// A transactional handler runs inside the writer's transaction, so
+    /// while it runs every write of the engine waits (`deliver`,
+    /// `receive`, `transaction`, for every consumer). One that has held
+    /// the writer longer than this is logged (a warning naming its consumer
+    /// and message id), counted (`postroom_slow_handlers_total`) and shown
+    /// by `postroom status` and `top` while it runs; a queued processing
+    /// batch takes no further rows once its handlers have held the writer
+    /// this long. Slow work (a network call, a long computation) belongs in
+    /// an effectful consumer, whose external step runs outside the
+    /// transaction. 10 ms to 1 hour. Default: 1 s.
+    pub fn slow_handler(mut self, threshold: Duration) -> Self {
+        self.config.slow_handler = threshold;
+        self
+    }
+
     /// How often idle workers look for due messages (backoffs expiring,
     /// rows written by another process); a `receive` wakes them at once.
     /// 1 ms to 365 days. Default: 250 ms.

@@ -102,6 +102,9 @@ pub(crate) struct Config {
     pub checkpoint_wal_bytes: u64,
     pub relay_batch: usize,
     pub relay_poll: Duration,
+    /// A handler holding the writer longer than this is reported (see
+    /// [`Builder::slow_handler`](crate::Builder::slow_handler)).
+    pub slow_handler: Duration,
 }
 
 impl Default for Config {
@@ -131,6 +134,7 @@ impl Default for Config {
             checkpoint_wal_bytes: 4 * 1024 * 1024,
             relay_batch: 100,
             relay_poll: Duration::from_secs(1),
+            slow_handler: Duration::from_secs(1),
         }
     }
 }
@@ -209,6 +213,12 @@ impl Config {
         in_range("lease", self.lease, ms, MAX_INTERVAL)?;
         in_range("process_batch", self.process_batch, 1, MAX_PROCESS_BATCH)?;
         in_range("read_pool_size", self.read_pool_size, 1, MAX_READ_POOL)?;
+        in_range(
+            "slow_handler",
+            self.slow_handler,
+            Duration::from_millis(10),
+            Duration::from_secs(3600),
+        )?;
         in_range(
             "busy_timeout",
             self.busy_timeout,

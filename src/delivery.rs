@@ -254,6 +254,10 @@ pub(crate) fn process_due(
     held: &mut Vec<Claimed>,
 ) -> Result<Vec<Processed>> {
     let mut done = Vec::new();
+    // Handlers hold the writer (every caller waits): once they have held it
+    // `slow_handler`, the batch takes no further row; those left stay due
+    // for the next batch, between which callers get their turn.
+    let started = std::time::Instant::now();
     let delay = clock::millis(env.config.storage_retry_delay());
     for row in held.iter() {
         queue::hold_back(
@@ -272,7 +276,7 @@ pub(crate) fn process_due(
     }
     for &(consumer, handler) in consumers {
         let want = limit.saturating_sub(done.len());
-        if want == 0 {
+        if want == 0 || started.elapsed() >= env.config.slow_handler {
             break;
         }
         let rows = queue::due(
@@ -284,6 +288,9 @@ pub(crate) fn process_due(
         )
         .map_err(|e| Error::sqlite("read due messages", e))?;
         for row in rows {
+            if !done.is_empty() && started.elapsed() >= env.config.slow_handler {
+                break;
+            }
             let outcome = match attempt(env, Step::Run(handler), attempt_of(&row)) {
                 Ok(outcome) => outcome,
                 Err(e) => {
@@ -373,7 +380,9 @@ pub(crate) fn run_user_step(
         };
         let mut tx = Tx::new(conn, env.config, env.guard, env.now_ms, Some(cause));
         let guard = env.guard;
-        panic::catch_unwind(AssertUnwindSafe(|| guard.run(|| body(&mut tx))))
+        panic::catch_unwind(AssertUnwindSafe(|| {
+            guard.run_handler(at.consumer, &at.msg.id, || body(&mut tx))
+        }))
     };
     if conn.is_autocommit() {
         // The guard keeps user code from ending the transaction, so SQLite

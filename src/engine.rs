@@ -116,6 +116,15 @@ fn spawn(
     Ok(Running { name, handle, done })
 }
 
+/// The share of [`Postroom::shutdown`]'s deadline kept for the writer,
+/// whatever the other threads take: it commits what they left queued and
+/// closes the database.
+const WRITER_SHARE: f64 = 0.2;
+/// ... and at least this much (or half the deadline, if shorter): closing
+/// syncs the file, which on a busy disk takes longer than a fifth of a
+/// short deadline.
+const WRITER_SHARE_FLOOR: Duration = Duration::from_secs(1);
+
 /// `now + wait`; past what an `Instant` holds, a century from now, which
 /// is as good as never.
 fn deadline_after(wait: Duration) -> Instant {
@@ -316,10 +325,20 @@ impl Postroom {
         let worker_slots = (1..=config.workers)
             .map(|n| engine_file.slot(n))
             .collect::<Vec<_>>();
+        // The checkpointer watches for a slow handler (see `checkpoint`).
+        let slow_record = engine_file
+            .slow_record()
+            .map_err(|e| log::warn!("postroom: slow handlers are only logged: {e}"))
+            .ok();
+        let watch = (guard.clone(), slow_record);
         let state = WriterState {
             outbox_dirty,
             relay_wake: sink.is_some().then_some(relay_wake),
-            checkpoint: writer::CheckpointTrigger::new(checkpoint_wake, wal_bounds),
+            checkpoint: writer::CheckpointTrigger::new(
+                checkpoint_wake,
+                wal_bounds,
+                crate::store::wal_path(path),
+            ),
             conn,
             config: config.clone(),
             clock: Arc::clone(&clock),
@@ -383,7 +402,7 @@ impl Postroom {
             &shared,
             sink,
             relay_woken,
-            checkpoint_woken,
+            (checkpoint_woken, watch),
             wal_bounds,
             worker_slots,
         )?;
@@ -428,7 +447,10 @@ impl Postroom {
         shared: &Arc<Shared>,
         sink: Option<Box<dyn Sink>>,
         relay_woken: crossbeam_channel::Receiver<()>,
-        checkpoint_woken: crossbeam_channel::Receiver<()>,
+        (checkpoint_woken, (guard, slow_record)): (
+            crossbeam_channel::Receiver<()>,
+            (UserCodeGuard, Option<crate::store::inflight::SlowRecord>),
+        ),
         wal_bounds: wal::WalBounds,
         worker_slots: Vec<ClaimSlot>,
     ) -> Result<()> {
@@ -458,6 +480,8 @@ impl Postroom {
             writer: shared.writer.clone(),
             wake: checkpoint_woken,
             stop: stop_rx,
+            guard,
+            slow_record,
         };
         threads.checkpointer = Some(spawn(
             "postroom-checkpointer".into(),
@@ -772,6 +796,8 @@ impl Postroom {
         let mut stats = stats::read(&conn, &self.shared.path)?;
         stats.batches_committed = self.counters.batches.load(Ordering::Relaxed);
         stats.jobs_committed = self.counters.jobs.load(Ordering::Relaxed);
+        stats.wal_checkpoints_blocked = self.counters.checkpoints_blocked.load(Ordering::Relaxed);
+        stats.slow_handlers = self.counters.slow_handlers.load(Ordering::Relaxed);
         stats.wal_frames_written = self.counters.wal_frames.load(Ordering::Relaxed);
         stats.wal_checkpoints = self.counters.checkpoints.load(Ordering::Relaxed);
         stats.wal_checkpoints_inline = self.counters.inline_checkpoints.load(Ordering::Relaxed);
@@ -998,38 +1024,52 @@ impl Control {
                 "shutdown called from inside a handler; the engine stops after this batch",
             ));
         }
+        // The writer commits what the others leave queued (the relay's
+        // marks, the workers' last results) and closes the database: it
+        // always gets its share. The others share the rest, so a thread
+        // stuck in user code (a sink's `send`, a handler) costs only its
+        // own place in the report.
+        // Shares of the deadline as an `Instant` holds it (`Duration::MAX`
+        // is a century), not of the `Duration`: a share of `MAX` taken from
+        // a century ahead would land before now.
+        let now = Instant::now();
         let deadline = deadline_after(deadline);
+        let total = deadline.saturating_duration_since(now);
+        let writer_share = total
+            .mul_f64(WRITER_SHARE)
+            .max((total / 2).min(WRITER_SHARE_FLOOR));
+        let others = deadline.checked_sub(writer_share).unwrap_or(now);
         let mut threads = std::mem::take(&mut *self.lock_threads());
         let mut report = ShutdownReport::default();
         if let Some((running, handle)) = threads.signals.take() {
             handle.close();
             // The signal thread may be the one shutting us down.
             if running.handle.thread().id() != thread::current().id() {
-                running.join(deadline, &mut report);
+                running.join(others, &mut report);
             }
         }
         drop(threads.timers_stop.take());
         if let Some(t) = threads.dispatcher.take() {
-            t.join(deadline, &mut report);
+            t.join(others, &mut report);
         }
         for t in threads.workers.drain(..) {
-            t.join(deadline, &mut report);
+            t.join(others, &mut report);
         }
         if let Some(t) = threads.reaper.take() {
-            t.join(deadline, &mut report);
+            t.join(others, &mut report);
         }
         if let Some(t) = threads.checkpointer.take() {
-            t.join(deadline, &mut report);
+            t.join(others, &mut report);
         }
         // The relay flushes what is due (workers may just have published)
-        // until the deadline; it needs the writer to mark what it sent.
+        // until shortly before its share ends; it needs the writer to mark
+        // what it sent, so it stops a tenth of its time early.
         if let Some(stop) = threads.relay_stop.take() {
-            // A tenth of what is left stays for the writer to finish.
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = others.saturating_duration_since(Instant::now());
             let _ = stop.try_send(Instant::now() + left.mul_f64(0.9));
         }
         if let Some(t) = threads.relay.take() {
-            t.join(deadline, &mut report);
+            t.join(others, &mut report);
         }
         self.shared.writer.stop();
         if let Some(t) = threads.writer.take() {

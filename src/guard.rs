@@ -49,9 +49,16 @@
 //!
 //! A denied statement fails to prepare (`not authorized`); the handler's
 //! attempt fails like on any other SQL error.
+//!
+//! The guard also notes which handler runs, and since when
+//! ([`UserCodeGuard::run_handler`]): a handler runs inside the writer's
+//! transaction, so one that hangs holds every write of the engine, and the
+//! engine's watcher reports it (see `runtime::checkpoint`). Noting costs a
+//! lock and two string copies into reused buffers per handler.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
 
 use rusqlite::config::DbConfig;
 use rusqlite::hooks::{AuthAction, AuthContext, Authorization, TransactionOperation};
@@ -403,6 +410,19 @@ pub(crate) struct UserCodeGuard {
     /// the last `verify`: only then can pragma-only state have changed.
     pragma_seen: Arc<AtomicBool>,
     expected: Arc<Mutex<Expected>>,
+    /// The handler running on the write connection, if one does.
+    running: Arc<Mutex<RunningHandler>>,
+}
+
+/// The handler that runs on the write connection, if one does.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct RunningHandler {
+    /// Counts handler runs: tells one run from the next of the same message.
+    pub run: u64,
+    pub consumer: String,
+    pub message_id: String,
+    /// When it started; `None` while no handler runs.
+    pub since: Option<Instant>,
 }
 
 impl UserCodeGuard {
@@ -415,6 +435,7 @@ impl UserCodeGuard {
             engine_inside: Arc::default(),
             pragma_seen: Arc::default(),
             expected: Arc::new(Mutex::new(Expected::read(conn)?)),
+            running: Arc::default(),
         };
         let in_user_code = Arc::clone(&guard.in_user_code);
         let engine_inside = Arc::clone(&guard.engine_inside);
@@ -437,6 +458,35 @@ impl UserCodeGuard {
         let in_user_code = Arc::clone(&guard.in_user_code);
         conn.commit_hook(Some(move || in_user_code.load(Ordering::Relaxed)))?;
         Ok(guard)
+    }
+
+    /// [`run`](Self::run) for a handler of `consumer` handling
+    /// `message_id`, noted as running meanwhile (see the module docs).
+    pub fn run_handler<T>(&self, consumer: &str, message_id: &str, f: impl FnOnce() -> T) -> T {
+        struct Done<'a>(&'a Mutex<RunningHandler>);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.lock().unwrap_or_else(|p| p.into_inner()).since = None;
+            }
+        }
+        {
+            let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+            running.run = running.run.wrapping_add(1);
+            running.consumer.clear();
+            running.consumer.push_str(consumer);
+            running.message_id.clear();
+            running.message_id.push_str(message_id);
+            running.since = Some(Instant::now());
+        }
+        let _done = Done(&self.running);
+        self.run(f)
+    }
+
+    /// The handler running now, if any: a copy, so the watcher holds the
+    /// lock only as long as copying takes.
+    pub fn running(&self) -> Option<RunningHandler> {
+        let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        running.since.is_some().then(|| running.clone())
     }
 
     /// Runs `f` with the allowlist applied and commits vetoed.

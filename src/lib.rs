@@ -98,6 +98,9 @@
 //! | `postroom_outbox_sent_total` | counter | | outbox messages marked sent by the relay |
 //! | `postroom_relay_lag_seconds` | histogram | | from an outbox message's commit to its being marked sent |
 //! | `postroom_outbox_dead_total` | counter | | outbox messages dead (refused, or out of attempts) |
+//! | `postroom_slow_handlers_total` | counter | `consumer` | handlers that held the writer past `slow_handler` |
+//! | `postroom_checkpoint_blocked_total` | counter | | the writer's WAL copy-backs that a reader (another connection's read transaction) kept from completing |
+//! | `postroom_wal_over_cap_total` | counter | | commits that left the WAL past its cap (a reader holds an old snapshot) |
 //!
 //! ## Logs
 //!

@@ -56,3 +56,20 @@ pub(crate) fn relayed(lag_ms: i64) {
 pub(crate) fn outbox_dead() {
     metrics::counter!("postroom_outbox_dead_total").increment(1);
 }
+
+/// A copy-back of the writer's that a reader kept from completing (see
+/// `WriterState::copy_back_inline`).
+pub(crate) fn checkpoint_blocked() {
+    metrics::counter!("postroom_checkpoint_blocked_total").increment(1);
+}
+
+/// A commit that left the WAL past its cap (a reader holds an old snapshot).
+pub(crate) fn wal_over_cap() {
+    metrics::counter!("postroom_wal_over_cap_total").increment(1);
+}
+
+/// A handler that held the writer past the `slow_handler` threshold.
+pub(crate) fn slow_handler(consumer: &str) {
+    metrics::counter!("postroom_slow_handlers_total", "consumer" => consumer.to_owned())
+        .increment(1);
+}

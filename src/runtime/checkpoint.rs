@@ -34,6 +34,13 @@
 //! filesystem. [`WalBounds`] scales them all down to a share of the
 //! filesystem's size when it is small (and the writer gives the WAL back
 //! when a commit finds the disk full: see `WriterState::give_wal_back`).
+//!
+//! Being the engine's timer that never runs user code, this thread also
+//! watches the handler holding the writer (see [`Checkpointer::watch`]):
+//! one that has held it past `slow_handler` is logged, counted and named
+//! in the engine file for `postroom status`/`top`, until it returns. (While
+//! this thread itself waits for the writer, for a forced paused pass, it
+//! does not watch; a slow handler leaves the WAL no growth to force one.)
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -44,8 +51,10 @@ use crossbeam_channel::Receiver;
 use rusqlite::{Connection, OpenFlags};
 
 use crate::config::{Config, Durability};
+use crate::guard::UserCodeGuard;
 use crate::runtime::wal::{self, WalBounds};
 use crate::runtime::writer::{Counters, WriterHandle};
+use crate::store::inflight::{SlowHandler, SlowRecord};
 
 /// How often the WAL size is looked at.
 const TICK: Duration = Duration::from_millis(100);
@@ -79,11 +88,16 @@ pub(crate) struct Checkpointer {
     pub wake: Receiver<()>,
     /// Disconnects when the engine closes.
     pub stop: Receiver<()>,
+    /// Names the handler running on the write connection.
+    pub guard: UserCodeGuard,
+    /// Where a slow handler is recorded for the CLI; `None` if the engine
+    /// file could not be opened again for it (then it is only logged).
+    pub slow_record: Option<SlowRecord>,
 }
 
 impl Checkpointer {
     /// The thread's body, until `stop` disconnects.
-    pub fn run(self) {
+    pub fn run(mut self) {
         let conn = match open(&self.db, &self.config) {
             Ok(conn) => conn,
             Err(e) => {
@@ -102,14 +116,23 @@ impl Checkpointer {
         let mut synced_batches = last_batches;
         let mut synced_at = Instant::now();
         let never = crossbeam_channel::never();
-        let mut wake = &self.wake;
+        let mut woken_gone = false;
+        // The handler run reported slow, if it still runs.
+        let mut reported = None;
         loop {
+            self.watch(&mut reported);
+            let wake = if woken_gone { &never } else { &self.wake };
             crossbeam_channel::select! {
-                recv(self.stop) -> _ => return,
+                recv(self.stop) -> _ => {
+                    if reported.is_some() {
+                        self.clear_slow_record();
+                    }
+                    return;
+                }
                 recv(wake) -> woken => {
                     if woken.is_err() {
                         // The writer is gone; only the stop is left to wait for.
-                        wake = &never;
+                        woken_gone = true;
                     } else {
                         self.copy_back(&conn);
                         synced_batches = self.counters.batches.load(Ordering::Relaxed);
@@ -143,6 +166,70 @@ impl Checkpointer {
             // while new writers wait on it.
             if idle && checkpoint(&conn, "PASSIVE").is_some_and(|(log, done)| log == done) {
                 checkpoint(&conn, "TRUNCATE");
+            }
+        }
+    }
+
+    /// Reports the handler holding the writer once it has held it past
+    /// `slow_handler`: a warning naming its consumer and message id
+    /// (escaped: ids are anyone's bytes), `postroom_slow_handlers_total`,
+    /// and the engine file's record, cleared when it returns. `reported`
+    /// is the run reported and still recorded.
+    fn watch(&mut self, reported: &mut Option<(u64, Instant)>) {
+        let threshold = self.config.slow_handler;
+        let slow = self
+            .guard
+            .running()
+            .and_then(|r| r.since.filter(|s| s.elapsed() >= threshold).map(|s| (r, s)));
+        if let Some((run, since)) = *reported {
+            if slow.as_ref().map(|(r, _)| r.run) != Some(run) {
+                log::info!(
+                    "postroom: the slow handler returned after about {:.1} s",
+                    since.elapsed().as_secs_f64()
+                );
+                self.clear_slow_record();
+                *reported = None;
+            }
+        }
+        let Some((running, since)) = slow else {
+            return;
+        };
+        if reported.is_some() {
+            return;
+        }
+        *reported = Some((running.run, since));
+        let held = since.elapsed();
+        log::warn!(
+            consumer = running.consumer.as_str(), message_id = running.message_id.as_str();
+            "postroom: a handler of consumer {:?} has held the writer for {:.1} s (message \
+             {:?}); every write of the engine waits for it. Move slow work to an effectful \
+             consumer, whose external step runs outside the transaction",
+            running.consumer,
+            held.as_secs_f64(),
+            running.message_id
+        );
+        self.counters.slow_handlers.fetch_add(1, Ordering::Relaxed);
+        crate::telemetry::slow_handler(&running.consumer);
+        let since_ms = std::time::SystemTime::now()
+            .checked_sub(held)
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+        if let Some(record) = &mut self.slow_record {
+            let slow = SlowHandler {
+                consumer: running.consumer,
+                message_id: running.message_id,
+                since_ms,
+            };
+            if let Err(e) = record.write(&slow) {
+                log::warn!("postroom: recording the slow handler in the engine file: {e}");
+            }
+        }
+    }
+
+    fn clear_slow_record(&mut self) {
+        if let Some(record) = &mut self.slow_record {
+            if let Err(e) = record.clear() {
+                log::warn!("postroom: clearing the slow handler's record: {e}");
             }
         }
     }

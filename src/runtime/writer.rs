@@ -37,7 +37,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -76,8 +76,24 @@ impl WriterCtx<'_> {
     }
 }
 
-/// A job, and the channel its answer arrives on.
-pub(crate) type Answered<T> = (Box<dyn Job>, Receiver<Result<T>>);
+/// A job, and how its answer arrives.
+pub(crate) type Answered<T> = (Box<dyn Job>, Answer<T>);
+
+/// Where a job's answer arrives, and the job's claim: a caller that gives
+/// up waiting (see [`WriterHandle::enqueue_job`]) may do so only while the
+/// job has not started, so that an error it answers means nothing of the
+/// job was stored.
+pub(crate) struct Answer<T> {
+    rx: Receiver<Result<T>>,
+    claim: Arc<AtomicU8>,
+}
+
+/// [`Answer::claim`]: queued, not started yet.
+const QUEUED: u8 = 0;
+/// Started (by a batch): its caller waits for the answer.
+const STARTED: u8 = 1;
+/// Its caller gave up before it started: it never runs.
+const ABANDONED: u8 = 2;
 
 /// A unit of work for the writer.
 pub(crate) trait Job: Send {
@@ -113,6 +129,30 @@ const BATCH_RUNNING: u64 = u64::MAX;
 /// the next failure, the next commit or the next idle tick.
 const GIVE_BACK_WAIT: Duration = Duration::from_millis(50);
 
+/// The longest the writer's own copy-back after a commit waits for
+/// readers (see [`WriterState::copy_back_inline`]): the engine's own reads
+/// are shorter; a reader that stays longer is another process's snapshot,
+/// and waiting for it would hold every commit up.
+const INLINE_CHECKPOINT_WAIT: Duration = Duration::from_millis(5);
+/// The longest the last copy-back, at close, waits for readers.
+const CLOSE_CHECKPOINT_WAIT: Duration = Duration::from_millis(100);
+/// After a copy-back a reader kept from completing, the next try waits at
+/// least this long, doubling up to [`BLOCKED_BACKOFF_MAX`]: a pinned WAL
+/// is not copied back by trying after every commit.
+const BLOCKED_BACKOFF_MIN: Duration = Duration::from_millis(10);
+/// The longest a pinned WAL waits between copy-back tries: about how long
+/// it stays large after the reader left.
+const BLOCKED_BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// The WAL's cap, in multiples of the writer's own copy-back bound
+/// ([`WalBounds::inline_pages`]; about 128 MiB on a large disk, half the
+/// filesystem on a small one). Only a reader holding an old snapshot gets
+/// it there; past it, commits go on (refusing them would turn a DB
+/// browser left open into an outage) but a warning names the cause, once
+/// per doubling, and `postroom_wal_over_cap_total` counts the commits.
+/// The filesystem's size stays the hard limit: a full disk answers the
+/// retryable `Error::StorageFull`.
+pub(crate) const WAL_CAP_FACTOR: c_int = 4;
+
 thread_local! {
     /// The writers (by address) whose lock this thread holds: a caller
     /// inside a handler must not wait for a batch that waits for it.
@@ -132,6 +172,12 @@ pub(crate) fn note_wal_pages(wal: &mut rusqlite::hooks::Wal, pages: c_int) -> ru
         WAL_PAGES.set(pages);
     }
     Ok(())
+}
+
+/// True when this thread holds some writer's lock: it runs inside a batch,
+/// in a handler (of this engine or another).
+fn holds_a_writer() -> bool {
+    HELD.with(|held| !held.borrow().is_empty())
 }
 
 /// What the writer thread and leading callers share.
@@ -276,6 +322,9 @@ pub(crate) struct WriterHandle {
     stop: Sender<()>,
     /// Disconnects when the writer thread ends (its sender is dropped).
     alive: Receiver<()>,
+    /// The longest a caller holding a writer's lock waits for this one
+    /// (see [`WriterHandle::enqueue_job`]).
+    busy_timeout: Duration,
 }
 
 impl WriterHandle {
@@ -322,12 +371,48 @@ impl WriterHandle {
 
     /// Queues a job made by [`job`] or [`rerunnable_job`] and waits for its
     /// answer.
+    ///
+    /// A caller that holds a writer's lock (it runs in a handler of this or
+    /// another engine) waits at most `busy_timeout` for the job to start,
+    /// then answers [`Error::Busy`] and the job never runs. Only such a
+    /// wait can close a cycle (two engines whose handlers deliver into each
+    /// other, each holding its own writer and queued for the other's): a
+    /// caller that holds no lock holds nobody up. Bounding exactly those
+    /// waits breaks every cycle within the busy timeout, without failing
+    /// plain callers that queue behind a long batch. Once the job started,
+    /// its batch runs on a thread holding the lock, whose own waits are
+    /// bounded the same way, so the answer is waited for.
     pub fn enqueue_job<T>(&self, (job, answer): Answered<T>) -> Result<T> {
+        if !holds_a_writer() {
+            crossbeam_channel::select! {
+                send(self.commands, job) -> sent => sent.map_err(|_| Error::Closed)?,
+                recv(self.alive) -> _ => return Err(Error::Closed),
+            }
+            return self.wait(answer.rx);
+        }
+        let deadline = Instant::now() + self.busy_timeout;
+        let busy = Error::Busy {
+            op: "wait, from inside a handler, for another engine's writer (a handler of it \
+                 waits for this one's?)",
+        };
         crossbeam_channel::select! {
             send(self.commands, job) -> sent => sent.map_err(|_| Error::Closed)?,
             recv(self.alive) -> _ => return Err(Error::Closed),
+            default(self.busy_timeout) => return Err(busy),
         }
-        self.wait(answer)
+        crossbeam_channel::select! {
+            recv(answer.rx) -> reply => return reply.map_err(|_| Error::Closed)?,
+            recv(self.alive) -> _ => return answer.rx.try_recv().map_err(|_| Error::Closed)?,
+            default(deadline.saturating_duration_since(Instant::now())) => {}
+        }
+        match answer
+            .claim
+            .compare_exchange(QUEUED, ABANDONED, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => Err(busy),
+            // Started: its batch is running; the answer follows it.
+            Err(_) => self.wait(answer.rx),
+        }
     }
 
     /// Like `submit`, for work that should not hold callers up: it runs when
@@ -340,7 +425,7 @@ impl WriterHandle {
     {
         let (job, answer) = job(work);
         self.background.send(job).map_err(|_| Error::Closed)?;
-        self.wait(answer)
+        self.wait(answer.rx)
     }
 
     /// Runs `work` as a rider (see the module docs): in the next callers'
@@ -362,7 +447,7 @@ impl WriterHandle {
         debug_assert!(displaced.is_none(), "one rider at a time");
         // Full: the thread is already rung.
         let _ = self.rider_bell.try_send(());
-        self.wait(answer)
+        self.wait(answer.rx)
     }
 
     fn wait<T>(&self, answer: Receiver<Result<T>>) -> Result<T> {
@@ -431,7 +516,7 @@ impl Leader<'_> {
         take_queued(self.queued, &mut batch, state.config.max_batch);
         core.run_callers_batch(state, &mut batch);
         drop(self.held);
-        answer.try_recv().map_err(|_| Error::Closed)?
+        answer.rx.try_recv().map_err(|_| Error::Closed)?
     }
 
     /// The write connection, outside any transaction: for reads that may
@@ -455,6 +540,8 @@ struct FnJob<T, F, G = NeverAgain<T>> {
     work: Work<F, G>,
     result: Option<Result<T>>,
     reply: Sender<Result<T>>,
+    /// See [`Answer::claim`].
+    claim: Arc<AtomicU8>,
 }
 
 impl<T, F, G> Job for FnJob<T, F, G>
@@ -464,6 +551,20 @@ where
     G: FnMut(&mut WriterCtx<'_>) -> Result<T> + Send,
 {
     fn run(&mut self, ctx: &mut WriterCtx<'_>) -> Result<()> {
+        // Its caller gave up before it started: nobody hears of it, and
+        // nothing of it may be stored.
+        if self
+            .claim
+            .compare_exchange(QUEUED, STARTED, Ordering::AcqRel, Ordering::Acquire)
+            == Err(ABANDONED)
+        {
+            self.result = Some(Err(Error::Aborted {
+                reason: "its caller stopped waiting".into(),
+            }));
+            return Err(Error::Aborted {
+                reason: "its caller stopped waiting".into(),
+            });
+        }
         let result = match &mut self.work {
             Work::Once(work) => match work.take() {
                 Some(work) => work(ctx),
@@ -521,13 +622,15 @@ where
     T: Send + 'static,
     F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
 {
-    let (reply, answer) = crossbeam_channel::bounded(1);
+    let (reply, rx) = crossbeam_channel::bounded(1);
+    let claim = Arc::new(AtomicU8::new(QUEUED));
     let job: FnJob<T, F> = FnJob {
         work: Work::Once(Some(work)),
         result: None,
         reply,
+        claim: Arc::clone(&claim),
     };
-    (Box::new(job), answer)
+    (Box::new(job), Answer { rx, claim })
 }
 
 /// Like [`job`], for work that can run again when its transaction is
@@ -537,13 +640,15 @@ where
     T: Send + 'static,
     G: FnMut(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
 {
-    let (reply, answer) = crossbeam_channel::bounded(1);
+    let (reply, rx) = crossbeam_channel::bounded(1);
+    let claim = Arc::new(AtomicU8::new(QUEUED));
     let job: FnJob<T, NeverAgain<T>, G> = FnJob {
         work: Work::Again(work),
         result: None,
         reply,
+        claim: Arc::clone(&claim),
     };
-    (Box::new(job), answer)
+    (Box::new(job), Answer { rx, claim })
 }
 
 /// Adds queued jobs to `batch`, up to `max_batch` in all.
@@ -572,6 +677,10 @@ pub(crate) struct Counters {
     /// and the longest.
     pub paused_us: AtomicU64,
     pub paused_max_us: AtomicU64,
+    /// The writer's copy-backs a reader kept from completing.
+    pub checkpoints_blocked: AtomicU64,
+    /// Handlers that held the writer past `slow_handler`.
+    pub slow_handlers: AtomicU64,
 }
 
 /// The write connection and what running a batch on it needs.
@@ -609,10 +718,19 @@ pub(crate) struct CheckpointTrigger {
     /// copy-back itself needed space): tried again after each commit, which
     /// proves some space is free again.
     owed: bool,
+    /// A reader kept the last copy-back from completing: none is tried
+    /// before this moment (see [`WriterState::copy_back_inline`]).
+    retry_at: Option<Instant>,
+    /// The wait after the next blocked copy-back.
+    backoff: Duration,
+    /// WAL frames at which the next "past its cap" warning is logged.
+    warn_at: c_int,
+    /// The `-wal` file, for the warning's size.
+    wal: std::path::PathBuf,
 }
 
 impl CheckpointTrigger {
-    pub fn new(wake: Sender<()>, bounds: WalBounds) -> Self {
+    pub fn new(wake: Sender<()>, bounds: WalBounds, wal: std::path::PathBuf) -> Self {
         CheckpointTrigger {
             wake: Some(wake),
             bounds,
@@ -620,6 +738,58 @@ impl CheckpointTrigger {
             last_pages: 0,
             full: false,
             owed: false,
+            retry_at: None,
+            backoff: BLOCKED_BACKOFF_MIN,
+            warn_at: Self::cap(bounds),
+            wal,
+        }
+    }
+
+    /// The WAL's cap in frames (see [`WAL_CAP_FACTOR`]).
+    fn cap(bounds: WalBounds) -> c_int {
+        bounds.inline_pages.saturating_mul(WAL_CAP_FACTOR)
+    }
+
+    /// A reader kept the copy-back made `now` from completing: the next
+    /// try waits, twice as long as the last time (up to a bound).
+    fn blocked(&mut self, now: Instant) {
+        self.retry_at = Some(now + self.backoff);
+        self.backoff = (self.backoff * 2).min(BLOCKED_BACKOFF_MAX);
+    }
+
+    /// A copy-back completed: the next one is tried as soon as it is due.
+    fn completed(&mut self) {
+        self.retry_at = None;
+        self.backoff = BLOCKED_BACKOFF_MIN;
+    }
+
+    /// Past the WAL's cap (only a reader holding an old snapshot gets it
+    /// there): counted per commit, and logged once per doubling, naming the
+    /// cause and what to do. Said again, at info, once it is back under.
+    fn warn_past_cap(&mut self, pages: c_int) {
+        let cap = Self::cap(self.bounds);
+        if pages == 0 {
+            return;
+        }
+        if pages < cap {
+            if self.warn_at > cap {
+                log::info!("postroom writer: the WAL is back under its cap");
+                self.warn_at = cap;
+            }
+            return;
+        }
+        crate::telemetry::wal_over_cap();
+        if pages >= self.warn_at {
+            let bytes = std::fs::metadata(&self.wal).map_or(0, |m| m.len());
+            log::warn!(
+                "postroom writer: the WAL holds {pages} frames ({} MiB), past its cap of {cap}: \
+                 another connection keeps a read transaction open (a DB browser, a long \
+                 query, a backup), so it cannot be copied back. Commits go on and the WAL is \
+                 copied back once that reader ends; end it, or the WAL grows until the disk \
+                 is full",
+                bytes >> 20
+            );
+            self.warn_at = pages.saturating_mul(2);
         }
     }
 
@@ -678,7 +848,7 @@ impl CheckpointTrigger {
             }
             self.wake_at = pages + wake_pages;
         }
-        pages >= self.inline_at()
+        pages >= self.inline_at() && self.retry_at.is_none_or(|at| Instant::now() >= at)
     }
 
     /// Frames from which the writer copies back itself.
@@ -861,23 +1031,55 @@ impl WriterState {
             // commit found space, so the copy-back may too.
             self.give_wal_back();
         } else if self.checkpoint.after_commit(pages) {
-            // RESTART waits (up to the busy timeout) for the checkpoint lock
-            // and for readers, and lets the next commit write from the
-            // WAL's start; only when passive passes have not got through.
-            let sql = if self.checkpoint.far_behind(pages) {
-                "PRAGMA wal_checkpoint(RESTART)"
-            } else {
-                "PRAGMA wal_checkpoint(PASSIVE)"
-            };
-            match self.conn.query_row(sql, [], |_| Ok(())) {
-                Ok(()) => {
+            self.copy_back_inline(pages);
+        }
+        self.checkpoint.warn_past_cap(pages);
+    }
+
+    /// The writer's own copy-back, after a commit: never a wait on readers.
+    /// A reader of another process (a DB browser, a report query, a
+    /// backup) may hold an old snapshot for minutes; a copy-back that
+    /// waited `busy_timeout` for it after every commit made every commit
+    /// wait that long (issue 32). So it waits [`INLINE_CHECKPOINT_WAIT`] at
+    /// most (the engine's own reads are that short), and when a reader
+    /// kept it from completing, the next try is put off
+    /// ([`CheckpointTrigger::blocked`]): the WAL grows meanwhile, and is
+    /// copied back once the reader leaves.
+    fn copy_back_inline(&mut self, pages: c_int) {
+        // RESTART lets the next commit write from the WAL's start; only
+        // when passive passes have not got through.
+        let sql = if self.checkpoint.far_behind(pages) {
+            "PRAGMA wal_checkpoint(RESTART)"
+        } else {
+            "PRAGMA wal_checkpoint(PASSIVE)"
+        };
+        let _ = self.conn.busy_timeout(INLINE_CHECKPOINT_WAIT);
+        let result = self.conn.query_row(sql, [], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, i64>(1)?,
+                r.get::<_, i64>(2)?,
+            ))
+        });
+        let _ = self.conn.busy_timeout(self.config.busy_timeout);
+        match result {
+            Ok((busy, log, done)) => {
+                self.counters
+                    .inline_checkpoints
+                    .fetch_add(1, Ordering::Relaxed);
+                if busy != 0 || done < log {
                     self.counters
-                        .inline_checkpoints
+                        .checkpoints_blocked
                         .fetch_add(1, Ordering::Relaxed);
+                    crate::telemetry::checkpoint_blocked();
+                    self.checkpoint.blocked(Instant::now());
+                } else {
+                    self.checkpoint.completed();
                 }
-                Err(e) => {
-                    log::warn!("postroom writer: checkpoint of a {pages}-frame WAL failed: {e}")
-                }
+            }
+            Err(e) => {
+                log::warn!("postroom writer: checkpoint of a {pages}-frame WAL failed: {e}");
+                self.checkpoint.blocked(Instant::now());
             }
         }
     }
@@ -942,6 +1144,10 @@ impl WriterState {
         if let Err(e) = self.conn.execute_batch("PRAGMA optimize") {
             log::debug!("postroom writer: optimize at shutdown: {e}");
         }
+        // Not waiting on readers: another process's open read transaction
+        // would hold the close (and its share of the shutdown deadline)
+        // for the whole busy timeout. The next open truncates instead.
+        let _ = self.conn.busy_timeout(CLOSE_CHECKPOINT_WAIT);
         if let Err(e) = self
             .conn
             .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
@@ -990,6 +1196,7 @@ pub(crate) struct WriterThread {
 /// end. `alive` must be dropped when the thread ends.
 pub(crate) fn writer(state: WriterState, alive: Receiver<()>) -> (WriterHandle, WriterThread) {
     let max_batch = state.config.max_batch;
+    let busy_timeout = state.config.busy_timeout;
     let core = Core::new(state);
     let (commands, queued) = crossbeam_channel::bounded(max_batch);
     let (background, background_rx) = crossbeam_channel::bounded(1);
@@ -1003,6 +1210,7 @@ pub(crate) fn writer(state: WriterState, alive: Receiver<()>) -> (WriterHandle, 
         rider_bell,
         stop,
         alive,
+        busy_timeout,
     };
     let thread = WriterThread {
         core,
@@ -1170,7 +1378,7 @@ mod tests {
     fn the_checkpointer_is_woken_once_per_growth_and_the_writer_copies_back_when_it_is_gone() {
         let (wake, woken) = crossbeam_channel::bounded(1);
         let bounds = WalBounds::new(4 << 20, None, 4096);
-        let mut trigger = CheckpointTrigger::new(wake, bounds);
+        let mut trigger = CheckpointTrigger::new(wake, bounds, std::path::PathBuf::new());
         assert!(!trigger.after_commit(999));
         assert!(woken.try_recv().is_err(), "woken below the threshold");
         assert!(!trigger.after_commit(1000));

@@ -49,6 +49,13 @@
 //!   Linux filesystems, and SQLite's unix VFS takes only `fcntl` locks; on
 //!   a network filesystem, where the kernel emulates `flock` with `fcntl`,
 //!   it is not taken (only the engine file's lock holds there).
+//!
+//! The second half of those 4 KiB (past the last worker's slot) holds the
+//! *slow-handler record*: the handler that has held the writer past the
+//! `slow_handler` threshold, written by the engine's watcher when it
+//! notices and cleared when the handler returns, so `postroom status` and
+//! `top` can name it ([`read_slow_handler`]). Not on the hot path: written
+//! only for a slow handler. Recovery reads claim slots only below it.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions, TryLockError};
@@ -73,6 +80,12 @@ pub(crate) const SLOTS: usize = (RECORD_OFFSET / SLOT_BYTES) as usize;
 // One slot per worker, and one for the writer's inline and batch handlers.
 const _: () = assert!(crate::config::MAX_WORKERS < SLOTS);
 const SLOT_MAGIC: &[u8; 8] = b"PRMCLM01";
+/// Where the slow-handler record starts: past every claim slot.
+const SLOW_OFFSET: u64 = (crate::config::MAX_WORKERS as u64 + 1) * SLOT_BYTES;
+const SLOW_MAGIC: &[u8; 8] = b"PRMSLOW1";
+/// The record's room; a longer message id is cut (on a char boundary).
+const SLOW_BYTES: usize = (RECORD_OFFSET - SLOW_OFFSET) as usize;
+const _: () = assert!(SLOW_BYTES >= 1024);
 /// A marker larger than this is garbage (payloads are capped well below).
 const MAX_RECORD: u64 = 300 * 1024 * 1024;
 
@@ -282,12 +295,22 @@ impl EngineFile {
     /// died (valid slots only).
     pub fn started_claims(&self) -> io::Result<Vec<StartedClaim>> {
         let len = self.held.file.metadata()?.len();
-        let mut table = vec![0u8; RECORD_OFFSET.min(len) as usize];
+        // The slots only: the slow-handler record after them holds user
+        // bytes (ids), which must never read as a claim.
+        let mut table = vec![0u8; SLOW_OFFSET.min(len) as usize];
         self.held.file.read_exact_at(&mut table, 0)?;
         Ok(table
             .chunks_exact(SLOT_BYTES as usize)
             .filter_map(decode_slot)
             .collect())
+    }
+
+    /// A handle on the slow-handler record (see the module docs), for the
+    /// engine's watcher thread.
+    pub fn slow_record(&self) -> io::Result<SlowRecord> {
+        Ok(SlowRecord {
+            file: self.held.file.try_clone()?,
+        })
     }
 
     /// A handle on claim slot `index` (1.. for workers) that another thread
@@ -507,6 +530,86 @@ impl ClaimMarks for ClaimSlot {
     }
 }
 
+/// The slow-handler record's handle (see the module docs).
+#[derive(Debug)]
+pub(crate) struct SlowRecord {
+    file: File,
+}
+
+/// A handler that has held the writer past the `slow_handler` threshold,
+/// as the engine file records it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlowHandler {
+    /// The consumer whose handler runs.
+    pub consumer: String,
+    /// The message it handles (cut to fit the record when very long).
+    pub message_id: String,
+    /// When it started, in unix ms.
+    pub since_ms: i64,
+}
+
+impl SlowRecord {
+    /// Records `slow` as the handler holding the writer.
+    pub fn write(&mut self, slow: &SlowHandler) -> io::Result<()> {
+        let mut body = Vec::with_capacity(SLOW_BYTES);
+        body.extend_from_slice(&slow.since_ms.to_le_bytes());
+        put_bytes(&mut body, slow.consumer.as_bytes());
+        // What is left, less the id's length and the checksum.
+        let room = SLOW_BYTES.saturating_sub(SLOW_MAGIC.len() + body.len() + 4 + 32);
+        let mut cut = slow.message_id.len().min(room);
+        while !slow.message_id.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        put_bytes(&mut body, &slow.message_id.as_bytes()[..cut]);
+        let mut record = Vec::with_capacity(SLOW_BYTES);
+        record.extend_from_slice(SLOW_MAGIC);
+        record.extend_from_slice(&body);
+        record.extend_from_slice(blake3::hash(&body).as_bytes());
+        self.file.write_all_at(&record, SLOW_OFFSET)
+    }
+
+    /// The handler has returned.
+    pub fn clear(&mut self) -> io::Result<()> {
+        self.file.write_all_at(&[0u8; 8], SLOW_OFFSET)
+    }
+}
+
+/// The slow handler a running engine of `db` records, if any: `None` when
+/// there is none, no engine file, or the record is torn.
+pub fn read_slow_handler(db: &Path) -> io::Result<Option<SlowHandler>> {
+    let file = match File::open(EngineFile::path_for(db)) {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut bytes = vec![0u8; SLOW_BYTES];
+    let mut read = 0;
+    while read < bytes.len() {
+        match file.read_at(&mut bytes[read..], SLOW_OFFSET + read as u64)? {
+            0 => break,
+            n => read += n,
+        }
+    }
+    Ok(decode_slow(&bytes[..read]))
+}
+
+fn decode_slow(bytes: &[u8]) -> Option<SlowHandler> {
+    let rest = bytes.strip_prefix(SLOW_MAGIC.as_slice())?;
+    let mut cur = Cursor(rest);
+    let since_ms = i64::from_le_bytes(cur.take(8)?.try_into().ok()?);
+    let consumer = String::from_utf8(cur.bytes()?.to_vec()).ok()?;
+    let message_id = String::from_utf8(cur.bytes()?.to_vec()).ok()?;
+    let body_len = rest.len() - cur.0.len();
+    if cur.take(32)? != blake3::hash(&rest[..body_len]).as_bytes() {
+        return None;
+    }
+    Some(SlowHandler {
+        consumer,
+        message_id,
+        since_ms,
+    })
+}
+
 fn slot_check(row_id: i64, token: i64) -> [u8; 8] {
     let sum = blake3::hash(&[row_id.to_le_bytes(), token.to_le_bytes()].concat());
     sum.as_bytes()[..8].try_into().expect("8 bytes")
@@ -657,6 +760,34 @@ fn decode(bytes: &[u8]) -> Option<Inflight> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_slow_handler_record_round_trips_and_never_reads_as_a_claim() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("t.db");
+        let file = EngineFile::lock(&db).unwrap();
+        let mut record = file.slow_record().unwrap();
+        assert_eq!(read_slow_handler(&db).unwrap(), None);
+        let slow = SlowHandler {
+            consumer: "c".into(),
+            message_id: "x".repeat(5000),
+            since_ms: 1234,
+        };
+        record.write(&slow).unwrap();
+        let back = read_slow_handler(&db).unwrap().expect("recorded");
+        assert_eq!((back.consumer.as_str(), back.since_ms), ("c", 1234));
+        assert!(back.message_id.len() > 1000 && back.message_id.len() < SLOW_BYTES);
+        // User bytes that happen to form a valid claim slot, in the
+        // record's room: recovery never reads them as a claim.
+        file.file
+            .write_all_at(&encode_slot(7, 9), SLOW_OFFSET + 64)
+            .unwrap();
+        assert_eq!(file.started_claims().unwrap(), vec![]);
+        file.file.write_all_at(&encode_slot(7, 9), 0).unwrap();
+        assert_eq!(file.started_claims().unwrap().len(), 1);
+        record.clear().unwrap();
+        assert_eq!(read_slow_handler(&db).unwrap(), None);
+    }
 
     #[test]
     fn marker_round_trips_and_rejects_damage() {

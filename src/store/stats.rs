@@ -106,6 +106,11 @@ pub struct Stats {
     pub wal_paused: Duration,
     /// The longest of those passes.
     pub wal_paused_max: Duration,
+    /// The writer's copy-backs that a reader (another connection's open
+    /// read transaction) kept from completing; the WAL grows meanwhile.
+    pub wal_checkpoints_blocked: u64,
+    /// Handlers that held the writer past `slow_handler`.
+    pub slow_handlers: u64,
 }
 
 /// Reads the counts. Cost: one pass over the inbox's status column.

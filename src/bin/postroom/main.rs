@@ -616,6 +616,7 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
             if cli.json {
                 ctx.json(&report);
             } else {
+                print_slow_handler(&mut ctx.out, &cli.db, report.now_ms);
                 print_status(&mut ctx.out, &report);
                 print_sequences(&mut ctx.out, &report.sequences);
             }
@@ -1325,6 +1326,7 @@ fn top(ctx: &mut Ctx<'_>, interval: Duration, iterations: Option<u64>) -> Result
                     .oldest_pending_age_ms
                     .map_or("none (nothing pending)".into(), render::age)
             );
+            print_slow_handler(&mut ctx.out, &ctx.cli.db, report.now_ms);
             print_status(&mut ctx.out, &report);
             print_sequences(&mut ctx.out, &report.sequences);
             for note in view.notices() {
@@ -1344,6 +1346,20 @@ fn top(ctx: &mut Ctx<'_>, interval: Duration, iterations: Option<u64>) -> Result
 }
 
 // ---------------------------------------------------------------- printing
+
+/// The handler holding a running engine's writer past its `slow_handler`
+/// threshold, if one does: every write of that engine waits for it.
+fn print_slow_handler(out: &mut String, db: &std::path::Path, now_ms: i64) {
+    if let Some(slow) = admin::slow_handler(db) {
+        let _ = writeln!(
+            out,
+            "SLOW HANDLER running for {}: {}/{} (every write of the engine waits for it)",
+            render::age(now_ms.saturating_sub(slow.since_ms)),
+            esc(&slow.consumer),
+            esc(&slow.message_id)
+        );
+    }
+}
 
 fn print_status(out: &mut String, r: &admin::StatusReport) {
     let _ = writeln!(out, "database   {}", esc(&r.path));
