@@ -1131,13 +1131,38 @@ impl Payload {
     /// 16 bytes in hex, and their printable ASCII). JSON is re-indented
     /// without being reparsed: large numbers and duplicate keys show as
     /// stored.
+    ///
+    /// Bounded, whatever the payload: about [`PRETTY_MAX_BYTES`] of output
+    /// at most, JSON nested deeper than [`PRETTY_MAX_DEPTH`] levels shown
+    /// as `[…]` / `{…}`, each cut said on a last line starting
+    /// `… truncated`. Linear in what it shows, without recursion, so a
+    /// hostile payload (100,000 nested arrays) costs the operator's machine
+    /// nothing. The exact bytes are in the serialization (`--json`).
     pub fn pretty(&self) -> String {
-        match self.encoding() {
-            "json" => reindent(&String::from_utf8_lossy(&self.0)),
-            "text" => String::from_utf8_lossy(&self.0).into_owned(),
+        let limit = PRETTY_MAX_BYTES;
+        let total = self.0.len();
+        let (mut s, cut) = match self.encoding() {
+            "json" => reindent(&String::from_utf8_lossy(&self.0), PRETTY_MAX_DEPTH, limit),
+            "text" => {
+                let text = String::from_utf8_lossy(&self.0);
+                let mut end = text.len().min(limit);
+                while !text.is_char_boundary(end) {
+                    end -= 1;
+                }
+                let cut = Cut {
+                    size: end < text.len(),
+                    deep: false,
+                };
+                (text[..end].to_owned(), cut)
+            }
             _ => {
                 let mut s = String::new();
+                let mut size = false;
                 for (n, chunk) in self.0.chunks(16).enumerate() {
+                    if s.len() >= limit {
+                        size = true;
+                        break;
+                    }
                     let _ = write!(s, "{:08x}  ", n * 16);
                     for i in 0..16 {
                         match chunk.get(i) {
@@ -1157,18 +1182,58 @@ impl Payload {
                     }
                     s.push('\n');
                 }
-                s
+                (s, Cut { size, deep: false })
+            }
+        };
+        if cut.deep || cut.size {
+            if !s.ends_with('\n') {
+                s.push('\n');
             }
         }
+        if cut.deep {
+            let _ = writeln!(
+                s,
+                "… truncated: nesting deeper than {PRETTY_MAX_DEPTH} levels is shown as […] or \
+                 {{…}}; --json gives the payload exactly"
+            );
+        }
+        if cut.size {
+            let _ = writeln!(
+                s,
+                "… truncated after {} bytes of output (the payload has {total} bytes); --json \
+                 gives the payload exactly",
+                limit
+            );
+        }
+        s
     }
+}
+
+/// About how many bytes [`Payload::pretty`] shows (a line may run past).
+pub const PRETTY_MAX_BYTES: usize = 64 * 1024;
+
+/// How deep [`Payload::pretty`] shows nested JSON.
+pub const PRETTY_MAX_DEPTH: usize = 32;
+
+/// What [`Payload::pretty`] left out.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cut {
+    /// Stopped at the size limit.
+    size: bool,
+    /// Elided values nested past the depth limit.
+    deep: bool,
 }
 
 /// Valid JSON text re-indented by two spaces per level, every token kept
 /// as stored: numbers past what a double holds, duplicate keys, key order
 /// and string escapes come out as they went in (a reparse would change
-/// them).
-fn reindent(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() * 2);
+/// them). One pass, no recursion: an array or object that would open level
+/// `max_depth + 1` is shown as `[…]` / `{…}` and skipped, so indentation
+/// costs at most `2 * max_depth` bytes a line; output stops once it holds
+/// `max_bytes`.
+fn reindent(text: &str, max_depth: usize, max_bytes: usize) -> (String, Cut) {
+    let mut out = String::with_capacity(text.len().min(max_bytes) * 2);
+    let mut cut = Cut::default();
     let mut depth = 0usize;
     let (mut in_string, mut escaped) = (false, false);
     let newline = |out: &mut String, depth: usize| {
@@ -1177,6 +1242,10 @@ fn reindent(text: &str) -> String {
     };
     let mut chars = text.chars().peekable();
     while let Some(c) = chars.next() {
+        if out.len() >= max_bytes {
+            cut.size = true;
+            break;
+        }
         if in_string {
             out.push(c);
             match (escaped, c) {
@@ -1199,6 +1268,13 @@ fn reindent(text: &str) -> String {
                 }
                 if matches!(chars.peek(), Some('}' | ']')) {
                     out.extend(chars.next());
+                } else if depth >= max_depth {
+                    // Too deep to show: the value's inside is skipped
+                    // whole (strings included), in one pass.
+                    cut.deep = true;
+                    out.push('…');
+                    skip_value_rest(&mut chars);
+                    out.push(if c == '{' { '}' } else { ']' });
                 } else {
                     depth += 1;
                     newline(&mut out, depth);
@@ -1218,7 +1294,37 @@ fn reindent(text: &str) -> String {
             c => out.push(c),
         }
     }
-    out
+    (out, cut)
+}
+
+/// Consumes the rest of an array or object whose opening bracket was just
+/// read, up to and including its closing bracket. Iterative: a count of
+/// open brackets, not a recursion.
+fn skip_value_rest(chars: &mut impl Iterator<Item = char>) {
+    let mut open = 1usize;
+    let (mut in_string, mut escaped) = (false, false);
+    for c in chars {
+        if in_string {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            '"' => in_string = true,
+            '{' | '[' => open += 1,
+            '}' | ']' => {
+                open -= 1;
+                if open == 0 {
+                    return;
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 fn encoding_of(parts: (Option<&str>, Option<&serde_json::value::RawValue>)) -> &'static str {

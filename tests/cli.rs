@@ -2098,3 +2098,110 @@ fn top_stops_when_its_reader_goes_away() {
     let status = common::wait_or_kill(&mut child, 10, "top to stop after its reader left");
     assert!(status.success(), "{status:?}");
 }
+
+/// Runs the CLI with stdout read on a thread, at most `max_bytes` of it
+/// kept (the rest is drained, so the child never blocks on a full pipe),
+/// and the child killed after `secs`: a view that would print gigabytes
+/// fails the test instead of filling the machine. Returns the exit code
+/// (`None`: killed), the bytes it printed in all, what was kept, and how
+/// long it ran.
+fn cli_bounded(
+    db: &Path,
+    args: &[&str],
+    secs: u64,
+    max_bytes: usize,
+) -> (Option<i32>, usize, String, Duration) {
+    use std::io::Read;
+    let started = std::time::Instant::now();
+    let mut child = Command::new(BIN)
+        .arg(db)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run the postroom binary");
+    let mut stdout = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let (mut kept, mut total, mut buf) = (Vec::new(), 0usize, vec![0u8; 64 * 1024]);
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            total += n;
+            let room = max_bytes.saturating_sub(kept.len());
+            kept.extend_from_slice(&buf[..n.min(room)]);
+        }
+        (total, kept)
+    });
+    let deadline = started + Duration::from_secs(secs);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code();
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let elapsed = started.elapsed();
+    let (total, kept) = reader.join().unwrap();
+    (status, total, String::from_utf8_lossy(&kept).into_owned(), elapsed)
+}
+
+#[test]
+fn hostile_payloads_are_shown_bounded_and_json_stays_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let f1 = inbox_id(&db, "flaky", "f-1");
+    // 200 KB of nested arrays: valid JSON, 100,000 levels deep.
+    let depth = 100_000;
+    let nested = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+    raw(&db)
+        .execute(
+            "UPDATE postroom_inbox SET payload = ?1 WHERE id = ?2",
+            params![nested.as_bytes(), f1],
+        )
+        .unwrap();
+    // Generous bounds for a busy machine; the view takes milliseconds.
+    let (code, total, shown, took) =
+        cli_bounded(&db, &["inbox", "show", &f1.to_string()], 10, 4 << 20);
+    assert_eq!(
+        code,
+        Some(0),
+        "killed or failed after {took:?}, {total} bytes printed"
+    );
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    assert!(total < 4 << 20, "{total} bytes for a 200 KB payload");
+    assert!(shown.contains("payload (200000 bytes, JSON):"), "{shown}");
+    assert!(shown.contains("… truncated"), "no truncation marker");
+    // The exact payload is one flag away, linear and without recursion.
+    let (code, total, json, took) = cli_bounded(
+        &db,
+        &["inbox", "show", &f1.to_string(), "--json"],
+        10,
+        4 << 20,
+    );
+    assert_eq!(code, Some(0), "--json: killed or failed after {took:?}");
+    assert!(total < 4 << 20, "--json: {total} bytes");
+    assert!(json.contains(&nested), "--json keeps the payload exactly");
+
+    // Wide rather than deep: a 1 MB flat array, and 1 MB of text lines.
+    for (what, payload) in [
+        ("JSON", format!("[{}1]", "1,".repeat(500_000))),
+        ("text", "a line of text\n".repeat(70_000)),
+    ] {
+        raw(&db)
+            .execute(
+                "UPDATE postroom_inbox SET payload = ?1 WHERE id = ?2",
+                params![payload.as_bytes(), f1],
+            )
+            .unwrap();
+        let (code, total, shown, took) =
+            cli_bounded(&db, &["inbox", "show", &f1.to_string()], 10, 4 << 20);
+        assert_eq!(code, Some(0), "{what}: killed or failed after {took:?}");
+        assert!(total < 512 << 10, "{what}: {total} bytes shown");
+        assert!(shown.contains("… truncated"), "{what}: no marker");
+    }
+}

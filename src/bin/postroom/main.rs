@@ -71,7 +71,7 @@ use rusqlite::{Connection, ErrorCode, OptionalExtension};
 use serde::Serialize;
 use serde_json::json;
 
-use render::{clip, esc, opt_time, table, time};
+use render::{clip, esc, esc_long, opt_time, table, time};
 
 const EXIT_OK: u8 = 0;
 const EXIT_ERROR: u8 = 1;
@@ -1471,7 +1471,7 @@ fn print_inbox_detail(out: &mut String, d: &admin::InboxDetail) {
         ),
         (
             "last error",
-            e.last_error.as_deref().map_or("-".into(), esc),
+            e.last_error.as_deref().map_or("-".into(), esc_long),
         ),
         ("received at", time(e.received_at)),
         ("updated at", time(e.updated_at)),
@@ -1528,7 +1528,7 @@ fn print_outbox_detail(out: &mut String, d: &admin::OutboxDetail) {
             opt_time(h.next_attempt_at),
             h.attempts,
             time(h.created_at),
-            esc(h.last_error.as_deref().unwrap_or("-"))
+            esc_long(h.last_error.as_deref().unwrap_or("-"))
         ),
         None => "-".into(),
     };
@@ -1541,7 +1541,7 @@ fn print_outbox_detail(out: &mut String, d: &admin::OutboxDetail) {
         ("attempts", e.attempts.to_string()),
         (
             "last error",
-            e.last_error.as_deref().map_or("-".into(), esc),
+            e.last_error.as_deref().map_or("-".into(), esc_long),
         ),
         ("created at", time(e.created_at)),
         (
