@@ -30,6 +30,7 @@
 //! Times are unix milliseconds, as stored. Names and ids are always bound
 //! as SQL parameters.
 
+use crate::escape::Esc;
 use std::fmt::{self, Write as _};
 use std::io;
 use std::path::Path;
@@ -430,7 +431,7 @@ pub fn read<T>(
     }
     log::debug!(
         "{} changed during an immutable read: reading again",
-        path.display()
+        Esc(path.display())
     );
     let (mut conn, view) = open_read(path, busy_timeout)?;
     f(&mut conn, &view).map(|t| (t, view))

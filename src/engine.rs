@@ -1,6 +1,7 @@
 //! The engine: opens the database, owns the threads (writer, dispatcher,
 //! workers, reaper) and the read pool, and is what callers talk to.
 
+use crate::escape::Esc;
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
 use std::path::Path;
@@ -105,8 +106,9 @@ fn spawn(
             if let Err(panic) = panic::catch_unwind(AssertUnwindSafe(body)) {
                 let reason = panic_message(panic.as_ref());
                 log::error!(
-                    "postroom: thread {thread_name} panicked: {reason}; the engine refuses new \
-                     work until it is shut down and opened again"
+                    "postroom: thread {thread_name} panicked: {}; the engine refuses new \
+                     work until it is shut down and opened again",
+                    Esc(&reason)
                 );
                 casualty.record(&thread_name, reason);
                 panic::resume_unwind(panic);

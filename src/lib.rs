@@ -157,6 +157,7 @@
 mod clock;
 mod config;
 mod error;
+mod escape;
 #[doc(hidden)]
 pub mod failpoint;
 mod guard;

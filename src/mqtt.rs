@@ -24,6 +24,7 @@
 //! not ack" outcome the intake reconnects once the outcome's `retry_after`
 //! has passed, and the broker redelivers it.
 
+use crate::escape::Esc;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -844,7 +845,7 @@ impl Sink for MqttSink {
         match self.publish_all(todo, &mut results) {
             Ok(()) => self.backoff.reset(),
             Err(reason) => {
-                log::warn!("postroom mqtt sink: {reason}; reconnecting");
+                log::warn!("postroom mqtt sink: {}; reconnecting", Esc(&reason));
                 self.link = None;
                 let after = self.backoff.fail();
                 for i in indexes {
@@ -1015,7 +1016,7 @@ impl IntakeBuilder {
                 let outcome = panic::catch_unwind(AssertUnwindSafe(|| worker.run()))
                     .map_err(|p| panic_message(p.as_ref()));
                 if let Err(reason) = &outcome {
-                    log::error!("postroom mqtt intake: thread panicked: {reason}");
+                    log::error!("postroom mqtt intake: thread panicked: {}", Esc(&reason));
                 }
                 let _ = done_tx.send(outcome);
             })
@@ -1166,7 +1167,7 @@ impl MqttIntake {
 impl Drop for MqttIntake {
     fn drop(&mut self) {
         if let Err(e) = self.stop_within(Duration::from_secs(5)) {
-            log::warn!("postroom mqtt intake: {e}");
+            log::warn!("postroom mqtt intake: {}", Esc(&e));
         }
     }
 }
@@ -1311,7 +1312,7 @@ impl Intake {
                     // Subscribe on every connection: the broker may have
                     // lost the session (restarted without persistence).
                     if let Err(e) = wire.try_subscribe(&self.filters) {
-                        log::warn!("postroom mqtt intake: subscribe: {e}");
+                        log::warn!("postroom mqtt intake: subscribe: {}", Esc(&e));
                     }
                     log::debug!(
                         "postroom mqtt intake: connected, session present: {session_present}"
@@ -1321,8 +1322,8 @@ impl Intake {
                     // Not retried: a broker's ACL does not change by asking
                     // again; `wait_subscribed` stays false.
                     log::error!(
-                        "postroom mqtt intake: the broker refused a subscription of {:?}",
-                        self.filters
+                        "postroom mqtt intake: the broker refused a subscription of {}",
+                        Esc(format_args!("{:?}", self.filters))
                     );
                 }
                 Ok(Some(Ev::SubAck { refused: false })) => {
@@ -1341,7 +1342,10 @@ impl Intake {
                     self.unsent_acks = 0;
                     self.counters.subscribed.store(false, Ordering::Release);
                     let pause = self.backoff.fail();
-                    log::warn!("postroom mqtt intake: {e}; reconnecting in {pause:?}");
+                    log::warn!(
+                        "postroom mqtt intake: {}; reconnecting in {pause:?}",
+                        Esc(&e)
+                    );
                     let until = Instant::now() + pause;
                     while Instant::now() < until && !self.stop.load(Ordering::Acquire) {
                         thread::sleep(Duration::from_millis(20));
@@ -1401,7 +1405,7 @@ impl Intake {
         let msg = match self.number(inbound.msg, inbound.numbered) {
             Ok(msg) => msg,
             Err(e) => {
-                log::warn!("postroom mqtt intake: not acknowledged: {e}");
+                log::warn!("postroom mqtt intake: not acknowledged: {}", Esc(&e));
                 self.not_acked(Duration::from_secs(1));
                 return;
             }
@@ -1435,15 +1439,16 @@ impl Intake {
             }
             Err(e @ Error::InvalidInput { .. }) => {
                 log::error!(
-                    "postroom mqtt intake: a message on {:?} can never be stored: {e}; \
+                    "postroom mqtt intake: a message on {:?} can never be stored: {}; \
                      acknowledged and dropped",
-                    publish.topic()
+                    Esc(publish.topic()),
+                    Esc(&e)
                 );
                 bump(&self.counters.refused);
                 self.acks.push_back(publish);
             }
             Err(e) => {
-                log::warn!("postroom mqtt intake: not acknowledged: {e}");
+                log::warn!("postroom mqtt intake: not acknowledged: {}", Esc(&e));
                 self.not_acked(Duration::from_secs(1));
             }
         }

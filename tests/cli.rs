@@ -2147,7 +2147,12 @@ fn cli_bounded(
     };
     let elapsed = started.elapsed();
     let (total, kept) = reader.join().unwrap();
-    (status, total, String::from_utf8_lossy(&kept).into_owned(), elapsed)
+    (
+        status,
+        total,
+        String::from_utf8_lossy(&kept).into_owned(),
+        elapsed,
+    )
 }
 
 #[test]
