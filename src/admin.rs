@@ -692,6 +692,9 @@ pub struct ConsumerStatus {
     pub oldest_pending_ms: Option<i64>,
     /// Its age at the time of the report, in milliseconds.
     pub oldest_pending_age_ms: Option<i64>,
+    /// Age of the oldest row waiting for a redelivery (`counts`'
+    /// `waiting_for_redelivery`), since its last attempt, in milliseconds.
+    pub oldest_waiting_for_redelivery_age_ms: Option<i64>,
     /// `processing` rows whose lease has passed: the engine's reaper (or its
     /// next open) turns them into retries.
     pub expired_leases: u64,
@@ -830,6 +833,9 @@ pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
                 total: c.total(),
                 oldest_pending_ms: None,
                 oldest_pending_age_ms: None,
+                oldest_waiting_for_redelivery_age_ms: c
+                    .oldest_waiting_for_redelivery_ms
+                    .map(|at| now.saturating_sub(at).max(0)),
                 expired_leases: 0,
                 attempts: Vec::new(),
             })
@@ -977,6 +983,27 @@ pub fn prometheus(report: &StatusReport) -> String {
             .consumers
             .iter()
             .map(|c| (consumer(c), seconds(c.oldest_pending_age_ms))),
+    );
+    family(
+        &mut out,
+        "postroom_waiting_for_redelivery",
+        "gauge",
+        "Failed inbox rows no worker retries (delivered inline, or counted by crash recovery \
+         before their receipt committed): only their sender's redelivery revives them.",
+        report
+            .consumers
+            .iter()
+            .map(|c| (consumer(c), c.counts.waiting_for_redelivery.to_string())),
+    );
+    family(
+        &mut out,
+        "postroom_oldest_waiting_for_redelivery_seconds",
+        "gauge",
+        "Age of the oldest row waiting for a redelivery, since its last attempt; 0 when none.",
+        report
+            .consumers
+            .iter()
+            .map(|c| (consumer(c), seconds(c.oldest_waiting_for_redelivery_age_ms))),
     );
     family(
         &mut out,
@@ -1374,6 +1401,9 @@ pub struct InboxFilter {
     pub since_ms: Option<i64>,
     /// Only rows received before this time (unix ms).
     pub until_ms: Option<i64>,
+    /// Only rows waiting for a redelivery: failed, and no worker retries
+    /// them (see [`InboxEntry::waiting_for_redelivery`]).
+    pub waiting_for_redelivery: bool,
     /// Where a page starts: see [`Page`].
     pub page: Page,
 }
@@ -1461,10 +1491,23 @@ pub struct InboxEntry {
     pub next_attempt_at: Option<i64>,
     /// When it completed, if it did.
     pub processed_at: Option<i64>,
+    /// A failed row that no worker will retry, waiting for its sender's
+    /// redelivery: it was delivered inline (`deliver`), or it was received
+    /// and processed in its receipt's own transaction when the process died
+    /// in its handler (crash recovery counted the attempt; the receipt
+    /// never committed, so the sender was never told to stop sending it).
+    /// Only a redelivery (`deliver` or `receive` of the same message)
+    /// revives it; retention never deletes it.
+    pub waiting_for_redelivery: bool,
 }
 
 const ENTRY_COLUMNS: &str = "id, consumer, source, message_id, status, attempts, ordering_key,
-     length(payload), last_error, received_at, updated_at, next_attempt_at, processed_at";
+     length(payload), last_error, received_at, updated_at, next_attempt_at, processed_at,
+     status = 'failed' AND queued = 0";
+
+/// How many columns [`ENTRY_COLUMNS`] selects: the index of the first
+/// column a query adds after them.
+const ENTRY_WIDTH: usize = 14;
 
 fn entry_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<InboxEntry> {
     // Lossy: a row whose text does not decode is shown, not an error.
@@ -1483,6 +1526,7 @@ fn entry_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<InboxEntry> {
         updated_at: r.get(10)?,
         next_attempt_at: r.get(11)?,
         processed_at: r.get(12)?,
+        waiting_for_redelivery: r.get(13)?,
     })
 }
 
@@ -1495,7 +1539,8 @@ pub fn inbox_list(conn: &Connection, filter: &InboxFilter) -> Result<Vec<InboxEn
             "SELECT {ENTRY_COLUMNS} FROM postroom_inbox
              WHERE (?1 IS NULL OR consumer = ?1) AND (?2 IS NULL OR status = ?2)
                AND (?3 IS NULL OR source = ?3) AND (?4 IS NULL OR received_at >= ?4)
-               AND (?5 IS NULL OR received_at < ?5) AND {after}
+               AND (?5 IS NULL OR received_at < ?5)
+               AND (?8 = 0 OR (status = 'failed' AND queued = 0)) AND {after}
              {order}"
         ))
         .map_err(sql("list inbox"))?;
@@ -1509,6 +1554,7 @@ pub fn inbox_list(conn: &Connection, filter: &InboxFilter) -> Result<Vec<InboxEn
                 filter.until_ms,
                 limit_param(filter.page.limit),
                 filter.page.after,
+                filter.waiting_for_redelivery,
             ],
             entry_from_row,
         )
@@ -1553,9 +1599,9 @@ pub fn inbox_show(conn: &Connection, id: i64) -> Result<Option<InboxDetail>> {
                 ),
                 [id],
                 |r| {
-                    let payload: Option<Vec<u8>> = r.get(13)?;
-                    let hash: Vec<u8> = r.get(14)?;
-                    let headers: Option<String> = r.get(15)?;
+                    let payload: Option<Vec<u8>> = r.get(ENTRY_WIDTH)?;
+                    let hash: Vec<u8> = r.get(ENTRY_WIDTH + 1)?;
+                    let headers: Option<String> = r.get(ENTRY_WIDTH + 2)?;
                     let payload_hash_ok = payload
                         .as_ref()
                         .map(|p| blake3::hash(p).as_bytes().as_slice() == hash.as_slice());
@@ -1565,8 +1611,8 @@ pub fn inbox_show(conn: &Connection, id: i64) -> Result<Option<InboxDetail>> {
                         payload_hash: hex(&hash),
                         payload_hash_ok,
                         headers: parse_headers(headers.as_deref()),
-                        lease_until: r.get(16)?,
-                        lease_token: r.get(17)?,
+                        lease_until: r.get(ENTRY_WIDTH + 3)?,
+                        lease_token: r.get(ENTRY_WIDTH + 4)?,
                         caused_outbox: Vec::new(),
                     })
                 },
@@ -2155,7 +2201,12 @@ pub fn conflicts_show(conn: &Connection, id: i64) -> Result<Option<ConflictDetai
                     detail.entry.source,
                     detail.entry.message_id
                 ],
-                |r| Ok((entry_from_row(r)?, r.get::<_, Option<Vec<u8>>>(13)?)),
+                |r| {
+                    Ok((
+                        entry_from_row(r)?,
+                        r.get::<_, Option<Vec<u8>>>(ENTRY_WIDTH)?,
+                    ))
+                },
             )
             .optional()
             .map_err(sql("show conflict"))?;

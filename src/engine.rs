@@ -738,6 +738,13 @@ impl Postroom {
         stats.wal_paused = Duration::from_micros(self.counters.paused_us.load(Ordering::Relaxed));
         stats.wal_paused_max =
             Duration::from_micros(self.counters.paused_max_us.load(Ordering::Relaxed));
+        let now = self.shared.clock.now_ms();
+        for (consumer, counts) in &stats.inbox {
+            let age = counts.oldest_waiting_for_redelivery_ms.map(|at| {
+                Duration::from_millis(u64::try_from(now.saturating_sub(at)).unwrap_or(0))
+            });
+            telemetry::waiting_for_redelivery(consumer, counts.waiting_for_redelivery, age);
+        }
         Ok(stats)
     }
 

@@ -81,7 +81,7 @@
 //!
 //! ## Metrics
 //!
-//! Counters and histograms go through the [`metrics`](https://docs.rs/metrics)
+//! Counters, gauges and histograms go through the [`metrics`](https://docs.rs/metrics)
 //! facade, so any exporter the application installs receives them; with
 //! none installed they cost next to nothing. Each is reported after the
 //! commit it describes.
@@ -98,6 +98,8 @@
 //! | `postroom_outbox_sent_total` | counter | | outbox messages marked sent by the relay |
 //! | `postroom_relay_lag_seconds` | histogram | | from an outbox message's commit to its being marked sent |
 //! | `postroom_outbox_dead_total` | counter | | outbox messages dead (refused, or out of attempts) |
+//! | `postroom_waiting_for_redelivery` | gauge | `consumer` | failed rows no worker retries, waiting for their sender's redelivery (set by [`Postroom::stats`]) |
+//! | `postroom_oldest_waiting_for_redelivery_seconds` | gauge | `consumer` | age of the oldest of those since its last attempt; 0 when none (set by [`Postroom::stats`]) |
 //!
 //! ## Logs
 //!

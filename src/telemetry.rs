@@ -56,3 +56,16 @@ pub(crate) fn relayed(lag_ms: i64) {
 pub(crate) fn outbox_dead() {
     metrics::counter!("postroom_outbox_dead_total").increment(1);
 }
+
+/// Rows waiting for a redelivery (failed, not queued: no worker retries
+/// them) and the age of the oldest, per consumer: gauges, set whenever the
+/// inbox is counted ([`Postroom::stats`](crate::Postroom::stats)).
+pub(crate) fn waiting_for_redelivery(consumer: &str, rows: u64, oldest_age: Option<Duration>) {
+    metrics::gauge!("postroom_waiting_for_redelivery", "consumer" => consumer.to_owned())
+        .set(rows as f64);
+    metrics::gauge!(
+        "postroom_oldest_waiting_for_redelivery_seconds",
+        "consumer" => consumer.to_owned()
+    )
+    .set(oldest_age.map_or(0.0, |age| age.as_secs_f64()));
+}

@@ -219,18 +219,25 @@ fn status_shows_counts_backlog_attempts_outbox_conflicts_and_sizes() {
     let db = populated(dir.path());
 
     let human = cli_ok(&db, &["status"], 0).stdout;
-    // CONSUMER PENDING PROCESSING COMPLETED FAILED DEAD TOTAL OLDEST EXPIRED ATTEMPTS
+    // CONSUMER PENDING PROCESSING COMPLETED FAILED AWAITING-REDELIVERY
+    // OLDEST-AWAITING DEAD TOTAL OLDEST EXPIRED ATTEMPTS
     assert_eq!(
-        table_row(&human, "orders")[..9],
-        ["orders", "0", "0", "3", "0", "0", "3", "-", "0"]
+        table_row(&human, "orders")[..11],
+        ["orders", "0", "0", "3", "0", "0", "-", "0", "3", "-", "0"]
     );
     let flaky = table_row(&human, "flaky");
-    assert_eq!(flaky[..7], ["flaky", "0", "0", "0", "1", "0", "1"]);
-    assert_ne!(flaky[7], "-", "flaky has a message waiting: {human}");
-    assert_eq!(flaky[9], "1:1", "attempts histogram: {human}");
+    // f-1 failed inline: it waits for its sender's redelivery.
+    assert_eq!(flaky[..6], ["flaky", "0", "0", "0", "1", "1"]);
+    assert_ne!(
+        flaky[6], "-",
+        "flaky has a message awaiting redelivery: {human}"
+    );
+    assert_eq!(flaky[7..9], ["0", "1"]);
+    assert_ne!(flaky[9], "-", "flaky has a message waiting: {human}");
+    assert_eq!(flaky[11], "1:1", "attempts histogram: {human}");
     assert_eq!(
-        table_row(&human, "strict")[..7],
-        ["strict", "0", "0", "0", "0", "1", "1"]
+        table_row(&human, "strict")[..9],
+        ["strict", "0", "0", "0", "0", "0", "-", "1", "1"]
     );
     assert!(human.contains("conflicts  1"), "{human}");
     // OUTBOX row: PENDING SENT DEAD OLDEST
@@ -342,7 +349,19 @@ fn inbox_list_filters_by_consumer_status_source_time_and_limit() {
 
     let human = cli_ok(&db, &["inbox", "list", "--consumer", "flaky"], 0).stdout;
     let row = table_row(&human, &inbox_id(&db, "flaky", "f-1").to_string());
-    assert_eq!(row[1..6], ["flaky", "feed", "f-1", "failed", "1"]);
+    assert_eq!(
+        row[1..9],
+        [
+            "flaky",
+            "feed",
+            "f-1",
+            "failed",
+            "(waiting",
+            "for",
+            "redelivery)",
+            "1"
+        ]
+    );
     assert!(human.contains("upstream timeout"), "{human}");
     assert!(human.contains("1 row(s)"), "{human}");
 }
@@ -2209,4 +2228,89 @@ fn hostile_payloads_are_shown_bounded_and_json_stays_exact() {
         assert!(total < 512 << 10, "{what}: {total} bytes shown");
         assert!(shown.contains("… truncated"), "{what}: no marker");
     }
+}
+
+#[test]
+fn rows_only_a_redelivery_revives_are_shown_waiting_for_redelivery_with_their_age() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    // f-1 failed inline: no worker retries it, only its sender can.
+    let f1 = inbox_id(&db, "flaky", "f-1").to_string();
+
+    let status = cli_ok(&db, &["status", "--json"], 0).json();
+    let flaky = status["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer"] == "flaky")
+        .unwrap()
+        .clone();
+    assert_eq!(flaky["failed"], 1, "{flaky}");
+    assert_eq!(flaky["waiting_for_redelivery"], 1, "{flaky}");
+    assert!(
+        flaky["oldest_waiting_for_redelivery_age_ms"]
+            .as_i64()
+            .unwrap()
+            >= 0,
+        "{flaky}"
+    );
+    let human = cli_ok(&db, &["status"], 0).stdout;
+    assert!(human.contains("AWAITING REDELIVERY"), "{human}");
+    let row = table_row(&human, "flaky");
+    assert_eq!(row[1..6], ["0", "0", "0", "1", "1"], "{human}");
+    let top = cli_ok(&db, &["top", "--iterations", "1"], 0).stdout;
+    assert!(top.contains("AWAITING REDELIVERY"), "{top}");
+
+    let listed = cli_ok(
+        &db,
+        &["inbox", "list", "--waiting-for-redelivery", "--json"],
+        0,
+    )
+    .json();
+    let listed = listed.as_array().unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["message_id"], "f-1");
+    assert_eq!(listed[0]["waiting_for_redelivery"], true);
+    let human = cli_ok(&db, &["inbox", "list", "--consumer", "flaky"], 0).stdout;
+    assert!(human.contains("failed (waiting for redelivery)"), "{human}");
+    let shown = cli_ok(&db, &["inbox", "show", &f1], 0).stdout;
+    assert!(shown.contains("when its sender redelivers it"), "{shown}");
+
+    let metrics = cli_ok(&db, &["metrics"], 0).stdout;
+    assert!(
+        metrics.contains("postroom_waiting_for_redelivery{consumer=\"flaky\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("postroom_oldest_waiting_for_redelivery_seconds{consumer=\"flaky\"}"),
+        "{metrics}"
+    );
+
+    // Received again (queued): the workers own it now, so it no longer
+    // waits for anyone.
+    raw(&db)
+        .execute(
+            "UPDATE postroom_inbox SET queued = 1 WHERE id = ?1",
+            [f1.parse::<i64>().unwrap()],
+        )
+        .unwrap();
+    let listed = cli_ok(
+        &db,
+        &["inbox", "list", "--waiting-for-redelivery", "--json"],
+        0,
+    )
+    .json();
+    assert_eq!(listed.as_array().unwrap().len(), 0, "{listed}");
+    let status = cli_ok(&db, &["status", "--json"], 0).json();
+    let flaky = status["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer"] == "flaky")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (&flaky["failed"], &flaky["waiting_for_redelivery"]),
+        (&Value::from(1), &Value::from(0))
+    );
 }

@@ -217,6 +217,11 @@ struct InboxListArgs {
     /// Only rows received before this time
     #[arg(long, value_name = "TIME", value_parser = render::parse_time)]
     until: Option<i64>,
+    /// Only failed rows no worker will retry: they wait for their sender
+    /// to redeliver them (delivered inline, or counted by crash recovery
+    /// before their receipt committed)
+    #[arg(long)]
+    waiting_for_redelivery: bool,
     #[command(flatten)]
     page: PageArgs,
 }
@@ -641,6 +646,7 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
                 source: args.source.clone(),
                 since_ms: args.since,
                 until_ms: args.until,
+                waiting_for_redelivery: args.waiting_for_redelivery,
                 page: args.page.page(),
             };
             let rows = ctx.read("inbox list", |c| admin::inbox_list(c, &filter))?;
@@ -655,7 +661,7 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
                             esc(&r.consumer),
                             esc(&r.source),
                             clip(&r.message_id, 40),
-                            r.status.to_string(),
+                            inbox_state(r),
                             r.attempts.to_string(),
                             time(r.received_at),
                             r.payload_bytes.map_or("-".into(), |n| n.to_string()),
@@ -1345,6 +1351,16 @@ fn top(ctx: &mut Ctx<'_>, interval: Duration, iterations: Option<u64>) -> Result
 
 // ---------------------------------------------------------------- printing
 
+/// An inbox row's state for people: its status, and for a failed row that
+/// no worker retries, that it waits for its sender's redelivery.
+fn inbox_state(e: &admin::InboxEntry) -> String {
+    if e.waiting_for_redelivery {
+        format!("{} (waiting for redelivery)", e.status)
+    } else {
+        e.status.to_string()
+    }
+}
+
 fn print_status(out: &mut String, r: &admin::StatusReport) {
     let _ = writeln!(out, "database   {}", esc(&r.path));
     let _ = writeln!(out, "schema     {}", r.schema_version);
@@ -1369,6 +1385,9 @@ fn print_status(out: &mut String, r: &admin::StatusReport) {
                     c.counts.processing.to_string(),
                     c.counts.completed.to_string(),
                     c.counts.failed.to_string(),
+                    c.counts.waiting_for_redelivery.to_string(),
+                    c.oldest_waiting_for_redelivery_age_ms
+                        .map_or("-".into(), render::age),
                     c.counts.dead.to_string(),
                     c.total.to_string(),
                     c.oldest_pending_age_ms.map_or("-".into(), render::age),
@@ -1389,13 +1408,15 @@ fn print_status(out: &mut String, r: &admin::StatusReport) {
                 "PROCESSING",
                 "COMPLETED",
                 "FAILED",
+                "AWAITING REDELIVERY",
+                "OLDEST AWAITING",
                 "DEAD",
                 "TOTAL",
                 "OLDEST PENDING",
                 "EXPIRED LEASES",
                 "ATTEMPTS:ROWS",
             ],
-            &[1, 2, 3, 4, 5, 6, 7, 8],
+            &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
             cells,
         );
     }
@@ -1463,7 +1484,7 @@ fn print_inbox_detail(out: &mut String, d: &admin::InboxDetail) {
         ("consumer", esc(&e.consumer)),
         ("source", esc(&e.source)),
         ("message id", esc(&e.message_id)),
-        ("status", e.status.to_string()),
+        ("status", inbox_state(e)),
         ("attempts", e.attempts.to_string()),
         (
             "ordering key",
@@ -1478,6 +1499,9 @@ fn print_inbox_detail(out: &mut String, d: &admin::InboxDetail) {
         (
             "next attempt at",
             match (e.next_attempt_at, e.status) {
+                _ if e.waiting_for_redelivery => {
+                    "when its sender redelivers it (no worker retries it)".into()
+                }
                 (None, Status::Pending | Status::Failed) => "at once".into(),
                 (at, _) => opt_time(at),
             },
