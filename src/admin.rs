@@ -1213,10 +1213,8 @@ impl Payload {
                 (s, Cut { size, deep: false })
             }
         };
-        if cut.deep || cut.size {
-            if !s.ends_with('\n') {
-                s.push('\n');
-            }
+        if (cut.deep || cut.size) && !s.ends_with('\n') {
+            s.push('\n');
         }
         if cut.deep {
             let _ = writeln!(
