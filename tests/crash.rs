@@ -62,6 +62,11 @@ impl Heard {
     }
 }
 
+/// Rows that only a redelivery revives (failed, and no worker retries
+/// them), as `consumer message_id`.
+const WAITING_FOR_REDELIVERY: &str = "SELECT consumer || ' ' || message_id FROM postroom_inbox
+     WHERE status = 'failed' AND queued = 0";
+
 /// Starts child `role` on `db` `kills` times, each with its own seed, and
 /// SIGKILLs it at a random moment: up to `max_us` after it said READY, or,
 /// one time in eight when `early`, while it is still opening (schema,
@@ -515,6 +520,15 @@ fn random_sigkills_while_workers_run_lose_nothing_and_apply_nothing_twice() {
     // in the receipt's own transaction): it waits, failed and not queued,
     // for exactly this. Acknowledged ones are the workers' to finish.
     let unacked: Vec<(String, String)> = heard.unacked().iter().map(pair).collect();
+    // Recovery ran at open. A row waiting for a redelivery must be one the
+    // broker will redeliver: an acknowledged one would wait for ever.
+    let waiting: Vec<String> = column(&conn, WAITING_FOR_REDELIVERY);
+    for line in &waiting {
+        assert!(
+            !acked.contains(&pair(line)),
+            "seed {seed}: acknowledged {line} waits for a redelivery that never comes"
+        );
+    }
     for (consumer, id) in &unacked {
         let receipt = room
             .receive(
@@ -593,10 +607,11 @@ fn random_sigkills_while_workers_run_lose_nothing_and_apply_nothing_twice() {
         "SELECT count(*) FROM postroom_inbox WHERE attempts > 1",
     );
     eprintln!(
-        "queued_sigkills: {kills} kills survived, {} acknowledged receipts, {} redelivered, \
-         {} messages, {reclaimed} needed more than one attempt",
+        "queued_sigkills: {kills} kills survived, {} acknowledged receipts, {} redelivered \
+         ({} of them waiting for it), {} messages, {reclaimed} needed more than one attempt",
         acked.len(),
         unacked.len(),
+        waiting.len(),
         count(&conn, "SELECT count(*) FROM postroom_inbox")
     );
 }
@@ -674,6 +689,16 @@ fn random_sigkills_around_the_relay_deliver_every_outbox_row_exactly_once_downst
     // 1) and waits for exactly this; inline delivery has no retry of its
     // own.
     let unacked = heard.unacked();
+    // Recovery ran at open: a row waiting for a redelivery must be one the
+    // broker will redeliver (see the queued test).
+    let waiting: Vec<String> = column(&raw(&db), WAITING_FOR_REDELIVERY);
+    for line in &waiting {
+        let (_, id) = line.split_once(' ').unwrap();
+        assert!(
+            !acked.contains(id),
+            "seed {seed}: acknowledged {line} waits for a redelivery that never comes"
+        );
+    }
     for id in &unacked {
         let mut tries = 0;
         loop {
@@ -741,10 +766,11 @@ fn random_sigkills_around_the_relay_deliver_every_outbox_row_exactly_once_downst
     );
     eprintln!(
         "relay_sigkills: {kills} kills survived; {} outbox rows, each applied once downstream; \
-         {} acknowledged ids, {} redelivered",
+         {} acknowledged ids, {} redelivered ({} of them waiting for it)",
         outbox_ids.len(),
         acked.len(),
-        unacked.len()
+        unacked.len(),
+        waiting.len()
     );
 }
 
