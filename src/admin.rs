@@ -2802,3 +2802,41 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pretty_json_is_cut_at_depth_and_size_and_strings_are_never_misread() {
+        // Small JSON comes out whole and re-indented, as stored.
+        let small = Payload(br#"{"a":[1,2],"b":"x]"}"#.to_vec());
+        assert_eq!(
+            small.pretty(),
+            "{\n  \"a\": [\n    1,\n    2\n  ],\n  \"b\": \"x]\"\n}"
+        );
+        // Past the depth limit a value is elided whole: brackets inside its
+        // strings do not end it early, and what follows it is shown.
+        let (shown, cut) = reindent(r#"[[["a]]]\"", [1]], "after"], 2]"#, 2, 1 << 20);
+        assert!(cut.deep && !cut.size, "{shown}");
+        assert!(shown.contains("[…]"), "{shown}");
+        assert!(shown.contains("\"after\""), "{shown}");
+        assert!(!shown.contains("a]]]"), "{shown}");
+        // The size limit stops the pass; the marker says so.
+        let wide = Payload(format!("[{}1]", "1,".repeat(100_000)).into_bytes());
+        let shown = wide.pretty();
+        assert!(shown.len() < PRETTY_MAX_BYTES + 1024, "{}", shown.len());
+        assert!(
+            shown.ends_with("--json gives the payload exactly\n"),
+            "{shown}"
+        );
+        // Deep nesting: linear, no recursion, both markers where both apply.
+        let deep = Payload(format!("{}{}", "[".repeat(100_000), "]".repeat(100_000)).into_bytes());
+        let shown = deep.pretty();
+        assert!(shown.len() < 4096, "{}", shown.len());
+        assert!(
+            shown.contains("… truncated: nesting deeper than 32 levels"),
+            "{shown}"
+        );
+    }
+}

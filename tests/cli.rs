@@ -2198,6 +2198,7 @@ fn hostile_payloads_are_shown_bounded_and_json_stays_exact() {
     );
     assert!(took < Duration::from_secs(10), "{took:?}");
     assert!(total < 4 << 20, "{total} bytes for a 200 KB payload");
+    eprintln!("inbox show, 200 KB of nested arrays: {total} bytes in {took:?}");
     assert!(shown.contains("payload (200000 bytes, JSON):"), "{shown}");
     assert!(shown.contains("… truncated"), "no truncation marker");
     // The exact payload is one flag away, linear and without recursion.
@@ -2210,6 +2211,7 @@ fn hostile_payloads_are_shown_bounded_and_json_stays_exact() {
     assert_eq!(code, Some(0), "--json: killed or failed after {took:?}");
     assert!(total < 4 << 20, "--json: {total} bytes");
     assert!(json.contains(&nested), "--json keeps the payload exactly");
+    eprintln!("inbox show --json, the same: {total} bytes in {took:?}");
 
     // Wide rather than deep: a 1 MB flat array, and 1 MB of text lines.
     for (what, payload) in [
