@@ -20,7 +20,7 @@
 //! postroom <DB> status
 //! postroom <DB> top [--interval 2s] [--iterations N]
 //! postroom <DB> inbox list [--consumer C] [--status S] [--source S] [--since T] [--until T]
-//!                          [--oldest-first] [--limit N] [--after ID]
+//!                          [--waiting-for-redelivery] [--oldest-first] [--limit N] [--after ID]
 //! postroom <DB> inbox show ID
 //! postroom <DB> outbox list [--status S] [--topic T] [--key K] [--since T] [--until T]
 //!                           [--oldest-first] [--limit N] [--after SEQ]
