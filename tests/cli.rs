@@ -2288,6 +2288,28 @@ fn rows_only_a_redelivery_revives_are_shown_waiting_for_redelivery_with_their_ag
         "{metrics}"
     );
 
+    // Retention never deletes it, however old: it keeps its payload until
+    // its sender redelivers it.
+    raw(&db)
+        .execute(
+            "UPDATE postroom_inbox SET received_at = 1000, updated_at = 1000 WHERE id = ?1",
+            [f1.parse::<i64>().unwrap()],
+        )
+        .unwrap();
+    let cleaned = cli_ok(&db, &["cleanup", "--retention", "0s", "--json"], 0).json();
+    assert!(
+        cleaned["inbox_deleted"].as_u64().unwrap() >= 1,
+        "completed rows went: {cleaned}"
+    );
+    let listed = cli_ok(
+        &db,
+        &["inbox", "list", "--waiting-for-redelivery", "--json"],
+        0,
+    )
+    .json();
+    assert_eq!(listed[0]["message_id"], "f-1", "{listed}");
+    assert_eq!(listed[0]["payload_bytes"], 2, "{listed}");
+
     // Received again (queued): the workers own it now, so it no longer
     // waits for anyone.
     raw(&db)
