@@ -30,6 +30,7 @@
 //! Times are unix milliseconds, as stored. Names and ids are always bound
 //! as SQL parameters.
 
+use crate::escape::Esc;
 use std::fmt::{self, Write as _};
 use std::io;
 use std::path::Path;
@@ -439,7 +440,7 @@ pub fn read<T>(
     }
     log::debug!(
         "{} changed during an immutable read: reading again",
-        path.display()
+        Esc(path.display())
     );
     let (mut conn, view) = open_read(path, busy_timeout)?;
     f(&mut conn, &view).map(|t| (t, view))
@@ -700,6 +701,9 @@ pub struct ConsumerStatus {
     pub oldest_pending_ms: Option<i64>,
     /// Its age at the time of the report, in milliseconds.
     pub oldest_pending_age_ms: Option<i64>,
+    /// Age of the oldest row waiting for a redelivery (`counts`'
+    /// `waiting_for_redelivery`), since its last attempt, in milliseconds.
+    pub oldest_waiting_for_redelivery_age_ms: Option<i64>,
     /// `processing` rows whose lease has passed: the engine's reaper (or its
     /// next open) turns them into retries.
     pub expired_leases: u64,
@@ -838,6 +842,9 @@ pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
                 total: c.total(),
                 oldest_pending_ms: None,
                 oldest_pending_age_ms: None,
+                oldest_waiting_for_redelivery_age_ms: c
+                    .oldest_waiting_for_redelivery_ms
+                    .map(|at| now.saturating_sub(at).max(0)),
                 expired_leases: 0,
                 attempts: Vec::new(),
             })
@@ -985,6 +992,27 @@ pub fn prometheus(report: &StatusReport) -> String {
             .consumers
             .iter()
             .map(|c| (consumer(c), seconds(c.oldest_pending_age_ms))),
+    );
+    family(
+        &mut out,
+        "postroom_waiting_for_redelivery",
+        "gauge",
+        "Failed inbox rows no worker retries (delivered inline, or counted by crash recovery \
+         before their receipt committed): only their sender's redelivery revives them.",
+        report
+            .consumers
+            .iter()
+            .map(|c| (consumer(c), c.counts.waiting_for_redelivery.to_string())),
+    );
+    family(
+        &mut out,
+        "postroom_oldest_waiting_for_redelivery_seconds",
+        "gauge",
+        "Age of the oldest row waiting for a redelivery, since its last attempt; 0 when none.",
+        report
+            .consumers
+            .iter()
+            .map(|c| (consumer(c), seconds(c.oldest_waiting_for_redelivery_age_ms))),
     );
     family(
         &mut out,
@@ -1140,13 +1168,38 @@ impl Payload {
     /// 16 bytes in hex, and their printable ASCII). JSON is re-indented
     /// without being reparsed: large numbers and duplicate keys show as
     /// stored.
+    ///
+    /// Bounded, whatever the payload: about [`PRETTY_MAX_BYTES`] of output
+    /// at most, JSON nested deeper than [`PRETTY_MAX_DEPTH`] levels shown
+    /// as `[…]` / `{…}`, each cut said on a last line starting
+    /// `… truncated`. Linear in what it shows, without recursion, so a
+    /// hostile payload (100,000 nested arrays) costs the operator's machine
+    /// nothing. The exact bytes are in the serialization (`--json`).
     pub fn pretty(&self) -> String {
-        match self.encoding() {
-            "json" => reindent(&String::from_utf8_lossy(&self.0)),
-            "text" => String::from_utf8_lossy(&self.0).into_owned(),
+        let limit = PRETTY_MAX_BYTES;
+        let total = self.0.len();
+        let (mut s, cut) = match self.encoding() {
+            "json" => reindent(&String::from_utf8_lossy(&self.0), PRETTY_MAX_DEPTH, limit),
+            "text" => {
+                let text = String::from_utf8_lossy(&self.0);
+                let mut end = text.len().min(limit);
+                while !text.is_char_boundary(end) {
+                    end -= 1;
+                }
+                let cut = Cut {
+                    size: end < text.len(),
+                    deep: false,
+                };
+                (text[..end].to_owned(), cut)
+            }
             _ => {
                 let mut s = String::new();
+                let mut size = false;
                 for (n, chunk) in self.0.chunks(16).enumerate() {
+                    if s.len() >= limit {
+                        size = true;
+                        break;
+                    }
                     let _ = write!(s, "{:08x}  ", n * 16);
                     for i in 0..16 {
                         match chunk.get(i) {
@@ -1166,18 +1219,56 @@ impl Payload {
                     }
                     s.push('\n');
                 }
-                s
+                (s, Cut { size, deep: false })
             }
+        };
+        if (cut.deep || cut.size) && !s.ends_with('\n') {
+            s.push('\n');
         }
+        if cut.deep {
+            let _ = writeln!(
+                s,
+                "… truncated: nesting deeper than {PRETTY_MAX_DEPTH} levels is shown as […] or \
+                 {{…}}; --json gives the payload exactly"
+            );
+        }
+        if cut.size {
+            let _ = writeln!(
+                s,
+                "… truncated after {} bytes of output (the payload has {total} bytes); --json \
+                 gives the payload exactly",
+                limit
+            );
+        }
+        s
     }
+}
+
+/// About how many bytes [`Payload::pretty`] shows (a line may run past).
+pub const PRETTY_MAX_BYTES: usize = 64 * 1024;
+
+/// How deep [`Payload::pretty`] shows nested JSON.
+pub const PRETTY_MAX_DEPTH: usize = 32;
+
+/// What [`Payload::pretty`] left out.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cut {
+    /// Stopped at the size limit.
+    size: bool,
+    /// Elided values nested past the depth limit.
+    deep: bool,
 }
 
 /// Valid JSON text re-indented by two spaces per level, every token kept
 /// as stored: numbers past what a double holds, duplicate keys, key order
 /// and string escapes come out as they went in (a reparse would change
-/// them).
-fn reindent(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() * 2);
+/// them). One pass, no recursion: an array or object that would open level
+/// `max_depth + 1` is shown as `[…]` / `{…}` and skipped, so indentation
+/// costs at most `2 * max_depth` bytes a line; output stops once it holds
+/// `max_bytes`.
+fn reindent(text: &str, max_depth: usize, max_bytes: usize) -> (String, Cut) {
+    let mut out = String::with_capacity(text.len().min(max_bytes) * 2);
+    let mut cut = Cut::default();
     let mut depth = 0usize;
     let (mut in_string, mut escaped) = (false, false);
     let newline = |out: &mut String, depth: usize| {
@@ -1186,6 +1277,10 @@ fn reindent(text: &str) -> String {
     };
     let mut chars = text.chars().peekable();
     while let Some(c) = chars.next() {
+        if out.len() >= max_bytes {
+            cut.size = true;
+            break;
+        }
         if in_string {
             out.push(c);
             match (escaped, c) {
@@ -1208,6 +1303,13 @@ fn reindent(text: &str) -> String {
                 }
                 if matches!(chars.peek(), Some('}' | ']')) {
                     out.extend(chars.next());
+                } else if depth >= max_depth {
+                    // Too deep to show: the value's inside is skipped
+                    // whole (strings included), in one pass.
+                    cut.deep = true;
+                    out.push('…');
+                    skip_value_rest(&mut chars);
+                    out.push(if c == '{' { '}' } else { ']' });
                 } else {
                     depth += 1;
                     newline(&mut out, depth);
@@ -1227,7 +1329,37 @@ fn reindent(text: &str) -> String {
             c => out.push(c),
         }
     }
-    out
+    (out, cut)
+}
+
+/// Consumes the rest of an array or object whose opening bracket was just
+/// read, up to and including its closing bracket. Iterative: a count of
+/// open brackets, not a recursion.
+fn skip_value_rest(chars: &mut impl Iterator<Item = char>) {
+    let mut open = 1usize;
+    let (mut in_string, mut escaped) = (false, false);
+    for c in chars {
+        if in_string {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            '"' => in_string = true,
+            '{' | '[' => open += 1,
+            '}' | ']' => {
+                open -= 1;
+                if open == 0 {
+                    return;
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 fn encoding_of(parts: (Option<&str>, Option<&serde_json::value::RawValue>)) -> &'static str {
@@ -1276,6 +1408,9 @@ pub struct InboxFilter {
     pub since_ms: Option<i64>,
     /// Only rows received before this time (unix ms).
     pub until_ms: Option<i64>,
+    /// Only rows waiting for a redelivery: failed, and no worker retries
+    /// them (see [`InboxEntry::waiting_for_redelivery`]).
+    pub waiting_for_redelivery: bool,
     /// Where a page starts: see [`Page`].
     pub page: Page,
 }
@@ -1363,10 +1498,23 @@ pub struct InboxEntry {
     pub next_attempt_at: Option<i64>,
     /// When it completed, if it did.
     pub processed_at: Option<i64>,
+    /// A failed row that no worker will retry, waiting for its sender's
+    /// redelivery: it was delivered inline (`deliver`), or it was received
+    /// and processed in its receipt's own transaction when the process died
+    /// in its handler (crash recovery counted the attempt; the receipt
+    /// never committed, so the sender was never told to stop sending it).
+    /// Only a redelivery (`deliver` or `receive` of the same message)
+    /// revives it; retention never deletes it.
+    pub waiting_for_redelivery: bool,
 }
 
 const ENTRY_COLUMNS: &str = "id, consumer, source, message_id, status, attempts, ordering_key,
-     length(payload), last_error, received_at, updated_at, next_attempt_at, processed_at";
+     length(payload), last_error, received_at, updated_at, next_attempt_at, processed_at,
+     status = 'failed' AND queued = 0";
+
+/// How many columns [`ENTRY_COLUMNS`] selects: the index of the first
+/// column a query adds after them.
+const ENTRY_WIDTH: usize = 14;
 
 fn entry_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<InboxEntry> {
     // Lossy: a row whose text does not decode is shown, not an error.
@@ -1385,6 +1533,7 @@ fn entry_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<InboxEntry> {
         updated_at: r.get(10)?,
         next_attempt_at: r.get(11)?,
         processed_at: r.get(12)?,
+        waiting_for_redelivery: r.get(13)?,
     })
 }
 
@@ -1397,7 +1546,8 @@ pub fn inbox_list(conn: &Connection, filter: &InboxFilter) -> Result<Vec<InboxEn
             "SELECT {ENTRY_COLUMNS} FROM postroom_inbox
              WHERE (?1 IS NULL OR consumer = ?1) AND (?2 IS NULL OR status = ?2)
                AND (?3 IS NULL OR source = ?3) AND (?4 IS NULL OR received_at >= ?4)
-               AND (?5 IS NULL OR received_at < ?5) AND {after}
+               AND (?5 IS NULL OR received_at < ?5)
+               AND (?8 = 0 OR (status = 'failed' AND queued = 0)) AND {after}
              {order}"
         ))
         .map_err(sql("list inbox"))?;
@@ -1411,6 +1561,7 @@ pub fn inbox_list(conn: &Connection, filter: &InboxFilter) -> Result<Vec<InboxEn
                 filter.until_ms,
                 limit_param(filter.page.limit),
                 filter.page.after,
+                filter.waiting_for_redelivery,
             ],
             entry_from_row,
         )
@@ -1455,9 +1606,9 @@ pub fn inbox_show(conn: &Connection, id: i64) -> Result<Option<InboxDetail>> {
                 ),
                 [id],
                 |r| {
-                    let payload: Option<Vec<u8>> = r.get(13)?;
-                    let hash: Vec<u8> = r.get(14)?;
-                    let headers: Option<String> = r.get(15)?;
+                    let payload: Option<Vec<u8>> = r.get(ENTRY_WIDTH)?;
+                    let hash: Vec<u8> = r.get(ENTRY_WIDTH + 1)?;
+                    let headers: Option<String> = r.get(ENTRY_WIDTH + 2)?;
                     let payload_hash_ok = payload
                         .as_ref()
                         .map(|p| blake3::hash(p).as_bytes().as_slice() == hash.as_slice());
@@ -1467,8 +1618,8 @@ pub fn inbox_show(conn: &Connection, id: i64) -> Result<Option<InboxDetail>> {
                         payload_hash: hex(&hash),
                         payload_hash_ok,
                         headers: parse_headers(headers.as_deref()),
-                        lease_until: r.get(16)?,
-                        lease_token: r.get(17)?,
+                        lease_until: r.get(ENTRY_WIDTH + 3)?,
+                        lease_token: r.get(ENTRY_WIDTH + 4)?,
                         caused_outbox: Vec::new(),
                     })
                 },
@@ -2057,7 +2208,12 @@ pub fn conflicts_show(conn: &Connection, id: i64) -> Result<Option<ConflictDetai
                     detail.entry.source,
                     detail.entry.message_id
                 ],
-                |r| Ok((entry_from_row(r)?, r.get::<_, Option<Vec<u8>>>(13)?)),
+                |r| {
+                    Ok((
+                        entry_from_row(r)?,
+                        r.get::<_, Option<Vec<u8>>>(ENTRY_WIDTH)?,
+                    ))
+                },
             )
             .optional()
             .map_err(sql("show conflict"))?;
@@ -2872,4 +3028,42 @@ pub fn slow_handler(path: &Path) -> Option<SlowHandler> {
         message_id: slow.message_id,
         since_ms: slow.since_ms,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pretty_json_is_cut_at_depth_and_size_and_strings_are_never_misread() {
+        // Small JSON comes out whole and re-indented, as stored.
+        let small = Payload(br#"{"a":[1,2],"b":"x]"}"#.to_vec());
+        assert_eq!(
+            small.pretty(),
+            "{\n  \"a\": [\n    1,\n    2\n  ],\n  \"b\": \"x]\"\n}"
+        );
+        // Past the depth limit a value is elided whole: brackets inside its
+        // strings do not end it early, and what follows it is shown.
+        let (shown, cut) = reindent(r#"[[["a]]]\"", [1]], "after"], 2]"#, 2, 1 << 20);
+        assert!(cut.deep && !cut.size, "{shown}");
+        assert!(shown.contains("[…]"), "{shown}");
+        assert!(shown.contains("\"after\""), "{shown}");
+        assert!(!shown.contains("a]]]"), "{shown}");
+        // The size limit stops the pass; the marker says so.
+        let wide = Payload(format!("[{}1]", "1,".repeat(100_000)).into_bytes());
+        let shown = wide.pretty();
+        assert!(shown.len() < PRETTY_MAX_BYTES + 1024, "{}", shown.len());
+        assert!(
+            shown.ends_with("--json gives the payload exactly\n"),
+            "{shown}"
+        );
+        // Deep nesting: linear, no recursion, both markers where both apply.
+        let deep = Payload(format!("{}{}", "[".repeat(100_000), "]".repeat(100_000)).into_bytes());
+        let shown = deep.pretty();
+        assert!(shown.len() < 4096, "{}", shown.len());
+        assert!(
+            shown.contains("… truncated: nesting deeper than 32 levels"),
+            "{shown}"
+        );
+    }
 }

@@ -2,6 +2,7 @@
 //! a connection that is inside a write transaction. A batch's leader calls
 //! it; tests and fuzz targets can call it directly with a manual clock.
 
+use crate::escape::Esc;
 use std::panic::{self, AssertUnwindSafe};
 use std::time::Duration;
 
@@ -89,10 +90,11 @@ pub(crate) fn deliver(
             let conflict_id = inbox::quarantine(conn, consumer, msg, &row.payload_hash, hash, now)
                 .map_err(|e| Error::sqlite("quarantine conflicting delivery", e))?;
             log::warn!(
-                "consumer {consumer:?}: message {}/{} reused with a different payload; \
+                "consumer {:?}: message {}/{} reused with a different payload; \
                  quarantined as conflict {conflict_id}",
-                msg.source,
-                msg.id
+                Esc(consumer),
+                Esc(&msg.source),
+                Esc(&msg.id)
             );
             return Ok(Outcome::Conflict { conflict_id });
         }
@@ -151,9 +153,11 @@ fn seq_conflict(
     let conflict_id = inbox::quarantine(env.conn, consumer, msg, stored_hash, hash, env.now_ms)
         .map_err(|e| Error::sqlite("quarantine conflicting delivery", e))?;
     log::warn!(
-        "consumer {consumer:?}: message {}/{}: {why}; quarantined as conflict {conflict_id}",
-        msg.source,
-        msg.id
+        "consumer {:?}: message {}/{}: {}; quarantined as conflict {conflict_id}",
+        Esc(consumer),
+        Esc(&msg.source),
+        Esc(&msg.id),
+        Esc(why)
     );
     Ok(Outcome::Conflict { conflict_id })
 }
@@ -296,10 +300,11 @@ pub(crate) fn process_due(
                 Err(e) => {
                     if !env.conn.is_autocommit() {
                         log::warn!(
-                            "consumer {:?}: message {}/{}: {e}; held back uncounted",
-                            row.consumer,
-                            row.msg.source,
-                            row.msg.id
+                            "consumer {:?}: message {}/{}: {}; held back uncounted",
+                            Esc(&row.consumer),
+                            Esc(&row.msg.source),
+                            Esc(&row.msg.id),
+                            Esc(&e)
                         );
                         held.push(row);
                     } else if matches!(e, Error::RolledBack { .. }) {
@@ -443,9 +448,11 @@ pub(crate) fn finish(
         record(env, at, Status::Dead, Some(&reason), None)?;
         log::warn!(
             consumer, message_id = msg.id.as_str();
-            "consumer {consumer:?}: message {}/{} dead after {attempt} attempt(s): {reason}",
-            msg.source,
-            msg.id
+            "consumer {:?}: message {}/{} dead after {attempt} attempt(s): {}",
+            Esc(consumer),
+            Esc(&msg.source),
+            Esc(&msg.id),
+            Esc(&reason)
         );
         return Ok(Outcome::Dead {
             attempts: attempt,

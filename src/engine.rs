@@ -1,6 +1,7 @@
 //! The engine: opens the database, owns the threads (writer, dispatcher,
 //! workers, reaper) and the read pool, and is what callers talk to.
 
+use crate::escape::Esc;
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
 use std::path::Path;
@@ -105,8 +106,9 @@ fn spawn(
             if let Err(panic) = panic::catch_unwind(AssertUnwindSafe(body)) {
                 let reason = panic_message(panic.as_ref());
                 log::error!(
-                    "postroom: thread {thread_name} panicked: {reason}; the engine refuses new \
-                     work until it is shut down and opened again"
+                    "postroom: thread {thread_name} panicked: {}; the engine refuses new \
+                     work until it is shut down and opened again",
+                    Esc(&reason)
                 );
                 casualty.record(&thread_name, reason);
                 panic::resume_unwind(panic);
@@ -804,6 +806,13 @@ impl Postroom {
         stats.wal_paused = Duration::from_micros(self.counters.paused_us.load(Ordering::Relaxed));
         stats.wal_paused_max =
             Duration::from_micros(self.counters.paused_max_us.load(Ordering::Relaxed));
+        let now = self.shared.clock.now_ms();
+        for (consumer, counts) in &stats.inbox {
+            let age = counts.oldest_waiting_for_redelivery_ms.map(|at| {
+                Duration::from_millis(u64::try_from(now.saturating_sub(at)).unwrap_or(0))
+            });
+            telemetry::waiting_for_redelivery(consumer, counts.waiting_for_redelivery, age);
+        }
         Ok(stats)
     }
 

@@ -81,7 +81,7 @@
 //!
 //! ## Metrics
 //!
-//! Counters and histograms go through the [`metrics`](https://docs.rs/metrics)
+//! Counters, gauges and histograms go through the [`metrics`](https://docs.rs/metrics)
 //! facade, so any exporter the application installs receives them; with
 //! none installed they cost next to nothing. Each is reported after the
 //! commit it describes.
@@ -101,6 +101,8 @@
 //! | `postroom_slow_handlers_total` | counter | `consumer` | handlers that held the writer past `slow_handler` |
 //! | `postroom_checkpoint_blocked_total` | counter | | the writer's WAL copy-backs that a reader (another connection's read transaction) kept from completing |
 //! | `postroom_wal_over_cap_total` | counter | | commits that left the WAL past its cap (a reader holds an old snapshot) |
+//! | `postroom_waiting_for_redelivery` | gauge | `consumer` | failed rows no worker retries, waiting for their sender's redelivery (set by [`Postroom::stats`]) |
+//! | `postroom_oldest_waiting_for_redelivery_seconds` | gauge | `consumer` | age of the oldest of those since its last attempt; 0 when none (set by [`Postroom::stats`]) |
 //!
 //! ## Logs
 //!
@@ -160,6 +162,7 @@
 mod clock;
 mod config;
 mod error;
+mod escape;
 #[doc(hidden)]
 pub mod failpoint;
 mod guard;

@@ -33,6 +33,7 @@
 //! not ack" outcome the intake reconnects once the outcome's `retry_after`
 //! has passed, and the broker redelivers it.
 
+use crate::escape::Esc;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -963,7 +964,7 @@ impl Sink for MqttSink {
         match self.publish_all(todo, &mut results) {
             Ok(()) => self.backoff.reset(),
             Err(reason) => {
-                log::warn!("postroom mqtt sink: {reason}; reconnecting");
+                log::warn!("postroom mqtt sink: {}; reconnecting", Esc(&reason));
                 self.link = None;
                 let after = self.backoff.fail();
                 for i in indexes {
@@ -1151,7 +1152,7 @@ impl IntakeBuilder {
                 let outcome = panic::catch_unwind(AssertUnwindSafe(|| worker.run()))
                     .map_err(|p| panic_message(p.as_ref()));
                 if let Err(reason) = &outcome {
-                    log::error!("postroom mqtt intake: thread panicked: {reason}");
+                    log::error!("postroom mqtt intake: thread panicked: {}", Esc(&reason));
                 }
                 let _ = done_tx.send(outcome);
             })
@@ -1308,7 +1309,7 @@ impl MqttIntake {
 impl Drop for MqttIntake {
     fn drop(&mut self) {
         if let Err(e) = self.stop_within(Duration::from_secs(5)) {
-            log::warn!("postroom mqtt intake: {e}");
+            log::warn!("postroom mqtt intake: {}", Esc(&e));
         }
     }
 }
@@ -1507,7 +1508,7 @@ impl Intake {
                     // Subscribe on every connection: the broker may have
                     // lost the session (restarted without persistence).
                     if let Err(e) = wire.try_subscribe(&self.filters) {
-                        log::warn!("postroom mqtt intake: subscribe: {e}");
+                        log::warn!("postroom mqtt intake: subscribe: {}", Esc(&e));
                     }
                     log::debug!(
                         "postroom mqtt intake: connected, session present: {session_present}"
@@ -1517,8 +1518,8 @@ impl Intake {
                     // Not retried: a broker's ACL does not change by asking
                     // again; `wait_subscribed` stays false.
                     log::error!(
-                        "postroom mqtt intake: the broker refused a subscription of {:?}",
-                        self.filters
+                        "postroom mqtt intake: the broker refused a subscription of {}",
+                        Esc(format_args!("{:?}", self.filters))
                     );
                 }
                 Ok(Some(Ev::SubAck { refused: false })) => {
@@ -1537,7 +1538,10 @@ impl Intake {
                     self.unsent_acks = 0;
                     self.counters.subscribed.store(false, Ordering::Release);
                     let pause = self.backoff.fail();
-                    log::warn!("postroom mqtt intake: {e}; reconnecting in {pause:?}");
+                    log::warn!(
+                        "postroom mqtt intake: {}; reconnecting in {pause:?}",
+                        Esc(&e)
+                    );
                     let until = Instant::now() + pause;
                     while Instant::now() < until && !self.stop.load(Ordering::Acquire) {
                         thread::sleep(Duration::from_millis(20));
@@ -1598,7 +1602,7 @@ impl Intake {
             Ok(Ok(msg)) => msg,
             Ok(Err((msg, reason))) => return self.refuse(publish, msg, &reason),
             Err(e) => {
-                log::warn!("postroom mqtt intake: not acknowledged: {e}");
+                log::warn!("postroom mqtt intake: not acknowledged: {}", Esc(&e));
                 self.not_acked(Duration::from_secs(1));
                 return;
             }
@@ -1643,7 +1647,7 @@ impl Intake {
                 self.refuse(publish, msg, &e.to_string());
             }
             Err(e) => {
-                log::warn!("postroom mqtt intake: not acknowledged: {e}");
+                log::warn!("postroom mqtt intake: not acknowledged: {}", Esc(&e));
                 self.not_acked(Duration::from_secs(1));
             }
         }

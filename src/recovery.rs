@@ -3,6 +3,7 @@
 //! left `processing`, and the marker file cleared for good. All of it in
 //! one transaction committed at `FULL`, before the engine takes any work.
 
+use crate::escape::Esc;
 use std::time::Duration;
 
 use rusqlite::Connection;
@@ -137,9 +138,9 @@ pub(crate) fn recover_inflight(
             log::info!(
                 "consumer {:?}: message {}/{}: in-flight marker from {} ms ago ignored: \
                  older than retention, with no row left to tell whether it committed",
-                inflight.consumer,
-                msg.source,
-                msg.id,
+                Esc(&inflight.consumer),
+                Esc(&msg.source),
+                Esc(&msg.id),
                 now_ms.saturating_sub(inflight.at_ms)
             );
             return Ok(None);
@@ -181,9 +182,9 @@ pub(crate) fn recover_inflight(
     .map_err(|e| Error::sqlite("record crashed attempt", e))?;
     log::warn!(
         "consumer {:?}: message {}/{}: {error}; now {status}",
-        inflight.consumer,
-        msg.source,
-        msg.id
+        Esc(&inflight.consumer),
+        Esc(&msg.source),
+        Esc(&msg.id)
     );
     Ok(Some(if status == Status::Dead {
         Outcome::Dead {

@@ -73,3 +73,16 @@ pub(crate) fn slow_handler(consumer: &str) {
     metrics::counter!("postroom_slow_handlers_total", "consumer" => consumer.to_owned())
         .increment(1);
 }
+
+/// Rows waiting for a redelivery (failed, not queued: no worker retries
+/// them) and the age of the oldest, per consumer: gauges, set whenever the
+/// inbox is counted ([`Postroom::stats`](crate::Postroom::stats)).
+pub(crate) fn waiting_for_redelivery(consumer: &str, rows: u64, oldest_age: Option<Duration>) {
+    metrics::gauge!("postroom_waiting_for_redelivery", "consumer" => consumer.to_owned())
+        .set(rows as f64);
+    metrics::gauge!(
+        "postroom_oldest_waiting_for_redelivery_seconds",
+        "consumer" => consumer.to_owned()
+    )
+    .set(oldest_age.map_or(0.0, |age| age.as_secs_f64()));
+}

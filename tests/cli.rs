@@ -219,18 +219,25 @@ fn status_shows_counts_backlog_attempts_outbox_conflicts_and_sizes() {
     let db = populated(dir.path());
 
     let human = cli_ok(&db, &["status"], 0).stdout;
-    // CONSUMER PENDING PROCESSING COMPLETED FAILED DEAD TOTAL OLDEST EXPIRED ATTEMPTS
+    // CONSUMER PENDING PROCESSING COMPLETED FAILED AWAITING-REDELIVERY
+    // OLDEST-AWAITING DEAD TOTAL OLDEST EXPIRED ATTEMPTS
     assert_eq!(
-        table_row(&human, "orders")[..9],
-        ["orders", "0", "0", "3", "0", "0", "3", "-", "0"]
+        table_row(&human, "orders")[..11],
+        ["orders", "0", "0", "3", "0", "0", "-", "0", "3", "-", "0"]
     );
     let flaky = table_row(&human, "flaky");
-    assert_eq!(flaky[..7], ["flaky", "0", "0", "0", "1", "0", "1"]);
-    assert_ne!(flaky[7], "-", "flaky has a message waiting: {human}");
-    assert_eq!(flaky[9], "1:1", "attempts histogram: {human}");
+    // f-1 failed inline: it waits for its sender's redelivery.
+    assert_eq!(flaky[..6], ["flaky", "0", "0", "0", "1", "1"]);
+    assert_ne!(
+        flaky[6], "-",
+        "flaky has a message awaiting redelivery: {human}"
+    );
+    assert_eq!(flaky[7..9], ["0", "1"]);
+    assert_ne!(flaky[9], "-", "flaky has a message waiting: {human}");
+    assert_eq!(flaky[11], "1:1", "attempts histogram: {human}");
     assert_eq!(
-        table_row(&human, "strict")[..7],
-        ["strict", "0", "0", "0", "0", "1", "1"]
+        table_row(&human, "strict")[..9],
+        ["strict", "0", "0", "0", "0", "0", "-", "1", "1"]
     );
     assert!(human.contains("conflicts  1"), "{human}");
     // OUTBOX row: PENDING SENT DEAD OLDEST
@@ -342,7 +349,19 @@ fn inbox_list_filters_by_consumer_status_source_time_and_limit() {
 
     let human = cli_ok(&db, &["inbox", "list", "--consumer", "flaky"], 0).stdout;
     let row = table_row(&human, &inbox_id(&db, "flaky", "f-1").to_string());
-    assert_eq!(row[1..6], ["flaky", "feed", "f-1", "failed", "1"]);
+    assert_eq!(
+        row[1..9],
+        [
+            "flaky",
+            "feed",
+            "f-1",
+            "failed",
+            "(waiting",
+            "for",
+            "redelivery)",
+            "1"
+        ]
+    );
     assert!(human.contains("upstream timeout"), "{human}");
     assert!(human.contains("1 row(s)"), "{human}");
 }
@@ -2214,4 +2233,225 @@ fn check_verifies_triggers_watermarks_and_the_files_identity() {
     .unwrap();
     let unsettled = cli_ok(&db, &["check", "--json"], 0).json();
     assert_eq!(kinds(&unsettled, "warnings"), ["watermark"], "{unsettled}");
+}
+
+/// Runs the CLI with stdout read on a thread, at most `max_bytes` of it
+/// kept (the rest is drained, so the child never blocks on a full pipe),
+/// and the child killed after `secs`: a view that would print gigabytes
+/// fails the test instead of filling the machine. Returns the exit code
+/// (`None`: killed), the bytes it printed in all, what was kept, and how
+/// long it ran.
+fn cli_bounded(
+    db: &Path,
+    args: &[&str],
+    secs: u64,
+    max_bytes: usize,
+) -> (Option<i32>, usize, String, Duration) {
+    use std::io::Read;
+    let started = std::time::Instant::now();
+    let mut child = Command::new(BIN)
+        .arg(db)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run the postroom binary");
+    let mut stdout = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let (mut kept, mut total, mut buf) = (Vec::new(), 0usize, vec![0u8; 64 * 1024]);
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            total += n;
+            let room = max_bytes.saturating_sub(kept.len());
+            kept.extend_from_slice(&buf[..n.min(room)]);
+        }
+        (total, kept)
+    });
+    let deadline = started + Duration::from_secs(secs);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code();
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let elapsed = started.elapsed();
+    let (total, kept) = reader.join().unwrap();
+    (
+        status,
+        total,
+        String::from_utf8_lossy(&kept).into_owned(),
+        elapsed,
+    )
+}
+
+#[test]
+fn hostile_payloads_are_shown_bounded_and_json_stays_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let f1 = inbox_id(&db, "flaky", "f-1");
+    // 200 KB of nested arrays: valid JSON, 100,000 levels deep.
+    let depth = 100_000;
+    let nested = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+    raw(&db)
+        .execute(
+            "UPDATE postroom_inbox SET payload = ?1 WHERE id = ?2",
+            params![nested.as_bytes(), f1],
+        )
+        .unwrap();
+    // Generous bounds for a busy machine; the view takes milliseconds.
+    let (code, total, shown, took) =
+        cli_bounded(&db, &["inbox", "show", &f1.to_string()], 10, 4 << 20);
+    assert_eq!(
+        code,
+        Some(0),
+        "killed or failed after {took:?}, {total} bytes printed"
+    );
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    assert!(total < 4 << 20, "{total} bytes for a 200 KB payload");
+    eprintln!("inbox show, 200 KB of nested arrays: {total} bytes in {took:?}");
+    assert!(shown.contains("payload (200000 bytes, JSON):"), "{shown}");
+    assert!(shown.contains("… truncated"), "no truncation marker");
+    // The exact payload is one flag away, linear and without recursion.
+    let (code, total, json, took) = cli_bounded(
+        &db,
+        &["inbox", "show", &f1.to_string(), "--json"],
+        10,
+        4 << 20,
+    );
+    assert_eq!(code, Some(0), "--json: killed or failed after {took:?}");
+    assert!(total < 4 << 20, "--json: {total} bytes");
+    assert!(json.contains(&nested), "--json keeps the payload exactly");
+    eprintln!("inbox show --json, the same: {total} bytes in {took:?}");
+
+    // Wide rather than deep: a 1 MB flat array, and 1 MB of text lines.
+    for (what, payload) in [
+        ("JSON", format!("[{}1]", "1,".repeat(500_000))),
+        ("text", "a line of text\n".repeat(70_000)),
+    ] {
+        raw(&db)
+            .execute(
+                "UPDATE postroom_inbox SET payload = ?1 WHERE id = ?2",
+                params![payload.as_bytes(), f1],
+            )
+            .unwrap();
+        let (code, total, shown, took) =
+            cli_bounded(&db, &["inbox", "show", &f1.to_string()], 10, 4 << 20);
+        assert_eq!(code, Some(0), "{what}: killed or failed after {took:?}");
+        assert!(total < 512 << 10, "{what}: {total} bytes shown");
+        assert!(shown.contains("… truncated"), "{what}: no marker");
+    }
+}
+
+#[test]
+fn rows_only_a_redelivery_revives_are_shown_waiting_for_redelivery_with_their_age() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    // f-1 failed inline: no worker retries it, only its sender can.
+    let f1 = inbox_id(&db, "flaky", "f-1").to_string();
+
+    let status = cli_ok(&db, &["status", "--json"], 0).json();
+    let flaky = status["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer"] == "flaky")
+        .unwrap()
+        .clone();
+    assert_eq!(flaky["failed"], 1, "{flaky}");
+    assert_eq!(flaky["waiting_for_redelivery"], 1, "{flaky}");
+    assert!(
+        flaky["oldest_waiting_for_redelivery_age_ms"]
+            .as_i64()
+            .unwrap()
+            >= 0,
+        "{flaky}"
+    );
+    let human = cli_ok(&db, &["status"], 0).stdout;
+    assert!(human.contains("AWAITING REDELIVERY"), "{human}");
+    let row = table_row(&human, "flaky");
+    assert_eq!(row[1..6], ["0", "0", "0", "1", "1"], "{human}");
+    let top = cli_ok(&db, &["top", "--iterations", "1"], 0).stdout;
+    assert!(top.contains("AWAITING REDELIVERY"), "{top}");
+
+    let listed = cli_ok(
+        &db,
+        &["inbox", "list", "--waiting-for-redelivery", "--json"],
+        0,
+    )
+    .json();
+    let listed = listed.as_array().unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["message_id"], "f-1");
+    assert_eq!(listed[0]["waiting_for_redelivery"], true);
+    let human = cli_ok(&db, &["inbox", "list", "--consumer", "flaky"], 0).stdout;
+    assert!(human.contains("failed (waiting for redelivery)"), "{human}");
+    let shown = cli_ok(&db, &["inbox", "show", &f1], 0).stdout;
+    assert!(shown.contains("when its sender redelivers it"), "{shown}");
+
+    let metrics = cli_ok(&db, &["metrics"], 0).stdout;
+    assert!(
+        metrics.contains("postroom_waiting_for_redelivery{consumer=\"flaky\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("postroom_oldest_waiting_for_redelivery_seconds{consumer=\"flaky\"}"),
+        "{metrics}"
+    );
+
+    // Retention never deletes it, however old: it keeps its payload until
+    // its sender redelivers it.
+    raw(&db)
+        .execute(
+            "UPDATE postroom_inbox SET received_at = 1000, updated_at = 1000 WHERE id = ?1",
+            [f1.parse::<i64>().unwrap()],
+        )
+        .unwrap();
+    let cleaned = cli_ok(&db, &["cleanup", "--retention", "0s", "--json"], 0).json();
+    assert!(
+        cleaned["inbox_deleted"].as_u64().unwrap() >= 1,
+        "completed rows went: {cleaned}"
+    );
+    let listed = cli_ok(
+        &db,
+        &["inbox", "list", "--waiting-for-redelivery", "--json"],
+        0,
+    )
+    .json();
+    assert_eq!(listed[0]["message_id"], "f-1", "{listed}");
+    assert_eq!(listed[0]["payload_bytes"], 2, "{listed}");
+
+    // Received again (queued): the workers own it now, so it no longer
+    // waits for anyone.
+    raw(&db)
+        .execute(
+            "UPDATE postroom_inbox SET queued = 1 WHERE id = ?1",
+            [f1.parse::<i64>().unwrap()],
+        )
+        .unwrap();
+    let listed = cli_ok(
+        &db,
+        &["inbox", "list", "--waiting-for-redelivery", "--json"],
+        0,
+    )
+    .json();
+    assert_eq!(listed.as_array().unwrap().len(), 0, "{listed}");
+    let status = cli_ok(&db, &["status", "--json"], 0).json();
+    let flaky = status["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer"] == "flaky")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (&flaky["failed"], &flaky["waiting_for_redelivery"]),
+        (&Value::from(1), &Value::from(0))
+    );
 }

@@ -1,4 +1,4 @@
-//! The engine's counters and histograms reach whatever `metrics` recorder
+//! The engine's counters, gauges and histograms reach whatever `metrics` recorder
 //! the application installed: a small recording one here (the global
 //! recorder can be set once per process, so this binary has one test).
 
@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use metrics::{
-    Counter, CounterFn, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
+    Counter, CounterFn, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
     SharedString, Unit,
 };
 use postroom::{handler_fn, ChannelSink, Failure, Message, Outcome, Outgoing, Postroom, Receipt};
@@ -18,6 +18,22 @@ use postroom::{handler_fn, ChannelSink, Failure, Message, Outcome, Outgoing, Pos
 struct Recording {
     counters: Arc<Mutex<HashMap<String, Arc<Count>>>>,
     histograms: Arc<Mutex<HashMap<String, Arc<Samples>>>>,
+    gauges: Arc<Mutex<HashMap<String, Arc<Level>>>>,
+}
+
+/// A gauge's last value, as `f64` bits.
+#[derive(Default)]
+struct Level(AtomicU64);
+impl GaugeFn for Level {
+    fn increment(&self, value: f64) {
+        self.set(f64::from_bits(self.0.load(Ordering::Relaxed)) + value);
+    }
+    fn decrement(&self, value: f64) {
+        self.increment(-value);
+    }
+    fn set(&self, value: f64) {
+        self.0.store(value.to_bits(), Ordering::Relaxed);
+    }
 }
 
 #[derive(Default)]
@@ -59,8 +75,9 @@ impl Recorder for Recording {
         let mut map = self.counters.lock().unwrap();
         Counter::from_arc(Arc::clone(map.entry(id(key)).or_default()))
     }
-    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
-        Gauge::noop()
+    fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+        let mut map = self.gauges.lock().unwrap();
+        Gauge::from_arc(Arc::clone(map.entry(id(key)).or_default()))
     }
     fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
         let mut map = self.histograms.lock().unwrap();
@@ -72,6 +89,11 @@ impl Recording {
     fn counter(&self, name: &str) -> u64 {
         let map = self.counters.lock().unwrap();
         map.get(name).map_or(0, |c| c.0.load(Ordering::Relaxed))
+    }
+    fn gauge(&self, name: &str) -> Option<f64> {
+        let map = self.gauges.lock().unwrap();
+        map.get(name)
+            .map(|g| f64::from_bits(g.0.load(Ordering::Relaxed)))
     }
     fn samples(&self, name: &str) -> Vec<f64> {
         let map = self.histograms.lock().unwrap();
@@ -181,6 +203,23 @@ fn counters_and_histograms_move_with_deliveries_processing_and_the_relay() {
     let groups = rec.samples("postroom_group_size");
     assert!(groups.len() >= 5, "{groups:?}");
     assert!(groups.iter().all(|g| *g >= 1.0), "{groups:?}");
+
+    // "flaky" failed inline: it waits for its sender's redelivery, which
+    // the gauges set by `stats()` show, with its age.
+    let stats = room.stats().unwrap();
+    assert_eq!(stats.inbox["inline"].waiting_for_redelivery, 1);
+    assert_eq!(
+        rec.gauge("postroom_waiting_for_redelivery{consumer=inline}"),
+        Some(1.0)
+    );
+    let age = rec
+        .gauge("postroom_oldest_waiting_for_redelivery_seconds{consumer=inline}")
+        .expect("the oldest's age is set");
+    assert!((0.0..600.0).contains(&age), "{age}");
+    assert_eq!(
+        rec.gauge("postroom_waiting_for_redelivery{consumer=queued}"),
+        Some(0.0)
+    );
 
     room.shutdown(Duration::from_secs(5)).unwrap();
 }

@@ -13,6 +13,7 @@
 //! messages of a key after failing an earlier one in the same batch (the
 //! built-in sinks do not).
 
+use crate::escape::Esc;
 use std::collections::HashSet;
 use std::panic::{self, AssertUnwindSafe};
 use std::path::Path;
@@ -74,7 +75,7 @@ pub(crate) fn relay(
         let fetched = match outbox::fetch_due(&conn, now, shared.config.relay_batch) {
             Ok(fetched) => fetched,
             Err(e) => {
-                log::warn!("postroom relay: reading the outbox: {e}");
+                log::warn!("postroom relay: reading the outbox: {}", Esc(&e));
                 Vec::new()
             }
         };
@@ -93,8 +94,9 @@ pub(crate) fn relay(
             Fetched::Undecodable(msg, column) => {
                 let reason = crate::store::text::undecodable(column);
                 log::error!(
-                    "postroom relay: outbox row {}: {reason}; dead-lettered",
-                    msg.seq
+                    "postroom relay: outbox row {}: {}; dead-lettered",
+                    msg.seq,
+                    Esc(&reason)
                 );
                 (vec![msg], vec![SendResult::Dead { reason }])
             }
@@ -133,7 +135,7 @@ pub(crate) fn relay(
             Err(e) => {
                 // Nothing marked: the rows are handed over again (at least
                 // once), after a pause.
-                log::warn!("postroom relay: recording results: {e}");
+                log::warn!("postroom relay: recording results: {}", Esc(&e));
                 if !pause_after_failure(&shared, &stop, &mut stop_at) {
                     return;
                 }
@@ -272,7 +274,11 @@ pub(crate) fn record_results(
                 {
                     marked.dead += 1;
                 }
-                log::warn!("postroom relay: outbox message {} dead: {reason}", msg.id);
+                log::warn!(
+                    "postroom relay: outbox message {} dead: {}",
+                    Esc(&msg.id),
+                    Esc(&reason)
+                );
                 // Later rows of the key were held back by the sink in this
                 // batch; they go next time (a dead row blocks nothing).
                 if let Some(key) = msg.key.as_deref() {

@@ -11,6 +11,7 @@
 //! any transaction. The dispatcher claims no more of them than there are
 //! idle workers, so nothing claimed sits waiting while its lease runs out.
 
+use crate::escape::Esc;
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
 use std::path::PathBuf;
@@ -159,14 +160,20 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
                 Err(Error::Closed) => return,
                 // A row to hold back: the next batch goes on without it.
                 Err(e) if lock(&held).len() > holding => {
-                    log::warn!("postroom dispatcher: processing a batch failed: {e}");
+                    log::warn!(
+                        "postroom dispatcher: processing a batch failed: {}",
+                        Esc(&e)
+                    );
                     continue;
                 }
                 Err(e) => {
                     // The storage failed, not a message: nothing was
                     // counted. Wait before the next try, so a failure that
                     // lasts does not spin.
-                    log::warn!("postroom dispatcher: processing a batch failed: {e}");
+                    log::warn!(
+                        "postroom dispatcher: processing a batch failed: {}",
+                        Esc(&e)
+                    );
                     let _ = shared
                         .wake_rx
                         .recv_timeout(shared.config.storage_retry_delay());
@@ -219,7 +226,7 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
                     }
                 }
                 Err(Error::Closed) => return,
-                Err(e) => log::warn!("postroom dispatcher: claiming failed: {e}"),
+                Err(e) => log::warn!("postroom dispatcher: claiming failed: {}", Esc(&e)),
             }
         }
         if !claimed_any {
@@ -252,11 +259,11 @@ fn process_batch(
         crate::telemetry::outcome(&p.consumer, &p.outcome);
         log::debug!(
             consumer = p.consumer.as_str(), message_id = p.message_id.as_str();
-            "postroom: {}/{} (row {}): {:?}",
-            p.consumer,
-            p.message_id,
+            "postroom: {}/{} (row {}): {}",
+            Esc(&p.consumer),
+            Esc(&p.message_id),
             p.row_id,
-            p.outcome
+            Esc(format_args!("{:?}", p.outcome))
         );
     }
     Ok(done.len())
@@ -276,7 +283,8 @@ pub(crate) fn work(shared: Arc<Shared>, claims: Receiver<Claimed>, mut slot: Cla
                 Ok(()) => true,
                 Err(e) => {
                     log::warn!(
-                        "postroom worker: releasing row {row_id}: {e}; recovered at next open"
+                        "postroom worker: releasing row {row_id}: {}; recovered at next open",
+                        Esc(&e)
                     );
                     false
                 }
@@ -301,7 +309,7 @@ fn run(shared: &Shared, claim: Claimed, slot: &mut ClaimSlot) -> bool {
     let Some(consumer) = shared.consumers.get(&claim.consumer) else {
         log::error!(
             "postroom worker: row {row_id}: no consumer {:?}; retried once its lease expires",
-            claim.consumer
+            Esc(&claim.consumer)
         );
         return false;
     };
@@ -311,7 +319,8 @@ fn run(shared: &Shared, claim: Claimed, slot: &mut ClaimSlot) -> bool {
             crate::telemetry::outcome(&consumer.name, &outcome);
             log::debug!(
                 consumer = consumer.name.as_str(), message_id = message_id.as_str();
-                "postroom worker: row {row_id}: {outcome:?}"
+                "postroom worker: row {row_id}: {}",
+                Esc(format_args!("{outcome:?}"))
             );
             true
         }
@@ -329,7 +338,10 @@ fn run(shared: &Shared, claim: Claimed, slot: &mut ClaimSlot) -> bool {
         // The external call has happened: the attempt stays counted, and
         // the lease expires.
         Err(e) => {
-            log::error!("postroom worker: row {row_id}: {e}; retried once its lease expires");
+            log::error!(
+                "postroom worker: row {row_id}: {}; retried once its lease expires",
+                Esc(&e)
+            );
             false
         }
     }

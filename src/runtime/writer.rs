@@ -35,6 +35,7 @@
 //! processing received messages costs the callers who receive them no
 //! commit of its own.
 
+use crate::escape::Esc;
 use std::cell::{Cell, RefCell};
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
@@ -893,7 +894,11 @@ impl WriterState {
             self.outbox_dirty.store(false, Ordering::Release);
         }
         if let Err(e) = &outcome {
-            log::error!("postroom writer: batch of {} failed: {e}", batch.len());
+            log::error!(
+                "postroom writer: batch of {} failed: {}",
+                batch.len(),
+                Esc(&e)
+            );
             self.roll_back();
             self.checkpoint.note(&outcome);
         }
@@ -937,7 +942,8 @@ impl WriterState {
                 Ran::RolledBackBy(culprit, error) => (culprit, error),
             };
             log::warn!(
-                "postroom writer: {error}; the batch's other {} job(s) run again",
+                "postroom writer: {}; the batch's other {} job(s) run again",
+                Esc(&error),
                 live.iter().filter(|&&l| l).count().saturating_sub(1)
             );
             let reason = Error::GroupRolledBack {

@@ -779,11 +779,11 @@ mod tests {
         assert!(back.message_id.len() > 1000 && back.message_id.len() < SLOW_BYTES);
         // User bytes that happen to form a valid claim slot, in the
         // record's room: recovery never reads them as a claim.
-        file.file
+        file.held.file
             .write_all_at(&encode_slot(7, 9), SLOW_OFFSET + 64)
             .unwrap();
         assert_eq!(file.started_claims().unwrap(), vec![]);
-        file.file.write_all_at(&encode_slot(7, 9), 0).unwrap();
+        file.held.file.write_all_at(&encode_slot(7, 9), 0).unwrap();
         assert_eq!(file.started_claims().unwrap().len(), 1);
         record.clear().unwrap();
         assert_eq!(read_slow_handler(&db).unwrap(), None);

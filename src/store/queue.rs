@@ -9,6 +9,7 @@
 //! * only the holder of the current `lease_token` may complete a row, so a
 //!   worker whose lease was reaped and re-claimed cannot complete it twice.
 
+use crate::escape::Esc;
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::message::{Headers, Message, Receipt};
@@ -71,10 +72,12 @@ fn store(
         watermark::Answer::Conflict { stored_hash, why } => {
             let conflict_id = inbox::quarantine(conn, consumer, msg, &stored_hash, hash, now_ms)?;
             log::warn!(
-                "consumer {consumer:?}: message {}/{}: {why}; quarantined as conflict \
+                "consumer {:?}: message {}/{}: {}; quarantined as conflict \
                  {conflict_id}",
-                msg.source,
-                msg.id
+                Esc(consumer),
+                Esc(&msg.source),
+                Esc(&msg.id),
+                Esc(&why)
             );
             return Ok(Receipt::Conflict { conflict_id });
         }
@@ -287,7 +290,7 @@ fn triage(
             log::error!(
                 "postroom: row {} ({}): {}; dead-lettered",
                 c.row_id,
-                c.consumer,
+                Esc(&c.consumer),
                 crate::store::text::undecodable(column)
             );
             (c.attempt, crate::store::text::undecodable(column))
@@ -297,9 +300,9 @@ fn triage(
             log::warn!(
                 "consumer {:?}: message {}/{} dead: {used} attempts used, max_attempts is now \
                  {max_attempts}",
-                c.consumer,
-                c.msg.source,
-                c.msg.id
+                Esc(&c.consumer),
+                Esc(&c.msg.source),
+                Esc(&c.msg.id)
             );
             let last = last_error.unwrap_or_default();
             (used, inbox::exhausted(used, max_attempts, &last))
@@ -310,9 +313,9 @@ fn triage(
                 "postroom: row {} ({}/{}/{}): stored payload does not match its digest; \
                  dead-lettered",
                 c.row_id,
-                c.consumer,
-                c.msg.source,
-                c.msg.id
+                Esc(&c.consumer),
+                Esc(&c.msg.source),
+                Esc(&c.msg.id)
             );
             let reason = "stored payload does not match its digest (corrupted)";
             (c.attempt, reason.to_owned())

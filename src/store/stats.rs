@@ -23,6 +23,16 @@ pub struct StatusCounts {
     pub failed: u64,
     /// Dead letters.
     pub dead: u64,
+    /// Of `failed`, those waiting for a redelivery: rows no worker will
+    /// retry (`queued = 0`), which only their sender's redelivery revives.
+    /// An inline delivery that failed is one; so is a received message
+    /// processed in the same transaction as its receipt when the process
+    /// died in its handler (recovery counts the attempt, and the receipt
+    /// never committed, so the sender was never told to stop sending it).
+    pub waiting_for_redelivery: u64,
+    /// `updated_at` (its last attempt, unix ms) of the oldest row waiting
+    /// for a redelivery.
+    pub oldest_waiting_for_redelivery_ms: Option<i64>,
 }
 
 impl StatusCounts {
@@ -119,7 +129,11 @@ pub(crate) fn read(conn: &Connection, db_path: &Path) -> Result<Stats> {
     let mut stats = Stats::default();
     let mut stmt = conn
         .prepare_cached(
-            "SELECT consumer, status, count(*) FROM postroom_inbox GROUP BY consumer, status",
+            // The same one pass: rows waiting for a redelivery are failed
+            // rows that no worker owns (see `StatusCounts`).
+            "SELECT consumer, status, count(*), sum(queued = 0),
+                    min(CASE WHEN queued = 0 THEN updated_at END)
+             FROM postroom_inbox GROUP BY consumer, status",
         )
         .map_err(sql)?;
     let mut rows = stmt.query([]).map_err(sql)?;
@@ -127,7 +141,12 @@ pub(crate) fn read(conn: &Connection, db_path: &Path) -> Result<Stats> {
         let consumer: String = row.get(0).map_err(sql)?;
         let status: Status = row.get(1).map_err(sql)?;
         let n = count(row.get(2).map_err(sql)?);
-        *stats.inbox.entry(consumer).or_default().slot(status) += n;
+        let counts = stats.inbox.entry(consumer).or_default();
+        *counts.slot(status) += n;
+        if status == Status::Failed {
+            counts.waiting_for_redelivery = count(row.get(3).map_err(sql)?);
+            counts.oldest_waiting_for_redelivery_ms = row.get(4).map_err(sql)?;
+        }
     }
     let mut stmt = conn
         .prepare_cached("SELECT status, count(*) FROM postroom_outbox GROUP BY status")

@@ -20,7 +20,7 @@
 //! postroom <DB> status
 //! postroom <DB> top [--interval 2s] [--iterations N]
 //! postroom <DB> inbox list [--consumer C] [--status S] [--source S] [--since T] [--until T]
-//!                          [--oldest-first] [--limit N] [--after ID]
+//!                          [--waiting-for-redelivery] [--oldest-first] [--limit N] [--after ID]
 //! postroom <DB> inbox show ID
 //! postroom <DB> outbox list [--status S] [--topic T] [--key K] [--since T] [--until T]
 //!                           [--oldest-first] [--limit N] [--after SEQ]
@@ -71,7 +71,7 @@ use rusqlite::{Connection, ErrorCode, OptionalExtension};
 use serde::Serialize;
 use serde_json::json;
 
-use render::{clip, esc, opt_time, table, time};
+use render::{clip, esc, esc_long, opt_time, table, time};
 
 const EXIT_OK: u8 = 0;
 const EXIT_ERROR: u8 = 1;
@@ -217,6 +217,11 @@ struct InboxListArgs {
     /// Only rows received before this time
     #[arg(long, value_name = "TIME", value_parser = render::parse_time)]
     until: Option<i64>,
+    /// Only failed rows no worker will retry: they wait for their sender
+    /// to redeliver them (delivered inline, or counted by crash recovery
+    /// before their receipt committed)
+    #[arg(long)]
+    waiting_for_redelivery: bool,
     #[command(flatten)]
     page: PageArgs,
 }
@@ -642,6 +647,7 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
                 source: args.source.clone(),
                 since_ms: args.since,
                 until_ms: args.until,
+                waiting_for_redelivery: args.waiting_for_redelivery,
                 page: args.page.page(),
             };
             let rows = ctx.read("inbox list", |c| admin::inbox_list(c, &filter))?;
@@ -656,7 +662,7 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
                             esc(&r.consumer),
                             esc(&r.source),
                             clip(&r.message_id, 40),
-                            r.status.to_string(),
+                            inbox_state(r),
                             r.attempts.to_string(),
                             time(r.received_at),
                             r.payload_bytes.map_or("-".into(), |n| n.to_string()),
@@ -1361,6 +1367,16 @@ fn print_slow_handler(out: &mut String, db: &std::path::Path, now_ms: i64) {
     }
 }
 
+/// An inbox row's state for people: its status, and for a failed row that
+/// no worker retries, that it waits for its sender's redelivery.
+fn inbox_state(e: &admin::InboxEntry) -> String {
+    if e.waiting_for_redelivery {
+        format!("{} (waiting for redelivery)", e.status)
+    } else {
+        e.status.to_string()
+    }
+}
+
 fn print_status(out: &mut String, r: &admin::StatusReport) {
     let _ = writeln!(out, "database   {}", esc(&r.path));
     let _ = writeln!(out, "schema     {}", r.schema_version);
@@ -1385,6 +1401,9 @@ fn print_status(out: &mut String, r: &admin::StatusReport) {
                     c.counts.processing.to_string(),
                     c.counts.completed.to_string(),
                     c.counts.failed.to_string(),
+                    c.counts.waiting_for_redelivery.to_string(),
+                    c.oldest_waiting_for_redelivery_age_ms
+                        .map_or("-".into(), render::age),
                     c.counts.dead.to_string(),
                     c.total.to_string(),
                     c.oldest_pending_age_ms.map_or("-".into(), render::age),
@@ -1405,13 +1424,15 @@ fn print_status(out: &mut String, r: &admin::StatusReport) {
                 "PROCESSING",
                 "COMPLETED",
                 "FAILED",
+                "AWAITING REDELIVERY",
+                "OLDEST AWAITING",
                 "DEAD",
                 "TOTAL",
                 "OLDEST PENDING",
                 "EXPIRED LEASES",
                 "ATTEMPTS:ROWS",
             ],
-            &[1, 2, 3, 4, 5, 6, 7, 8],
+            &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
             cells,
         );
     }
@@ -1479,7 +1500,7 @@ fn print_inbox_detail(out: &mut String, d: &admin::InboxDetail) {
         ("consumer", esc(&e.consumer)),
         ("source", esc(&e.source)),
         ("message id", esc(&e.message_id)),
-        ("status", e.status.to_string()),
+        ("status", inbox_state(e)),
         ("attempts", e.attempts.to_string()),
         (
             "ordering key",
@@ -1487,13 +1508,16 @@ fn print_inbox_detail(out: &mut String, d: &admin::InboxDetail) {
         ),
         (
             "last error",
-            e.last_error.as_deref().map_or("-".into(), esc),
+            e.last_error.as_deref().map_or("-".into(), esc_long),
         ),
         ("received at", time(e.received_at)),
         ("updated at", time(e.updated_at)),
         (
             "next attempt at",
             match (e.next_attempt_at, e.status) {
+                _ if e.waiting_for_redelivery => {
+                    "when its sender redelivers it (no worker retries it)".into()
+                }
                 (None, Status::Pending | Status::Failed) => "at once".into(),
                 (at, _) => opt_time(at),
             },
@@ -1544,7 +1568,7 @@ fn print_outbox_detail(out: &mut String, d: &admin::OutboxDetail) {
             opt_time(h.next_attempt_at),
             h.attempts,
             time(h.created_at),
-            esc(h.last_error.as_deref().unwrap_or("-"))
+            esc_long(h.last_error.as_deref().unwrap_or("-"))
         ),
         None => "-".into(),
     };
@@ -1557,7 +1581,7 @@ fn print_outbox_detail(out: &mut String, d: &admin::OutboxDetail) {
         ("attempts", e.attempts.to_string()),
         (
             "last error",
-            e.last_error.as_deref().map_or("-".into(), esc),
+            e.last_error.as_deref().map_or("-".into(), esc_long),
         ),
         ("created at", time(e.created_at)),
         (

@@ -62,6 +62,25 @@ fn invisible(c: char) -> bool {
         | '\u{1d173}'..='\u{1d17a}' | '\u{e0001}' | '\u{e0020}'..='\u{e007f}')
 }
 
+/// Most of a long field that a show view prints whole (an error text,
+/// which user code writes): [`esc`]`(s)`, cut past [`LONG_FIELD_CHARS`]
+/// characters with a `… truncated` note, so one field cannot flood the
+/// terminal. `--json` carries it whole.
+pub fn esc_long(s: &str) -> String {
+    if s.chars().count() <= LONG_FIELD_CHARS {
+        return esc(s);
+    }
+    let head: String = s.chars().take(LONG_FIELD_CHARS).collect();
+    format!(
+        "{}… truncated ({} bytes in all; --json gives it whole)",
+        esc(&head),
+        s.len()
+    )
+}
+
+/// How many characters of a long field [`esc_long`] shows.
+pub const LONG_FIELD_CHARS: usize = 4096;
+
 /// At most `max` characters of [`esc`]`(s)`, with `…` when cut.
 pub fn clip(s: &str, max: usize) -> String {
     let clean = esc(s);
@@ -272,6 +291,11 @@ mod tests {
         assert_eq!(esc_block("line 1\nline\t2\x07"), "line 1\nline\t2\\u{7}");
         assert_eq!(esc("日本語 ✓"), "日本語 ✓");
         assert_eq!(clip("abcdef", 4), "abc…");
+        let long = "e\n".repeat(LONG_FIELD_CHARS);
+        let shown = esc_long(&long);
+        assert!(shown.len() < 4 * LONG_FIELD_CHARS, "{}", shown.len());
+        assert!(shown.ends_with("… truncated (8192 bytes in all; --json gives it whole)"));
+        assert!(!shown.contains('\n'));
     }
 
     #[test]
