@@ -182,6 +182,8 @@ pub mod mqtt;
 #[cfg(feature = "sim")]
 pub mod sim;
 mod sinks;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 
 /// The rusqlite this crate is built on: [`Tx`] derefs to its `Connection`,
 /// so handlers can use its traits (`OptionalExtension`, …) without pinning
