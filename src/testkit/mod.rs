@@ -331,6 +331,8 @@ impl<H: EffectHandler> EffectHandler for CrashableEffect<H> {
 struct SinkLog {
     /// A sink fault in progress: its kind and the sends it still answers.
     failing: Option<(FaultKind, i64)>,
+    /// Whether `failing` has answered (and been counted) yet.
+    answering: bool,
     fired: BTreeMap<FaultKind, u64>,
     /// Every message handed to your sink, in order: (seq, id, key).
     handed: Vec<(i64, String, Option<String>)>,
@@ -351,7 +353,7 @@ impl Sink for FaultySink {
         let down = |why: &str| {
             batch
                 .iter()
-                .map(|_| SendResult::unavailable(why, Duration::from_secs(3600)))
+                .map(|_| SendResult::unavailable(why, Duration::from_millis(1)))
                 .collect()
         };
         if self.dead.load(Ordering::SeqCst) {
@@ -361,6 +363,11 @@ impl Sink for FaultySink {
             let mut log = lock(&self.log);
             if let Some((kind, left)) = log.failing.take() {
                 if left > 0 {
+                    if !log.answering {
+                        // Counted once per fault, at its first answer.
+                        log.answering = true;
+                        *log.fired.entry(kind).or_insert(0) += 1;
+                    }
                     log.failing = Some((kind, left - 1));
                     return batch
                         .iter()
@@ -784,7 +791,9 @@ impl Scenario {
             has_sink: false,
             deliveries: 0,
         };
+        let t = Instant::now();
         let result = run.execute(msgs, schedule);
+        if std::env::var("TKTRACE").is_ok() { eprintln!("seed {seed} {:?}", t.elapsed()); }
         drop(dir);
         result
     }
@@ -952,7 +961,10 @@ impl Run<'_> {
         if let Some(configure) = &self.sc.configure {
             b = configure(b);
         }
-        b.open(&self.db).map_err(engine("open"))
+        let t = Instant::now();
+        let r = b.open(&self.db).map_err(engine("open"));
+        if std::env::var("TKTRACE").is_ok() { eprintln!("open {:?}", t.elapsed()); }
+        r
     }
 
     /// The process dies: the sink is forgotten, the engine dropped (its
@@ -962,7 +974,9 @@ impl Run<'_> {
         if let Some(dead) = self.sink_dead.take() {
             dead.store(true, Ordering::SeqCst);
         }
+        let t = Instant::now();
         drop(room);
+        if std::env::var("TKTRACE").is_ok() { eprintln!("crash drop {:?}", t.elapsed()); }
         self.open()
     }
 
@@ -1025,7 +1039,9 @@ impl Run<'_> {
                         self.fire(FaultKind::ClockJump);
                     }
                     FaultKind::SinkFails | FaultKind::SinkUnavailable => {
-                        lock(&self.log).failing = Some((f.kind, f.arg));
+                        let mut log = lock(&self.log);
+                        log.failing = Some((f.kind, f.arg));
+                        log.answering = false;
                     }
                     FaultKind::CrashBeforeCommit => self.armed.arm(&msg),
                     _ => {}
@@ -1073,8 +1089,10 @@ impl Run<'_> {
         for (k, n) in fired_sink {
             *self.fired.entry(k).or_insert(0) += n;
         }
+        let t = Instant::now();
         room.shutdown(Duration::from_secs(30))
             .map_err(engine("shutdown"))?;
+        if std::env::var("TKTRACE").is_ok() { eprintln!("shutdown {:?}", t.elapsed()); }
         drop(room);
         self.verdict(msgs)
     }
@@ -1101,6 +1119,12 @@ impl Run<'_> {
     /// Waits until no queued message is pending, processing or waiting for
     /// a retry, moving the clock so retries come due.
     fn settle(&self, room: &Postroom) -> Result<(), Violation> {
+        let t = Instant::now();
+        let r = self.settle_(room);
+        if std::env::var("TKTRACE").is_ok() && t.elapsed() > Duration::from_millis(100) { eprintln!("settle {:?}", t.elapsed()); }
+        r
+    }
+    fn settle_(&self, room: &Postroom) -> Result<(), Violation> {
         if !self.consumers.iter().any(|c| c.1) {
             return Ok(());
         }
@@ -1129,6 +1153,12 @@ impl Run<'_> {
 
     /// Waits until the relay has no pending outbox row.
     fn drain(&self, room: &Postroom) -> Result<(), Violation> {
+        let t = Instant::now();
+        let r = self.drain_(room);
+        if std::env::var("TKTRACE").is_ok() && t.elapsed() > Duration::from_millis(100) { eprintln!("drain {:?}", t.elapsed()); }
+        r
+    }
+    fn drain_(&self, room: &Postroom) -> Result<(), Violation> {
         if !self.has_sink {
             return Ok(());
         }
