@@ -423,6 +423,7 @@ pub struct Scenario {
     first_seed: u64,
     fault_rate: u64,
     off: BTreeSet<FaultKind>,
+    /// The replay command, if not the default.
     name: Option<String>,
 }
 
@@ -604,10 +605,12 @@ impl Scenario {
         self
     }
 
-    /// The test's name for the replay command (default: the test thread's
-    /// name, which is the test's path).
-    pub fn name(mut self, name: impl Into<String>) -> Self {
-        self.name = Some(name.into());
+    /// The command a failure tells you to run, after the replay's
+    /// environment variables (default: `cargo test TEST -- --exact`, TEST
+    /// being the test thread's name, which is the test's path). Name your
+    /// features here if the test needs them.
+    pub fn replay_command(mut self, command: impl Into<String>) -> Self {
+        self.name = Some(command.into());
         self
     }
 
@@ -643,13 +646,12 @@ impl Scenario {
             switched_off: self.off.iter().copied().collect(),
             ..Report::default()
         };
-        let mut has_sink = false;
+        let has_sink = self.probe()?;
+        let kinds = self.kinds(has_sink);
         for seed in seeds {
+            report.seeds += 1;
             let msgs = self.generate(seed);
             report.messages += msgs.len() as u64;
-            let probe = self.probe(seed)?;
-            has_sink |= probe;
-            let kinds = self.kinds(probe);
             let mut schedule = self.schedule(seed, msgs.len(), &kinds);
             if let (Some(keep), Some(_)) = (&keep, replay_seed) {
                 schedule = keep.iter().filter_map(|&i| schedule.get(i)).copied().collect();
@@ -695,16 +697,79 @@ impl Scenario {
                 violation: Violation::NeverFired { kinds: never },
                 schedule: Vec::new(),
                 shrunk: Vec::new(),
-                replay: format!("cargo test {} -- --exact", self.test_name()),
+                replay: self.command(),
             }));
         }
-        report.seeds = env_u64(SEED_VAR).map_or(self.seeds_run(), |_| 1);
         report.elapsed = started.elapsed();
         Ok(report)
     }
 
-    fn seeds_run(&self) -> u64 {
-        env_u64(SEEDS_VAR).unwrap_or(self.seeds)
+    /// Runs one seed and schedule decoded from fuzzer bytes (the first 8
+    /// are the seed, then 3 per fault: message, kind, size); panics with
+    /// the failure, as a fuzz target should. The never-fired rule does
+    /// not apply to one input. For a cargo-fuzz target:
+    /// `fuzz_target!(|data: &[u8]| my_scenario().run_bytes(data));`
+    pub fn run_bytes(&self, data: &[u8]) {
+        if let Err(failed) = self.try_run_bytes(data) {
+            panic!("{failed}");
+        }
+    }
+
+    /// [`run_bytes`](Self::run_bytes), returning the failure.
+    pub fn try_run_bytes(&self, data: &[u8]) -> Result<(), Box<Failed>> {
+        let (head, rest) = data.split_at(data.len().min(8));
+        let mut seed_bytes = [0u8; 8];
+        seed_bytes[..head.len()].copy_from_slice(head);
+        let seed = u64::from_le_bytes(seed_bytes);
+        let kinds = self.kinds(self.probe()?);
+        let msgs = self.generate(seed);
+        if msgs.is_empty() || kinds.is_empty() {
+            return Ok(());
+        }
+        let schedule: Vec<Fault> = rest
+            .chunks_exact(3)
+            .map(|c| {
+                let kind = kinds[usize::from(c[1]) % kinds.len()];
+                let size = i64::from(c[2]);
+                Fault {
+                    step: usize::from(c[0]) % msgs.len(),
+                    kind,
+                    arg: match kind {
+                        FaultKind::Reorder => 1 + size % 4,
+                        FaultKind::ClockJump => (size - 128) * 60_000,
+                        FaultKind::SinkFails | FaultKind::SinkUnavailable => 1 + size % 3,
+                        _ => 0,
+                    },
+                }
+            })
+            .collect();
+        let reference = match &self.outcome {
+            Some(_) => match self.run_seed(seed, &msgs, &[]) {
+                Ok(done) => done.outcome,
+                Err(v) => return Err(self.failed(seed, &msgs, v, Vec::new(), None)),
+            },
+            None => None,
+        };
+        let verdict = match self.run_seed(seed, &msgs, &schedule) {
+            Ok(done) => match (&reference, done.outcome) {
+                (Some(expected), Some(got)) if *expected != got => {
+                    let v = Violation::OutcomeDiffers {
+                        expected: expected.clone(),
+                        got,
+                    };
+                    Err(self.failed(seed, &msgs, v, schedule, reference))
+                }
+                _ => Ok(()),
+            },
+            Err(v) => Err(self.failed(seed, &msgs, v, schedule, reference)),
+        };
+        verdict.map_err(|mut failed| {
+            // The schedule came from the bytes, not from the seed.
+            failed.replay = "run the fuzz target on the failing input: \
+                             cargo fuzz run TARGET path/to/crash-file"
+                .into();
+            failed
+        })
     }
 
     fn generate(&self, seed: u64) -> Vec<Message> {
@@ -714,7 +779,7 @@ impl Scenario {
     }
 
     /// Whether the setup registers a sink (asked of a throwaway App).
-    fn probe(&self, seed: u64) -> Result<bool, Box<Failed>> {
+    fn probe(&self) -> Result<bool, Box<Failed>> {
         let world = World::default();
         let dir = std::env::temp_dir();
         let mut app = App {
@@ -728,7 +793,13 @@ impl Scenario {
             let v = Violation::Engine {
                 message: "the setup registers no consumer (app.consumer(..))".into(),
             };
-            return Err(self.failed(seed, &[], v, Vec::new(), None));
+            return Err(Box::new(Failed {
+                seed: None,
+                violation: v,
+                schedule: Vec::new(),
+                shrunk: Vec::new(),
+                replay: self.command(),
+            }));
         }
         let has_sink = app.sink.is_some();
         // Nothing was opened: forget the sink rather than run a destructor
@@ -774,7 +845,7 @@ impl Scenario {
     }
 
     fn run_seed(&self, seed: u64, msgs: &[Message], schedule: &[Fault]) -> Result<Done, Violation> {
-        let dir = tempfile::tempdir().map_err(|e| Violation::Engine {
+        let dir = scratch_dir().map_err(|e| Violation::Engine {
             message: format!("cannot make a temporary directory: {e}"),
         })?;
         let mut run = Run {
@@ -813,9 +884,13 @@ impl Scenario {
             .map(|i| i.to_string())
             .collect();
         let replay = format!(
-            "{SEED_VAR}={seed} {FAULTS_VAR}={} cargo test {} -- --exact",
-            if keep.is_empty() { "none".to_owned() } else { keep.join(",") },
-            self.test_name()
+            "{SEED_VAR}={seed} {FAULTS_VAR}={} {}",
+            if keep.is_empty() {
+                "none".to_owned()
+            } else {
+                keep.join(",")
+            },
+            self.command()
         );
         Box::new(Failed {
             seed: Some(seed),
@@ -858,14 +933,35 @@ impl Scenario {
         current
     }
 
-    fn test_name(&self) -> String {
+    fn command(&self) -> String {
         self.name.clone().unwrap_or_else(|| {
-            std::thread::current()
+            let test = std::thread::current()
                 .name()
                 .filter(|n| *n != "main")
                 .unwrap_or("YOUR_TEST")
-                .to_owned()
+                .to_owned();
+            format!("cargo test {test} -- --exact")
         })
+    }
+}
+
+/// A fresh directory per seed: under `POSTROOM_TESTKIT_DIR` if set, else
+/// in `/dev/shm` where there is one (a memory filesystem: the in-process
+/// crashes need no fsync, and the runs are twice as fast), else in the
+/// system's temporary directory.
+fn scratch_dir() -> std::io::Result<tempfile::TempDir> {
+    let base = std::env::var_os("POSTROOM_TESTKIT_DIR")
+        .map(PathBuf::from)
+        .or_else(|| {
+            let shm = Path::new("/dev/shm");
+            shm.is_dir().then(|| shm.to_owned())
+        });
+    match base {
+        Some(base) => tempfile::Builder::new()
+            .prefix("postroom-testkit-")
+            .tempdir_in(base)
+            .or_else(|_| tempfile::tempdir()),
+        None => tempfile::tempdir(),
     }
 }
 
