@@ -193,7 +193,10 @@ fn catches_an_effect_outside_the_transaction() {
         .expect_err("an effect outside the transaction must be caught");
     eprintln!("{failed}");
     assert!(
-        matches!(failed.violation, Violation::EffectsNotOnce { counted: 2, .. }),
+        matches!(
+            failed.violation,
+            Violation::EffectsNotOnce { counted: 2, .. }
+        ),
         "{failed}"
     );
     assert!(failed.blames(FaultKind::CrashBeforeCommit), "{failed}");
@@ -217,11 +220,21 @@ fn catches_a_double_charge_by_an_effect_ignoring_its_idempotency_key() {
     })
     .schema(schema)
     .messages(|rng| orders(rng, 10))
-    .effects(|check, msg| check.service("payments").applied(&format!("charge {}", msg.id())))
+    .effects(|check, msg| {
+        check
+            .service("payments")
+            .applied(&format!("charge {}", msg.id()))
+    })
     .try_run()
     .expect_err("a double charge must be caught");
     eprintln!("{failed}");
-    assert!(matches!(failed.violation, Violation::EffectsNotOnce { counted: 2, .. }), "{failed}");
+    assert!(
+        matches!(
+            failed.violation,
+            Violation::EffectsNotOnce { counted: 2, .. }
+        ),
+        "{failed}"
+    );
     assert!(failed.blames(FaultKind::CrashBeforeCommit), "{failed}");
 }
 
@@ -266,7 +279,9 @@ fn catches_a_handler_that_depends_on_arrival_order() {
             .prepare("SELECT id, version FROM accounts ORDER BY id")
             .unwrap();
         let rows: Vec<String> = stmt
-            .query_map([], |r| Ok(format!("{}@{}", r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))
+            .query_map([], |r| {
+                Ok(format!("{}@{}", r.get::<_, i64>(0)?, r.get::<_, i64>(1)?))
+            })
             .unwrap()
             .map(Result::unwrap)
             .collect();
@@ -275,7 +290,10 @@ fn catches_a_handler_that_depends_on_arrival_order() {
     .try_run()
     .expect_err("an order-dependent handler must be caught");
     eprintln!("{failed}");
-    assert!(matches!(failed.violation, Violation::OutcomeDiffers { .. }), "{failed}");
+    assert!(
+        matches!(failed.violation, Violation::OutcomeDiffers { .. }),
+        "{failed}"
+    );
     assert!(failed.blames(FaultKind::Reorder), "{failed}");
 }
 
@@ -298,7 +316,10 @@ fn catches_a_sink_that_answers_sent_before_its_ack() {
     .try_run()
     .expect_err("a sink that answers Sent before its ack must be caught");
     eprintln!("{failed}");
-    assert!(matches!(failed.violation, Violation::LostDownstream { .. }), "{failed}");
+    assert!(
+        matches!(failed.violation, Violation::LostDownstream { .. }),
+        "{failed}"
+    );
     assert!(failed.shrunk.iter().any(|f| f.kind.is_crash()), "{failed}");
 }
 
@@ -325,8 +346,12 @@ fn a_fault_kind_that_never_fires_fails_the_run() {
 
 #[test]
 fn a_failing_seed_replays_the_same_schedule_and_shrinks_the_same_way() {
-    let a = email_outside_the_transaction().try_run().expect_err("must fail");
-    let b = email_outside_the_transaction().try_run().expect_err("must fail");
+    let a = email_outside_the_transaction()
+        .try_run()
+        .expect_err("must fail");
+    let b = email_outside_the_transaction()
+        .try_run()
+        .expect_err("must fail");
     assert_eq!(a.seed, b.seed);
     assert_eq!(a.schedule, b.schedule);
     assert_eq!(a.shrunk, b.shrunk);

@@ -484,6 +484,8 @@ pub struct Failed {
     pub shrunk: Vec<Fault>,
     /// The command that replays the shrunk schedule.
     pub replay: String,
+    /// The generated messages' ids, to name a fault's message.
+    ids: Vec<String>,
 }
 
 impl Failed {
@@ -499,12 +501,17 @@ impl fmt::Display for Failed {
         if let Some(seed) = self.seed {
             writeln!(f, "  seed: {seed}")?;
             writeln!(f, "  fault schedule ({} faults):", self.schedule.len())?;
+            let id = |fault: &Fault| {
+                self.ids
+                    .get(fault.step)
+                    .map_or(String::new(), |id| format!(" ({id:?})"))
+            };
             for (i, fault) in self.schedule.iter().enumerate() {
-                writeln!(f, "    [{i}] {fault}")?;
+                writeln!(f, "    [{i}] {fault}{}", id(fault))?;
             }
             writeln!(f, "  shrunk to ({} faults):", self.shrunk.len())?;
             for fault in &self.shrunk {
-                writeln!(f, "    {fault}")?;
+                writeln!(f, "    {fault}{}", id(fault))?;
             }
         }
         write!(f, "  replay: {}", self.replay)
@@ -630,11 +637,9 @@ impl Scenario {
     pub fn try_run(&self) -> Result<Report, Box<Failed>> {
         let started = Instant::now();
         let replay_seed = env_u64(SEED_VAR);
-        let keep: Option<Vec<usize>> = std::env::var(FAULTS_VAR).ok().map(|s| {
-            s.split(',')
-                .filter_map(|i| i.trim().parse().ok())
-                .collect()
-        });
+        let keep: Option<Vec<usize>> = std::env::var(FAULTS_VAR)
+            .ok()
+            .map(|s| s.split(',').filter_map(|i| i.trim().parse().ok()).collect());
         let seeds: Vec<u64> = match replay_seed {
             Some(seed) => vec![seed],
             None => {
@@ -654,7 +659,11 @@ impl Scenario {
             report.messages += msgs.len() as u64;
             let mut schedule = self.schedule(seed, msgs.len(), &kinds);
             if let (Some(keep), Some(_)) = (&keep, replay_seed) {
-                schedule = keep.iter().filter_map(|&i| schedule.get(i)).copied().collect();
+                schedule = keep
+                    .iter()
+                    .filter_map(|&i| schedule.get(i))
+                    .copied()
+                    .collect();
             }
             let reference = match &self.outcome {
                 Some(_) => match self.run_seed(seed, &msgs, &[]) {
@@ -698,6 +707,7 @@ impl Scenario {
                 schedule: Vec::new(),
                 shrunk: Vec::new(),
                 replay: self.command(),
+                ids: Vec::new(),
             }));
         }
         report.elapsed = started.elapsed();
@@ -775,7 +785,9 @@ impl Scenario {
     fn generate(&self, seed: u64) -> Vec<Message> {
         // Seeded apart from the schedule: dropping faults keeps the messages.
         let mut rng = Rng::new(seed ^ 0x6D65_7373_6167_6573);
-        self.messages.as_ref().map_or_else(Vec::new, |g| g(&mut rng))
+        self.messages
+            .as_ref()
+            .map_or_else(Vec::new, |g| g(&mut rng))
     }
 
     /// Whether the setup registers a sink (asked of a throwaway App).
@@ -799,6 +811,7 @@ impl Scenario {
                 schedule: Vec::new(),
                 shrunk: Vec::new(),
                 replay: self.command(),
+                ids: Vec::new(),
             }));
         }
         let has_sink = app.sink.is_some();
@@ -862,9 +875,7 @@ impl Scenario {
             has_sink: false,
             deliveries: 0,
         };
-        let t = Instant::now();
         let result = run.execute(msgs, schedule);
-        if std::env::var("TKTRACE").is_ok() { eprintln!("seed {seed} {:?}", t.elapsed()); }
         drop(dir);
         result
     }
@@ -898,6 +909,7 @@ impl Scenario {
             schedule,
             shrunk,
             replay,
+            ids: msgs.iter().map(|m| m.id().to_owned()).collect(),
         })
     }
 
@@ -1057,10 +1069,7 @@ impl Run<'_> {
         if let Some(configure) = &self.sc.configure {
             b = configure(b);
         }
-        let t = Instant::now();
-        let r = b.open(&self.db).map_err(engine("open"));
-        if std::env::var("TKTRACE").is_ok() { eprintln!("open {:?}", t.elapsed()); }
-        r
+        b.open(&self.db).map_err(engine("open"))
     }
 
     /// The process dies: the sink is forgotten, the engine dropped (its
@@ -1070,9 +1079,7 @@ impl Run<'_> {
         if let Some(dead) = self.sink_dead.take() {
             dead.store(true, Ordering::SeqCst);
         }
-        let t = Instant::now();
         drop(room);
-        if std::env::var("TKTRACE").is_ok() { eprintln!("crash drop {:?}", t.elapsed()); }
         self.open()
     }
 
@@ -1185,10 +1192,8 @@ impl Run<'_> {
         for (k, n) in fired_sink {
             *self.fired.entry(k).or_insert(0) += n;
         }
-        let t = Instant::now();
         room.shutdown(Duration::from_secs(30))
             .map_err(engine("shutdown"))?;
-        if std::env::var("TKTRACE").is_ok() { eprintln!("shutdown {:?}", t.elapsed()); }
         drop(room);
         self.verdict(msgs)
     }
@@ -1215,12 +1220,6 @@ impl Run<'_> {
     /// Waits until no queued message is pending, processing or waiting for
     /// a retry, moving the clock so retries come due.
     fn settle(&self, room: &Postroom) -> Result<(), Violation> {
-        let t = Instant::now();
-        let r = self.settle_(room);
-        if std::env::var("TKTRACE").is_ok() && t.elapsed() > Duration::from_millis(100) { eprintln!("settle {:?}", t.elapsed()); }
-        r
-    }
-    fn settle_(&self, room: &Postroom) -> Result<(), Violation> {
         if !self.consumers.iter().any(|c| c.1) {
             return Ok(());
         }
@@ -1249,12 +1248,6 @@ impl Run<'_> {
 
     /// Waits until the relay has no pending outbox row.
     fn drain(&self, room: &Postroom) -> Result<(), Violation> {
-        let t = Instant::now();
-        let r = self.drain_(room);
-        if std::env::var("TKTRACE").is_ok() && t.elapsed() > Duration::from_millis(100) { eprintln!("drain {:?}", t.elapsed()); }
-        r
-    }
-    fn drain_(&self, room: &Postroom) -> Result<(), Violation> {
         if !self.has_sink {
             return Ok(());
         }
