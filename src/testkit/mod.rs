@@ -30,7 +30,7 @@
 //! Per seed, in a fresh temporary directory: your `setup` registers the
 //! consumers and the sink on an [`App`] (called again at every reopen, as a
 //! restarted process would), the engine opens on a real SQLite file with a
-//! [`ManualClock`](crate::ManualClock), your `schema` runs, your generator
+//! [`ManualClock`], your `schema` runs, your generator
 //! makes the messages from a seeded [`Rng`], and a broker stand-in delivers
 //! each message to every consumer (`deliver` for inline consumers,
 //! `receive` for queued and effectful ones), redelivering until
@@ -657,18 +657,22 @@ impl Scenario {
             report.seeds += 1;
             let msgs = self.generate(seed);
             report.messages += msgs.len() as u64;
-            let mut schedule = self.schedule(seed, msgs.len(), &kinds);
-            if let (Some(keep), Some(_)) = (&keep, replay_seed) {
-                schedule = keep
-                    .iter()
-                    .filter_map(|&i| schedule.get(i))
-                    .copied()
-                    .collect();
-            }
+            let full = self.schedule(seed, msgs.len(), &kinds);
+            let schedule: Vec<Fault> = match (&keep, replay_seed) {
+                (Some(keep), Some(_)) => {
+                    keep.iter().filter_map(|&i| full.get(i)).copied().collect()
+                }
+                _ => full.clone(),
+            };
+            // A failure names its faults by their places in the full schedule.
+            let renumber = |mut failed: Box<Failed>| {
+                failed.replay = self.replay_line(seed, &full, &failed.shrunk);
+                failed
+            };
             let reference = match &self.outcome {
                 Some(_) => match self.run_seed(seed, &msgs, &[]) {
                     Ok(done) => done.outcome,
-                    Err(v) => return Err(self.failed(seed, &msgs, v, Vec::new(), None)),
+                    Err(v) => return Err(renumber(self.failed(seed, &msgs, v, Vec::new(), None))),
                 },
                 None => None,
             };
@@ -680,7 +684,7 @@ impl Scenario {
                                 expected: expected.clone(),
                                 got: got.clone(),
                             };
-                            return Err(self.failed(seed, &msgs, v, schedule, reference));
+                            return Err(renumber(self.failed(seed, &msgs, v, schedule, reference)));
                         }
                     }
                     report.deliveries += done.deliveries;
@@ -688,7 +692,7 @@ impl Scenario {
                         *report.fired.entry(k).or_insert(0) += n;
                     }
                 }
-                Err(v) => return Err(self.failed(seed, &msgs, v, schedule, reference)),
+                Err(v) => return Err(renumber(self.failed(seed, &msgs, v, schedule, reference))),
             }
         }
         report.not_applicable = FaultKind::ALL
@@ -889,20 +893,7 @@ impl Scenario {
         reference: Option<String>,
     ) -> Box<Failed> {
         let shrunk = self.shrink(seed, msgs, &violation, &schedule, reference.as_deref());
-        let keep: Vec<String> = shrunk
-            .iter()
-            .filter_map(|f| schedule.iter().position(|g| g == f))
-            .map(|i| i.to_string())
-            .collect();
-        let replay = format!(
-            "{SEED_VAR}={seed} {FAULTS_VAR}={} {}",
-            if keep.is_empty() {
-                "none".to_owned()
-            } else {
-                keep.join(",")
-            },
-            self.command()
-        );
+        let replay = self.replay_line(seed, &schedule, &shrunk);
         Box::new(Failed {
             seed: Some(seed),
             violation,
@@ -911,6 +902,25 @@ impl Scenario {
             replay,
             ids: msgs.iter().map(|m| m.id().to_owned()).collect(),
         })
+    }
+
+    /// The command that replays `shrunk`, by its places in `full`, the
+    /// seed's whole schedule.
+    fn replay_line(&self, seed: u64, full: &[Fault], shrunk: &[Fault]) -> String {
+        let keep: Vec<String> = shrunk
+            .iter()
+            .filter_map(|f| full.iter().position(|g| g == f))
+            .map(|i| i.to_string())
+            .collect();
+        format!(
+            "{SEED_VAR}={seed} {FAULTS_VAR}={} {}",
+            if keep.is_empty() {
+                "none".to_owned()
+            } else {
+                keep.join(",")
+            },
+            self.command()
+        )
     }
 
     /// Drops faults one at a time, last first, keeping each removal after
