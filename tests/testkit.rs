@@ -377,3 +377,86 @@ fn fuzzer_bytes_drive_the_same_scenario() {
     .effects(paid_rows)
     .run_bytes(&data);
 }
+
+/// docs/TESTING-YOUR-HANDLERS.md's scenario, as the guide has it (with
+/// `try_run` for `run`): it must find the double email.
+mod guide {
+    use postroom::testkit::{FaultKind, Rng, Scenario, Violation};
+    use postroom::{handler_fn, Failure, Message, Outgoing, Tx};
+
+    fn payments(rng: &mut Rng) -> Vec<Message> {
+        (1..=8)
+            .map(|id| {
+                let cents = rng.range(100, 10_000);
+                Message::new(
+                    "payments",
+                    format!("evt-{id}"),
+                    format!(r#"{{"order_id":{id},"amount_cents":{cents}}}"#),
+                )
+            })
+            .collect()
+    }
+
+    fn on_order_paid(
+        tx: &mut Tx<'_>,
+        msg: &Message,
+        emails: &std::path::Path,
+    ) -> Result<(), Failure> {
+        let paid: serde_json::Value = msg.json()?;
+        let id = paid["order_id"]
+            .as_i64()
+            .ok_or_else(|| Failure::reject("no order_id"))?;
+        use std::io::Write; // "send the email": a line in a file
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(emails)
+            .map_err(Failure::retry)?;
+        writeln!(f, "{id}").map_err(Failure::retry)?;
+        tx.execute(
+            "UPDATE orders SET times_paid = times_paid + 1 WHERE id = ?1",
+            [id],
+        )?;
+        tx.publish(Outgoing::json("shipping.requested", &paid)?.with_key(id.to_string()))?;
+        Ok(())
+    }
+
+    #[test]
+    fn the_guides_scenario_finds_the_double_email() {
+        let failed = Scenario::new(|app| {
+            let emails = app.dir().join("emails.txt");
+            app.consumer(
+                "order-service",
+                handler_fn(move |tx, msg| on_order_paid(tx, msg, &emails)),
+            );
+        })
+        .schema(|tx| {
+            tx.execute_batch(
+                "CREATE TABLE orders (id INTEGER PRIMARY KEY, times_paid INTEGER DEFAULT 0);
+                 INSERT INTO orders (id) VALUES (1),(2),(3),(4),(5),(6),(7),(8);",
+            )?;
+            Ok(())
+        })
+        .messages(payments)
+        .effects(|check, msg| {
+            let sent = std::fs::read_to_string(check.dir().join("emails.txt")).unwrap_or_default();
+            let id = msg.id().trim_start_matches("evt-");
+            sent.lines().filter(|l| *l == id).count() as u64
+        })
+        .invariant(|check| {
+            match check.count("SELECT count(*) FROM orders WHERE times_paid > 1", []) {
+                0 => Ok(()),
+                n => Err(format!("{n} orders paid twice")),
+            }
+        })
+        .seeds(200)
+        .try_run()
+        .expect_err("the guide's handler sends an email twice");
+        eprintln!("{failed}");
+        assert!(
+            matches!(failed.violation, Violation::EffectsNotOnce { .. }),
+            "{failed}"
+        );
+        assert!(failed.blames(FaultKind::CrashBeforeCommit), "{failed}");
+    }
+}
