@@ -138,6 +138,15 @@
 //! [`InboxSink`] numbers what it forwards, so postroom-to-postroom chains
 //! get this without code.
 //!
+//! ## Testing your handlers
+//!
+//! With the `testkit` feature, [`testkit::Scenario`](crate::testkit) runs
+//! your own handlers, effect handlers and sinks through this engine under
+//! seeded crashes, redeliveries, reorders, reused ids, sink failures and
+//! clock jumps, and checks that each message's effects happened exactly
+//! once; a failure prints the seed, a shrunk fault schedule and the command
+//! that replays it. See docs/TESTING-YOUR-HANDLERS.md.
+//!
 //! ## Limits
 //!
 //! Message ids: 1 to 512 bytes. Consumer, source, topic, key and
@@ -188,6 +197,8 @@ pub mod mqtt;
 #[cfg(feature = "sim")]
 pub mod sim;
 mod sinks;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 
 /// The rusqlite this crate is built on: [`Tx`] hands out its statements,
 /// rows and errors, so handlers can use its traits (`OptionalExtension`,

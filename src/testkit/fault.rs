@@ -1,0 +1,269 @@
+//! The faults a [`Scenario`](super::Scenario) schedules, and what a failed
+//! run found ([`Violation`]).
+//!
+//! Invariants: a [`Fault`] is plain data (step, kind, argument), so a
+//! schedule prints, compares and replays exactly; [`FaultKind::ALL`] lists
+//! every kind once, in the order reports print them.
+
+use std::fmt;
+
+/// A kind of fault the testkit injects. Every kind is on by default;
+/// [`Scenario::without`](super::Scenario::without) switches one off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub enum FaultKind {
+    /// An acknowledged message comes again later (at-least-once delivery).
+    Redeliver,
+    /// The handler committed but the answer never reached the broker: the
+    /// message comes again at once (a duplicate before the ack).
+    LostAck,
+    /// The message arrives some places later than it was generated.
+    Reorder,
+    /// The message's id comes again with another payload (a producer bug).
+    ReusedId,
+    /// The handler (or an effect handler's external step) ran, then the
+    /// process died before the commit; the engine reopens (its real
+    /// recovery) and the message is redelivered.
+    CrashBeforeCommit,
+    /// The commit was durable, then the process died before the ack; the
+    /// engine reopens and the message is redelivered.
+    CrashAfterCommit,
+    /// After the relay handed rows to the sink, the process dies: the sink
+    /// is dropped without its destructor running (what `kill -9` does),
+    /// and the engine reopens with a fresh sink.
+    CrashInRelay,
+    /// The sink's next sends fail (answered `Retry` before reaching your sink).
+    SinkFails,
+    /// The sink's destination is down for its next sends (`Unavailable`).
+    SinkUnavailable,
+    /// The clock jumps: forward up to two days, or back up to ten minutes.
+    ClockJump,
+}
+
+impl FaultKind {
+    /// Every kind, in report order.
+    pub const ALL: [FaultKind; 10] = [
+        FaultKind::Redeliver,
+        FaultKind::LostAck,
+        FaultKind::Reorder,
+        FaultKind::ReusedId,
+        FaultKind::CrashBeforeCommit,
+        FaultKind::CrashAfterCommit,
+        FaultKind::CrashInRelay,
+        FaultKind::SinkFails,
+        FaultKind::SinkUnavailable,
+        FaultKind::ClockJump,
+    ];
+
+    /// Its name in reports: `crash-before-commit`, ….
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::Redeliver => "redeliver",
+            FaultKind::LostAck => "lost-ack",
+            FaultKind::Reorder => "reorder",
+            FaultKind::ReusedId => "reused-id",
+            FaultKind::CrashBeforeCommit => "crash-before-commit",
+            FaultKind::CrashAfterCommit => "crash-after-commit",
+            FaultKind::CrashInRelay => "crash-in-relay",
+            FaultKind::SinkFails => "sink-fails",
+            FaultKind::SinkUnavailable => "sink-unavailable",
+            FaultKind::ClockJump => "clock-jump",
+        }
+    }
+
+    /// Whether it needs a sink to mean anything.
+    pub(crate) fn needs_sink(self) -> bool {
+        matches!(
+            self,
+            FaultKind::CrashInRelay | FaultKind::SinkFails | FaultKind::SinkUnavailable
+        )
+    }
+
+    /// Whether it is a crash of the process.
+    pub fn is_crash(self) -> bool {
+        matches!(
+            self,
+            FaultKind::CrashBeforeCommit | FaultKind::CrashAfterCommit | FaultKind::CrashInRelay
+        )
+    }
+}
+
+impl fmt::Display for FaultKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One scheduled fault: at the first delivery of the `step`-th generated
+/// message, `kind`, with `arg` (places for a reorder, milliseconds for a
+/// clock jump, sends for a sink fault; 0 otherwise).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    /// The index of the generated message it is attached to.
+    pub step: usize,
+    /// What happens.
+    pub kind: FaultKind,
+    /// Its size, per kind.
+    pub arg: i64,
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "message #{}: {}", self.step, self.kind)?;
+        match self.kind {
+            FaultKind::Reorder => write!(f, " by {} places", self.arg),
+            FaultKind::ClockJump => write!(f, " by {:+} ms", self.arg),
+            FaultKind::SinkFails | FaultKind::SinkUnavailable => {
+                write!(f, " for {} sends", self.arg)
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// What a failed run found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Violation {
+    /// A message's effects (your `effects` closure) were not applied once
+    /// per consumer that completed it.
+    EffectsNotOnce {
+        /// The message's id.
+        message_id: String,
+        /// Consumers that completed it (the effects expected).
+        expected: u64,
+        /// What `effects` counted.
+        counted: u64,
+    },
+    /// The final state (your `outcome` closure) differs from the state a
+    /// fault-free, in-order run of the same messages leaves.
+    OutcomeDiffers {
+        /// The fault-free run's outcome.
+        expected: String,
+        /// This run's.
+        got: String,
+    },
+    /// One of your invariants failed.
+    Invariant {
+        /// After which step (`"the end"` for the final check).
+        after: String,
+        /// Your invariant's message.
+        message: String,
+    },
+    /// A message was never recorded for a consumer, or never settled
+    /// (completed or dead) although it was redelivered until acknowledged.
+    NotSettled {
+        /// The message's id.
+        message_id: String,
+        /// The consumer.
+        consumer: String,
+        /// Its status, if it has a row.
+        status: Option<String>,
+    },
+    /// An outbox row never reached the sink.
+    NeverHandedToSink {
+        /// The outbox message id.
+        message_id: String,
+    },
+    /// The sink answered `Sent` for a message the downstream stand-in
+    /// never received: a downstream message lost (a sink that answers
+    /// `Sent` before its destination acknowledged, and then crashes).
+    LostDownstream {
+        /// The outbox message id.
+        message_id: String,
+    },
+    /// Messages of one key reached the sink or the downstream out of
+    /// commit order.
+    OutOfOrder {
+        /// Where: `"sink"` or `"downstream"`.
+        at: &'static str,
+        /// The key.
+        key: String,
+    },
+    /// A fault kind that is switched on never fired in any seed, so the
+    /// run could not tell whether your code survives it.
+    NeverFired {
+        /// The kinds.
+        kinds: Vec<FaultKind>,
+    },
+    /// The engine refused or failed (an error to fix before anything else).
+    Engine {
+        /// What failed.
+        message: String,
+    },
+}
+
+impl Violation {
+    /// A short name: `effects-not-once`, `outcome-differs`, ….
+    pub fn name(&self) -> &'static str {
+        match self {
+            Violation::EffectsNotOnce { .. } => "effects-not-once",
+            Violation::OutcomeDiffers { .. } => "outcome-differs",
+            Violation::Invariant { .. } => "invariant",
+            Violation::NotSettled { .. } => "not-settled",
+            Violation::NeverHandedToSink { .. } => "never-handed-to-sink",
+            Violation::LostDownstream { .. } => "lost-downstream",
+            Violation::OutOfOrder { .. } => "out-of-order",
+            Violation::NeverFired { .. } => "never-fired",
+            Violation::Engine { .. } => "engine",
+        }
+    }
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Violation::EffectsNotOnce {
+                message_id,
+                expected,
+                counted,
+            } => write!(
+                f,
+                "message {message_id:?}: effects applied {counted} times, expected {expected} \
+                 (once per consumer that completed it)"
+            ),
+            Violation::OutcomeDiffers { expected, got } => write!(
+                f,
+                "the final state differs from a fault-free in-order run:\n    expected: {expected}\n    got:      {got}"
+            ),
+            Violation::Invariant { after, message } => {
+                write!(f, "invariant failed after {after}: {message}")
+            }
+            Violation::NotSettled {
+                message_id,
+                consumer,
+                status,
+            } => match status {
+                Some(s) => write!(
+                    f,
+                    "message {message_id:?} for consumer {consumer:?} never settled (status {s})"
+                ),
+                None => write!(
+                    f,
+                    "message {message_id:?} for consumer {consumer:?} was acknowledged but is not in the inbox"
+                ),
+            },
+            Violation::NeverHandedToSink { message_id } => {
+                write!(f, "outbox message {message_id:?} never reached the sink")
+            }
+            Violation::LostDownstream { message_id } => write!(
+                f,
+                "outbox message {message_id:?} was answered Sent but never reached the downstream: \
+                 the sink said Sent before its destination acknowledged"
+            ),
+            Violation::OutOfOrder { at, key } => {
+                write!(f, "messages of key {key:?} reached the {at} out of commit order")
+            }
+            Violation::NeverFired { kinds } => {
+                let names: Vec<&str> = kinds.iter().map(|k| k.name()).collect();
+                write!(
+                    f,
+                    "fault kinds never fired: {} (more seeds or messages, or switch them off \
+                     with .without(..))",
+                    names.join(", ")
+                )
+            }
+            Violation::Engine { message } => write!(f, "engine error: {message}"),
+        }
+    }
+}

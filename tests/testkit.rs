@@ -1,0 +1,462 @@
+//! The testkit (feature `testkit`) aimed at handlers and sinks with the
+//! four classic exactly-once bugs: each scenario must FAIL, naming the
+//! violation and a shrunk schedule holding the fault that exposes it. And
+//! correct handlers of the same shapes pass every seed with every fault
+//! kind firing.
+//!
+//! `POSTROOM_TESTKIT_SEEDS=1000 cargo test --release --features testkit
+//! --test testkit correct` runs the passing scenario over 1,000 seeds.
+
+use std::io::Write;
+
+use postroom::testkit::{Check, Downstream, FaultKind, Rng, Scenario, Service, Violation};
+use postroom::{
+    handler_fn, EffectContext, EffectHandler, Failure, Message, OutboxMessage, Outgoing,
+    SendResult, Sink, Tx,
+};
+
+/// Orders paid: `order_id` in the payload, `n` of them per seed.
+fn orders(rng: &mut Rng, n: u64) -> Vec<Message> {
+    (0..n)
+        .map(|i| {
+            let amount = rng.range(1, 500);
+            Message::new(
+                "shop",
+                format!("order-{i}"),
+                format!(r#"{{"order_id":{i},"amount":{amount}}}"#),
+            )
+        })
+        .collect()
+}
+
+fn order_id(msg: &Message) -> Result<i64, Failure> {
+    let v: serde_json::Value = msg.json()?;
+    v["order_id"]
+        .as_i64()
+        .ok_or_else(|| Failure::reject("no order_id"))
+}
+
+fn schema(tx: &mut Tx<'_>) -> Result<(), Failure> {
+    tx.execute_batch(
+        "CREATE TABLE paid (order_id INTEGER NOT NULL);
+         CREATE TABLE charges (order_id INTEGER NOT NULL, receipt INTEGER NOT NULL);",
+    )?;
+    Ok(())
+}
+
+/// The correct inline handler: a row and a shipping request, both in the
+/// transaction.
+fn mark_paid(tx: &mut Tx<'_>, msg: &Message) -> Result<(), Failure> {
+    let id = order_id(msg)?;
+    tx.execute("INSERT INTO paid (order_id) VALUES (?1)", [id])?;
+    tx.publish(Outgoing::new("shipping", msg.payload().to_vec()).with_key(format!("k{}", id % 3)))?;
+    Ok(())
+}
+
+/// Charges through the payment service stand-in; `use_key: false` is the
+/// bug of ignoring the idempotency key.
+struct Charge {
+    payments: Service,
+    use_key: bool,
+}
+
+impl EffectHandler for Charge {
+    type Output = u64;
+
+    fn effect(&self, ctx: &EffectContext<'_>, msg: &Message) -> Result<u64, Failure> {
+        let key = self.use_key.then(|| ctx.idempotency_key());
+        Ok(self.payments.call(key, &format!("charge {}", msg.id())))
+    }
+
+    fn apply(&self, tx: &mut Tx<'_>, msg: &Message, receipt: u64) -> Result<(), Failure> {
+        tx.execute(
+            "INSERT INTO charges (order_id, receipt) VALUES (?1, ?2)",
+            [order_id(msg)?, receipt as i64],
+        )?;
+        Ok(())
+    }
+}
+
+/// A sink whose destination acknowledges each message before it answers
+/// `Sent` (correct), or, with `buffer`, one that answers `Sent` at once
+/// and forwards in batches of three (the bug), flushing on drop.
+struct Forward {
+    down: Downstream,
+    buffer: Option<Vec<OutboxMessage>>,
+}
+
+impl Sink for Forward {
+    fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
+        for m in batch {
+            match &mut self.buffer {
+                None => self.down.accept(m),
+                Some(buf) => {
+                    buf.push(m.clone());
+                    if buf.len() >= 3 {
+                        buf.drain(..).for_each(|m| self.down.accept(&m));
+                    }
+                }
+            }
+        }
+        vec![SendResult::Sent; batch.len()]
+    }
+}
+
+impl Drop for Forward {
+    fn drop(&mut self) {
+        if let Some(buf) = &mut self.buffer {
+            buf.drain(..).for_each(|m| self.down.accept(&m));
+        }
+    }
+}
+
+fn paid_rows(check: &Check<'_>, msg: &Message) -> u64 {
+    let id = order_id(msg).unwrap();
+    check.count("SELECT count(*) FROM paid WHERE order_id = ?1", [id])
+}
+
+#[test]
+fn correct_handlers_pass_every_seed_with_every_fault_firing() {
+    let report = Scenario::new(|app| {
+        app.consumer("billing", handler_fn(mark_paid));
+        let payments = app.service("payments");
+        app.effectful_consumer(
+            "payments",
+            Charge {
+                payments,
+                use_key: true,
+            },
+        );
+        let down = app.downstream();
+        app.sink(Forward { down, buffer: None });
+    })
+    .schema(schema)
+    .messages(|rng| orders(rng, 10))
+    .effects(|check, msg| paid_rows(check, msg) + check.service("payments").applied(&format!("charge {}", msg.id())))
+    .invariant(|check| {
+        let dup = check.count(
+            "SELECT count(*) FROM (SELECT order_id FROM paid GROUP BY order_id HAVING count(*) > 1)",
+            [],
+        );
+        if dup == 0 {
+            Ok(())
+        } else {
+            Err(format!("{dup} orders paid twice"))
+        }
+    })
+    .outcome(|check| {
+        let n = check.count("SELECT count(*) FROM paid", []);
+        let sum = check.count("SELECT sum(order_id) FROM paid", []);
+        format!("paid={n} sum={sum}")
+    })
+    .seeds(40)
+    .run();
+    assert!(report.seeds >= 1);
+    for kind in FaultKind::ALL {
+        assert!(
+            report.fired.get(&kind).copied().unwrap_or(0) > 0,
+            "{kind} never fired: {report}"
+        );
+    }
+}
+
+/// Bug 1: an "email sent" line appended to a file beside the database,
+/// outside the transaction: a crash before the commit sends it twice.
+fn email_outside_the_transaction() -> Scenario {
+    Scenario::new(|app| {
+        let log = app.dir().join("emails.log");
+        app.consumer(
+            "billing",
+            handler_fn(move |tx, msg| {
+                let mut f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .map_err(Failure::retry)?;
+                writeln!(f, "{}", msg.id()).map_err(Failure::retry)?;
+                mark_paid(tx, msg)
+            }),
+        );
+    })
+    .schema(schema)
+    .messages(|rng| orders(rng, 10))
+    .effects(|check, msg| {
+        let text = std::fs::read_to_string(check.dir().join("emails.log")).unwrap_or_default();
+        text.lines().filter(|l| *l == msg.id()).count() as u64
+    })
+}
+
+#[test]
+fn catches_an_effect_outside_the_transaction() {
+    let failed = email_outside_the_transaction()
+        .try_run()
+        .expect_err("an effect outside the transaction must be caught");
+    eprintln!("{failed}");
+    assert!(
+        matches!(
+            failed.violation,
+            Violation::EffectsNotOnce { counted: 2, .. }
+        ),
+        "{failed}"
+    );
+    assert!(failed.blames(FaultKind::CrashBeforeCommit), "{failed}");
+    assert_eq!(failed.shrunk.len(), 1, "{failed}");
+    assert!(failed.replay.contains("POSTROOM_TESTKIT_SEED="), "{failed}");
+}
+
+#[test]
+fn catches_a_double_charge_by_an_effect_ignoring_its_idempotency_key() {
+    // Bug 2: the payment call without the idempotency key; the service
+    // cannot recognise the repeat after a crash: a double charge.
+    let failed = Scenario::new(|app| {
+        let payments = app.service("payments");
+        app.effectful_consumer(
+            "payments",
+            Charge {
+                payments,
+                use_key: false,
+            },
+        );
+    })
+    .schema(schema)
+    .messages(|rng| orders(rng, 10))
+    .effects(|check, msg| {
+        check
+            .service("payments")
+            .applied(&format!("charge {}", msg.id()))
+    })
+    .try_run()
+    .expect_err("a double charge must be caught");
+    eprintln!("{failed}");
+    assert!(
+        matches!(
+            failed.violation,
+            Violation::EffectsNotOnce { counted: 2, .. }
+        ),
+        "{failed}"
+    );
+    assert!(failed.blames(FaultKind::CrashBeforeCommit), "{failed}");
+}
+
+#[test]
+fn catches_a_handler_that_depends_on_arrival_order() {
+    // Bug 3: "last write wins" on an account's status; versions say which
+    // is newest, and the handler ignores them.
+    fn updates(rng: &mut Rng) -> Vec<Message> {
+        (0..10)
+            .map(|v| {
+                let account = rng.range(1, 3);
+                Message::new(
+                    "accounts",
+                    format!("update-{v}"),
+                    format!(r#"{{"account":{account},"version":{v}}}"#),
+                )
+            })
+            .collect()
+    }
+    let failed = Scenario::new(|app| {
+        app.consumer(
+            "status",
+            handler_fn(|tx, msg| {
+                let v: serde_json::Value = msg.json()?;
+                tx.execute(
+                    "INSERT INTO accounts (id, version) VALUES (?1, ?2)
+                     ON CONFLICT (id) DO UPDATE SET version = excluded.version",
+                    [v["account"].as_i64(), v["version"].as_i64()],
+                )?;
+                Ok(())
+            }),
+        );
+    })
+    .schema(|tx| {
+        tx.execute_batch("CREATE TABLE accounts (id INTEGER PRIMARY KEY, version INTEGER)")?;
+        Ok(())
+    })
+    .messages(updates)
+    .outcome(|check| {
+        let mut stmt = check
+            .conn()
+            .prepare("SELECT id, version FROM accounts ORDER BY id")
+            .unwrap();
+        let rows: Vec<String> = stmt
+            .query_map([], |r| {
+                Ok(format!("{}@{}", r.get::<_, i64>(0)?, r.get::<_, i64>(1)?))
+            })
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        rows.join(" ")
+    })
+    .try_run()
+    .expect_err("an order-dependent handler must be caught");
+    eprintln!("{failed}");
+    assert!(
+        matches!(failed.violation, Violation::OutcomeDiffers { .. }),
+        "{failed}"
+    );
+    assert!(failed.blames(FaultKind::Reorder), "{failed}");
+}
+
+#[test]
+fn catches_a_sink_that_answers_sent_before_its_ack() {
+    // Bug 4: the sink buffers and answers Sent at once; a crash loses the
+    // buffer (no destructor runs in a killed process), the relay has
+    // marked the rows sent: downstream messages lost.
+    let failed = Scenario::new(|app| {
+        app.consumer("billing", handler_fn(mark_paid));
+        let down = app.downstream();
+        app.sink(Forward {
+            down,
+            buffer: Some(Vec::new()),
+        });
+    })
+    .schema(schema)
+    .messages(|rng| orders(rng, 10))
+    .effects(paid_rows)
+    .try_run()
+    .expect_err("a sink that answers Sent before its ack must be caught");
+    eprintln!("{failed}");
+    assert!(
+        matches!(failed.violation, Violation::LostDownstream { .. }),
+        "{failed}"
+    );
+    assert!(failed.shrunk.iter().any(|f| f.kind.is_crash()), "{failed}");
+}
+
+#[test]
+fn a_fault_kind_that_never_fires_fails_the_run() {
+    let failed = Scenario::new(|app| {
+        app.consumer("billing", handler_fn(mark_paid));
+    })
+    .schema(schema)
+    .messages(|rng| orders(rng, 2))
+    .fault_rate(0)
+    .seeds(2)
+    .try_run()
+    .expect_err("faults that never fired cannot pass");
+    match &failed.violation {
+        Violation::NeverFired { kinds } => {
+            assert!(kinds.contains(&FaultKind::CrashBeforeCommit), "{failed}");
+            // No sink: its faults are not applicable, not "never fired".
+            assert!(!kinds.contains(&FaultKind::SinkFails), "{failed}");
+        }
+        other => panic!("expected NeverFired, got {other}"),
+    }
+}
+
+#[test]
+fn a_failing_seed_replays_the_same_schedule_and_shrinks_the_same_way() {
+    let a = email_outside_the_transaction()
+        .try_run()
+        .expect_err("must fail");
+    let b = email_outside_the_transaction()
+        .try_run()
+        .expect_err("must fail");
+    assert_eq!(a.seed, b.seed);
+    assert_eq!(a.schedule, b.schedule);
+    assert_eq!(a.shrunk, b.shrunk);
+    assert_eq!(a.replay, b.replay);
+}
+
+#[test]
+fn fuzzer_bytes_drive_the_same_scenario() {
+    // Seed 0, then one fault: message #1, kind 4 of the kinds that apply
+    // without a sink (crash-before-commit), size 0.
+    let mut data = 0u64.to_le_bytes().to_vec();
+    data.extend([1, 4, 0]);
+    let failed = email_outside_the_transaction()
+        .try_run_bytes(&data)
+        .expect_err("the crash before commit must expose the email bug");
+    assert!(failed.blames(FaultKind::CrashBeforeCommit), "{failed}");
+    // The same bytes leave a correct handler alone.
+    Scenario::new(|app| {
+        app.consumer("billing", handler_fn(mark_paid));
+    })
+    .schema(schema)
+    .messages(|rng| orders(rng, 10))
+    .effects(paid_rows)
+    .run_bytes(&data);
+}
+
+/// docs/TESTING-YOUR-HANDLERS.md's scenario, as the guide has it (with
+/// `try_run` for `run`): it must find the double email.
+mod guide {
+    use postroom::testkit::{FaultKind, Rng, Scenario, Violation};
+    use postroom::{handler_fn, Failure, Message, Outgoing, Tx};
+
+    fn payments(rng: &mut Rng) -> Vec<Message> {
+        (1..=8)
+            .map(|id| {
+                let cents = rng.range(100, 10_000);
+                Message::new(
+                    "payments",
+                    format!("evt-{id}"),
+                    format!(r#"{{"order_id":{id},"amount_cents":{cents}}}"#),
+                )
+            })
+            .collect()
+    }
+
+    fn on_order_paid(
+        tx: &mut Tx<'_>,
+        msg: &Message,
+        emails: &std::path::Path,
+    ) -> Result<(), Failure> {
+        let paid: serde_json::Value = msg.json()?;
+        let id = paid["order_id"]
+            .as_i64()
+            .ok_or_else(|| Failure::reject("no order_id"))?;
+        use std::io::Write; // "send the email": a line in a file
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(emails)
+            .map_err(Failure::retry)?;
+        writeln!(f, "{id}").map_err(Failure::retry)?;
+        tx.execute(
+            "UPDATE orders SET times_paid = times_paid + 1 WHERE id = ?1",
+            [id],
+        )?;
+        tx.publish(Outgoing::json("shipping.requested", &paid)?.with_key(id.to_string()))?;
+        Ok(())
+    }
+
+    #[test]
+    fn the_guides_scenario_finds_the_double_email() {
+        let failed = Scenario::new(|app| {
+            let emails = app.dir().join("emails.txt");
+            app.consumer(
+                "order-service",
+                handler_fn(move |tx, msg| on_order_paid(tx, msg, &emails)),
+            );
+        })
+        .schema(|tx| {
+            tx.execute_batch(
+                "CREATE TABLE orders (id INTEGER PRIMARY KEY, times_paid INTEGER DEFAULT 0);
+                 INSERT INTO orders (id) VALUES (1),(2),(3),(4),(5),(6),(7),(8);",
+            )?;
+            Ok(())
+        })
+        .messages(payments)
+        .effects(|check, msg| {
+            let sent = std::fs::read_to_string(check.dir().join("emails.txt")).unwrap_or_default();
+            let id = msg.id().trim_start_matches("evt-");
+            sent.lines().filter(|l| *l == id).count() as u64
+        })
+        .invariant(|check| {
+            match check.count("SELECT count(*) FROM orders WHERE times_paid > 1", []) {
+                0 => Ok(()),
+                n => Err(format!("{n} orders paid twice")),
+            }
+        })
+        .seeds(200)
+        .try_run()
+        .expect_err("the guide's handler sends an email twice");
+        eprintln!("{failed}");
+        assert!(
+            matches!(failed.violation, Violation::EffectsNotOnce { .. }),
+            "{failed}"
+        );
+        assert!(failed.blames(FaultKind::CrashBeforeCommit), "{failed}");
+    }
+}
