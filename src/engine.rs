@@ -277,7 +277,10 @@ impl Postroom {
             engine_file.lock_database(path).map_err(named)?;
             let mut conn = schema::open_writer(path, &config)?;
             schema::migrate(&mut conn)?;
-            if let Some(minted) = schema::claim_identity(&mut conn, path)? {
+            // A file this open created gets its identity here too; only an
+            // existing file's new id is news to an operator.
+            let minted = schema::claim_identity(&mut conn, path)?;
+            if let Some(minted) = minted.filter(|_| !created) {
                 log::info!(
                     "postroom: {} is not the file its instance id was given to (a copy, a \
                      restore, or made by an older build): new instance id {} (was {}); a \

@@ -200,18 +200,19 @@ fn listed(list: &[&str], name: &str) -> bool {
 
 /// SQLite's own tables that user code may write: those SQLite writes
 /// itself for an allowed schema change, which the authorizer sees as
-/// writes. The schema table (writing it directly needs `writable_schema`,
-/// which user code cannot set) and `sqlite_sequence`, which `ALTER TABLE
-/// .. RENAME` and `DROP TABLE` of an application's `AUTOINCREMENT` table
-/// update. (The one postroom counter there is `postroom_conflicts`': a
-/// handler rewriting it could only make an id of a conflict already gone
-/// be given again.) Not `sqlite_stat1`: it steers the engine's plans.
-const SQLITE_TABLES_WRITTEN: [&str; 5] = [
+/// writes: the schema tables (writing one directly needs `writable_schema`,
+/// which user code cannot set). Not `sqlite_sequence`: postroom's
+/// `AUTOINCREMENT` tables (`postroom_conflicts`, `postroom_retired_keys`)
+/// keep their counters there, and a counter set to `i64::MAX` would fail
+/// every later quarantine and retention pass, one deleted would give an id
+/// out twice. The price: user code cannot rename a table (SQLite updates
+/// `sqlite_sequence` on every rename once the file has one, and postroom's
+/// does) nor drop an `AUTOINCREMENT` one; do that outside handlers. Not `sqlite_stat1`: it steers the engine's plans.
+const SQLITE_TABLES_WRITTEN: [&str; 4] = [
     "sqlite_master",
     "sqlite_temp_master",
     "sqlite_schema",
     "sqlite_temp_schema",
-    "sqlite_sequence",
 ];
 
 /// True when user code may write rows of `table`: the application's
@@ -232,11 +233,20 @@ fn may_write(table: &str) -> bool {
 /// index or trigger on one. `None`: `action` is not a schema change.
 fn schema_change_allowed(action: &AuthAction<'_>) -> Option<bool> {
     let engine = match *action {
+        // The authorizer is not told the new name of `ALTER TABLE .. RENAME`,
+        // so a temporary table renamed `postroom_outbox` would shadow the
+        // real one on this connection (the engine's SQL names its tables
+        // unqualified) and take every later publish with it. The temp schema
+        // is this connection's alone: nothing of the application's needs an
+        // ALTER there.
+        AuthAction::AlterTable {
+            database_name,
+            table_name,
+        } => is_engine_object(table_name) || database_name.eq_ignore_ascii_case("temp"),
         AuthAction::CreateTable { table_name }
         | AuthAction::CreateTempTable { table_name }
         | AuthAction::DropTable { table_name }
         | AuthAction::DropTempTable { table_name }
-        | AuthAction::AlterTable { table_name, .. }
         | AuthAction::CreateVtable { table_name, .. }
         | AuthAction::DropVtable { table_name, .. } => is_engine_object(table_name),
         AuthAction::CreateIndex {

@@ -336,7 +336,9 @@ fn a_handler_never_gets_the_engines_cached_statements() {
 
 /// What a handler may do stays possible: savepoints of its own (and
 /// `Tx::savepoint`, whose rolled-back publishes are gone), tables with
-/// AUTOINCREMENT created, renamed and dropped, reading postroom's tables.
+/// created and dropped, one with AUTOINCREMENT created and written, reading
+/// postroom's tables. (Renaming a table is refused: SQLite then updates
+/// `sqlite_sequence`, which holds postroom's counters.)
 #[test]
 fn a_handlers_own_savepoints_and_schema_work() {
     let dir = tempfile::tempdir().unwrap();
@@ -348,10 +350,11 @@ fn a_handlers_own_savepoints_and_schema_work() {
             "c",
             handler_fn(|tx, msg| {
                 tx.execute_batch(
-                    "CREATE TABLE IF NOT EXISTS auto (id INTEGER PRIMARY KEY AUTOINCREMENT, v);
+                    "CREATE TABLE IF NOT EXISTS plain (id INTEGER PRIMARY KEY, v);
+                     INSERT INTO plain (v) VALUES (1);
+                     DROP TABLE plain;
+                     CREATE TABLE IF NOT EXISTS auto (id INTEGER PRIMARY KEY AUTOINCREMENT, v);
                      INSERT INTO auto (v) VALUES (1);
-                     ALTER TABLE auto RENAME TO auto2;
-                     DROP TABLE auto2;
                      SAVEPOINT mine; INSERT INTO applied VALUES ('x', 'y', NULL);
                      ROLLBACK TO mine; RELEASE mine;",
                 )?;
@@ -386,4 +389,73 @@ fn a_handlers_own_savepoints_and_schema_work() {
         0
     );
     integrity_ok(&conn);
+}
+
+/// The authorizer is not told the new name of `ALTER TABLE .. RENAME`: a
+/// temporary table renamed `postroom_outbox` shadowed the real outbox on the
+/// write connection, and every later publish went into it, answered
+/// `Processed` and was gone at shutdown (a hostile review of issue 31's
+/// fixes; failed before: 0 rows in the outbox). Renames in the temp schema
+/// are refused.
+#[test]
+fn a_temporary_table_renamed_into_postroom_s_namespace_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let room = Postroom::builder()
+        .workers(0)
+        .consumer(
+            "pub",
+            handler_fn(|tx, msg| {
+                tx.publish(postroom::Outgoing::new("t", msg.payload().to_vec()))?;
+                Ok(())
+            }),
+        )
+        .open(&path)
+        .unwrap();
+    let renamed = room.transaction(|tx| {
+        Ok(tx.execute_batch(
+            "CREATE TEMP TABLE x (seq INTEGER PRIMARY KEY, message_id TEXT NOT NULL UNIQUE,
+               topic TEXT NOT NULL, key TEXT, payload BLOB NOT NULL, headers TEXT,
+               status TEXT NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, last_error TEXT,
+               created_at INTEGER NOT NULL, next_attempt_at INTEGER NOT NULL, sent_at INTEGER,
+               cause_consumer TEXT, cause_source TEXT, cause_message_id TEXT);
+             ALTER TABLE temp.x RENAME TO postroom_outbox;",
+        )?)
+    });
+    let err = renamed.expect_err("a rename in the temp schema must be refused");
+    assert!(err.to_string().contains("not authorized"), "{err}");
+    assert!(matches!(
+        room.deliver("pub", Message::new("s", "m1", "hello"))
+            .unwrap(),
+        Outcome::Processed { .. }
+    ));
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    drop(room);
+    let conn = raw(&path);
+    assert_eq!(count(&conn, "SELECT count(*) FROM postroom_outbox"), 1);
+}
+
+/// `sqlite_sequence` holds the counters of postroom's AUTOINCREMENT tables:
+/// a handler that set `postroom_conflicts`' to i64::MAX made every later
+/// conflict fail `StorageFull`, retryably, for ever (failed before: the
+/// conflicting delivery answered `Err(StorageFull)`). User code may not
+/// write it.
+#[test]
+fn a_handler_cannot_write_the_autoincrement_counters() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let room = room(&path);
+    let written = room.transaction(|tx| {
+        Ok(tx.execute_batch(
+            "INSERT INTO sqlite_sequence (name, seq) VALUES ('postroom_conflicts', 9223372036854775807);",
+        )?)
+    });
+    let err = written.expect_err("a write to sqlite_sequence must be refused");
+    assert!(err.to_string().contains("not authorized"), "{err}");
+    room.deliver("c", Message::new("s", "m1", "a")).unwrap();
+    assert!(matches!(
+        room.deliver("c", Message::new("s", "m1", "b")).unwrap(),
+        Outcome::Conflict { .. }
+    ));
+    room.shutdown(Duration::from_secs(10)).unwrap();
 }

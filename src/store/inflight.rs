@@ -400,10 +400,23 @@ impl DatabaseLock {
                     let opened = key_of(&file.metadata().map_err(err)?);
                     // Kept even when it is not the file `key` names (replaced
                     // in between): it may not be closed either.
-                    registry.entry(opened).or_insert(Registered {
-                        file: Arc::clone(&file),
-                        held: false,
-                    });
+                    match registry.entry(opened) {
+                        std::collections::hash_map::Entry::Vacant(slot) => {
+                            slot.insert(Registered {
+                                file: Arc::clone(&file),
+                                held: false,
+                            });
+                        }
+                        // The path was swapped back to a file already
+                        // registered (`key` was not): this second descriptor
+                        // of it may not be closed either, or the process's
+                        // POSIX locks on it (SQLite's) would go. Leaked, as
+                        // every registered descriptor is.
+                        std::collections::hash_map::Entry::Occupied(_) => {
+                            std::mem::forget(file);
+                            continue;
+                        }
+                    }
                     if opened != key {
                         continue;
                     }
@@ -779,7 +792,8 @@ mod tests {
         assert!(back.message_id.len() > 1000 && back.message_id.len() < SLOW_BYTES);
         // User bytes that happen to form a valid claim slot, in the
         // record's room: recovery never reads them as a claim.
-        file.held.file
+        file.held
+            .file
             .write_all_at(&encode_slot(7, 9), SLOW_OFFSET + 64)
             .unwrap();
         assert_eq!(file.started_claims().unwrap(), vec![]);
