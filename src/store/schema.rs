@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::failpoint;
 
 /// The newest schema version this library knows.
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 7;
 
 /// The schema, applied in one transaction to a database without one.
 pub const SCHEMA_SQL: &str = include_str!("../../schema.sql");
@@ -318,23 +318,31 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             migrate_v3(&tx)?;
             migrate_v4(&tx)?;
             migrate_v5(&tx)?;
+            migrate_v6(&tx)?;
         }
         Some(2) => {
             migrate_v2(&tx)?;
             migrate_v3(&tx)?;
             migrate_v4(&tx)?;
             migrate_v5(&tx)?;
+            migrate_v6(&tx)?;
         }
         Some(3) => {
             migrate_v3(&tx)?;
             migrate_v4(&tx)?;
             migrate_v5(&tx)?;
+            migrate_v6(&tx)?;
         }
         Some(4) => {
             migrate_v4(&tx)?;
             migrate_v5(&tx)?;
+            migrate_v6(&tx)?;
         }
-        Some(5) => migrate_v5(&tx)?,
+        Some(5) => {
+            migrate_v5(&tx)?;
+            migrate_v6(&tx)?;
+        }
+        Some(6) => migrate_v6(&tx)?,
         // Each step above takes the file from `found` to `found + 1`.
         Some(found) => check_version(found)?,
     }
@@ -535,6 +543,37 @@ fn migrate_v5(tx: &Connection) -> Result<()> {
     add_missing(tx, 6)
         .and_then(|()| add_instance_id(tx))
         .map_err(|e| Error::sqlite("migrate schema 5 to 6", e))
+}
+
+/// Version 6 to 7: ordering-key heads (schema.sql, `postroom_inbox_heads`,
+/// `postroom_outbox_heads`), so that a key held back by a failing head
+/// costs the due queries one row, not its backlog. `postroom_inbox_due`
+/// now holds only rows without a key: dropped and made again. The heads
+/// are filled from the unfinished rows (one pass over the ordering
+/// indexes); the triggers keep them from then on.
+fn migrate_v6(tx: &Connection) -> Result<()> {
+    log::info!("postroom: migrating schema 6 to 7");
+    tx.execute_batch("DROP INDEX IF EXISTS postroom_inbox_due;")
+        .and_then(|()| add_missing(tx, 7))
+        .and_then(|()| fill_heads(tx))
+        .map_err(|e| Error::sqlite("migrate schema 6 to 7", e))
+}
+
+/// Sets both head tables from the rows: each key's lowest unfinished inbox
+/// id (per consumer) and lowest pending outbox seq.
+pub(crate) fn fill_heads(tx: &Connection) -> rusqlite::Result<()> {
+    tx.execute_batch(
+        "DELETE FROM postroom_inbox_heads;
+         INSERT INTO postroom_inbox_heads (consumer, ordering_key, head_id)
+         SELECT consumer, ordering_key, min(id) FROM postroom_inbox
+         WHERE ordering_key IS NOT NULL AND status IN ('pending', 'processing', 'failed')
+         GROUP BY consumer, ordering_key;
+         DELETE FROM postroom_outbox_heads;
+         INSERT INTO postroom_outbox_heads (key, head_seq)
+         SELECT key, min(seq) FROM postroom_outbox
+         WHERE key IS NOT NULL AND status = 'pending'
+         GROUP BY key;",
+    )
 }
 
 /// Gives the file its instance id (schema version 6): 128 random bits,
