@@ -557,7 +557,7 @@ fn a_version_6_file_gets_the_heads_of_its_keys_and_runs_them_in_order() {
         let insert = "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
                 payload_hash, ordering_key, attempts, last_error, received_at, updated_at,
                 next_attempt_at, processed_at, queued)
-            VALUES ('orders', 'shop', ?1, ?2, ?1, ?3, ?4, ?5, ?6, 2000, 2000, NULL, ?7, 1)";
+            VALUES ('orders', 'shop', ?1, ?2, ?8, ?3, ?4, ?5, ?6, 2000, 2000, NULL, ?7, 1)";
         for (id, status, key, attempts, error, processed) in [
             ("k-1", "failed", "k", 1, Some("boom"), None),
             ("j-1", "completed", "j", 1, None, Some(2000)),
@@ -567,7 +567,16 @@ fn a_version_6_file_gets_the_heads_of_its_keys_and_runs_them_in_order() {
         ] {
             conn.execute(
                 insert,
-                params![id, status, digest(id), key, attempts, error, processed],
+                params![
+                    id,
+                    status,
+                    digest(id),
+                    key,
+                    attempts,
+                    error,
+                    processed,
+                    id.as_bytes()
+                ],
             )
             .unwrap();
         }
@@ -597,13 +606,27 @@ fn a_version_6_file_gets_the_heads_of_its_keys_and_runs_them_in_order() {
         assert_eq!(heads, ["o=o-2"], "from version {version}");
         let runs = Arc::new(AtomicU32::new(0));
         let room = open(&db, &runs);
-        eventually(30, "the keyed rows processed", || {
-            count(
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let done = loop {
+            let left = count(
                 &conn,
                 "SELECT count(*) FROM postroom_inbox WHERE ordering_key IS NOT NULL
                    AND status <> 'completed'",
-            ) == 0
-        });
+            );
+            if left == 0 || Instant::now() > deadline {
+                break left == 0;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(
+            done,
+            "from version {version}: {:?} heads {:?}",
+            column::<Vec<String>>(&conn, DUMP_INBOX),
+            column::<Vec<String>>(
+                &conn,
+                "SELECT consumer || '/' || ordering_key || '=' || head_id FROM postroom_inbox_heads"
+            )
+        );
         let order: Vec<String> = column(
             &conn,
             "SELECT message_id FROM applied WHERE message_id LIKE 'k-%' ORDER BY rowid",
