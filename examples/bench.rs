@@ -1697,7 +1697,9 @@ mod engine {
                 return Err(format!("message {i}: {receipt:?}").into());
             }
             let step = Duration::from_micros(100);
-            if !wait(step, Duration::from_secs(30), || Ok(processed(probe)? > base))? {
+            if !wait(step, Duration::from_secs(30), || {
+                Ok(processed(probe)? > base)
+            })? {
                 return Err(format!("message {i} was not processed in 30 s").into());
             }
             latencies.push(called.elapsed());

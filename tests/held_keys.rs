@@ -226,12 +226,20 @@ fn other_keys_are_relayed_while_a_held_key_waits_with_its_backlog() {
     eventually(120, "the other keys relayed", || {
         got.lock().unwrap().len() == others.len()
     });
-    assert_eq!(*got.lock().unwrap(), others, "only the other keys, in order");
+    assert_eq!(
+        *got.lock().unwrap(),
+        others,
+        "only the other keys, in order"
+    );
     down.store(false, Ordering::SeqCst);
     clock.advance(HOUR + Duration::from_secs(1));
     eventually(300, "the held key's backlog relayed", || {
         got.lock().unwrap().len() == others.len() + ids.len()
     });
-    assert_eq!(got.lock().unwrap()[others.len()..], ids[..], "doc-1 in order");
+    assert_eq!(
+        got.lock().unwrap()[others.len()..],
+        ids[..],
+        "doc-1 in order"
+    );
     room.shutdown(Duration::from_secs(30)).unwrap();
 }

@@ -597,7 +597,11 @@ fn a_version_6_file_gets_the_heads_of_its_keys_and_runs_them_in_order() {
              FROM postroom_inbox_heads h JOIN postroom_inbox i ON i.id = h.head_id
              ORDER BY h.ordering_key",
         );
-        assert_eq!(heads, ["orders/j=j-2", "orders/k=k-1"], "from version {version}");
+        assert_eq!(
+            heads,
+            ["orders/j=j-2", "orders/k=k-1"],
+            "from version {version}"
+        );
         let heads: Vec<String> = column(
             &conn,
             "SELECT h.key || '=' || o.message_id FROM postroom_outbox_heads h

@@ -806,8 +806,11 @@ mod tests {
         assert_eq!(inbox_heads(&conn)[0], ("c/a".into(), 2));
         set(7, "completed"); // the last row of a key: no head
         assert!(!inbox_heads(&conn).iter().any(|(k, _)| k == "c/b"));
-        conn.execute("UPDATE postroom_inbox SET ordering_key = 'b' WHERE id = 2", [])
-            .unwrap(); // a hand edit: both keys looked up again
+        conn.execute(
+            "UPDATE postroom_inbox SET ordering_key = 'b' WHERE id = 2",
+            [],
+        )
+        .unwrap(); // a hand edit: both keys looked up again
         assert_eq!(
             inbox_heads(&conn),
             [("c/a".into(), 4), ("c/b".into(), 2), ("d/a".into(), 5)]
@@ -831,8 +834,11 @@ mod tests {
         out(3, Some("k"), "pending");
         out(4, None, "pending");
         assert_eq!(outbox_heads(&conn), [("k".into(), 2)]);
-        conn.execute("UPDATE postroom_outbox SET status = 'dead' WHERE seq = 2", [])
-            .unwrap();
+        conn.execute(
+            "UPDATE postroom_outbox SET status = 'dead' WHERE seq = 2",
+            [],
+        )
+        .unwrap();
         assert_eq!(outbox_heads(&conn), [("k".into(), 3)]);
         conn.execute(
             "UPDATE postroom_outbox SET status = 'pending' WHERE seq = 2",
