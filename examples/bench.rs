@@ -1636,6 +1636,7 @@ mod engine {
         let tx = conn.transaction()?;
         let (now, later) = (now_ms(), now_ms() + 86_400_000);
         let digest = blake3::hash(b"held").as_bytes().to_vec();
+        let held = i64::try_from(held)?;
         if outbox {
             tx.execute(
                 "INSERT INTO postroom_outbox (message_id, topic, key, payload, status, attempts,
