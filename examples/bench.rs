@@ -2894,7 +2894,7 @@ fn row_notes(r: &Row) -> String {
             thousands(rate.round() as u64)
         ));
     }
-    if r.paced {
+    if r.paced && r.after_return_p50_us.is_some() {
         parts.push(format!(
             "from deliver() returning: p50 {} p99 {} max {}",
             fmt_us(r.after_return_p50_us),
