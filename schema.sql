@@ -209,7 +209,9 @@ BEGIN
 END;
 
 -- A row finishes (completed, dead) or comes back (redriven): its key's
--- head is looked up again, one step down postroom_inbox_ordering.
+-- head is looked up again, one step down postroom_inbox_ordering (ORDER BY
+-- … LIMIT 1: min() in a subquery loses SQLite's min optimisation and reads
+-- every unfinished row of the key, which made draining a key quadratic).
 CREATE TRIGGER IF NOT EXISTS postroom_inbox_head_status
 AFTER UPDATE OF status ON postroom_inbox
 WHEN NEW.ordering_key IS NOT NULL AND OLD.ordering_key IS NEW.ordering_key
@@ -219,11 +221,10 @@ BEGIN
     DELETE FROM postroom_inbox_heads
     WHERE consumer = NEW.consumer AND ordering_key = NEW.ordering_key;
     INSERT INTO postroom_inbox_heads (consumer, ordering_key, head_id)
-    SELECT NEW.consumer, NEW.ordering_key, head FROM (
-        SELECT min(id) AS head FROM postroom_inbox
-        WHERE consumer = NEW.consumer AND ordering_key = NEW.ordering_key
-          AND status IN ('pending', 'processing', 'failed'))
-    WHERE head IS NOT NULL;
+    SELECT consumer, ordering_key, id FROM postroom_inbox
+    WHERE consumer = NEW.consumer AND ordering_key = NEW.ordering_key
+      AND status IN ('pending', 'processing', 'failed')
+    ORDER BY id LIMIT 1;
 END;
 
 -- A row's key changed (only by hand: postroom never does): both keys'
@@ -235,17 +236,15 @@ BEGIN
     DELETE FROM postroom_inbox_heads
     WHERE consumer = OLD.consumer AND ordering_key IN (OLD.ordering_key, NEW.ordering_key);
     INSERT INTO postroom_inbox_heads (consumer, ordering_key, head_id)
-    SELECT OLD.consumer, OLD.ordering_key, head FROM (
-        SELECT min(id) AS head FROM postroom_inbox
-        WHERE consumer = OLD.consumer AND ordering_key = OLD.ordering_key
-          AND status IN ('pending', 'processing', 'failed'))
-    WHERE head IS NOT NULL;
+    SELECT consumer, ordering_key, id FROM postroom_inbox
+    WHERE consumer = OLD.consumer AND ordering_key = OLD.ordering_key
+      AND status IN ('pending', 'processing', 'failed')
+    ORDER BY id LIMIT 1;
     INSERT INTO postroom_inbox_heads (consumer, ordering_key, head_id)
-    SELECT NEW.consumer, NEW.ordering_key, head FROM (
-        SELECT min(id) AS head FROM postroom_inbox
-        WHERE consumer = NEW.consumer AND ordering_key = NEW.ordering_key
-          AND status IN ('pending', 'processing', 'failed'))
-    WHERE head IS NOT NULL;
+    SELECT consumer, ordering_key, id FROM postroom_inbox
+    WHERE consumer = NEW.consumer AND ordering_key = NEW.ordering_key
+      AND status IN ('pending', 'processing', 'failed')
+    ORDER BY id LIMIT 1;
 END;
 
 -- An unfinished row deleted (by hand, or an operator's tool): its key's
@@ -257,11 +256,10 @@ BEGIN
     DELETE FROM postroom_inbox_heads
     WHERE consumer = OLD.consumer AND ordering_key = OLD.ordering_key;
     INSERT INTO postroom_inbox_heads (consumer, ordering_key, head_id)
-    SELECT OLD.consumer, OLD.ordering_key, head FROM (
-        SELECT min(id) AS head FROM postroom_inbox
-        WHERE consumer = OLD.consumer AND ordering_key = OLD.ordering_key
-          AND status IN ('pending', 'processing', 'failed'))
-    WHERE head IS NOT NULL;
+    SELECT consumer, ordering_key, id FROM postroom_inbox
+    WHERE consumer = OLD.consumer AND ordering_key = OLD.ordering_key
+      AND status IN ('pending', 'processing', 'failed')
+    ORDER BY id LIMIT 1;
 END;
 
 -- Rows of a key in progress (schema version 7): a redriven head must not
@@ -536,10 +534,8 @@ WHEN NEW.key IS NOT NULL AND OLD.key IS NEW.key
 BEGIN
     DELETE FROM postroom_outbox_heads WHERE key = NEW.key;
     INSERT INTO postroom_outbox_heads (key, head_seq)
-    SELECT NEW.key, head FROM (
-        SELECT min(seq) AS head FROM postroom_outbox
-        WHERE key = NEW.key AND status = 'pending')
-    WHERE head IS NOT NULL;
+    SELECT key, seq FROM postroom_outbox WHERE key = NEW.key AND status = 'pending'
+    ORDER BY seq LIMIT 1;
 END;
 
 CREATE TRIGGER IF NOT EXISTS postroom_outbox_head_rekey
@@ -548,15 +544,11 @@ WHEN OLD.key IS NOT NEW.key
 BEGIN
     DELETE FROM postroom_outbox_heads WHERE key IN (OLD.key, NEW.key);
     INSERT INTO postroom_outbox_heads (key, head_seq)
-    SELECT OLD.key, head FROM (
-        SELECT min(seq) AS head FROM postroom_outbox
-        WHERE key = OLD.key AND status = 'pending')
-    WHERE head IS NOT NULL;
+    SELECT key, seq FROM postroom_outbox WHERE key = OLD.key AND status = 'pending'
+    ORDER BY seq LIMIT 1;
     INSERT INTO postroom_outbox_heads (key, head_seq)
-    SELECT NEW.key, head FROM (
-        SELECT min(seq) AS head FROM postroom_outbox
-        WHERE key = NEW.key AND status = 'pending')
-    WHERE head IS NOT NULL;
+    SELECT key, seq FROM postroom_outbox WHERE key = NEW.key AND status = 'pending'
+    ORDER BY seq LIMIT 1;
 END;
 
 CREATE TRIGGER IF NOT EXISTS postroom_outbox_head_delete
@@ -565,10 +557,8 @@ WHEN OLD.key IS NOT NULL AND OLD.status = 'pending'
 BEGIN
     DELETE FROM postroom_outbox_heads WHERE key = OLD.key;
     INSERT INTO postroom_outbox_heads (key, head_seq)
-    SELECT OLD.key, head FROM (
-        SELECT min(seq) AS head FROM postroom_outbox
-        WHERE key = OLD.key AND status = 'pending')
-    WHERE head IS NOT NULL;
+    SELECT key, seq FROM postroom_outbox WHERE key = OLD.key AND status = 'pending'
+    ORDER BY seq LIMIT 1;
 END;
 
 CREATE INDEX IF NOT EXISTS postroom_outbox_sent
