@@ -1,4 +1,4 @@
--- postroom schema, version 6.
+-- postroom schema, version 7.
 --
 -- Applied in one transaction when a database is opened for the first time.
 -- Every statement is `IF NOT EXISTS`: the migration from version 1 renames
@@ -170,12 +170,104 @@ BEGIN
     SELECT RAISE(ABORT, 'postroom_inbox: a row''s id, key and payload digest never change');
 END;
 
--- What workers may claim, in receive order: queued rows pending, or failed
--- (next_attempt_at is checked while scanning; rows waiting out a backoff are
--- few compared with the backlog).
+-- What workers may claim of the rows without an ordering key, in receive
+-- order: queued rows pending, or failed (next_attempt_at is checked while
+-- scanning; rows waiting out a backoff are few compared with the backlog).
+-- Rows with a key are found through postroom_inbox_heads instead (schema
+-- version 7; before, this index held them too, and the due query walked a
+-- held key's whole backlog on every batch).
 CREATE INDEX IF NOT EXISTS postroom_inbox_due
     ON postroom_inbox (consumer, id)
-    WHERE queued = 1 AND status IN ('pending', 'failed');
+    WHERE queued = 1 AND status IN ('pending', 'failed') AND ordering_key IS NULL;
+
+-- The head of each ordering key (schema version 7): the lowest id of its
+-- unfinished rows (pending, processing or failed), the only row of the key
+-- that may run. The due query reads heads, never the rows behind them, so
+-- a key held back by a failing head costs it one row however long its
+-- backlog. Kept by the triggers below, in the transaction that changes
+-- the inbox, whatever changes it (checked by `postroom check`).
+CREATE TABLE IF NOT EXISTS postroom_inbox_heads (
+    consumer     TEXT    NOT NULL,
+    ordering_key TEXT    NOT NULL,
+    head_id      INTEGER NOT NULL,
+    PRIMARY KEY (consumer, ordering_key)
+) WITHOUT ROWID;
+
+-- Heads in receive order, for the due query.
+CREATE INDEX IF NOT EXISTS postroom_inbox_heads_id
+    ON postroom_inbox_heads (consumer, head_id);
+
+-- A new unfinished row of a key: the head unless the key has an earlier one.
+CREATE TRIGGER IF NOT EXISTS postroom_inbox_head_insert
+AFTER INSERT ON postroom_inbox
+WHEN NEW.ordering_key IS NOT NULL AND NEW.status IN ('pending', 'processing', 'failed')
+BEGIN
+    INSERT INTO postroom_inbox_heads (consumer, ordering_key, head_id)
+    VALUES (NEW.consumer, NEW.ordering_key, NEW.id)
+    ON CONFLICT (consumer, ordering_key) DO UPDATE SET head_id = excluded.head_id
+    WHERE excluded.head_id < head_id;
+END;
+
+-- A row finishes (completed, dead) or comes back (redriven): its key's
+-- head is looked up again, one step down postroom_inbox_ordering (ORDER BY
+-- … LIMIT 1: min() in a subquery loses SQLite's min optimisation and reads
+-- every unfinished row of the key, which made draining a key quadratic).
+CREATE TRIGGER IF NOT EXISTS postroom_inbox_head_status
+AFTER UPDATE OF status ON postroom_inbox
+WHEN NEW.ordering_key IS NOT NULL AND OLD.ordering_key IS NEW.ordering_key
+  AND (OLD.status IN ('pending', 'processing', 'failed'))
+      <> (NEW.status IN ('pending', 'processing', 'failed'))
+BEGIN
+    DELETE FROM postroom_inbox_heads
+    WHERE consumer = NEW.consumer AND ordering_key = NEW.ordering_key;
+    INSERT INTO postroom_inbox_heads (consumer, ordering_key, head_id)
+    SELECT consumer, ordering_key, id FROM postroom_inbox
+    WHERE consumer = NEW.consumer AND ordering_key = NEW.ordering_key
+      AND status IN ('pending', 'processing', 'failed')
+    ORDER BY id LIMIT 1;
+END;
+
+-- A row's key changed (only by hand: postroom never does): both keys'
+-- heads are looked up again.
+CREATE TRIGGER IF NOT EXISTS postroom_inbox_head_rekey
+AFTER UPDATE OF ordering_key ON postroom_inbox
+WHEN OLD.ordering_key IS NOT NEW.ordering_key
+BEGIN
+    DELETE FROM postroom_inbox_heads
+    WHERE consumer = OLD.consumer AND ordering_key IN (OLD.ordering_key, NEW.ordering_key);
+    INSERT INTO postroom_inbox_heads (consumer, ordering_key, head_id)
+    SELECT consumer, ordering_key, id FROM postroom_inbox
+    WHERE consumer = OLD.consumer AND ordering_key = OLD.ordering_key
+      AND status IN ('pending', 'processing', 'failed')
+    ORDER BY id LIMIT 1;
+    INSERT INTO postroom_inbox_heads (consumer, ordering_key, head_id)
+    SELECT consumer, ordering_key, id FROM postroom_inbox
+    WHERE consumer = NEW.consumer AND ordering_key = NEW.ordering_key
+      AND status IN ('pending', 'processing', 'failed')
+    ORDER BY id LIMIT 1;
+END;
+
+-- An unfinished row deleted (by hand, or an operator's tool): its key's
+-- head is looked up again.
+CREATE TRIGGER IF NOT EXISTS postroom_inbox_head_delete
+AFTER DELETE ON postroom_inbox
+WHEN OLD.ordering_key IS NOT NULL AND OLD.status IN ('pending', 'processing', 'failed')
+BEGIN
+    DELETE FROM postroom_inbox_heads
+    WHERE consumer = OLD.consumer AND ordering_key = OLD.ordering_key;
+    INSERT INTO postroom_inbox_heads (consumer, ordering_key, head_id)
+    SELECT consumer, ordering_key, id FROM postroom_inbox
+    WHERE consumer = OLD.consumer AND ordering_key = OLD.ordering_key
+      AND status IN ('pending', 'processing', 'failed')
+    ORDER BY id LIMIT 1;
+END;
+
+-- Rows of a key in progress (schema version 7): a redriven head must not
+-- run beside a later row of its key that is running. Claimed rows only
+-- (effectful consumers), so few.
+CREATE INDEX IF NOT EXISTS postroom_inbox_busy
+    ON postroom_inbox (consumer, ordering_key)
+    WHERE status = 'processing' AND ordering_key IS NOT NULL;
 
 -- Unfinished rows per ordering key: a row may be claimed only when no
 -- earlier row of its key is still pending, processing or failed.
@@ -398,6 +490,76 @@ CREATE INDEX IF NOT EXISTS postroom_outbox_pending
 CREATE INDEX IF NOT EXISTS postroom_outbox_key
     ON postroom_outbox (key, seq)
     WHERE key IS NOT NULL AND status = 'pending';
+
+-- Pending rows without a key, in commit order (schema version 7): what the
+-- relay reads of them, without walking the keyed rows.
+CREATE INDEX IF NOT EXISTS postroom_outbox_unkeyed
+    ON postroom_outbox (seq)
+    WHERE status = 'pending' AND key IS NULL;
+
+-- Pending keyed rows that failed once (a backoff set next_attempt_at; new
+-- and redriven rows hold 0), schema version 7: the relay stops a key's
+-- rows at the first one still waiting, found here among few rows instead
+-- of among the key's whole backlog.
+CREATE INDEX IF NOT EXISTS postroom_outbox_waiting
+    ON postroom_outbox (key, seq)
+    WHERE status = 'pending' AND key IS NOT NULL AND next_attempt_at > 0;
+
+-- The head of each key (schema version 7): its lowest pending seq. The
+-- relay reads keys through their heads, in commit order, and skips a key
+-- whose head waits out a backoff at the cost of one row, however many
+-- rows wait behind it. Kept by the triggers below (checked by `postroom
+-- check`).
+CREATE TABLE IF NOT EXISTS postroom_outbox_heads (
+    key      TEXT    PRIMARY KEY,
+    head_seq INTEGER NOT NULL
+) WITHOUT ROWID;
+
+CREATE INDEX IF NOT EXISTS postroom_outbox_heads_seq
+    ON postroom_outbox_heads (head_seq);
+
+CREATE TRIGGER IF NOT EXISTS postroom_outbox_head_insert
+AFTER INSERT ON postroom_outbox
+WHEN NEW.key IS NOT NULL AND NEW.status = 'pending'
+BEGIN
+    INSERT INTO postroom_outbox_heads (key, head_seq) VALUES (NEW.key, NEW.seq)
+    ON CONFLICT (key) DO UPDATE SET head_seq = excluded.head_seq
+    WHERE excluded.head_seq < head_seq;
+END;
+
+CREATE TRIGGER IF NOT EXISTS postroom_outbox_head_status
+AFTER UPDATE OF status ON postroom_outbox
+WHEN NEW.key IS NOT NULL AND OLD.key IS NEW.key
+  AND (OLD.status = 'pending') <> (NEW.status = 'pending')
+BEGIN
+    DELETE FROM postroom_outbox_heads WHERE key = NEW.key;
+    INSERT INTO postroom_outbox_heads (key, head_seq)
+    SELECT key, seq FROM postroom_outbox WHERE key = NEW.key AND status = 'pending'
+    ORDER BY seq LIMIT 1;
+END;
+
+CREATE TRIGGER IF NOT EXISTS postroom_outbox_head_rekey
+AFTER UPDATE OF key ON postroom_outbox
+WHEN OLD.key IS NOT NEW.key
+BEGIN
+    DELETE FROM postroom_outbox_heads WHERE key IN (OLD.key, NEW.key);
+    INSERT INTO postroom_outbox_heads (key, head_seq)
+    SELECT key, seq FROM postroom_outbox WHERE key = OLD.key AND status = 'pending'
+    ORDER BY seq LIMIT 1;
+    INSERT INTO postroom_outbox_heads (key, head_seq)
+    SELECT key, seq FROM postroom_outbox WHERE key = NEW.key AND status = 'pending'
+    ORDER BY seq LIMIT 1;
+END;
+
+CREATE TRIGGER IF NOT EXISTS postroom_outbox_head_delete
+AFTER DELETE ON postroom_outbox
+WHEN OLD.key IS NOT NULL AND OLD.status = 'pending'
+BEGIN
+    DELETE FROM postroom_outbox_heads WHERE key = OLD.key;
+    INSERT INTO postroom_outbox_heads (key, head_seq)
+    SELECT key, seq FROM postroom_outbox WHERE key = OLD.key AND status = 'pending'
+    ORDER BY seq LIMIT 1;
+END;
 
 CREATE INDEX IF NOT EXISTS postroom_outbox_sent
     ON postroom_outbox (sent_at)

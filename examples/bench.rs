@@ -96,6 +96,16 @@
 //!   its outbox row coming out of the channel (the notes add the time from
 //!   `deliver()` returning: the true commit-to-sink time lies between).
 //!   Paced, so msgs/s is blank.
+//! * `held key: …` rows (issue 32): each measure twice, on a database with
+//!   no backlog and on one where 1,000,000 rows (50,000 with `--quick`) of
+//!   one ordering key wait behind a head that retries in a day, written by
+//!   SQL before the engine opens with default settings: `deliver 1 caller
+//!   FULL` (the bench consumer's inbox holds the held key; the writer runs
+//!   queued processing between its batches), `queued latency, another key`
+//!   (`receive()` of a message with a key of its own until its handler
+//!   committed, one at a time, polled every 100 µs) and `relay latency,
+//!   another key` (the outbox holds the held key; as `relay latency`).
+//!   Compared by p99: the held row within 2x of the one with none held.
 //! * `… @1M` and `… @5M` rows: every FULL row above (deliver, 1 and 8
 //!   callers; duplicate storm; receive_batch 1000; queued end to end, 2 and
 //!   4 workers; relay drain; relay latency) and its floor again, with the
@@ -256,6 +266,9 @@ struct Plan {
     /// How long each pass of the memory scenario lets workers process the
     /// backlog.
     backlog_for: Duration,
+    /// Rows of one ordering key held behind a head that retries in a day
+    /// (the held-key rows).
+    held: u64,
 }
 
 impl Plan {
@@ -277,6 +290,7 @@ impl Plan {
             expired: 50_000,
             backlog: 50_000,
             backlog_for: Duration::from_secs(2),
+            held: 50_000,
         }
     }
 
@@ -298,6 +312,7 @@ impl Plan {
             expired: 1_000_000,
             backlog: 1_000_000,
             backlog_for: Duration::from_secs(10),
+            held: 1_000_000,
         }
     }
 }
@@ -373,6 +388,37 @@ enum Work {
     /// Engine: default settings opened on a pending backlog, processing it
     /// for `Plan::backlog_for`: what memory does the backlog cost?
     Backlog,
+    /// Engine: default settings on a database where `held` rows of one
+    /// ordering key wait behind a head that retries in a day (in the inbox
+    /// of the bench consumer, or in the outbox for `HeldWhat::Relay`),
+    /// measuring what another key's messages cost meanwhile.
+    HeldKey { what: HeldWhat, held: u64 },
+}
+
+/// What a held-key row measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HeldWhat {
+    /// One caller's `deliver()` p50/p99 (the writer runs queued processing
+    /// between its batches).
+    Deliver,
+    /// One message of another key at a time: `receive()` until its handler
+    /// committed (polled every 100 µs).
+    Queued,
+    /// One message at a time, `deliver()` until its outbox row reaches a
+    /// `ChannelSink` (as `relay latency`).
+    Relay,
+}
+
+impl HeldWhat {
+    const ALL: [HeldWhat; 3] = [HeldWhat::Deliver, HeldWhat::Queued, HeldWhat::Relay];
+
+    fn label(self) -> &'static str {
+        match self {
+            HeldWhat::Deliver => "deliver 1 caller FULL",
+            HeldWhat::Queued => "queued latency, another key",
+            HeldWhat::Relay => "relay latency, another key",
+        }
+    }
 }
 
 /// What a prefilled database holds besides postroom's empty tables.
@@ -525,6 +571,18 @@ fn retention_name(rows: u64, cleanup: bool) -> String {
     format!("retention {}: {what}", size(rows))
 }
 
+/// Every held-key row starts with this (`--only "held key"` runs them).
+const HELD_KEY: &str = "held key";
+
+fn held_name(what: HeldWhat, held: u64) -> String {
+    let held = if held == 0 {
+        "none held".to_owned()
+    } else {
+        format!("{} held", size(held))
+    };
+    format!("{HELD_KEY}: {}, {held}", what.label())
+}
+
 fn backlog_name(rows: u64) -> String {
     format!("peak RSS, {} pending backlog", size(rows))
 }
@@ -610,6 +668,32 @@ fn scenarios(plan: &Plan) -> Vec<Vec<Scenario>> {
     groups.push(eight);
     // (3) to (5): duplicates, queued mode and the relay.
     groups.extend(beyond_deliver(plan, 0));
+    // (5b) A held key: each measure with no backlog, then with `held` rows
+    // behind one head that retries in a day (issue 32).
+    groups.push(
+        HeldWhat::ALL
+            .into_iter()
+            .flat_map(|what| {
+                let count = match what {
+                    HeldWhat::Deliver => plan.one_full,
+                    HeldWhat::Queued | HeldWhat::Relay => plan.relay_latency,
+                };
+                let base = held_name(what, 0);
+                [
+                    Scenario::new(&base, Work::HeldKey { what, held: 0 }, count),
+                    Scenario::new(
+                        held_name(what, plan.held),
+                        Work::HeldKey {
+                            what,
+                            held: plan.held,
+                        },
+                        count,
+                    )
+                    .vs(&base),
+                ]
+            })
+            .collect(),
+    );
     // (6) Scale: the FULL rows above again, on copies of a database holding
     // retained rows; the floors run on copies of the same file.
     // After the first size, retention deleting a million expired rows while
@@ -1538,6 +1622,99 @@ mod engine {
         Ok(())
     }
 
+    /// Writes `held` rows of key `doc-1` behind a head that retries in a
+    /// day, by SQL on a file the engine created (its triggers keep their
+    /// tables): pending inbox rows of the bench consumer behind a failed
+    /// head, or (`outbox`) pending outbox rows behind one whose destination
+    /// was unavailable. The held rows are never due during the run, so
+    /// their payloads are empty.
+    pub fn hold_key(path: &Path, outbox: bool, held: u64) -> Res<()> {
+        let (room, _) = open_with(builder(SyncMode::Normal).workers(0), path)?;
+        let mut notes = Vec::new();
+        close(room, &mut notes)?;
+        let mut conn = Connection::open(path)?;
+        let tx = conn.transaction()?;
+        let (now, later) = (now_ms(), now_ms() + 86_400_000);
+        let digest = blake3::hash(b"held").as_bytes().to_vec();
+        let held = i64::try_from(held)?;
+        if outbox {
+            tx.execute(
+                "INSERT INTO postroom_outbox (message_id, topic, key, payload, status, attempts,
+                     last_error, created_at, next_attempt_at)
+                 VALUES ('doc-1/head', ?1, 'doc-1', x'', 'pending', 1, 'unavailable', ?2, ?3)",
+                params![OUT_TOPIC, now, later],
+            )?;
+            tx.execute(
+                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1)
+                 INSERT INTO postroom_outbox (message_id, topic, key, payload, status,
+                     created_at, next_attempt_at)
+                 SELECT 'doc-1/' || i, ?2, 'doc-1', x'', 'pending', ?3, 0 FROM n",
+                params![held, OUT_TOPIC, now],
+            )?;
+        } else {
+            tx.execute(
+                "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
+                     payload_hash, ordering_key, attempts, last_error, received_at, updated_at,
+                     next_attempt_at, queued)
+                 VALUES (?1, 'editor', 'doc-1/head', 'failed', 'held', ?2, 'doc-1', 1,
+                     'retry after a day', ?3, ?3, ?4, 1)",
+                params![CONSUMER, digest, now, later],
+            )?;
+            tx.execute(
+                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1)
+                 INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
+                     payload_hash, ordering_key, received_at, updated_at, queued)
+                 SELECT ?2, 'editor', 'doc-1/' || i, 'pending', x'', ?3, 'doc-1', ?4, ?4, 1
+                 FROM n",
+                params![held, CONSUMER, digest, now],
+            )?;
+        }
+        tx.commit()?;
+        drop(conn);
+        let _ = Command::new("sync").status();
+        Ok(())
+    }
+
+    /// Receives messages `0..count` of `seed`, each with an ordering key of
+    /// its own, one at a time, each timed from `receive()` called until
+    /// its handler committed (the domain counter, polled every 100 µs),
+    /// `RELAY_PACE` apart.
+    pub fn paced_queued(
+        room: &Postroom,
+        probe: &Connection,
+        seed: u64,
+        count: u64,
+        cap: Option<Duration>,
+    ) -> Res<Run> {
+        let start = Instant::now();
+        let mut latencies = Vec::new();
+        let mut i = 0;
+        while i < count && cap.is_none_or(|c| start.elapsed() < c) {
+            let msg = message(seed, i).with_ordering_key(format!("other-{seed:x}-{i}"));
+            let base = processed(probe)?;
+            let called = Instant::now();
+            let receipt = room.receive(CONSUMER, msg)?;
+            if receipt != Receipt::Accepted {
+                return Err(format!("message {i}: {receipt:?}").into());
+            }
+            let step = Duration::from_micros(100);
+            if !wait(step, Duration::from_secs(30), || {
+                Ok(processed(probe)? > base)
+            })? {
+                return Err(format!("message {i} was not processed in 30 s").into());
+            }
+            latencies.push(called.elapsed());
+            i += 1;
+            thread::sleep(RELAY_PACE);
+        }
+        Ok(Run {
+            messages: i,
+            elapsed: start.elapsed(),
+            latencies,
+            cpu: None,
+        })
+    }
+
     /// Delivers messages `0..count` of `seed` one at a time, `RELAY_PACE`
     /// apart, each timed until its outbox row comes out of `rx`: from
     /// `deliver()` called (the first vector) and from it returning.
@@ -2164,8 +2341,63 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
         }
         Work::Retention { cleanup } => retention(s, plan, &path, cleanup, count, cap, &mut m)?,
         Work::Backlog => backlog(s, plan, &path, &mut m)?,
+        Work::HeldKey { what, held } => held_key(s, plan, &path, what, held, count, cap, &mut m)?,
     }
     Ok(m)
+}
+
+/// The held-key rows: `held` rows of key `doc-1` (the bench consumer's
+/// inbox, or the outbox) written behind a head that retries in a day, then
+/// the engine opened with default settings and timed as `what` says.
+#[allow(clippy::too_many_arguments)]
+fn held_key(
+    s: &Scenario,
+    plan: &Plan,
+    path: &Path,
+    what: HeldWhat,
+    held: u64,
+    count: u64,
+    cap: Duration,
+    m: &mut Measured,
+) -> Res<()> {
+    let seed = ids::seed_of(&s.name);
+    let warm = seed ^ 0xFFFF;
+    if held > 0 {
+        let t = Instant::now();
+        engine::hold_key(path, what == HeldWhat::Relay, held)?;
+        m.notes.push(format!(
+            "{} rows of one key written behind its held head in {:.1} s",
+            thousands(held),
+            t.elapsed().as_secs_f64()
+        ));
+    }
+    let expect = engine::Expect::Processed;
+    match what {
+        HeldWhat::Deliver => {
+            let (room, _) = engine::open(path, s.sync)?;
+            engine::drive(&room, 1, warm, plan.warmup, None, expect, None)?;
+            m.run = engine::drive(&room, 1, seed, count, Some(cap), expect, None)?;
+            engine::close(room, &mut m.notes)?;
+        }
+        HeldWhat::Queued => {
+            let (room, _) = engine::open(path, s.sync)?;
+            let probe = engine::probe(path)?;
+            engine::paced_queued(&room, &probe, warm, plan.warmup.min(50), None)?;
+            m.run = engine::paced_queued(&room, &probe, seed, count, Some(cap))?;
+            engine::close(room, &mut m.notes)?;
+        }
+        HeldWhat::Relay => {
+            let (tx, rx) = crossbeam_channel::unbounded();
+            let builder = engine::builder(s.sync).sink(ChannelSink::new(tx));
+            let (room, _) = engine::open_with(builder, path)?;
+            engine::paced_relay(&room, &rx, warm, plan.warmup.min(50), None)?;
+            let (run, after_return) = engine::paced_relay(&room, &rx, seed, count, Some(cap))?;
+            m.run = run;
+            m.after_return = after_return;
+            engine::close(room, &mut m.notes)?;
+        }
+    }
+    Ok(())
 }
 
 /// Receives everything first, then times the workers from the moment the
@@ -2522,6 +2754,7 @@ fn row_of(s: &Scenario, mut m: Measured, peak: Option<u64>, delta: Option<i64>) 
         Work::QueuedDrain { workers } => ("engine", None, Some(workers), None),
         Work::RelayDrain => ("engine", None, None, None),
         Work::Backlog => ("engine", None, Some(2), None),
+        Work::HeldKey { .. } => ("engine", Some(1), Some(2), None),
     };
     let queued = matches!(s.work, Work::QueuedDrain { .. } | Work::Backlog);
     Row {
@@ -2540,7 +2773,14 @@ fn row_of(s: &Scenario, mut m: Measured, peak: Option<u64>, delta: Option<i64>) 
         } else {
             0.0
         },
-        paced: matches!(s.work, Work::RelayLatency),
+        paced: matches!(
+            s.work,
+            Work::RelayLatency
+                | Work::HeldKey {
+                    what: HeldWhat::Queued | HeldWhat::Relay,
+                    ..
+                }
+        ),
         p50_us: p50,
         p99_us: p99,
         max_us: max,
@@ -2654,7 +2894,7 @@ fn row_notes(r: &Row) -> String {
             thousands(rate.round() as u64)
         ));
     }
-    if r.paced {
+    if r.paced && r.after_return_p50_us.is_some() {
         parts.push(format!(
             "from deliver() returning: p50 {} p99 {} max {}",
             fmt_us(r.after_return_p50_us),

@@ -2465,6 +2465,12 @@ pub enum FindingKind {
     /// inbox: an entry missing, wrong or without its row. Dedupe answers
     /// come from that table, so this breaks exactly-once.
     KeyTable,
+    /// An ordering key's head (`postroom_inbox_heads`,
+    /// `postroom_outbox_heads`) is not its lowest unfinished row: the due
+    /// queries read only heads, so the key would be held back for good or
+    /// run out of order. Kept by triggers: the file was changed outside
+    /// postroom.
+    HeadTable,
     /// A `processing` row whose lease has passed. Not a violation: the
     /// reaper, or the engine's next open, retries it.
     ExpiredLease,
@@ -2500,6 +2506,7 @@ impl fmt::Display for FindingKind {
             FindingKind::StatusFields => "status_fields",
             FindingKind::CauseNotCompleted => "cause_not_completed",
             FindingKind::KeyTable => "key_table",
+            FindingKind::HeadTable => "head_table",
             FindingKind::ExpiredLease => "expired_lease",
             FindingKind::WalDamage => "wal_damage",
             FindingKind::Trigger => "trigger",
@@ -2834,6 +2841,20 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
         })
     })
     .map_err(sql("check inbox keys"))?;
+    schema::head_mismatches(conn, |table, key, stored, expected| {
+        let show = |id: Option<i64>| id.map_or_else(|| "none".to_owned(), |id| id.to_string());
+        report.violation(Finding {
+            kind: FindingKind::HeadTable,
+            table,
+            id: stored.or(expected).unwrap_or_default(),
+            detail: format!(
+                "key {key:?}: head {}, but its lowest unfinished row is {}",
+                show(stored),
+                show(expected)
+            ),
+        })
+    })
+    .map_err(sql("check key heads"))?;
     let op = sql("check inbox");
     let mut stmt = conn
         .prepare(

@@ -1,4 +1,4 @@
-//! Schema migrations: a file written under schema version 1, 2, 3 or 5 (their DDL
+//! Schema migrations: a file written under schema version 1, 2, 3, 5 or 6 (their DDL
 //! kept in `tests/fixtures/`) opens under the current version with every
 //! row intact, gives the same dedupe answers as before, and a process
 //! killed in the middle of the migration leaves the file exactly as it was.
@@ -18,6 +18,7 @@ const SCHEMA_V1: &str = include_str!("fixtures/schema_v1.sql");
 const SCHEMA_V2: &str = include_str!("fixtures/schema_v2.sql");
 const SCHEMA_V3: &str = include_str!("fixtures/schema_v3.sql");
 const SCHEMA_V5: &str = include_str!("fixtures/schema_v5.sql");
+const SCHEMA_V6: &str = include_str!("fixtures/schema_v6.sql");
 
 /// Every column of every inbox row, in id order, as text.
 const DUMP_INBOX: &str = "SELECT id || '|' || consumer || '|' || source || '|' || message_id
@@ -536,4 +537,112 @@ fn a_version_2_file_missing_its_delete_trigger_is_refused_and_left_alone() {
         ),
         0
     );
+}
+
+/// Version 6 to 7: each ordering key's head (its lowest unfinished inbox
+/// row, its lowest pending outbox row) is filled from the rows, the due
+/// index is made again without keyed rows, and the held-back rows then run
+/// in key order. From version 1 as well (the heads fill while the inbox is
+/// rebuilt, and again at the last step).
+#[test]
+fn a_version_6_file_gets_the_heads_of_its_keys_and_runs_them_in_order() {
+    for (ddl, version) in [(SCHEMA_V6, 6), (SCHEMA_V1, 1)] {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("v6.db");
+        write_old(&db, ddl, version, 2);
+        let conn = raw(&db);
+        // Key `k`: a failed head due now, two pending rows behind it; key
+        // `j`: a completed row, then one pending. Outbox: key `o`, a sent row
+        // then two pending.
+        let insert = "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
+                payload_hash, ordering_key, attempts, last_error, received_at, updated_at,
+                next_attempt_at, processed_at, queued)
+            VALUES ('orders', 'shop', ?1, ?2, ?8, ?3, ?4, ?5, ?6, 2000, 2000, NULL, ?7, 1)";
+        for (id, status, key, attempts, error, processed) in [
+            ("k-1", "failed", "k", 1, Some("boom"), None),
+            ("j-1", "completed", "j", 1, None, Some(2000)),
+            ("k-2", "pending", "k", 0, None, None),
+            ("j-2", "pending", "j", 0, None, None),
+            ("k-3", "pending", "k", 0, None, None),
+        ] {
+            conn.execute(
+                insert,
+                params![
+                    id,
+                    status,
+                    digest(id),
+                    key,
+                    attempts,
+                    error,
+                    processed,
+                    id.as_bytes()
+                ],
+            )
+            .unwrap();
+        }
+        conn.execute_batch(
+            "INSERT INTO postroom_outbox (message_id, topic, key, payload, status, created_at,
+                 next_attempt_at, sent_at)
+             VALUES ('o-1', 't', 'o', x'', 'sent', 1, 1, 1),
+                    ('o-2', 't', 'o', x'', 'pending', 1, 0, NULL),
+                    ('o-3', 't', 'o', x'', 'pending', 1, 0, NULL);",
+        )
+        .unwrap();
+        let before = column::<Vec<String>>(&conn, DUMP_INBOX);
+        open_once(&db);
+        assert_migrated(dir.path(), &conn, &before);
+        let heads: Vec<String> = column(
+            &conn,
+            "SELECT h.consumer || '/' || h.ordering_key || '=' || i.message_id
+             FROM postroom_inbox_heads h JOIN postroom_inbox i ON i.id = h.head_id
+             ORDER BY h.ordering_key",
+        );
+        assert_eq!(
+            heads,
+            ["orders/j=j-2", "orders/k=k-1"],
+            "from version {version}"
+        );
+        let heads: Vec<String> = column(
+            &conn,
+            "SELECT h.key || '=' || o.message_id FROM postroom_outbox_heads h
+             JOIN postroom_outbox o ON o.seq = h.head_seq",
+        );
+        assert_eq!(heads, ["o=o-2"], "from version {version}");
+        let runs = Arc::new(AtomicU32::new(0));
+        let room = open(&db, &runs);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let done = loop {
+            let left = count(
+                &conn,
+                "SELECT count(*) FROM postroom_inbox WHERE ordering_key IS NOT NULL
+                   AND status <> 'completed'",
+            );
+            if left == 0 || Instant::now() > deadline {
+                break left == 0;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(
+            done,
+            "from version {version}: {:?} heads {:?}",
+            column::<Vec<String>>(&conn, DUMP_INBOX),
+            column::<Vec<String>>(
+                &conn,
+                "SELECT consumer || '/' || ordering_key || '=' || head_id FROM postroom_inbox_heads"
+            )
+        );
+        let order: Vec<String> = column(
+            &conn,
+            "SELECT message_id FROM applied WHERE message_id LIKE 'k-%' ORDER BY rowid",
+        );
+        assert_eq!(order, ["k-1", "k-2", "k-3"], "from version {version}");
+        assert_eq!(
+            count(&conn, "SELECT count(*) FROM postroom_inbox_heads"),
+            0,
+            "every key finished: no heads left"
+        );
+        room.shutdown(Duration::from_secs(10)).unwrap();
+        let report = postroom::admin::check(&conn, true).unwrap();
+        assert!(report.is_ok(), "{report:?}");
+    }
 }

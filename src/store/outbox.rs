@@ -243,18 +243,44 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<(OutboxMessage, Option<&'static str
 /// Due pending rows in commit order, at most `limit`, skipping any row
 /// whose key has an earlier pending row still waiting out a backoff; each
 /// with the first column that did not decode, if one did not.
+///
+/// O(limit) whatever a key's backlog (issue 32), in one statement (one
+/// snapshot): rows without a key come from `postroom_outbox_unkeyed`; keyed
+/// rows from the first `limit` keys whose head is due, in head order
+/// (`postroom_outbox_heads`: a key held back by its head costs one row,
+/// however many wait behind it), each key's rows read from its head up to
+/// `limit` of them and stopped before the first one still waiting
+/// (`postroom_outbox_waiting`). No row of the first `limit` due rows is
+/// missed: a key's head comes before its other rows, so a key with a row
+/// among them has its head among the first `limit` due heads.
 pub(crate) fn fetch_due(
     conn: &Connection,
     now_ms: i64,
     limit: usize,
 ) -> rusqlite::Result<Vec<(OutboxMessage, Option<&'static str>)>> {
     let mut stmt = conn.prepare_cached(&format!(
-        "SELECT {COLUMNS} FROM postroom_outbox r
-         WHERE r.status = 'pending' AND r.next_attempt_at <= ?1
-           AND (r.key IS NULL OR NOT EXISTS (
-               SELECT 1 FROM postroom_outbox o
-               WHERE o.key = r.key AND o.seq < r.seq AND o.status = 'pending'
-                 AND o.next_attempt_at > ?1))
+        "SELECT {COLUMNS} FROM postroom_outbox r WHERE r.seq IN (
+             SELECT seq FROM (
+                 SELECT seq FROM postroom_outbox
+                 WHERE status = 'pending' AND key IS NULL AND next_attempt_at <= ?1
+                 ORDER BY seq LIMIT ?2)
+             UNION ALL
+             SELECT o.seq FROM (
+                 SELECT h.key AS key FROM postroom_outbox_heads h
+                 JOIN postroom_outbox hr ON hr.seq = h.head_seq
+                 WHERE hr.next_attempt_at <= ?1
+                 ORDER BY h.head_seq LIMIT ?2) k
+             JOIN postroom_outbox o ON o.key = k.key AND o.status = 'pending'
+             WHERE o.seq <= coalesce(
+                     (SELECT seq FROM postroom_outbox
+                      WHERE key = k.key AND status = 'pending'
+                      ORDER BY seq LIMIT 1 OFFSET ?2 - 1),
+                     9223372036854775807)
+               AND o.seq < coalesce(
+                     (SELECT min(seq) FROM postroom_outbox
+                      WHERE key = k.key AND status = 'pending' AND next_attempt_at > 0
+                        AND next_attempt_at > ?1),
+                     9223372036854775807))
          ORDER BY r.seq LIMIT ?2"
     ))?;
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
@@ -365,4 +391,131 @@ pub(crate) fn discard(conn: &Connection, seq: i64, now_ms: i64) -> rusqlite::Res
         )?
         .execute(params![seq, now_ms])?;
     Ok(n == 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::queue::tests::vm_ops;
+
+    const NOW: i64 = 1_000_000_000;
+
+    /// The head of key `doc-1` (pending, retried in an hour when `held`,
+    /// else due), `behind` pending rows of `doc-1` behind it, then one row
+    /// of each of keys `k0`..`k9` and ten rows without a key, all due.
+    fn backlog_fixture(behind: usize, held: bool) -> Connection {
+        let conn = backlog_rows(behind, held);
+        // With statistics too (`PRAGMA optimize` at shutdown runs ANALYZE):
+        // the plan must stay on the heads either way.
+        if ANALYZED.with(|a| a.get()) {
+            conn.execute_batch("ANALYZE").unwrap();
+        }
+        conn
+    }
+
+    thread_local! {
+        static ANALYZED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// Runs `test` without statistics, then with.
+    fn both_ways(test: impl Fn()) {
+        for analyzed in [false, true] {
+            ANALYZED.with(|a| a.set(analyzed));
+            test();
+        }
+    }
+
+    fn backlog_rows(behind: usize, held: bool) -> Connection {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(crate::store::schema::SCHEMA_SQL)
+            .unwrap();
+        conn.execute(
+            "INSERT INTO postroom_outbox (message_id, topic, key, payload, status, attempts,
+                 created_at, next_attempt_at)
+             VALUES ('head', 't', 'doc-1', x'', 'pending', ?1, 1, ?2)",
+            params![i64::from(held), if held { NOW + 3_600_000 } else { 0 }],
+        )
+        .unwrap();
+        conn.execute(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1)
+             INSERT INTO postroom_outbox (message_id, topic, key, payload, status, created_at,
+                 next_attempt_at)
+             SELECT 'b' || i, 't', 'doc-1', x'', 'pending', 2, 0 FROM n WHERE ?1 > 0",
+            [behind as i64],
+        )
+        .unwrap();
+        conn.execute_batch(
+            "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < 19)
+             INSERT INTO postroom_outbox (message_id, topic, key, payload, status, created_at,
+                 next_attempt_at)
+             SELECT 'o' || i, 't', iif(i < 10, 'k' || i, NULL), x'', 'pending', 3, 0 FROM n",
+        )
+        .unwrap();
+        conn
+    }
+
+    /// Ids `fetch_due` returns (at most `limit`), in its order, and the VM
+    /// instructions it took.
+    fn due_ids(conn: &mut Connection, limit: usize) -> (Vec<String>, u64) {
+        let (rows, ops) = vm_ops(conn, |c| fetch_due(c, NOW, limit).unwrap());
+        (rows.into_iter().map(|(m, _)| m.id).collect(), ops)
+    }
+
+    fn others() -> Vec<String> {
+        (0..20).map(|i| format!("o{i}")).collect()
+    }
+
+    /// The relay's due query is O(1) in a held key's backlog: 100,000 rows
+    /// behind a head whose destination is unavailable for an hour cost it
+    /// no more than none do (issue 32: another key's row waited 185–342
+    /// ms at 300,000).
+    #[test]
+    fn a_held_keys_backlog_costs_the_relay_query_nothing() {
+        both_ways(|| {
+            let (few, few_ops) = due_ids(&mut backlog_fixture(0, true), 256);
+            let (many, many_ops) = due_ids(&mut backlog_fixture(100_000, true), 256);
+            assert_eq!(few, others());
+            assert_eq!(many, others());
+            assert!(
+                many_ops <= 2 * few_ops + 5_000,
+                "relay query: {few_ops} VM steps with no backlog, {many_ops} with 100,000 held rows"
+            );
+        });
+    }
+
+    /// A due key with a long backlog: a batch takes its rows in order, up
+    /// to the limit, at a cost that does not grow with the backlog.
+    #[test]
+    fn a_due_keys_backlog_is_read_a_batch_at_a_time() {
+        both_ways(|| {
+            let (few, few_ops) = due_ids(&mut backlog_fixture(300, false), 256);
+            let (many, many_ops) = due_ids(&mut backlog_fixture(100_000, false), 256);
+            let mut expected = vec!["head".to_owned()];
+            expected.extend((1..256).map(|i| format!("b{i}")));
+            assert_eq!(few, expected);
+            assert_eq!(many, expected);
+            assert!(
+                many_ops <= 2 * few_ops + 5_000,
+                "relay query: {few_ops} VM steps with 300 rows of the key, {many_ops} with 100,000"
+            );
+        });
+    }
+
+    /// A row of a key waiting out a backoff behind a due head holds back
+    /// the rows after it, not those before; other keys go on.
+    #[test]
+    fn a_waiting_row_behind_a_due_head_holds_back_only_what_follows_it() {
+        both_ways(|| {
+            let mut conn = backlog_fixture(5, false);
+            conn.execute(
+                "UPDATE postroom_outbox SET next_attempt_at = ?1, attempts = 1 WHERE message_id = 'b3'",
+                [NOW + 1],
+            )
+            .unwrap();
+            let (ids, _) = due_ids(&mut conn, 256);
+            let mut expected: Vec<String> = ["head", "b1", "b2"].map(String::from).to_vec();
+            expected.extend(others());
+            assert_eq!(ids, expected);
+        });
+    }
 }

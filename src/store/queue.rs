@@ -147,20 +147,29 @@ pub(crate) struct Claimed {
 /// must not run beside its successor), in receive order. `?1` consumer, `?2`
 /// limit, `?3` now.
 ///
-/// The NOT EXISTS repeats the partial index's status list on purpose:
-/// without it SQLite cannot prove the index applies and scans the table for
-/// every candidate row (100x slower with a backlog).
+/// O(1) in any key's backlog (issue 32): rows without a key come from
+/// `postroom_inbox_due`, which holds only those; rows with a key from
+/// `postroom_inbox_heads`, one row per key (its lowest unfinished id, the
+/// only one that may run), so a head held back by a backoff costs one step
+/// however many rows wait behind it. The two arms are each in id order and
+/// SQLite merges them, reading no further than the limit. A head runs only
+/// when no row of its key is in progress (`postroom_inbox_busy`; the
+/// `ordering_key IS NOT NULL` lets SQLite prove that partial index
+/// applies).
 macro_rules! due_rows {
     () => {
         "SELECT i.id FROM postroom_inbox i
          WHERE i.consumer = ?1 AND i.queued = 1 AND i.status IN ('pending', 'failed')
+           AND i.ordering_key IS NULL AND coalesce(i.next_attempt_at, 0) <= ?3
+         UNION ALL
+         SELECT i.id FROM postroom_inbox_heads h JOIN postroom_inbox i ON i.id = h.head_id
+         WHERE h.consumer = ?1 AND i.queued = 1 AND i.status IN ('pending', 'failed')
            AND coalesce(i.next_attempt_at, 0) <= ?3
-           AND (i.ordering_key IS NULL OR NOT EXISTS (
+           AND NOT EXISTS (
                SELECT 1 FROM postroom_inbox o
-               WHERE o.consumer = i.consumer AND o.ordering_key = i.ordering_key
-                 AND o.status IN ('pending', 'processing', 'failed')
-                 AND o.id != i.id AND (o.id < i.id OR o.status = 'processing')))
-         ORDER BY i.id
+               WHERE o.consumer = h.consumer AND o.ordering_key = h.ordering_key
+                 AND o.status = 'processing' AND o.ordering_key IS NOT NULL)
+         ORDER BY 1
          LIMIT ?2"
     };
 }
@@ -587,7 +596,7 @@ fn parse_headers(text: Option<&str>) -> Headers {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// What `EXPLAIN QUERY PLAN` says of `sql`, one line per step.
@@ -658,6 +667,164 @@ mod tests {
             assert_eq!(counted, deleted as u64, "{sql}");
             assert!(counted > 100, "{sql}: the fixture has rows to delete");
         }
+    }
+
+    /// SQLite VM instructions `f` runs on `conn`, every statement counted
+    /// (a progress handler called at each instruction): deterministic, unlike
+    /// wall time on a busy machine.
+    pub(crate) fn vm_ops<T>(conn: &mut Connection, f: impl FnOnce(&Connection) -> T) -> (T, u64) {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::Arc;
+        let count = Arc::new(AtomicU64::new(0));
+        let counter = Arc::clone(&count);
+        conn.progress_handler(
+            1,
+            Some(move || {
+                counter.fetch_add(1, Ordering::Relaxed);
+                false
+            }),
+        )
+        .unwrap();
+        let out = f(conn);
+        conn.progress_handler(0, None::<fn() -> bool>).unwrap();
+        (out, count.load(Ordering::Relaxed))
+    }
+
+    const NOW: i64 = 1_000_000_000;
+
+    /// Consumer `c`: the head of key `doc-1` (failed, due in an hour when
+    /// `held`, else pending), `behind` pending rows of `doc-1` behind it,
+    /// then one pending row of each of keys `k0`..`k9` and ten pending rows
+    /// without a key. Every row queued.
+    fn backlog_fixture(behind: usize, held: bool) -> Connection {
+        let conn = backlog_rows(behind, held);
+        // With statistics too (`PRAGMA optimize` at shutdown runs ANALYZE):
+        // the plan must stay on the heads either way.
+        if ANALYZED.with(|a| a.get()) {
+            conn.execute_batch("ANALYZE").unwrap();
+        }
+        conn
+    }
+
+    thread_local! {
+        static ANALYZED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// Runs `test` without statistics, then with.
+    fn both_ways(test: impl Fn()) {
+        for analyzed in [false, true] {
+            ANALYZED.with(|a| a.set(analyzed));
+            test();
+        }
+    }
+
+    fn backlog_rows(behind: usize, held: bool) -> Connection {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(crate::store::schema::SCHEMA_SQL)
+            .unwrap();
+        let (status, next, error) = if held {
+            ("failed", Some(NOW + 3_600_000), Some("retry after 1 h"))
+        } else {
+            ("pending", None, None)
+        };
+        conn.execute(
+            "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
+                 payload_hash, ordering_key, attempts, last_error, received_at, updated_at,
+                 next_attempt_at, queued)
+             VALUES ('c', 's', 'head', ?1, x'', ?2, 'doc-1', ?3, ?4, 1, 1, ?5, 1)",
+            params![
+                status,
+                blake3::hash(b"").as_bytes().as_slice(),
+                i64::from(held),
+                error,
+                next
+            ],
+        )
+        .unwrap();
+        conn.execute(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1)
+             INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
+                 payload_hash, ordering_key, received_at, updated_at, queued)
+             SELECT 'c', 's', 'b' || i, 'pending', x'', ?2, 'doc-1', 2, 2, 1 FROM n
+             WHERE ?1 > 0",
+            params![behind as i64, blake3::hash(b"").as_bytes().as_slice()],
+        )
+        .unwrap();
+        conn.execute(
+            "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < 19)
+             INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
+                 payload_hash, ordering_key, received_at, updated_at, queued)
+             SELECT 'c', 's', 'o' || i, 'pending', x'', ?1, iif(i < 10, 'k' || i, NULL), 3, 3, 1
+             FROM n",
+            [blake3::hash(b"").as_bytes().as_slice()],
+        )
+        .unwrap();
+        conn
+    }
+
+    /// Message ids `due` returns, in its order, and the VM instructions it
+    /// took.
+    fn due_ids(conn: &mut Connection) -> (Vec<String>, u64) {
+        let (rows, ops) = vm_ops(conn, |c| due(c, "c", 256, NOW, 10).unwrap());
+        (rows.into_iter().map(|r| r.msg.id).collect(), ops)
+    }
+
+    /// The other keys' rows, and the unkeyed ones, in receive order.
+    fn others() -> Vec<String> {
+        (0..20).map(|i| format!("o{i}")).collect()
+    }
+
+    /// Finding due rows is O(1) in a held key's backlog: 100,000 rows
+    /// waiting behind a head that retries in an hour cost the due query
+    /// (run by the writer on every queued batch) no more than none do
+    /// (issue 32: it rescanned the backlog, 210 ms per batch at 300,000).
+    #[test]
+    fn a_held_keys_backlog_costs_the_due_query_nothing() {
+        both_ways(|| {
+            let (few, few_ops) = due_ids(&mut backlog_fixture(0, true));
+            let (many, many_ops) = due_ids(&mut backlog_fixture(100_000, true));
+            assert_eq!(few, others());
+            assert_eq!(many, others());
+            assert!(
+                many_ops <= 2 * few_ops + 5_000,
+                "due query: {few_ops} VM steps with no backlog, {many_ops} with 100,000 held rows"
+            );
+            // The same for claims (effectful consumers).
+            let claim_ops = |behind| {
+                let mut conn = backlog_fixture(behind, true);
+                let (rows, ops) = vm_ops(&mut conn, |c| {
+                    claim(c, "c", 256, NOW, NOW + 60_000, 7, 10).unwrap()
+                });
+                assert_eq!(
+                    rows.into_iter().map(|r| r.msg.id).collect::<Vec<_>>(),
+                    others()
+                );
+                ops
+            };
+            let (few_ops, many_ops) = (claim_ops(0), claim_ops(100_000));
+            assert!(
+                many_ops <= 2 * few_ops + 5_000,
+                "claim: {few_ops} VM steps with no backlog, {many_ops} with 100,000 held rows"
+            );
+        });
+    }
+
+    /// A key whose head is due, with a long backlog behind it, costs the
+    /// due query no more than a short one: only its head is a candidate.
+    #[test]
+    fn a_due_keys_backlog_costs_the_due_query_nothing() {
+        both_ways(|| {
+            let mut expected = vec!["head".to_owned()];
+            expected.extend(others());
+            let (few, few_ops) = due_ids(&mut backlog_fixture(1, false));
+            let (many, many_ops) = due_ids(&mut backlog_fixture(100_000, false));
+            assert_eq!(few, expected);
+            assert_eq!(many, expected);
+            assert!(
+                many_ops <= 2 * few_ops + 5_000,
+                "due query: {few_ops} VM steps with 1 row behind the head, {many_ops} with 100,000"
+            );
+        });
     }
 
     /// 2,000 rows in each table retention deletes from, stamped 1 to 2,000;
