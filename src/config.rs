@@ -287,6 +287,7 @@ impl Config {
     }
 }
 
+#[cfg_attr(not(feature = "mqtt"), allow(dead_code))] // used by the MQTT intake
 /// The largest payload a dead letter of a refused message keeps whole
 /// ([`storable`]): the largest an MQTT packet can carry (so every MQTT
 /// message is kept whole), well below SQLite's default length limit
@@ -295,9 +296,11 @@ impl Config {
 /// and digest in the reason.
 pub(crate) const MAX_REFUSED_PAYLOAD: usize = 256 * 1024 * 1024;
 
+#[cfg_attr(not(feature = "mqtt"), allow(dead_code))] // used by the MQTT intake
 /// What of a refused name or id a dead letter's reason shows.
 const SHOWN_CHARS: usize = 64;
 
+#[cfg_attr(not(feature = "mqtt"), allow(dead_code))] // used by the MQTT intake
 /// `text` for a reason: escaped, its first [`SHOWN_CHARS`] characters and
 /// its length when longer.
 fn shown(text: &str) -> String {
@@ -309,6 +312,7 @@ fn shown(text: &str) -> String {
     out
 }
 
+#[cfg_attr(not(feature = "mqtt"), allow(dead_code))] // used by the MQTT intake
 /// A message the engine refused ([`Config::check_message`]) made storable
 /// as a dead letter, and `reason` with what was changed to make it so:
 /// a source or id outside the limits gives way to source `refused` and id
@@ -321,6 +325,7 @@ pub(crate) fn storable(msg: Message, reason: &str) -> (Message, String) {
     storable_within(msg, reason, MAX_REFUSED_PAYLOAD)
 }
 
+#[cfg_attr(not(feature = "mqtt"), allow(dead_code))] // used by the MQTT intake
 /// [`storable`], keeping at most `max_payload` bytes of the payload.
 fn storable_within(mut msg: Message, reason: &str, max_payload: usize) -> (Message, String) {
     let mut reason = reason.to_owned();

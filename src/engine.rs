@@ -858,6 +858,7 @@ impl Postroom {
         })
     }
 
+    #[cfg_attr(not(feature = "mqtt"), allow(dead_code))] // used by the MQTT intake
     /// Whether an intake can hand `consumer` its messages, inline
     /// ([`deliver`](Postroom::deliver)) or queued: an unknown consumer is
     /// [`Error::UnknownConsumer`], an effectful one inline
@@ -878,6 +879,7 @@ impl Postroom {
         Ok(())
     }
 
+    #[cfg_attr(not(feature = "mqtt"), allow(dead_code))] // used by the MQTT intake
     /// Stores a message an intake cannot hand on as it is (the engine
     /// refuses it: [`Error::InvalidInput`]) straight into `consumer`'s dead
     /// letters, with its payload and `reason`, and returns once that is

@@ -29,6 +29,7 @@ pub(crate) fn receive(
     store(conn, consumer, msg, hash, None, now_ms)
 }
 
+#[cfg_attr(not(feature = "mqtt"), allow(dead_code))] // used by the MQTT intake
 /// Stores a message an intake could not hand on as it is straight into the
 /// dead letters (`dead`, no attempt made, `reason` as its `last_error`,
 /// workers' once redriven), unless its key is known: then, as for
