@@ -1606,7 +1606,7 @@ pub fn inbox_show(conn: &Connection, id: i64) -> Result<Option<InboxDetail>> {
                 ),
                 [id],
                 |r| {
-                    let payload: Option<Vec<u8>> = r.get(ENTRY_WIDTH)?;
+                    let payload = crate::store::text::stored_bytes(r, ENTRY_WIDTH)?;
                     let hash: Vec<u8> = r.get(ENTRY_WIDTH + 1)?;
                     let headers: Option<String> = r.get(ENTRY_WIDTH + 2)?;
                     let payload_hash_ok = payload
@@ -2039,7 +2039,9 @@ pub fn outbox_show(conn: &Connection, seq: i64) -> Result<Option<OutboxDetail>> 
                     Ok(OutboxDetail {
                         entry: outbox_entry_from_row(r, now)?,
                         headers: parse_headers(headers.as_deref()),
-                        payload: Payload(r.get(15)?),
+                        payload: Payload(
+                            crate::store::text::stored_bytes(r, 15)?.unwrap_or_default(),
+                        ),
                         held_back_by: None,
                         holding_back: 0,
                     })
@@ -2182,7 +2184,9 @@ pub fn conflicts_show(conn: &Connection, id: i64) -> Result<Option<ConflictDetai
                     Ok(ConflictDetail {
                         entry: conflict_from_row(r)?,
                         headers: parse_headers(headers.as_deref()),
-                        payload: Payload(r.get(11)?),
+                        payload: Payload(
+                            crate::store::text::stored_bytes(r, 11)?.unwrap_or_default(),
+                        ),
                         stored: None,
                         stored_payload: None,
                     })
@@ -2211,7 +2215,7 @@ pub fn conflicts_show(conn: &Connection, id: i64) -> Result<Option<ConflictDetai
                 |r| {
                     Ok((
                         entry_from_row(r)?,
-                        r.get::<_, Option<Vec<u8>>>(ENTRY_WIDTH)?,
+                        crate::store::text::stored_bytes(r, ENTRY_WIDTH)?,
                     ))
                 },
             )
@@ -2868,7 +2872,7 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
         report.inbox_rows += 1;
         let id: i64 = r.get(0).map_err(&op)?;
         let status: Status = r.get(1).map_err(&op)?;
-        let payload: Option<Vec<u8>> = r.get(2).map_err(&op)?;
+        let payload = crate::store::text::stored_bytes(r, 2).map_err(&op)?;
         let hash: Vec<u8> = r.get(3).map_err(&op)?;
         let last_error: Option<String> = r.get(4).map_err(&op)?;
         let processed_at: Option<i64> = r.get(5).map_err(&op)?;

@@ -227,7 +227,7 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<(OutboxMessage, Option<&'static str
         id: text(1, "message_id")?.unwrap_or_default(),
         topic: text(2, "topic")?.unwrap_or_default(),
         key: text(3, "key")?,
-        payload: r.get(4)?,
+        payload: crate::store::text::stored_bytes(r, 4)?.unwrap_or_default(),
         headers: text(5, "headers")?
             .and_then(|h| serde_json::from_str(&h).ok())
             .unwrap_or_default(),

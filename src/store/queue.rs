@@ -261,7 +261,7 @@ fn decode(
         let msg = Message {
             source: text(1, "source")?.unwrap_or_default(),
             id: text(2, "message_id")?.unwrap_or_default(),
-            payload: r.get::<_, Option<Vec<u8>>>(3)?.unwrap_or_default(),
+            payload: crate::store::text::stored_bytes(r, 3)?.unwrap_or_default(),
             headers: parse_headers(text(5, "headers")?.as_deref()),
             ordering_key: text(6, "ordering_key")?,
             sequence: r
@@ -541,7 +541,7 @@ pub(crate) fn dead_letters(
             message: Message {
                 source: text(2)?,
                 id: text(3)?,
-                payload: r.get::<_, Option<Vec<u8>>>(4)?.unwrap_or_default(),
+                payload: crate::store::text::stored_bytes(r, 4)?.unwrap_or_default(),
                 headers: parse_headers(crate::store::text::lossy_text(r, 5)?.as_deref()),
                 ordering_key: crate::store::text::lossy_text(r, 6)?,
                 sequence: r

@@ -40,6 +40,20 @@ pub(crate) fn stored_text(
     }))
 }
 
+/// A stored BLOB column (a payload), `None` for NULL. A value SQLite holds
+/// as another type (a hand edit or another tool wrote TEXT, a number) is read
+/// as its bytes, as `CAST(.. AS BLOB)` would: the payload's digest then
+/// decides, and failing the read instead would fail every batch that
+/// reaches the row, holding up every other row of its consumer.
+pub(crate) fn stored_bytes(r: &rusqlite::Row<'_>, idx: usize) -> rusqlite::Result<Option<Vec<u8>>> {
+    Ok(match r.get_ref(idx)? {
+        ValueRef::Null => None,
+        ValueRef::Blob(bytes) | ValueRef::Text(bytes) => Some(bytes.to_vec()),
+        ValueRef::Integer(i) => Some(i.to_string().into_bytes()),
+        ValueRef::Real(f) => Some(f.to_string().into_bytes()),
+    })
+}
+
 /// [`stored_text`] for listings, which show a damaged value lossily
 /// (U+FFFD for each bad byte) rather than fail.
 pub(crate) fn lossy_text(r: &rusqlite::Row<'_>, idx: usize) -> rusqlite::Result<Option<String>> {
