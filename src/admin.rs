@@ -3022,6 +3022,14 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
     Ok(())
 }
 
+/// True for a character that reorders or hides the text around it
+/// (Unicode's format characters, the line and paragraph separators): what
+/// the CLI escapes besides control characters, the same list as the
+/// engine's own log text.
+pub fn invisible(c: char) -> bool {
+    crate::escape::invisible(c)
+}
+
 /// A handler that has held a running engine's writer longer than its
 /// `slow_handler` threshold: every write of that engine waits for it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

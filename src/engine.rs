@@ -118,6 +118,15 @@ fn spawn(
     Ok(Running { name, handle, done })
 }
 
+/// What the checkpointer thread is handed at open besides the shared
+/// state: the writer's "the WAL has grown" signal, and what it needs to
+/// watch for a slow handler.
+struct CheckpointInputs {
+    woken: crossbeam_channel::Receiver<()>,
+    guard: UserCodeGuard,
+    slow_record: Option<crate::store::inflight::SlowRecord>,
+}
+
 /// The share of [`Postroom::shutdown`]'s deadline kept for the writer,
 /// whatever the other threads take: it commits what they left queued and
 /// closes the database.
@@ -335,7 +344,11 @@ impl Postroom {
             .slow_record()
             .map_err(|e| log::warn!("postroom: slow handlers are only logged: {e}"))
             .ok();
-        let watch = (guard.clone(), slow_record);
+        let checkpoint_inputs = CheckpointInputs {
+            woken: checkpoint_woken,
+            guard: guard.clone(),
+            slow_record,
+        };
         let state = WriterState {
             outbox_dirty,
             relay_wake: sink.is_some().then_some(relay_wake),
@@ -407,7 +420,7 @@ impl Postroom {
             &shared,
             sink,
             relay_woken,
-            (checkpoint_woken, watch),
+            checkpoint_inputs,
             wal_bounds,
             worker_slots,
         )?;
@@ -452,10 +465,7 @@ impl Postroom {
         shared: &Arc<Shared>,
         sink: Option<Box<dyn Sink>>,
         relay_woken: crossbeam_channel::Receiver<()>,
-        (checkpoint_woken, (guard, slow_record)): (
-            crossbeam_channel::Receiver<()>,
-            (UserCodeGuard, Option<crate::store::inflight::SlowRecord>),
-        ),
+        checkpoint_inputs: CheckpointInputs,
         wal_bounds: wal::WalBounds,
         worker_slots: Vec<ClaimSlot>,
     ) -> Result<()> {
@@ -483,10 +493,10 @@ impl Postroom {
             bounds: wal_bounds,
             counters: Arc::clone(&self.counters),
             writer: shared.writer.clone(),
-            wake: checkpoint_woken,
+            wake: checkpoint_inputs.woken,
             stop: stop_rx,
-            guard,
-            slow_record,
+            guard: checkpoint_inputs.guard,
+            slow_record: checkpoint_inputs.slow_record,
         };
         threads.checkpointer = Some(spawn(
             "postroom-checkpointer".into(),

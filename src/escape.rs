@@ -78,7 +78,7 @@ pub(crate) fn passes(c: char) -> bool {
 /// separators: zero-width and directional marks, bidi embeddings,
 /// overrides and isolates, word joiners, invisible operators, the BOM,
 /// interlinear annotation marks, tag characters, the soft hyphen.
-fn invisible(c: char) -> bool {
+pub(crate) fn invisible(c: char) -> bool {
     matches!(c,
         '\u{ad}' | '\u{600}'..='\u{605}' | '\u{61c}' | '\u{6dd}' | '\u{70f}' | '\u{890}'..='\u{891}'
         | '\u{8e2}' | '\u{180e}' | '\u{200b}'..='\u{200f}' | '\u{2028}'..='\u{202e}'

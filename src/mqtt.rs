@@ -1362,7 +1362,7 @@ impl Numbers {
         let number = |name: &str, text: &str| {
             text.parse::<u64>()
                 .ok()
-                .filter(|n| (1..=crate::MAX_SEQUENCE).contains(n))
+                .filter(|&n| crate::config::check_sequence(n).is_ok())
                 .ok_or_else(|| {
                     format!(
                         "{name} {text:?} is not a sequence number (1..={})",

@@ -552,21 +552,16 @@ where
     G: FnMut(&mut WriterCtx<'_>) -> Result<T> + Send,
 {
     fn run(&mut self, ctx: &mut WriterCtx<'_>) -> Result<()> {
-        // Its caller gave up before it started: nobody hears of it, and
-        // nothing of it may be stored.
-        if self
-            .claim
-            .compare_exchange(QUEUED, STARTED, Ordering::AcqRel, Ordering::Acquire)
-            == Err(ABANDONED)
-        {
-            self.result = Some(Err(Error::Aborted {
-                reason: "its caller stopped waiting".into(),
-            }));
-            return Err(Error::Aborted {
-                reason: "its caller stopped waiting".into(),
-            });
-        }
+        let abandoned =
+            self.claim
+                .compare_exchange(QUEUED, STARTED, Ordering::AcqRel, Ordering::Acquire)
+                == Err(ABANDONED);
         let result = match &mut self.work {
+            // Its caller gave up before it started: nobody hears of it, and
+            // nothing of it may be stored.
+            _ if abandoned => Err(Error::Aborted {
+                reason: "its caller stopped waiting".into(),
+            }),
             Work::Once(work) => match work.take() {
                 Some(work) => work(ctx),
                 None => Err(Error::Aborted {

@@ -45,21 +45,7 @@ fn unsafe_char(c: char, block: bool) -> bool {
         // isolates, word joiners and invisible operators, the BOM, and the
         // line and paragraph separators: text that reorders or hides what
         // is around it.
-        || invisible(c)
-}
-
-/// Unicode's format characters (category Cf) and line and paragraph
-/// separators: zero-width and directional marks, bidi embeddings,
-/// overrides and isolates, word joiners, invisible operators, the BOM, tag
-/// characters, the soft hyphen. They reorder, hide or forge what is
-/// around them.
-fn invisible(c: char) -> bool {
-    matches!(c,
-        '\u{ad}' | '\u{600}'..='\u{605}' | '\u{61c}' | '\u{6dd}' | '\u{70f}' | '\u{890}'..='\u{891}'
-        | '\u{8e2}' | '\u{180e}' | '\u{200b}'..='\u{200f}' | '\u{2028}'..='\u{202e}'
-        | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{206f}' | '\u{feff}' | '\u{fff9}'..='\u{fffb}'
-        | '\u{110bd}' | '\u{110cd}' | '\u{13430}'..='\u{1343f}' | '\u{1bca0}'..='\u{1bca3}'
-        | '\u{1d173}'..='\u{1d17a}' | '\u{e0001}' | '\u{e0020}'..='\u{e007f}')
+        || admin::invisible(c)
 }
 
 /// Most of a long field that a show view prints whole (an error text,
