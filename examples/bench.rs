@@ -32,6 +32,21 @@
 //! the `@1M` and `@5M` groups). The rows,
 //! in run order:
 //!
+//! * `idle engine: wakeups/s, threads`: default settings (FULL, 2
+//!   workers), the bench consumer, an effectful one (`bench-effects`, an
+//!   external step that does nothing) and a counting sink; one message
+//!   delivered and one received, both processed and sent, then 1 s to
+//!   settle and a window of 5 s (3 s with `--quick`) split over the passes
+//!   while nothing is due. It counts the threads that appeared with the
+//!   open (a diff of /proc/self/task before it, so the harness's threads,
+//!   which only sleep meanwhile, are left out) and sums their
+//!   `voluntary_ctxt_switches` + `nonvoluntary_ctxt_switches` over the
+//!   window: wakeups per second, in all and by thread name (the notes;
+//!   names cut to 15 bytes by the kernel), the most threads of a pass, the
+//!   VmRSS after the settle over VmRSS before the open (the largest), and
+//!   the process's CPU (ms per second, 10 ms ticks) and `write_bytes` per
+//!   second over the window. No messages: its msgs/s and per-message
+//!   columns are blank.
 //! * `deliver …` rows drive the engine (`Postroom::deliver` from 1 or 8
 //!   threads; the handler runs one domain `UPDATE` and one `publish`).
 //!   `deliver 1 caller FULL, sequenced` is the one-caller row with each
@@ -60,11 +75,17 @@
 //!   the goals: 1/tx for one caller, 8/tx for eight, 100/tx for the drains)
 //!   compares like with like. Rows that can say so give the WAL frames
 //!   (pages dirtied, once per commit) and B-tree entries added (net, from
-//!   `dbstat`) per message of the timed phase.
+//!   `dbstat`, fresh databases only) per message of the timed phase: the
+//!   floors by a WAL hook on their connection (frames only on postroom's
+//!   schema), the engine rows from `stats().wal_frames_written` (its
+//!   writer's commits) on a fresh database, and at any size for `deliver
+//!   …` and retention (the other `@1M` rows skip `stats()`); not the
+//!   held-key and backlog rows.
 //! * `receive 1 by 1 FULL`: one caller `receive`s one message per call, no
 //!   processing (`workers(0)`). `… + processing`: the same with default
 //!   settings, processing as it goes; msgs/s is the receiving caller's, the
-//!   notes say how many were processed before it stopped.
+//!   notes say how many were processed before it stopped; its pages, CPU
+//!   and bytes per message run until all are processed.
 //! * `duplicate storm` re-delivers messages that were all processed before;
 //!   its floor is the dedupe `SELECT` on the unique key, one by one.
 //! * `receive_batch 1000`: one caller storing batches of 1,000 with
@@ -82,7 +103,9 @@
 //!   to take a few seconds a pass. Transactional consumers' rows are
 //!   processed in batches of `process_batch` in one transaction each (N only
 //!   sizes the effectful workers, idle here): the notes give commits per
-//!   message. Compared with the seeds floor at 100/tx.
+//!   message. Compared with the seeds floor at 100/tx. Its pages, CPU and
+//!   bytes per message cover the `receive_batch` call too (a queued
+//!   message's whole cost), and the harness's polling.
 //! * `relay drain`: N committed pending outbox rows (keyed, with causation
 //!   headers, published by `room.transaction` in 10,000-row chunks with no
 //!   sink), then the engine reopened with a `sink_fn` that counts and
@@ -154,6 +177,22 @@
 //!   the passes is shown. If the reset fails the header says so and the
 //!   column is the run's peak so far; the largest scenarios run last either
 //!   way. Includes the harness's own latency vectors (16 B per message).
+//! * `CPU/msg`: the process's user + system time over the timed phase (all
+//!   threads, those that ended included: the engine's and the harness's
+//!   callers and polling; /proc/self/stat, 10 ms ticks) per message
+//!   finished.
+//! * `WAL/msg`: WAL bytes appended per message, WAL frames × (page size +
+//!   24-byte frame header), where the row counts frames (the `pages` of
+//!   the notes).
+//! * `disk/msg`: `write_bytes` of /proc/self/io over the timed phase per
+//!   message: what the kernel counts as sent to storage for this process,
+//!   WAL appends and the checkpoints' copies back into the database alike.
+//!   A 4 KiB page is counted when it becomes dirty: one rewritten before
+//!   the kernel writes it back counts once (rewrites merge at NORMAL, where
+//!   no fsync comes between), so it is near what reaches the device, not
+//!   what SQLite wrote; checkpoints after the phase are not in it. The
+//!   header says whether it counts here at all (a container's filesystem
+//!   may leave it 0).
 //! * `ΔRSS`: VmRSS after a pass minus before it, the largest over the passes.
 //! * `ratio` / `vs`: this row's msgs/s over that of the floor (or, for the
 //!   cleanup row, the baseline) named in `vs`.
@@ -1192,10 +1231,7 @@ mod budget {
         pub fn since(before: Cost) -> Cost {
             let now = now();
             Cost {
-                cpu: now
-                    .cpu
-                    .zip(before.cpu)
-                    .map(|(a, b)| a.saturating_sub(b)),
+                cpu: now.cpu.zip(before.cpu).map(|(a, b)| a.saturating_sub(b)),
                 written: now
                     .written
                     .zip(before.written)
@@ -1203,10 +1239,18 @@ mod budget {
             }
         }
 
+        /// Two phases together (a missing figure counts as none: `Cost`
+        /// starts empty, before the first pass).
         pub fn plus(self, other: Cost) -> Cost {
+            fn add<T: std::ops::Add<Output = T>>(a: Option<T>, b: Option<T>) -> Option<T> {
+                match (a, b) {
+                    (Some(a), Some(b)) => Some(a + b),
+                    (a, b) => a.or(b),
+                }
+            }
             Cost {
-                cpu: self.cpu.zip(other.cpu).map(|(a, b)| a + b),
-                written: self.written.zip(other.written).map(|(a, b)| a + b),
+                cpu: add(self.cpu, other.cpu),
+                written: add(self.written, other.written),
             }
         }
     }
@@ -1466,7 +1510,7 @@ mod floor {
             elapsed: start.elapsed(),
             latencies,
             cpu: None,
-        cost: budget::Cost::since(spent),
+            cost: budget::Cost::since(spent),
         })
     }
 
@@ -1505,7 +1549,7 @@ mod floor {
             elapsed: start.elapsed(),
             latencies,
             cpu: None,
-        cost: budget::Cost::since(spent),
+            cost: budget::Cost::since(spent),
         })
     }
 
@@ -1568,7 +1612,7 @@ mod floor {
             elapsed: start.elapsed(),
             latencies: Vec::new(),
             cpu: None,
-        cost: budget::Cost::since(spent),
+            cost: budget::Cost::since(spent),
         })
     }
 }
@@ -1819,7 +1863,7 @@ mod engine {
             elapsed: start.elapsed(),
             latencies,
             cpu: None,
-        cost: budget::Cost::since(spent),
+            cost: budget::Cost::since(spent),
         })
     }
 
@@ -1943,7 +1987,7 @@ mod engine {
             elapsed: start.elapsed(),
             latencies,
             cpu: None,
-        cost: budget::Cost::since(spent),
+            cost: budget::Cost::since(spent),
         })
     }
 
@@ -1985,7 +2029,7 @@ mod engine {
             elapsed: start.elapsed(),
             latencies: after_call,
             cpu: None,
-        cost: budget::Cost::since(spent),
+            cost: budget::Cost::since(spent),
         };
         Ok((run, after_return))
     }
@@ -3004,7 +3048,11 @@ fn idle(plan: &Plan, path: &Path, m: &mut Measured) -> Res<()> {
     let window = plan.idle_for / plan.passes;
     let (from, spent, start) = (tasks::snapshot(), budget::now(), Instant::now());
     thread::sleep(window);
-    let (to, cost, elapsed) = (tasks::snapshot(), budget::Cost::since(spent), start.elapsed());
+    let (to, cost, elapsed) = (
+        tasks::snapshot(),
+        budget::Cost::since(spent),
+        start.elapsed(),
+    );
     let mut idle = Idle {
         seconds: elapsed.as_secs_f64(),
         rss_kib: rss,
@@ -3271,11 +3319,7 @@ fn row_of(s: &Scenario, mut m: Measured, peak: Option<u64>, delta: Option<i64>) 
             .group
             .filter(|_| queued && m.run.messages > 0)
             .map(|(b, _)| b as f64 / m.run.messages as f64),
-        cpu_us_per_msg: m
-            .run
-            .cost
-            .cpu
-            .and_then(|c| per_msg(c.as_secs_f64() * 1e6)),
+        cpu_us_per_msg: m.run.cost.cpu.and_then(|c| per_msg(c.as_secs_f64() * 1e6)),
         wal_bytes_per_msg: m
             .footprint
             .zip(m.page_size)
