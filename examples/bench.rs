@@ -198,8 +198,11 @@
 //!   cleanup row, the baseline) named in `vs`.
 //! * `notes`: the average group-commit size (jobs_committed /
 //!   batches_committed from `stats()`) for engine rows, and per row what
-//!   else it measured (commits per message, rows deleted per second, relay
-//!   latency from `deliver()` returning). The `deliver …`, duplicate storm
+//!   else it measured (WAL pages and B-tree entries per message, commits
+//!   per message, rows deleted per second, relay latency from `deliver()`
+//!   returning; the idle row's wakeups, threads, VmRSS, CPU and bytes
+//!   written per second, and below the table its wakeups by thread). The
+//!   `deliver …`, duplicate storm
 //!   and retention rows give the CPU used in their timed phase, in cores
 //!   (CPU seconds per wall second, out of `nproc`): the whole process
 //!   (user + system, the harness's callers included) and the engine's
