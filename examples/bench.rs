@@ -32,6 +32,21 @@
 //! the `@1M` and `@5M` groups). The rows,
 //! in run order:
 //!
+//! * `idle engine: wakeups/s, threads`: default settings (FULL, 2
+//!   workers), the bench consumer, an effectful one (`bench-effects`, an
+//!   external step that does nothing) and a counting sink; one message
+//!   delivered and one received, both processed and sent, then 1 s to
+//!   settle and a window of 5 s (3 s with `--quick`) split over the passes
+//!   while nothing is due. It counts the threads that appeared with the
+//!   open (a diff of /proc/self/task before it, so the harness's threads,
+//!   which only sleep meanwhile, are left out) and sums their
+//!   `voluntary_ctxt_switches` + `nonvoluntary_ctxt_switches` over the
+//!   window: wakeups per second, in all and by thread name (the notes;
+//!   names cut to 15 bytes by the kernel), the most threads of a pass, the
+//!   VmRSS after the settle over VmRSS before the open (the largest), and
+//!   the process's CPU (ms per second, 10 ms ticks) and `write_bytes` per
+//!   second over the window. No messages: its msgs/s and per-message
+//!   columns are blank.
 //! * `deliver …` rows drive the engine (`Postroom::deliver` from 1 or 8
 //!   threads; the handler runs one domain `UPDATE` and one `publish`).
 //!   `deliver 1 caller FULL, sequenced` is the one-caller row with each
@@ -60,11 +75,17 @@
 //!   the goals: 1/tx for one caller, 8/tx for eight, 100/tx for the drains)
 //!   compares like with like. Rows that can say so give the WAL frames
 //!   (pages dirtied, once per commit) and B-tree entries added (net, from
-//!   `dbstat`) per message of the timed phase.
+//!   `dbstat`, fresh databases only) per message of the timed phase: the
+//!   floors by a WAL hook on their connection (frames only on postroom's
+//!   schema), the engine rows from `stats().wal_frames_written` (its
+//!   writer's commits) on a fresh database, and at any size for `deliver
+//!   …` and retention (the other `@1M` rows skip `stats()`); not the
+//!   held-key and backlog rows.
 //! * `receive 1 by 1 FULL`: one caller `receive`s one message per call, no
 //!   processing (`workers(0)`). `… + processing`: the same with default
 //!   settings, processing as it goes; msgs/s is the receiving caller's, the
-//!   notes say how many were processed before it stopped.
+//!   notes say how many were processed before it stopped; its pages, CPU
+//!   and bytes per message run until all are processed.
 //! * `duplicate storm` re-delivers messages that were all processed before;
 //!   its floor is the dedupe `SELECT` on the unique key, one by one.
 //! * `receive_batch 1000`: one caller storing batches of 1,000 with
@@ -82,7 +103,9 @@
 //!   to take a few seconds a pass. Transactional consumers' rows are
 //!   processed in batches of `process_batch` in one transaction each (N only
 //!   sizes the effectful workers, idle here): the notes give commits per
-//!   message. Compared with the seeds floor at 100/tx.
+//!   message. Compared with the seeds floor at 100/tx. Its pages, CPU and
+//!   bytes per message cover the `receive_batch` call too (a queued
+//!   message's whole cost), and the harness's polling.
 //! * `relay drain`: N committed pending outbox rows (keyed, with causation
 //!   headers, published by `room.transaction` in 10,000-row chunks with no
 //!   sink), then the engine reopened with a `sink_fn` that counts and
@@ -154,13 +177,32 @@
 //!   the passes is shown. If the reset fails the header says so and the
 //!   column is the run's peak so far; the largest scenarios run last either
 //!   way. Includes the harness's own latency vectors (16 B per message).
+//! * `CPU/msg`: the process's user + system time over the timed phase (all
+//!   threads, those that ended included: the engine's and the harness's
+//!   callers and polling; /proc/self/stat, 10 ms ticks) per message
+//!   finished.
+//! * `WAL/msg`: WAL bytes appended per message, WAL frames × (page size +
+//!   24-byte frame header), where the row counts frames (the `pages` of
+//!   the notes).
+//! * `disk/msg`: `write_bytes` of /proc/self/io over the timed phase per
+//!   message: what the kernel counts as sent to storage for this process,
+//!   WAL appends and the checkpoints' copies back into the database alike.
+//!   A 4 KiB page is counted when it becomes dirty: one rewritten before
+//!   the kernel writes it back counts once (rewrites merge at NORMAL, where
+//!   no fsync comes between), so it is near what reaches the device, not
+//!   what SQLite wrote; checkpoints after the phase are not in it. The
+//!   header says whether it counts here at all (a container's filesystem
+//!   may leave it 0).
 //! * `ΔRSS`: VmRSS after a pass minus before it, the largest over the passes.
 //! * `ratio` / `vs`: this row's msgs/s over that of the floor (or, for the
 //!   cleanup row, the baseline) named in `vs`.
 //! * `notes`: the average group-commit size (jobs_committed /
 //!   batches_committed from `stats()`) for engine rows, and per row what
-//!   else it measured (commits per message, rows deleted per second, relay
-//!   latency from `deliver()` returning). The `deliver …`, duplicate storm
+//!   else it measured (WAL pages and B-tree entries per message, commits
+//!   per message, rows deleted per second, relay latency from `deliver()`
+//!   returning; the idle row's wakeups, threads, VmRSS, CPU and bytes
+//!   written per second, and below the table its wakeups by thread). The
+//!   `deliver …`, duplicate storm
 //!   and retention rows give the CPU used in their timed phase, in cores
 //!   (CPU seconds per wall second, out of `nproc`): the whole process
 //!   (user + system, the harness's callers included) and the engine's
@@ -186,8 +228,9 @@ use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use postroom::{
-    handler_fn, sink_fn, Builder, ChannelSink, Durability, Handler, Message, OutboxMessage,
-    Outcome, Outgoing, Postroom, Receipt, SendResult, CAUSATION_HEADER, CORRELATION_HEADER,
+    handler_fn, sink_fn, Builder, ChannelSink, Durability, EffectContext, EffectHandler, Failure,
+    Handler, Message, OutboxMessage, Outcome, Outgoing, Postroom, Receipt, SendResult, Tx,
+    CAUSATION_HEADER, CORRELATION_HEADER,
 };
 use rusqlite::{params, Connection, OptionalExtension};
 use serde::Serialize;
@@ -269,6 +312,10 @@ struct Plan {
     /// Rows of one ordering key held behind a head that retries in a day
     /// (the held-key rows).
     held: u64,
+    /// The idle row: how long each pass lets the engine settle, and how
+    /// long it is measured, all passes together.
+    idle_settle: Duration,
+    idle_for: Duration,
 }
 
 impl Plan {
@@ -291,6 +338,8 @@ impl Plan {
             backlog: 50_000,
             backlog_for: Duration::from_secs(2),
             held: 50_000,
+            idle_settle: Duration::from_secs(1),
+            idle_for: Duration::from_secs(3),
         }
     }
 
@@ -313,6 +362,8 @@ impl Plan {
             backlog: 1_000_000,
             backlog_for: Duration::from_secs(10),
             held: 1_000_000,
+            idle_settle: Duration::from_secs(1),
+            idle_for: Duration::from_secs(5),
         }
     }
 }
@@ -388,6 +439,9 @@ enum Work {
     /// Engine: default settings opened on a pending backlog, processing it
     /// for `Plan::backlog_for`: what memory does the backlog cost?
     Backlog,
+    /// Engine: default settings, a transactional and an effectful consumer
+    /// and a sink, nothing due: its threads' context switches per second.
+    Idle,
     /// Engine: default settings on a database where `held` rows of one
     /// ordering key wait behind a head that retries in a day (in the inbox
     /// of the bench consumer, or in the outbox for `HeldWhat::Relay`),
@@ -551,6 +605,9 @@ const FLOOR_RECEIVE: &str = "floor receive batch 1000 FULL";
 const RELAY_DRAIN: &str = "relay drain FULL";
 const FLOOR_RELAY: &str = "floor relay batch 100 FULL";
 const RELAY_LATENCY: &str = "relay latency FULL (1 msg / 2 ms)";
+const IDLE: &str = "idle engine: wakeups/s, threads";
+/// The idle row's effectful consumer.
+const EFFECTS: &str = "bench-effects";
 
 fn queued_name(workers: usize, retained: u64) -> String {
     format!("queued end to end, {workers} workers FULL{}", at(retained))
@@ -623,7 +680,9 @@ fn pair(
 /// Every scenario, in groups whose members are compared with each other
 /// and interleaved, in run order: the largest databases (and memory) last.
 fn scenarios(plan: &Plan) -> Vec<Vec<Scenario>> {
-    let mut groups = Vec::new();
+    // (0) An idle engine: what it costs while nothing happens. First, so
+    // no earlier scenario's threads or files are winding down.
+    let mut groups = vec![vec![Scenario::new(IDLE, Work::Idle, 0)]];
     let seeds = |batch: usize, sync: SyncMode, count: u64| {
         let mut s = Scenario::new(seeds_name(batch, sync), Work::SeedsFloor { batch }, count);
         s.sync = sync;
@@ -883,6 +942,9 @@ struct Run {
     /// CPU the process, and the engine's writer thread, used in the phase
     /// (the rows that deliver: `deliver …`, duplicate storm, retention).
     cpu: Option<cpu::Used>,
+    /// CPU and bytes written over the phase, every row (the per-message
+    /// columns).
+    cost: budget::Cost,
 }
 
 #[derive(Default)]
@@ -900,23 +962,65 @@ struct Measured {
     /// What the timed phase wrote: WAL frames (pages dirtied, per commit)
     /// and the net change of B-tree entries.
     footprint: Option<Footprint>,
+    /// The database's page size, to turn WAL frames into bytes (each
+    /// frame is a page and a 24-byte header).
+    page_size: Option<u64>,
+    /// The idle row's figures.
+    idle: Option<Idle>,
     /// Facts worth printing below the table (open time, copy time, …).
     notes: Vec<String>,
 }
 
-/// WAL frames appended, and B-tree entries added (net), over a phase.
+/// An idle engine, measured: the threads it started and their context
+/// switches over the measured window, all passes together.
+#[derive(Default)]
+struct Idle {
+    seconds: f64,
+    switches: u64,
+    /// Threads the engine started (the most in a pass).
+    threads: usize,
+    /// By thread name: (threads of that name, their switches).
+    by_name: std::collections::BTreeMap<String, (usize, u64)>,
+    /// VmRSS after the settle minus VmRSS before the open (the largest).
+    rss_kib: Option<i64>,
+}
+
+impl Idle {
+    fn plus(mut self, other: Idle) -> Idle {
+        self.seconds += other.seconds;
+        self.switches += other.switches;
+        self.threads = self.threads.max(other.threads);
+        for (name, (n, sw)) in other.by_name {
+            let e = self.by_name.entry(name).or_default();
+            e.0 = e.0.max(n);
+            e.1 += sw;
+        }
+        self.rss_kib = self.rss_kib.max(other.rss_kib);
+        self
+    }
+}
+
+/// WAL frames appended, and B-tree entries added (net, where the row
+/// counts them: `dbstat` reads the whole file), over a phase.
 #[derive(Debug, Clone, Copy, Default)]
 struct Footprint {
     frames: u64,
-    cells: i64,
+    cells: Option<i64>,
 }
 
 impl Footprint {
     fn since(self, before: Footprint) -> Option<Footprint> {
         Some(Footprint {
             frames: self.frames.saturating_sub(before.frames),
-            cells: self.cells - before.cells,
+            cells: self.cells.zip(before.cells).map(|(a, b)| a - b),
         })
+    }
+
+    fn plus(self, other: Footprint) -> Footprint {
+        Footprint {
+            frames: self.frames + other.frames,
+            cells: self.cells.zip(other.cells).map(|(a, b)| a + b),
+        }
     }
 }
 
@@ -976,7 +1080,32 @@ struct Row {
     jobs_committed: Option<u64>,
     /// Commits per message, for queued rows (claims and completions).
     commits_per_msg: Option<f64>,
+    /// Per message finished: the process's CPU (user + system, every
+    /// thread) over the phase, in µs; WAL bytes appended (frames × (page
+    /// size + 24)), where the row counts frames; and bytes the kernel
+    /// counted as written to storage (/proc/self/io `write_bytes`).
+    cpu_us_per_msg: Option<f64>,
+    wal_bytes_per_msg: Option<f64>,
+    disk_bytes_per_msg: Option<f64>,
+    /// The idle row: context switches per second over the engine's
+    /// threads, how many threads it started, its VmRSS over the process's
+    /// before the open, the process's CPU (ms per second) and bytes written
+    /// per second meanwhile, and the switches by thread name.
+    idle_wakeups_per_s: Option<f64>,
+    idle_threads: Option<usize>,
+    idle_rss_kib: Option<i64>,
+    idle_cpu_ms_per_s: Option<f64>,
+    idle_disk_bytes_per_s: Option<f64>,
+    idle_by_thread: Vec<IdleThread>,
     notes: Vec<String>,
+}
+
+/// The idle row's figures for the threads of one name.
+#[derive(Serialize)]
+struct IdleThread {
+    name: String,
+    threads: usize,
+    wakeups_per_s: f64,
 }
 
 /// Nearest-rank percentile of sorted latencies.
@@ -1046,16 +1175,23 @@ mod cpu {
         }
     }
 
-    /// User plus system time of the process (/proc/self/stat), and the run
-    /// time of the writer thread (/proc/self/task/*/schedstat, in ns).
-    /// `None` where /proc is missing or unreadable.
-    pub fn now() -> Option<Used> {
+    /// User plus system time of the whole process, threads that ended
+    /// included (/proc/self/stat, in `USER_HZ` ticks: 10 ms steps).
+    pub fn process() -> Option<Duration> {
         let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
         // Fields after the command name, which is in parentheses and may
         // hold spaces: utime and stime are the 12th and 13th.
         let fields: Vec<&str> = stat[stat.rfind(')')? + 2..].split(' ').collect();
         let ticks: u64 =
             fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        Some(Duration::from_millis(ticks * 1000 / TICKS_PER_S))
+    }
+
+    /// User plus system time of the process (/proc/self/stat), and the run
+    /// time of the writer thread (/proc/self/task/*/schedstat, in ns).
+    /// `None` where /proc is missing or unreadable.
+    pub fn now() -> Option<Used> {
+        let process = process()?;
         let mut writer = None;
         for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
             let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
@@ -1067,10 +1203,124 @@ mod cpu {
                 }
             }
         }
-        Some(Used {
-            process: Duration::from_millis(ticks * 1000 / TICKS_PER_S),
-            writer,
-        })
+        Some(Used { process, writer })
+    }
+}
+
+/// What a timed phase cost the process, for the per-message columns: CPU
+/// (user + system over all its threads) and the bytes the kernel counted as
+/// sent to storage (`write_bytes` of /proc/self/io: pages dirtied in the
+/// page cache, WAL appends and checkpoints' copies into the database alike,
+/// charged to the thread that dirtied them).
+mod budget {
+    use std::time::Duration;
+
+    /// Usage so far (`now`), or over a phase (`since`).
+    #[derive(Debug, Clone, Copy, Default)]
+    pub struct Cost {
+        pub cpu: Option<Duration>,
+        pub written: Option<u64>,
+    }
+
+    pub fn now() -> Cost {
+        Cost {
+            cpu: super::cpu::process(),
+            written: write_bytes(),
+        }
+    }
+
+    impl Cost {
+        /// Usage from `before` to now.
+        pub fn since(before: Cost) -> Cost {
+            let now = now();
+            Cost {
+                cpu: now.cpu.zip(before.cpu).map(|(a, b)| a.saturating_sub(b)),
+                written: now
+                    .written
+                    .zip(before.written)
+                    .map(|(a, b)| a.saturating_sub(b)),
+            }
+        }
+
+        /// Two phases together (a missing figure counts as none: `Cost`
+        /// starts empty, before the first pass).
+        pub fn plus(self, other: Cost) -> Cost {
+            fn add<T: std::ops::Add<Output = T>>(a: Option<T>, b: Option<T>) -> Option<T> {
+                match (a, b) {
+                    (Some(a), Some(b)) => Some(a + b),
+                    (a, b) => a.or(b),
+                }
+            }
+            Cost {
+                cpu: add(self.cpu, other.cpu),
+                written: add(self.written, other.written),
+            }
+        }
+    }
+
+    /// `write_bytes` of /proc/self/io; `None` where the file is missing or
+    /// unreadable (a kernel without task I/O accounting).
+    pub fn write_bytes() -> Option<u64> {
+        let io = std::fs::read_to_string("/proc/self/io").ok()?;
+        io.lines()
+            .find_map(|l| l.strip_prefix("write_bytes:"))?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    /// Whether `write_bytes` counts here: it moves for a 256 KiB write
+    /// made durable in `dir` (a container's filesystem may hide it). The
+    /// header says which.
+    pub fn io_counts(dir: &std::path::Path) -> Result<(), String> {
+        use std::io::Write;
+        let before = write_bytes().ok_or("/proc/self/io is missing or unreadable")?;
+        let path = dir.join(format!("bench-io-probe-{}", std::process::id()));
+        let wrote = std::fs::File::create(&path).and_then(|mut f| {
+            f.write_all(&[7u8; 256 * 1024])?;
+            f.sync_all()
+        });
+        let _ = std::fs::remove_file(&path);
+        wrote.map_err(|e| format!("the probe write failed: {e}"))?;
+        match write_bytes() {
+            Some(after) if after > before => Ok(()),
+            _ => Err("write_bytes stays 0 here (a 256 KiB fsynced write did not move it)".into()),
+        }
+    }
+}
+
+/// The threads an engine started and how often they were switched out:
+/// /proc/self/task/*/status (`voluntary_ctxt_switches` +
+/// `nonvoluntary_ctxt_switches`) and `comm`, by thread id. Each switch
+/// is a wakeup (a block and a resume, or a preemption).
+mod tasks {
+    use std::collections::BTreeMap;
+
+    /// Thread id → (name, context switches so far).
+    pub type Snapshot = BTreeMap<u64, (String, u64)>;
+
+    pub fn snapshot() -> Snapshot {
+        let mut out = Snapshot::new();
+        let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+            return out;
+        };
+        for task in dir.flatten() {
+            let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else {
+                continue;
+            };
+            let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+            let switches = status
+                .lines()
+                .filter_map(|l| {
+                    l.strip_prefix("voluntary_ctxt_switches:")
+                        .or_else(|| l.strip_prefix("nonvoluntary_ctxt_switches:"))
+                })
+                .filter_map(|n| n.trim().parse::<u64>().ok())
+                .sum();
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            out.insert(tid, (comm.trim_end().to_owned(), switches));
+        }
+        out
     }
 }
 
@@ -1117,7 +1367,7 @@ mod floor {
     /// Opens (creating with postroom's schema if needed) with the pragmas
     /// the engine's write connection uses.
     pub fn open(path: &Path, sync: SyncMode) -> Res<Connection> {
-        let conn = Connection::open(path)?;
+        let mut conn = Connection::open(path)?;
         conn.busy_timeout(Duration::from_secs(5))?;
         let mode: String =
             conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
@@ -1126,6 +1376,7 @@ mod floor {
         }
         conn.pragma_update(None, "synchronous", sync.label())?;
         conn.pragma_update(None, "foreign_keys", true)?;
+        conn.wal_hook(Some(seeds::note_frames))?;
         let has_schema: bool = conn.query_row(
             "SELECT count(*) > 0 FROM sqlite_master WHERE name = 'postroom_inbox'",
             [],
@@ -1195,6 +1446,16 @@ mod floor {
         Ok(())
     }
 
+    /// The WAL frames this thread's floor commits appended since
+    /// `seeds::frames()` read `before` (no B-tree count: the floors on
+    /// postroom's schema are compared by speed).
+    pub fn wal_since(before: u64) -> Option<Footprint> {
+        Some(Footprint {
+            frames: seeds::frames().saturating_sub(before),
+            cells: None,
+        })
+    }
+
     /// Writes messages `0..count` of `seed`, `batch` per transaction.
     pub fn write_loop(
         conn: &Connection,
@@ -1229,6 +1490,7 @@ mod floor {
         each: fn(&Connection, u64, u64, i64) -> Res<()>,
         timed: bool,
     ) -> Res<Run> {
+        let spent = budget::now();
         let start = Instant::now();
         let mut latencies = Vec::new();
         let mut i = 0;
@@ -1251,6 +1513,7 @@ mod floor {
             elapsed: start.elapsed(),
             latencies,
             cpu: None,
+            cost: budget::Cost::since(spent),
         })
     }
 
@@ -1263,6 +1526,7 @@ mod floor {
         count: u64,
         cap: Duration,
     ) -> Res<Run> {
+        let spent = budget::now();
         let start = Instant::now();
         let mut latencies = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
         let mut i = 0;
@@ -1288,6 +1552,7 @@ mod floor {
             elapsed: start.elapsed(),
             latencies,
             cpu: None,
+            cost: budget::Cost::since(spent),
         })
     }
 
@@ -1303,6 +1568,7 @@ mod floor {
         count: u64,
         cap: Option<Duration>,
     ) -> Res<Run> {
+        let spent = budget::now();
         let start = Instant::now();
         let mut done = 0u64;
         let mut handed = 0usize;
@@ -1349,6 +1615,7 @@ mod floor {
             elapsed: start.elapsed(),
             latencies: Vec::new(),
             cpu: None,
+            cost: budget::Cost::since(spent),
         })
     }
 }
@@ -1391,7 +1658,15 @@ mod seeds {
         static FRAMES: std::cell::Cell<(u64, i32)> = const { std::cell::Cell::new((0, 0)) };
     }
 
-    fn note_frames(_: &mut rusqlite::hooks::Wal, pages: i32) -> rusqlite::Result<()> {
+    /// WAL frames this thread's commits (with the hook below) appended so
+    /// far, over every file.
+    pub fn frames() -> u64 {
+        FRAMES.with(|f| f.get().0)
+    }
+
+    /// Installed as the WAL hook of every connection the floors write
+    /// with (the engine counts its own).
+    pub fn note_frames(_: &mut rusqlite::hooks::Wal, pages: i32) -> rusqlite::Result<()> {
         FRAMES.with(|f| {
             let (sum, last) = f.get();
             let grown = if pages > last { pages - last } else { pages };
@@ -1436,8 +1711,8 @@ mod seeds {
     /// entries in `conn`'s database.
     pub fn footprint(conn: &Connection) -> Res<Footprint> {
         Ok(Footprint {
-            frames: FRAMES.with(|f| f.get().0),
-            cells: cells(conn)?,
+            frames: frames(),
+            cells: Some(cells(conn)?),
         })
     }
 
@@ -1571,6 +1846,7 @@ mod engine {
         count: u64,
         cap: Option<Duration>,
     ) -> Res<Run> {
+        let spent = budget::now();
         let start = Instant::now();
         let mut latencies = Vec::new();
         let mut i = 0;
@@ -1590,6 +1866,7 @@ mod engine {
             elapsed: start.elapsed(),
             latencies,
             cpu: None,
+            cost: budget::Cost::since(spent),
         })
     }
 
@@ -1686,6 +1963,7 @@ mod engine {
         count: u64,
         cap: Option<Duration>,
     ) -> Res<Run> {
+        let spent = budget::now();
         let start = Instant::now();
         let mut latencies = Vec::new();
         let mut i = 0;
@@ -1712,6 +1990,7 @@ mod engine {
             elapsed: start.elapsed(),
             latencies,
             cpu: None,
+            cost: budget::Cost::since(spent),
         })
     }
 
@@ -1725,6 +2004,7 @@ mod engine {
         count: u64,
         cap: Option<Duration>,
     ) -> Res<(Run, Vec<Duration>)> {
+        let spent = budget::now();
         let start = Instant::now();
         let (mut after_call, mut after_return) = (Vec::new(), Vec::new());
         let mut i = 0;
@@ -1752,12 +2032,14 @@ mod engine {
             elapsed: start.elapsed(),
             latencies: after_call,
             cpu: None,
+            cost: budget::Cost::since(spent),
         };
         Ok((run, after_return))
     }
 
     /// One caller delivering fresh messages of `seed` until `stop` is set.
     pub fn deliver_until(room: &Postroom, seed: u64, stop: &AtomicBool) -> Res<Run> {
+        let spent = budget::now();
         let cpu_before = cpu::now();
         let start = Instant::now();
         let mut latencies = Vec::new();
@@ -1778,6 +2060,7 @@ mod engine {
             elapsed,
             latencies,
             cpu: cpu_before.zip(cpu::now()).map(|(a, b)| b.since(a)),
+            cost: budget::Cost::since(spent),
         })
     }
 
@@ -1824,6 +2107,7 @@ mod engine {
         progress: Option<&str>,
     ) -> Res<Run> {
         let next = AtomicU64::new(0);
+        let spent = budget::now();
         let cpu_before = cpu::now();
         let start = Instant::now();
         let tenth = (count / 10).max(1);
@@ -1861,6 +2145,7 @@ mod engine {
         });
         let elapsed = start.elapsed();
         let cpu = cpu_before.zip(cpu::now()).map(|(a, b)| b.since(a));
+        let cost = budget::Cost::since(spent);
         let mut latencies = Vec::new();
         for lat in per_thread {
             latencies.extend(lat?);
@@ -1870,21 +2155,37 @@ mod engine {
             elapsed,
             latencies,
             cpu,
+            cost,
         })
     }
 
-    /// (batches_committed, jobs_committed), and how long `stats()` took:
-    /// it scans the inbox, which matters at millions of rows.
-    pub fn counters(room: &Postroom) -> Res<((u64, u64), Duration)> {
+    /// The engine's counters that a phase is measured by, from one
+    /// `stats()`.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Counters {
+        /// (batches_committed, jobs_committed).
+        pub group: (u64, u64),
+        /// WAL frames its commits appended since it opened.
+        pub frames: u64,
+    }
+
+    /// The counters, and how long `stats()` took: it scans the inbox,
+    /// which matters at millions of rows.
+    pub fn counters(room: &Postroom) -> Res<(Counters, Duration)> {
         let t = Instant::now();
         let stats = room.stats()?;
-        Ok(((stats.batches_committed, stats.jobs_committed), t.elapsed()))
+        let counters = Counters {
+            group: (stats.batches_committed, stats.jobs_committed),
+            frames: stats.wal_frames_written,
+        };
+        Ok((counters, t.elapsed()))
     }
 
     /// `counters`, except on a database prefilled with `retained` rows,
     /// where the engine rows other than `deliver …` skip `stats()` (15 s a
-    /// call at 5M rows, twice a pass) and go without group-commit notes.
-    pub fn counters_unless_scaled(room: &Postroom, retained: u64) -> Res<Option<(u64, u64)>> {
+    /// call at 5M rows, twice a pass) and go without group-commit notes
+    /// and WAL frames.
+    pub fn counters_unless_scaled(room: &Postroom, retained: u64) -> Res<Option<Counters>> {
         if retained > 0 {
             return Ok(None);
         }
@@ -1892,8 +2193,17 @@ mod engine {
     }
 
     /// The group-commit counters over a phase, when both ends have them.
-    pub fn group(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<(u64, u64)> {
-        before.zip(after).map(|(b, a)| delta(b, a))
+    pub fn group(before: Option<Counters>, after: Option<Counters>) -> Option<(u64, u64)> {
+        before.zip(after).map(|(b, a)| delta(b.group, a.group))
+    }
+
+    /// The WAL frames appended over a phase (no B-tree count), when both
+    /// ends have them.
+    pub fn wal(before: Option<Counters>, after: Option<Counters>) -> Option<Footprint> {
+        before.zip(after).map(|(b, a)| Footprint {
+            frames: a.frames.saturating_sub(b.frames),
+            cells: None,
+        })
     }
 
     /// WAL frames the engine's commits appended since it opened.
@@ -2162,7 +2472,9 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
         Work::FloorWrites { batch } => {
             let conn = floor::open(&path, s.sync)?;
             floor::write_loop(&conn, batch, warm, plan.warmup, None)?;
+            let frames = seeds::frames();
             m.run = floor::write_loop(&conn, batch, seed, count, Some(cap))?;
+            m.footprint = floor::wal_since(frames);
         }
         Work::SeedsFloor { batch } => {
             let conn = seeds::open(&path, s.sync)?;
@@ -2192,16 +2504,11 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
             }
             let base = engine::processed(&probe)?;
             let before = engine::counters(&room)?.0;
-            let (frames, cells) = (engine::frames(&room)?, seeds::cells(&probe)?);
+            let cells = seeds::cells(&probe)?;
+            let spent = budget::now();
             m.run = engine::receive_loop(&room, 1, seed, count, Some(cap))?;
             let after = engine::counters(&room)?.0;
-            m.group = Some(engine::delta(before, after));
-            if !processing {
-                m.footprint = Some(Footprint {
-                    frames: engine::frames(&room)? - frames,
-                    cells: seeds::cells(&probe)? - cells,
-                });
-            }
+            m.group = Some(engine::delta(before.group, after.group));
             if processing {
                 let during = engine::processed(&probe)? - base;
                 let t = Instant::now();
@@ -2215,7 +2522,18 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
                     thousands(n),
                     t.elapsed().as_millis()
                 ));
+                // A message's cost: received and processed.
+                m.run.cost = budget::Cost::since(spent);
             }
+            let end = if processing {
+                engine::counters(&room)?.0
+            } else {
+                after
+            };
+            m.footprint = Some(Footprint {
+                frames: end.frames - before.frames,
+                cells: Some(seeds::cells(&probe)? - cells),
+            });
             engine::close(room, &mut m.notes)?;
         }
         Work::FloorDedupe => {
@@ -2224,7 +2542,9 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
                 floor::write_loop(&conn, 1000, seed, count, None)?;
             }
             floor::dedupe_loop(&conn, dup_of(warm_dups), plan.warmup.min(count), cap)?;
+            let frames = seeds::frames();
             m.run = floor::dedupe_loop(&conn, dup_of(seed), count, cap)?;
+            m.footprint = floor::wal_since(frames);
         }
         Work::Deliver { callers } => {
             let (room, opened) = engine::open(&path, s.sync)?;
@@ -2237,19 +2557,20 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
             let expect = engine::Expect::Processed;
             engine::drive(&room, callers, warm, plan.warmup, None, expect, None)?;
             let (before, scan) = engine::counters(&room)?;
-            let frames = engine::frames(&room)?;
+            // dbstat reads the whole file: fresh databases only.
             let cells = (s.rows == 0)
                 .then(|| seeds::cells(&engine::probe(&path)?))
                 .transpose()?;
             m.run = engine::drive(&room, callers, seed, count, Some(cap), expect, None)?;
             let (after, _) = engine::counters(&room)?;
-            m.group = Some((after.0 - before.0, after.1 - before.1));
-            if let Some(cells) = cells {
-                m.footprint = Some(Footprint {
-                    frames: engine::frames(&room)? - frames,
-                    cells: seeds::cells(&engine::probe(&path)?)? - cells,
-                });
-            }
+            m.group = Some(engine::delta(before.group, after.group));
+            let cells_after = cells
+                .map(|_| seeds::cells(&engine::probe(&path)?))
+                .transpose()?;
+            m.footprint = Some(Footprint {
+                frames: after.frames - before.frames,
+                cells: cells.zip(cells_after).map(|(b, a)| a - b),
+            });
             if s.rows > 0 {
                 m.notes
                     .push(format!("stats() took {} ms", scan.as_millis()));
@@ -2265,14 +2586,13 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
             };
             engine::drive_with(&room, 1, sequenced(warm), plan.warmup, None, expect, None)?;
             let before = engine::counters(&room)?.0;
-            let frames = engine::frames(&room)?;
             let cells = seeds::cells(&engine::probe(&path)?)?;
             m.run = engine::drive_with(&room, 1, sequenced(seed), count, Some(cap), expect, None)?;
             let after = engine::counters(&room)?.0;
-            m.group = Some((after.0 - before.0, after.1 - before.1));
+            m.group = Some(engine::delta(before.group, after.group));
             m.footprint = Some(Footprint {
-                frames: engine::frames(&room)? - frames,
-                cells: seeds::cells(&engine::probe(&path)?)? - cells,
+                frames: after.frames - before.frames,
+                cells: Some(seeds::cells(&engine::probe(&path)?)? - cells),
             });
             engine::close(room, &mut m.notes)?;
         }
@@ -2297,12 +2617,15 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
             m.run = engine::drive_with(&room, 1, dup_of(seed), count, Some(cap), dup, None)?;
             let after = engine::counters_unless_scaled(&room, rows)?;
             m.group = engine::group(before, after);
+            m.footprint = engine::wal(before, after);
             engine::close(room, &mut m.notes)?;
         }
         Work::FloorReceive { batch } => {
             let conn = floor::open(&path, s.sync)?;
             floor::receive_loop(&conn, batch, warm, plan.warmup, None)?;
+            let frames = seeds::frames();
             m.run = floor::receive_loop(&conn, batch, seed, count, Some(cap))?;
+            m.footprint = floor::wal_since(frames);
         }
         Work::Receive { batch } => {
             // No workers: what is measured is storing, not processing.
@@ -2313,6 +2636,7 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
             m.run = engine::receive_loop(&room, batch, seed, count, Some(cap))?;
             let after = engine::counters_unless_scaled(&room, rows)?;
             m.group = engine::group(before, after);
+            m.footprint = engine::wal(before, after);
             engine::close(room, &mut m.notes)?;
         }
         Work::QueuedDrain { workers } => {
@@ -2322,7 +2646,9 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
             engine::fill_outbox(&path, s.sync, seed, plan.warmup + count)?;
             let conn = floor::open(&path, s.sync)?;
             floor::relay_loop(&conn, batch, plan.warmup, None)?;
+            let frames = seeds::frames();
             m.run = floor::relay_loop(&conn, batch, count, Some(DRAIN_LIMIT))?;
+            m.footprint = floor::wal_since(frames);
         }
         Work::RelayDrain => relay_drain(s, plan, &path, count, DRAIN_LIMIT, &mut m)?,
         Work::RelayLatency => {
@@ -2337,13 +2663,26 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
             m.run = run;
             m.after_return = after_return;
             m.group = engine::group(before, after);
+            m.footprint = engine::wal(before, after);
             engine::close(room, &mut m.notes)?;
         }
         Work::Retention { cleanup } => retention(s, plan, &path, cleanup, count, cap, &mut m)?,
         Work::Backlog => backlog(s, plan, &path, &mut m)?,
         Work::HeldKey { what, held } => held_key(s, plan, &path, what, held, count, cap, &mut m)?,
+        Work::Idle => idle(plan, &path, &mut m)?,
+    }
+    if m.footprint.is_some() {
+        m.page_size = Some(page_size(&path)?);
     }
     Ok(m)
+}
+
+/// The page size of the database at `path` (a WAL frame is a page and a
+/// 24-byte header).
+fn page_size(path: &Path) -> Res<u64> {
+    let conn = Connection::open(path)?;
+    let size: i64 = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+    Ok(u64::try_from(size)?)
 }
 
 /// The held-key rows: `held` rows of key `doc-1` (the bench consumer's
@@ -2431,13 +2770,15 @@ fn queued_drain(
         }
         Ok(Some(Footprint {
             frames: engine::frames(room)?,
-            cells: seeds::cells(&probe)?,
+            cells: Some(seeds::cells(&probe)?),
         }))
     };
     let footprint_before = footprint(&room)?;
     // One transaction: no worker can complete anything before it commits,
     // and the workers are woken as it returns.
     let msgs: Vec<Message> = (0..count).map(|i| message(seed, i)).collect();
+    // Like the footprint, the cost covers receiving and processing.
+    let spent = budget::now();
     let receipts = room.receive_batch(CONSUMER, msgs)?;
     let start = Instant::now();
     if receipts.iter().any(|r| *r != Receipt::Accepted) {
@@ -2455,6 +2796,7 @@ fn queued_drain(
         elapsed,
         latencies: Vec::new(),
         cpu: None,
+        cost: budget::Cost::since(spent),
     };
     // Receiving and processing together: what a queued message costs.
     if let (Some(before), Some(after)) = (footprint_before, footprint(&room)?) {
@@ -2464,7 +2806,7 @@ fn queued_drain(
         let stats = room.stats()?;
         let after = (stats.batches_committed, stats.jobs_committed);
         // The receive_batch commit is not the workers'.
-        let (batches, jobs) = engine::delta(before, after);
+        let (batches, jobs) = engine::delta(before.group, after);
         m.group = Some((batches.saturating_sub(1), jobs.saturating_sub(1)));
         let completed = stats.inbox.get(CONSUMER).map_or(0, |c| c.completed);
         if drained && completed != warm_n + count {
@@ -2534,6 +2876,8 @@ fn relay_drain(
     })? {
         return Err("the relay did not hand over the warm-up rows in 5 minutes".into());
     }
+    let counted_before = engine::counters_unless_scaled(&room, s.rows)?;
+    let spent = budget::now();
     let start = Instant::now();
     let from = sent.load(Ordering::Relaxed);
     // The sink's count first (no SQL while it runs), then the marking of
@@ -2547,7 +2891,12 @@ fn relay_drain(
         elapsed,
         latencies: Vec::new(),
         cpu: None,
+        cost: budget::Cost::since(spent),
     };
+    m.footprint = engine::wal(
+        counted_before,
+        engine::counters_unless_scaled(&room, s.rows)?,
+    );
     // stats() scans the inbox too: on a prefilled database, count the
     // outbox alone.
     let (marked, by) = if s.rows > 0 {
@@ -2626,13 +2975,121 @@ fn retention(
     // cost the callers, who cannot commit while one runs.
     let stats = room.stats()?;
     let after = (stats.batches_committed, stats.jobs_committed);
-    m.group = Some(engine::delta(before, after));
+    m.group = Some(engine::delta(before.group, after));
+    m.footprint = Some(Footprint {
+        frames: stats.wal_frames_written.saturating_sub(before.frames),
+        cells: None,
+    });
     m.notes.push(format!(
         "{} paused checkpoint passes held writes {:.1} s in all, {:.1} ms at most",
         thousands(stats.wal_checkpoints),
         stats.wal_paused.as_secs_f64(),
         stats.wal_paused_max.as_secs_f64() * 1000.0
     ));
+    engine::close(room, &mut m.notes)
+}
+
+/// The idle row's effectful consumer: an external step that does nothing,
+/// then the same work as every handler.
+struct Effect;
+
+impl EffectHandler for Effect {
+    type Output = ();
+
+    fn effect(&self, _: &EffectContext<'_>, _: &Message) -> Result<(), Failure> {
+        Ok(())
+    }
+
+    fn apply(&self, tx: &mut Tx<'_>, msg: &Message, _: ()) -> Result<(), Failure> {
+        tx.execute(DOMAIN_UPDATE, [account_of(msg.id())])?;
+        tx.publish(Outgoing::new(OUT_TOPIC, OUT_PAYLOAD).with_key(msg.id()))?;
+        Ok(())
+    }
+}
+
+/// An engine with default settings, the bench consumer, an effectful one
+/// and a sink, after one message through each (delivered, received and
+/// processed, published and sent), left to settle, then measured while
+/// nothing is due: the threads that appeared with the open (the harness's
+/// own are there before it, and only sleep meanwhile), their context
+/// switches per second, and VmRSS over what it was before the open.
+fn idle(plan: &Plan, path: &Path, m: &mut Measured) -> Res<()> {
+    let before_open = tasks::snapshot();
+    let resident = mem::status_kib("VmRSS");
+    let sent = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&sent);
+    let sink = sink_fn(move |_: &OutboxMessage| {
+        counted.fetch_add(1, Ordering::Relaxed);
+        SendResult::Sent
+    });
+    let builder = Postroom::builder()
+        .consumer(CONSUMER, engine::handler())
+        .effectful_consumer(EFFECTS, Effect)
+        .sink(sink);
+    let (room, _) = engine::open_with(builder, path)?;
+    let seed = ids::seed_of(IDLE);
+    let outcome = room.deliver(CONSUMER, message(seed, 0))?;
+    if !matches!(outcome, Outcome::Processed { .. }) {
+        return Err(format!("the idle engine's delivery: {outcome:?}").into());
+    }
+    let receipt = room.receive(EFFECTS, message(seed, 1))?;
+    if receipt != Receipt::Accepted {
+        return Err(format!("the idle engine's receive: {receipt:?}").into());
+    }
+    let probe = engine::probe(path)?;
+    let (tick, long) = (Duration::from_millis(10), Duration::from_secs(60));
+    if !engine::wait(tick, long, || {
+        Ok(engine::processed(&probe)? >= 2 && sent.load(Ordering::Relaxed) >= 2)
+    })? {
+        return Err("the idle engine's two messages were not processed and sent in 60 s".into());
+    }
+    drop(probe);
+    thread::sleep(plan.idle_settle);
+    let rss = mem::status_kib("VmRSS")
+        .zip(resident)
+        .map(|(now, then)| now as i64 - then as i64);
+    let window = plan.idle_for / plan.passes;
+    let (from, spent, start) = (tasks::snapshot(), budget::now(), Instant::now());
+    thread::sleep(window);
+    let (to, cost, elapsed) = (
+        tasks::snapshot(),
+        budget::Cost::since(spent),
+        start.elapsed(),
+    );
+    let mut idle = Idle {
+        seconds: elapsed.as_secs_f64(),
+        rss_kib: rss,
+        ..Idle::default()
+    };
+    // The engine's threads alive over the whole window.
+    for (tid, (name, then)) in from.iter().filter(|(t, _)| !before_open.contains_key(t)) {
+        let Some((_, now)) = to.get(tid) else {
+            continue;
+        };
+        let switches = now.saturating_sub(*then);
+        idle.threads += 1;
+        idle.switches += switches;
+        let e = idle.by_name.entry(name.clone()).or_default();
+        e.0 += 1;
+        e.1 += switches;
+    }
+    let (came, went) = (
+        to.keys().filter(|t| !from.contains_key(t)).count(),
+        from.keys().filter(|t| !to.contains_key(t)).count(),
+    );
+    if came + went > 0 {
+        m.notes.push(format!(
+            "{came} threads started and {went} ended during the window (not counted)"
+        ));
+    }
+    m.idle = Some(idle);
+    m.run = Run {
+        messages: 0,
+        elapsed,
+        latencies: Vec::new(),
+        cpu: None,
+        cost,
+    };
     engine::close(room, &mut m.notes)
 }
 
@@ -2649,6 +3106,7 @@ fn backlog(s: &Scenario, plan: &Plan, path: &Path, m: &mut Measured) -> Res<()> 
         .open(path)?;
     let opened = t.elapsed();
     let probe = engine::probe(path)?;
+    let spent = budget::now();
     let start = Instant::now();
     let tick = Duration::from_millis(50);
     engine::wait(tick, plan.backlog_for, || {
@@ -2661,6 +3119,7 @@ fn backlog(s: &Scenario, plan: &Plan, path: &Path, m: &mut Measured) -> Res<()> 
         elapsed,
         latencies: Vec::new(),
         cpu: None,
+        cost: budget::Cost::since(spent),
     };
     m.rise_kib = mem::status_kib("VmHWM")
         .zip(resident)
@@ -2699,10 +3158,13 @@ impl Measured {
             (a, b) => a.or(b),
         };
         self.footprint = match (self.footprint, pass.footprint) {
-            (Some(a), Some(b)) => Some(Footprint {
-                frames: a.frames + b.frames,
-                cells: a.cells + b.cells,
-            }),
+            (Some(a), Some(b)) => Some(a.plus(b)),
+            (a, b) => a.or(b),
+        };
+        self.run.cost = self.run.cost.plus(pass.run.cost);
+        self.page_size = self.page_size.or(pass.page_size);
+        self.idle = match (self.idle.take(), pass.idle) {
+            (Some(a), Some(b)) => Some(a.plus(b)),
             (a, b) => a.or(b),
         };
         if first {
@@ -2754,9 +3216,39 @@ fn row_of(s: &Scenario, mut m: Measured, peak: Option<u64>, delta: Option<i64>) 
         Work::QueuedDrain { workers } => ("engine", None, Some(workers), None),
         Work::RelayDrain => ("engine", None, None, None),
         Work::Backlog => ("engine", None, Some(2), None),
+        Work::Idle => ("engine", None, Some(2), None),
         Work::HeldKey { .. } => ("engine", Some(1), Some(2), None),
     };
     let queued = matches!(s.work, Work::QueuedDrain { .. } | Work::Backlog);
+    let per_msg = |x: f64| (m.run.messages > 0).then(|| x / m.run.messages as f64);
+    let per_s = |x: f64| (secs > 0.0).then(|| x / secs);
+    let idle = m.idle.take().filter(|i| i.seconds > 0.0);
+    let mut idle_by_thread: Vec<IdleThread> = idle.as_ref().map_or_else(Vec::new, |i| {
+        i.by_name
+            .iter()
+            .map(|(name, &(threads, switches))| IdleThread {
+                name: name.clone(),
+                threads,
+                wakeups_per_s: switches as f64 / i.seconds,
+            })
+            .collect()
+    });
+    idle_by_thread.sort_by(|a, b| b.wakeups_per_s.total_cmp(&a.wakeups_per_s));
+    if !idle_by_thread.is_empty() {
+        let each = idle_by_thread
+            .iter()
+            .map(|t| {
+                let n = if t.threads > 1 {
+                    format!(" x{}", t.threads)
+                } else {
+                    String::new()
+                };
+                format!("{}{n} {:.1}", t.name, t.wakeups_per_s)
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        m.notes.push(format!("wakeups/s by thread: {each}"));
+    }
     Row {
         scenario: s.name.clone(),
         kind,
@@ -2806,8 +3298,9 @@ fn row_of(s: &Scenario, mut m: Measured, peak: Option<u64>, delta: Option<i64>) 
             .map(|f| f.frames as f64 / m.run.messages as f64),
         btree_entries_per_msg: m
             .footprint
+            .and_then(|f| f.cells)
             .filter(|_| m.run.messages > 0)
-            .map(|f| f.cells as f64 / m.run.messages as f64),
+            .map(|c| c as f64 / m.run.messages as f64),
         avg_group: m
             .group
             .filter(|&(b, _)| b > 0)
@@ -2829,6 +3322,24 @@ fn row_of(s: &Scenario, mut m: Measured, peak: Option<u64>, delta: Option<i64>) 
             .group
             .filter(|_| queued && m.run.messages > 0)
             .map(|(b, _)| b as f64 / m.run.messages as f64),
+        cpu_us_per_msg: m.run.cost.cpu.and_then(|c| per_msg(c.as_secs_f64() * 1e6)),
+        wal_bytes_per_msg: m
+            .footprint
+            .zip(m.page_size)
+            .and_then(|(f, page)| per_msg((f.frames * (page + 24)) as f64)),
+        disk_bytes_per_msg: m.run.cost.written.and_then(|w| per_msg(w as f64)),
+        idle_wakeups_per_s: idle.as_ref().map(|i| i.switches as f64 / i.seconds),
+        idle_threads: idle.as_ref().map(|i| i.threads),
+        idle_rss_kib: idle.as_ref().and_then(|i| i.rss_kib),
+        idle_cpu_ms_per_s: idle
+            .as_ref()
+            .and(m.run.cost.cpu)
+            .and_then(|c| per_s(c.as_secs_f64() * 1e3)),
+        idle_disk_bytes_per_s: idle
+            .as_ref()
+            .and(m.run.cost.written)
+            .and_then(|w| per_s(w as f64)),
+        idle_by_thread,
         notes: m.notes,
     }
 }
@@ -2858,6 +3369,31 @@ fn fmt_us(us: Option<f64>) -> String {
     }
 }
 
+/// Bytes, per message or per second: `812 B`, `39.7 KiB`, `1.2 MiB`.
+fn fmt_bytes(bytes: Option<f64>) -> String {
+    match bytes {
+        None => String::new(),
+        Some(b) if b < 1024.0 => format!("{b:.0} B"),
+        Some(b) if b < 1024.0 * 1024.0 => format!("{:.1} KiB", b / 1024.0),
+        Some(b) => format!("{:.1} MiB", b / (1024.0 * 1024.0)),
+    }
+}
+
+/// A blank cell's stand-in where a note needs one.
+trait IfEmpty {
+    fn if_empty(self, instead: &str) -> String;
+}
+
+impl IfEmpty for String {
+    fn if_empty(self, instead: &str) -> String {
+        if self.is_empty() {
+            instead.to_owned()
+        } else {
+            self
+        }
+    }
+}
+
 fn fmt_mib(kib: Option<u64>) -> String {
     kib.map_or_else(String::new, |k| format!("{:.1} MiB", k as f64 / 1024.0))
 }
@@ -2869,8 +3405,19 @@ fn fmt_delta(kib: Option<i64>) -> String {
 /// The notes column: group commits, and what else a row measured.
 fn row_notes(r: &Row) -> String {
     let mut parts = Vec::new();
-    if let (Some(f), Some(c)) = (r.wal_frames_per_msg, r.btree_entries_per_msg) {
-        parts.push(format!("{f:.2} pages, {c:+.2} B-tree entries per msg"));
+    if let (Some(w), Some(n)) = (r.idle_wakeups_per_s, r.idle_threads) {
+        parts.push(format!(
+            "{w:.1} wakeups/s over {n} threads; VmRSS {}; CPU {} ms/s; {} written/s",
+            fmt_delta(r.idle_rss_kib),
+            r.idle_cpu_ms_per_s
+                .map_or_else(|| "?".to_owned(), |c| format!("{c:.1}")),
+            fmt_bytes(r.idle_disk_bytes_per_s).if_empty("?")
+        ));
+    }
+    match (r.wal_frames_per_msg, r.btree_entries_per_msg) {
+        (Some(f), Some(c)) => parts.push(format!("{f:.2} pages, {c:+.2} B-tree entries per msg")),
+        (Some(f), None) => parts.push(format!("{f:.2} pages per msg")),
+        _ => {}
     }
     if let Some(g) = r.avg_group {
         let per = r
@@ -2922,18 +3469,18 @@ fn row_notes(r: &Row) -> String {
 
 fn print_table(rows: &[Row]) {
     let head = [
-        "scenario", "msgs/s", "p50", "p99", "max", "peak RSS", "ΔRSS", "ratio", "vs", "seeds",
-        "notes",
+        "scenario", "msgs/s", "p50", "p99", "max", "CPU/msg", "WAL/msg", "disk/msg", "peak RSS",
+        "ΔRSS", "ratio", "vs", "seeds", "notes",
     ];
     let right = [
-        false, true, true, true, true, true, true, true, false, true, false,
+        false, true, true, true, true, true, true, true, true, true, true, false, true, false,
     ];
     let cells: Vec<Vec<String>> = rows
         .iter()
         .map(|r| {
             vec![
                 r.scenario.clone(),
-                if r.paced {
+                if r.paced || r.idle_wakeups_per_s.is_some() {
                     String::new()
                 } else {
                     thousands(r.msgs_per_s.round() as u64)
@@ -2941,6 +3488,9 @@ fn print_table(rows: &[Row]) {
                 fmt_us(r.p50_us),
                 fmt_us(r.p99_us),
                 fmt_us(r.max_us),
+                fmt_us(r.cpu_us_per_msg),
+                fmt_bytes(r.wal_bytes_per_msg),
+                fmt_bytes(r.disk_bytes_per_msg),
                 fmt_mib(r.peak_rss_kib),
                 fmt_delta(r.rss_delta_kib),
                 r.ratio.map_or_else(String::new, |x| format!("{x:.2}x")),
@@ -3212,7 +3762,7 @@ fn print_goals(rows: &[Row], plan: &Plan) {
     );
 }
 
-fn header(args: &[String], plan: &Plan, peak_resets: bool) {
+fn header(args: &[String], plan: &Plan, peak_resets: bool, io: &Result<(), String>) {
     let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo
         .lines()
@@ -3282,6 +3832,15 @@ fn header(args: &[String], plan: &Plan, peak_resets: bool) {
             "reset before each pass via /proc/self/clear_refs: the lowest pass peak is shown"
         } else {
             "could NOT be reset here, so it is the run's peak so far (see ΔRSS)"
+        }
+    );
+    println!(
+        "budget:   per msg finished: CPU/msg = the process's user+sys over the phase (every \
+         thread, the harness's callers included; 10 ms ticks); WAL/msg = WAL frames x (page + 24 B); \
+         disk/msg = /proc/self/io write_bytes ({})",
+        match io {
+            Ok(()) => "counts here".to_owned(),
+            Err(why) => format!("NOT counted here: {why}; the column is blank or 0"),
         }
     );
     println!();
@@ -3383,7 +3942,8 @@ fn bench(opts: &Options, args: &[String]) -> Res<bool> {
         Plan::full()
     };
     let peak_resets = mem::reset_peak();
-    header(args, &plan, peak_resets);
+    let io = budget::io_counts(&std::env::temp_dir());
+    header(args, &plan, peak_resets, &io);
     let cache = Cache::new();
     let mut groups = scenarios(&plan);
     if let Some(only) = &opts.only {
