@@ -460,3 +460,77 @@ mod guide {
         assert!(failed.blames(FaultKind::CrashBeforeCommit), "{failed}");
     }
 }
+
+/// The orders of [`orders`] through a handler that keeps an in-memory
+/// "already handled" set (a cache, a dedupe filter) and skips ids in it.
+/// The set is not rolled back with the transaction: after a rollback
+/// without a restart, the redelivery is skipped and the order never paid.
+fn in_memory_dedupe() -> Scenario {
+    Scenario::new(|app| {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+        app.consumer(
+            "billing",
+            handler_fn(move |tx, msg| {
+                if !seen.lock().unwrap().insert(msg.id().to_owned()) {
+                    return Ok(()); // "already handled"
+                }
+                mark_paid(tx, msg)
+            }),
+        );
+    })
+    .schema(schema)
+    .messages(|rng| orders(rng, 10))
+    .effects(paid_rows)
+}
+
+#[test]
+fn catches_an_in_memory_dedupe_that_a_rollback_outlives() {
+    let failed = in_memory_dedupe()
+        .try_run()
+        .expect_err("an in-memory dedupe set outliving a rollback must be caught");
+    eprintln!("{failed}");
+    assert!(
+        matches!(
+            failed.violation,
+            Violation::EffectsNotOnce { counted: 0, .. }
+        ),
+        "{failed}"
+    );
+}
+
+/// A handler that stores an invoice (a row larger than a page) and turns
+/// every SQL error into a rejection: a full disk dead-letters the message
+/// although nothing was wrong with it.
+fn rejects_on_any_error() -> Scenario {
+    Scenario::new(|app| {
+        app.consumer(
+            "billing",
+            handler_fn(|tx, msg| {
+                let id = order_id(msg)?;
+                tx.execute(
+                    "INSERT INTO invoices (order_id, pdf) VALUES (?1, zeroblob(20000))",
+                    [id],
+                )
+                .map_err(|e| Failure::reject(format!("cannot store the invoice: {e}")))?;
+                Ok(())
+            }),
+        );
+    })
+    .schema(|tx| {
+        tx.execute_batch("CREATE TABLE invoices (order_id INTEGER NOT NULL, pdf BLOB)")?;
+        Ok(())
+    })
+    .messages(|rng| orders(rng, 10))
+    .effects(|check, msg| {
+        let id = order_id(msg).unwrap();
+        check.count("SELECT count(*) FROM invoices WHERE order_id = ?1", [id])
+    })
+}
+
+#[test]
+fn catches_a_handler_that_dead_letters_on_a_full_disk() {
+    let failed = rejects_on_any_error()
+        .try_run()
+        .expect_err("a message dead-lettered by a full disk must be caught");
+    eprintln!("{failed}");
+}
