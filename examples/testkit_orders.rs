@@ -63,13 +63,25 @@ fn mark_paid(tx: &mut Tx<'_>, paid: &OrderPaid) -> Result<(), Failure> {
     Ok(())
 }
 
-/// The relay's sink: the destination acknowledges, then `Sent`.
+/// The relay's sink: `Sent` once the destination acknowledged; a timed-out
+/// acknowledgement is `Retry`, and so is the rest of the batch (a later
+/// message of the same key must not overtake it).
 struct Broker(Downstream);
 
 impl Sink for Broker {
     fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
-        batch.iter().for_each(|m| self.0.accept(m));
-        vec![SendResult::Sent; batch.len()]
+        let mut out = Vec::with_capacity(batch.len());
+        for m in batch {
+            match self.0.accept(m) {
+                Ok(()) => out.push(SendResult::Sent),
+                Err(timeout) => {
+                    let why = timeout.to_string();
+                    out.resize_with(batch.len(), || SendResult::retry(why.clone()));
+                    break;
+                }
+            }
+        }
+        out
     }
 }
 

@@ -32,17 +32,43 @@ pub enum FaultKind {
     /// is dropped without its destructor running (what `kill -9` does),
     /// and the engine reopens with a fresh sink.
     CrashInRelay,
+    /// After your handler (or your effect handler's `apply`) ran, SQL in
+    /// its transaction rolls the whole transaction back (`INSERT OR
+    /// ROLLBACK` meeting a conflict), without a restart: what your code
+    /// keeps in memory survives, its writes do not. The message is
+    /// redelivered.
+    SqlRollback,
+    /// The disk fills up during the message's delivery (a real page quota
+    /// on the engine's connection, at the file's size): every write that
+    /// needs a new page fails with `SQLITE_FULL`, yours included, and a
+    /// page-sized write after your handler makes sure one does. The engine
+    /// answers a retryable error and the message is redelivered once there
+    /// is room again: it must not be lost (dead-lettered) nor doubled.
+    DiskFull,
     /// The sink's next sends fail (answered `Retry` before reaching your sink).
     SinkFails,
     /// The sink's destination is down for its next sends (`Unavailable`).
     SinkUnavailable,
-    /// The clock jumps: forward up to two days, or back up to ten minutes.
+    /// The destination's acknowledgement times out for the next 1–3
+    /// messages [`Downstream::accept`](super::Downstream::accept) is
+    /// given: the first did not arrive, a second one arrived late. A sink
+    /// must answer `Retry` (or `Unavailable`), never `Sent`. Applies when
+    /// the setup uses [`App::downstream`](super::App::downstream).
+    SinkTimeout,
+    /// The clock jumps: forward up to two days, or back up to a minute.
     ClockJump,
+    /// Once the message is acknowledged, the clock passes the retention
+    /// period, a retention pass deletes the completed inbox rows, and the
+    /// message comes again: the engine no longer knows it and processes it
+    /// again (a documented limit of the dedupe horizon, unless the message
+    /// carries a sequence number). The verdict expects those effects again
+    /// and the report counts them as a known limit.
+    RetentionPass,
 }
 
 impl FaultKind {
     /// Every kind, in report order.
-    pub const ALL: [FaultKind; 10] = [
+    pub const ALL: [FaultKind; 14] = [
         FaultKind::Redeliver,
         FaultKind::LostAck,
         FaultKind::Reorder,
@@ -50,9 +76,13 @@ impl FaultKind {
         FaultKind::CrashBeforeCommit,
         FaultKind::CrashAfterCommit,
         FaultKind::CrashInRelay,
+        FaultKind::SqlRollback,
+        FaultKind::DiskFull,
         FaultKind::SinkFails,
         FaultKind::SinkUnavailable,
+        FaultKind::SinkTimeout,
         FaultKind::ClockJump,
+        FaultKind::RetentionPass,
     ];
 
     /// Its name in reports: `crash-before-commit`, ….
@@ -65,9 +95,13 @@ impl FaultKind {
             FaultKind::CrashBeforeCommit => "crash-before-commit",
             FaultKind::CrashAfterCommit => "crash-after-commit",
             FaultKind::CrashInRelay => "crash-in-relay",
+            FaultKind::SqlRollback => "sql-rollback",
+            FaultKind::DiskFull => "disk-full",
             FaultKind::SinkFails => "sink-fails",
             FaultKind::SinkUnavailable => "sink-unavailable",
+            FaultKind::SinkTimeout => "sink-timeout",
             FaultKind::ClockJump => "clock-jump",
+            FaultKind::RetentionPass => "retention-pass",
         }
     }
 
@@ -75,8 +109,16 @@ impl FaultKind {
     pub(crate) fn needs_sink(self) -> bool {
         matches!(
             self,
-            FaultKind::CrashInRelay | FaultKind::SinkFails | FaultKind::SinkUnavailable
+            FaultKind::CrashInRelay
+                | FaultKind::SinkFails
+                | FaultKind::SinkUnavailable
+                | FaultKind::SinkTimeout
         )
+    }
+
+    /// Whether it needs the [`Downstream`](super::Downstream) stand-in.
+    pub(crate) fn needs_downstream(self) -> bool {
+        self == FaultKind::SinkTimeout
     }
 
     /// Whether it is a crash of the process.
@@ -113,7 +155,7 @@ impl fmt::Display for Fault {
         match self.kind {
             FaultKind::Reorder => write!(f, " by {} places", self.arg),
             FaultKind::ClockJump => write!(f, " by {:+} ms", self.arg),
-            FaultKind::SinkFails | FaultKind::SinkUnavailable => {
+            FaultKind::SinkFails | FaultKind::SinkUnavailable | FaultKind::SinkTimeout => {
                 write!(f, " for {} sends", self.arg)
             }
             _ => Ok(()),
@@ -142,6 +184,15 @@ pub enum Violation {
         expected: String,
         /// This run's.
         got: String,
+    },
+    /// A message a fault-free run completes ended as a dead letter under
+    /// the faults: a transient error (a full disk, a rollback) was treated
+    /// as permanent, so the message is lost until someone redrives it.
+    LostToFault {
+        /// The message's id.
+        message_id: String,
+        /// The consumer that dead-lettered it.
+        consumer: String,
     },
     /// One of your invariants failed.
     Invariant {
@@ -199,6 +250,7 @@ impl Violation {
         match self {
             Violation::EffectsNotOnce { .. } => "effects-not-once",
             Violation::OutcomeDiffers { .. } => "outcome-differs",
+            Violation::LostToFault { .. } => "lost-to-fault",
             Violation::Invariant { .. } => "invariant",
             Violation::NotSettled { .. } => "not-settled",
             Violation::NeverHandedToSink { .. } => "never-handed-to-sink",
@@ -225,6 +277,15 @@ impl fmt::Display for Violation {
             Violation::OutcomeDiffers { expected, got } => write!(
                 f,
                 "the final state differs from a fault-free in-order run:\n    expected: {expected}\n    got:      {got}"
+            ),
+            Violation::LostToFault {
+                message_id,
+                consumer,
+            } => write!(
+                f,
+                "message {message_id:?} is a dead letter of consumer {consumer:?}, but a \
+                 fault-free run completes it: a transient error (full disk, rollback) was \
+                 treated as permanent (a Failure::reject for an SQL error?)"
             ),
             Violation::Invariant { after, message } => {
                 write!(f, "invariant failed after {after}: {message}")
