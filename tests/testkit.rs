@@ -678,3 +678,48 @@ fn a_redelivery_after_retention_is_a_known_limit_in_the_report() {
     assert!(report.reprocessed_after_retention > 0, "{report}");
     assert!(report.to_string().contains("known limit"), "{report}");
 }
+
+/// Only the real-process mode: every in-process kind off, no in-process
+/// seed.
+fn only_real_kills(scenario: Scenario, kills: u64) -> Scenario {
+    FaultKind::ALL
+        .into_iter()
+        .fold(scenario, Scenario::without)
+        .seeds(0)
+        .real_kills(kills)
+}
+
+#[test]
+fn catches_an_effect_outside_the_transaction_across_a_real_kill() {
+    let failed = only_real_kills(email_outside_the_transaction(), 6)
+        .try_run()
+        .expect_err("a child killed inside the handler sends the email twice");
+    eprintln!("{failed}");
+    assert!(
+        matches!(
+            failed.violation,
+            Violation::EffectsNotOnce { counted: 2, .. }
+        ),
+        "{failed}"
+    );
+    assert_eq!(failed.shrunk.len(), 1, "{failed}");
+    assert_eq!(failed.shrunk[0].kind, FaultKind::CrashBeforeCommit, "{failed}");
+    assert!(failed.to_string().contains("SIGKILL"), "{failed}");
+    assert!(failed.replay.contains("POSTROOM_TESTKIT_KILL="), "{failed}");
+}
+
+#[test]
+fn a_correct_handler_survives_real_kills() {
+    let report = only_real_kills(
+        Scenario::new(|app| {
+            app.consumer("billing", handler_fn(mark_paid));
+            app.sink(Forward::correct(app.downstream()));
+        })
+        .schema(schema)
+        .messages(|rng| orders(rng, 10))
+        .effects(paid_rows),
+        4,
+    )
+    .run();
+    assert_eq!(report.real_kills, 4, "{report}");
+}

@@ -138,7 +138,8 @@ impl fmt::Display for FaultKind {
 
 /// One scheduled fault: at the first delivery of the `step`-th generated
 /// message, `kind`, with `arg` (places for a reorder, milliseconds for a
-/// clock jump, sends for a sink fault; 0 otherwise).
+/// clock jump, sends for a sink fault; 1 for a crash that is a real kill
+/// of a child process; 0 otherwise).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fault {
     /// The index of the generated message it is attached to.
@@ -157,6 +158,11 @@ impl fmt::Display for Fault {
             FaultKind::ClockJump => write!(f, " by {:+} ms", self.arg),
             FaultKind::SinkFails | FaultKind::SinkUnavailable | FaultKind::SinkTimeout => {
                 write!(f, " for {} sends", self.arg)
+            }
+            FaultKind::CrashBeforeCommit | FaultKind::CrashAfterCommit
+                if self.arg == super::process::REAL_KILL =>
+            {
+                write!(f, " (SIGKILL of a child process)")
             }
             _ => Ok(()),
         }

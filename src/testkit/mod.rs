@@ -57,6 +57,7 @@
 //! crash tests of the engine itself use SIGKILL and failpoints).
 
 mod fault;
+mod process;
 mod stand_in;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -280,6 +281,9 @@ enum Mode {
     /// The disk is full (the quota is set by the run; the wrapper adds a
     /// page-sized write so that the transaction surely meets it).
     DiskFull,
+    /// In a child process of the real-process mode: tell the parent, and
+    /// wait for its SIGKILL, inside the uncommitted transaction.
+    Kill,
 }
 
 /// Which message a fault in the handler's transaction waits for, and
@@ -289,6 +293,8 @@ enum Mode {
 struct Armed {
     target: Mutex<Option<(String, String, Mode)>>,
     fired: Mutex<Option<Mode>>,
+    /// The file a child process creates when it is ready to be killed.
+    ready: Mutex<Option<PathBuf>>,
 }
 
 impl Armed {
@@ -336,6 +342,9 @@ impl Armed {
         inner: impl FnOnce(&mut Tx<'_>) -> Result<(), Failure>,
     ) -> Result<(), Failure> {
         let result = inner(tx);
+        if mode == Mode::Kill {
+            self.die();
+        }
         if result.is_err() && mode != Mode::Crash {
             // Your code met the fault (or failed by itself): either way it
             // answered first.
@@ -343,7 +352,7 @@ impl Armed {
             return result;
         }
         match mode {
-            Mode::Crash => {
+            Mode::Crash | Mode::Kill => {
                 self.fire(mode);
                 Err(Failure::retry(CRASH))
             }
@@ -386,10 +395,10 @@ struct Crashable<H> {
 
 impl<H: Handler> Handler for Crashable<H> {
     fn handle(&self, tx: &mut Tx<'_>, msg: &Message) -> Result<(), Failure> {
-        match self
-            .armed
-            .take(msg, &[Mode::Crash, Mode::Rollback, Mode::DiskFull])
-        {
+        match self.armed.take(
+            msg,
+            &[Mode::Crash, Mode::Rollback, Mode::DiskFull, Mode::Kill],
+        ) {
             None => self.inner.handle(tx, msg),
             Some(mode) => self.armed.around(tx, mode, |tx| self.inner.handle(tx, msg)),
         }
@@ -408,6 +417,9 @@ impl<H: EffectHandler> EffectHandler for CrashableEffect<H> {
 
     fn effect(&self, ctx: &EffectContext<'_>, msg: &Message) -> Result<H::Output, Failure> {
         let out = self.inner.effect(ctx, msg)?;
+        if let Some(Mode::Kill) = self.armed.take(msg, &[Mode::Kill]) {
+            self.armed.die();
+        }
         if self.armed.take(msg, &[Mode::Crash]).is_some() {
             self.armed.fire(Mode::Crash);
             return Err(Failure::retry(CRASH));
@@ -522,6 +534,8 @@ pub struct Scenario {
     first_seed: u64,
     fault_rate: u64,
     off: BTreeSet<FaultKind>,
+    /// Seeds run in the real-process mode.
+    real_kills: u64,
     /// The replay command, if not the default.
     name: Option<String>,
 }
@@ -546,6 +560,8 @@ pub struct Report {
     /// the message's inbox row (a known limit, see
     /// [`FaultKind::RetentionPass`]); their effects were expected again.
     pub reprocessed_after_retention: u64,
+    /// Seeds run in the real-process mode (a child killed with SIGKILL).
+    pub real_kills: u64,
     /// Wall time.
     pub elapsed: Duration,
 }
@@ -562,6 +578,13 @@ impl fmt::Display for Report {
         )?;
         for (kind, n) in &self.fired {
             writeln!(f, "  {:<20} {n}", kind.name())?;
+        }
+        if self.real_kills > 0 {
+            writeln!(
+                f,
+                "  {:<20} {} (child processes, crash counts above include them)",
+                "real kills", self.real_kills
+            )?;
         }
         for kind in &self.switched_off {
             if *kind == FaultKind::RetentionPass {
@@ -677,6 +700,7 @@ impl Scenario {
             fault_rate: 30,
             // The known limit is opt-in: see `with`.
             off: BTreeSet::from([FaultKind::RetentionPass]),
+            real_kills: 0,
             name: None,
         }
     }
@@ -786,16 +810,52 @@ impl Scenario {
         }
     }
 
+    /// After the in-process seeds, `seeds` more in the real-process mode:
+    /// the test binary runs again as a child process (this test only, by
+    /// its name), delivers the seed's messages and is killed with SIGKILL
+    /// before or after the commit of one of them (fault `arg` 1); this
+    /// process then opens the same file with the engine's real recovery,
+    /// delivers the rest and judges. About 100 ms to a few seconds per
+    /// seed. Only in a `#[test]`, and only for the first scenario its test
+    /// runs. The stand-ins ([`Service`], [`Downstream`]) live in memory and
+    /// die with the child: judge with files and database rows.
+    pub fn real_kills(mut self, seeds: u64) -> Self {
+        self.real_kills = seeds;
+        self
+    }
+
     /// Runs every seed; the first failure, shrunk, as an error.
     pub fn try_run(&self) -> Result<Report, Box<Failed>> {
+        let ordinal = process::ordinal();
+        if let Ok(spec) = std::env::var(process::CHILD_VAR) {
+            if ordinal == 0 {
+                self.run_child(&spec);
+            }
+        }
         let started = Instant::now();
+        let kill_seed = env_u64(process::KILL_VAR);
+        if self.real_kills > 0 && ordinal != 0 {
+            return Err(Box::new(Failed {
+                seed: None,
+                violation: Violation::Engine {
+                    message: "real kills: make this the first scenario its #[test] runs \
+                              (the child process takes the first one)"
+                        .into(),
+                },
+                schedule: Vec::new(),
+                shrunk: Vec::new(),
+                replay: self.command(),
+                ids: Vec::new(),
+            }));
+        }
         let replay_seed = env_u64(SEED_VAR);
         let keep: Option<Vec<usize>> = std::env::var(FAULTS_VAR)
             .ok()
             .map(|s| s.split(',').filter_map(|i| i.trim().parse().ok()).collect());
-        let seeds: Vec<u64> = match replay_seed {
-            Some(seed) => vec![seed],
-            None => {
+        let seeds: Vec<u64> = match (replay_seed, kill_seed) {
+            (_, Some(_)) => Vec::new(),
+            (Some(seed), None) => vec![seed],
+            (None, None) => {
                 let n = env_u64(SEEDS_VAR).unwrap_or(self.seeds);
                 (0..n).map(|i| self.first_seed.wrapping_add(i)).collect()
             }
@@ -835,6 +895,39 @@ impl Scenario {
                 }
             }
         }
+        let kill_seeds: Vec<u64> = match (replay_seed, kill_seed) {
+            (_, Some(seed)) => vec![seed],
+            (Some(_), None) => Vec::new(),
+            (None, None) => (0..self.real_kills)
+                .map(|i| self.first_seed.wrapping_add(i))
+                .collect(),
+        };
+        for seed in kill_seeds {
+            let msgs = self.generate(seed);
+            if msgs.is_empty() {
+                continue;
+            }
+            match self.run_killed(seed, &msgs) {
+                Ok(done) => {
+                    report.real_kills += 1;
+                    report.deliveries += done.deliveries;
+                    for (k, n) in done.fired {
+                        *report.fired.entry(k).or_insert(0) += n;
+                    }
+                }
+                Err(violation) => {
+                    let kill = process::kill_point(seed, msgs.len());
+                    return Err(Box::new(Failed {
+                        seed: Some(seed),
+                        violation,
+                        schedule: vec![kill],
+                        shrunk: vec![kill],
+                        replay: format!("{}={seed} {}", process::KILL_VAR, self.command()),
+                        ids: msgs.iter().map(|m| m.id().to_owned()).collect(),
+                    }));
+                }
+            }
+        }
         report.not_applicable = FaultKind::ALL
             .into_iter()
             .filter(|k| !self.off.contains(k) && !applies.admits(*k))
@@ -843,7 +936,7 @@ impl Scenario {
             .into_iter()
             .filter(|k| report.fired.get(k).copied().unwrap_or(0) == 0)
             .collect();
-        if !never.is_empty() && replay_seed.is_none() {
+        if !never.is_empty() && replay_seed.is_none() && kill_seed.is_none() {
             return Err(Box::new(Failed {
                 seed: None,
                 violation: Violation::NeverFired { kinds: never },
@@ -1032,25 +1125,7 @@ impl Scenario {
         let dir = scratch_dir().map_err(|e| Violation::Engine {
             message: format!("cannot make a temporary directory: {e}"),
         })?;
-        let mut run = Run {
-            sc: self,
-            db: dir.path().join("app.db"),
-            dir: dir.path().to_owned(),
-            world: World::default(),
-            armed: Arc::default(),
-            log: Arc::default(),
-            sink_dead: None,
-            clock: ManualClock::new(1_700_000_000_000 + (seed % 1000) as i64 * 1000),
-            fired: BTreeMap::new(),
-            consumers: Vec::new(),
-            has_sink: false,
-            deliveries: 0,
-            disk_full: false,
-            full_met: false,
-            answered: BTreeSet::new(),
-            reprocessed: BTreeMap::new(),
-        };
-        let result = run.execute(msgs, schedule);
+        let result = Run::new(self, dir.path(), seed).execute(msgs, schedule);
         drop(dir);
         result
     }
@@ -1279,6 +1354,9 @@ struct Run<'s> {
     /// Per (source, id): deliveries processed again after a retention
     /// pass removed the message's row.
     reprocessed: BTreeMap<(String, String), u64>,
+    /// After a real kill: the outbox rows the dead child had sent (they
+    /// count as handed to the sink; its downstream died with it).
+    killed: Option<BTreeSet<String>>,
 }
 
 fn engine(what: &str) -> impl Fn(crate::Error) -> Violation + '_ {
@@ -1287,7 +1365,29 @@ fn engine(what: &str) -> impl Fn(crate::Error) -> Violation + '_ {
     }
 }
 
-impl Run<'_> {
+impl<'s> Run<'s> {
+    fn new(sc: &'s Scenario, dir: &Path, seed: u64) -> Run<'s> {
+        Run {
+            sc,
+            db: dir.join("app.db"),
+            dir: dir.to_owned(),
+            world: World::default(),
+            armed: Arc::default(),
+            log: Arc::default(),
+            sink_dead: None,
+            clock: ManualClock::new(1_700_000_000_000 + (seed % 1000) as i64 * 1000),
+            fired: BTreeMap::new(),
+            consumers: Vec::new(),
+            has_sink: false,
+            deliveries: 0,
+            disk_full: false,
+            full_met: false,
+            answered: BTreeSet::new(),
+            reprocessed: BTreeMap::new(),
+            killed: None,
+        }
+    }
+
     fn fire(&mut self, kind: FaultKind) {
         *self.fired.entry(kind).or_insert(0) += 1;
     }
@@ -1763,7 +1863,10 @@ impl Run<'_> {
 
     fn check_relay(&self, conn: &Connection) -> Result<(), Violation> {
         let log = lock(&self.log);
-        let handed: BTreeSet<&str> = log.handed.iter().map(|h| h.1.as_str()).collect();
+        let mut handed: BTreeSet<&str> = log.handed.iter().map(|h| h.1.as_str()).collect();
+        if let Some(sent) = &self.killed {
+            handed.extend(sent.iter().map(String::as_str));
+        }
         let mut stmt = conn
             .prepare("SELECT message_id FROM postroom_outbox ORDER BY seq")
             .map_err(|e| Violation::Engine {
@@ -1799,7 +1902,7 @@ impl Run<'_> {
                 last.insert(key, *seq);
             }
         }
-        if self.world.downstream_used.load(Ordering::Relaxed) {
+        if self.world.downstream_used.load(Ordering::Relaxed) && self.killed.is_none() {
             let received = self.world.downstream.received();
             let got: BTreeSet<&str> = received.iter().map(|r| r.id.as_str()).collect();
             for id in &log.sent {
