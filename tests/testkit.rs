@@ -703,7 +703,11 @@ fn catches_an_effect_outside_the_transaction_across_a_real_kill() {
         "{failed}"
     );
     assert_eq!(failed.shrunk.len(), 1, "{failed}");
-    assert_eq!(failed.shrunk[0].kind, FaultKind::CrashBeforeCommit, "{failed}");
+    assert_eq!(
+        failed.shrunk[0].kind,
+        FaultKind::CrashBeforeCommit,
+        "{failed}"
+    );
     assert!(failed.to_string().contains("SIGKILL"), "{failed}");
     assert!(failed.replay.contains("POSTROOM_TESTKIT_KILL="), "{failed}");
 }

@@ -907,6 +907,7 @@ impl Scenario {
             if msgs.is_empty() {
                 continue;
             }
+            report.messages += msgs.len() as u64;
             match self.run_killed(seed, &msgs) {
                 Ok(done) => {
                     report.real_kills += 1;

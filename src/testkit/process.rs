@@ -146,7 +146,8 @@ impl Scenario {
             )
         })?;
         let kill = kill_point(seed, msgs.len());
-        let io = |what: &'static str| move |e: std::io::Error| failed_engine(format!("{what}: {e}"));
+        let io =
+            |what: &'static str| move |e: std::io::Error| failed_engine(format!("{what}: {e}"));
         let dir = scratch_dir().map_err(io("a temporary directory"))?;
         let ready = dir.path().join("child.ready");
         let log_path = dir.path().join("child.log");
@@ -202,8 +203,9 @@ impl Scenario {
             let mut stmt = conn
                 .prepare("SELECT message_id FROM postroom_outbox WHERE status = 'sent'")
                 .map_err(|e| failed_engine(format!("reading the outbox: {e}")))?;
-            let ids: rusqlite::Result<BTreeSet<String>> =
-                stmt.query_map([], |r| r.get(0)).and_then(|rows| rows.collect());
+            let ids: rusqlite::Result<BTreeSet<String>> = stmt
+                .query_map([], |r| r.get(0))
+                .and_then(|rows| rows.collect());
             ids.map_err(|e| failed_engine(format!("reading the outbox: {e}")))?
         };
         run.killed = Some(sent);
