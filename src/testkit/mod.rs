@@ -1450,15 +1450,22 @@ impl<'s> Run<'s> {
         self.open()
     }
 
+    /// The testkit's tables and yours, in one transaction.
+    fn schema(&self, room: &Postroom) -> Result<(), Violation> {
+        let schema = self.sc.schema.clone();
+        room.transaction(move |tx| {
+            tx.execute_batch(TESTKIT_SCHEMA)?;
+            match &schema {
+                Some(schema) => schema(tx),
+                None => Ok(()),
+            }
+        })
+        .map_err(engine("schema"))
+    }
+
     fn execute(&mut self, msgs: &[Message], schedule: &[Fault]) -> Result<Done, Violation> {
         let mut room = self.open()?;
-        room.transaction(|tx| Ok(tx.execute_batch(TESTKIT_SCHEMA)?))
-            .map_err(engine("the testkit's tables"))?;
-        if let Some(schema) = &self.sc.schema {
-            let schema = schema.clone();
-            room.transaction(move |tx| schema(tx))
-                .map_err(engine("schema"))?;
-        }
+        self.schema(&room)?;
         let mut order: Vec<usize> = (0..msgs.len()).collect();
         for f in schedule.iter().filter(|f| f.kind == FaultKind::Reorder) {
             if let Some(pos) = order.iter().position(|&m| m == f.step) {

@@ -115,13 +115,7 @@ impl Scenario {
         let mut run = Run::new(self, &dir, seed);
         *lock(&run.armed.ready) = Some(dir.join("child.ready"));
         let room = run.open()?;
-        room.transaction(|tx| Ok(tx.execute_batch(TESTKIT_SCHEMA)?))
-            .map_err(engine("the testkit's tables"))?;
-        if let Some(schema) = &self.schema {
-            let schema = schema.clone();
-            room.transaction(move |tx| schema(tx))
-                .map_err(engine("schema"))?;
-        }
+        run.schema(&room)?;
         for (i, msg) in msgs.iter().enumerate().take(step.saturating_add(1)) {
             if i == step && before {
                 run.armed.arm(msg, Mode::Kill);
