@@ -53,8 +53,13 @@
 //! while every verdict is about what must hold whatever the interleaving;
 //! a simulated crash drops the engine with the sink's destructor not run
 //! and everything in memory of the handlers lost, but lets the engine's
-//! threads stop (the in-process crash cannot stop a thread mid-write; the
-//! crash tests of the engine itself use SIGKILL and failpoints).
+//! threads stop (the in-process crash cannot stop a thread mid-write; for
+//! that, [`Scenario::real_kills`] SIGKILLs a child process, see `process`);
+//! a rollback fault (`sql-rollback`, `disk-full`) keeps the process and
+//! its memory, and rolls back only the transaction; a disk-full quota is
+//! lifted before the delivery's wait, so nothing else waits on a full disk;
+//! every wait is bounded (60 s). The testkit writes only its own
+//! `_testkit_*` tables in your database.
 
 mod fault;
 mod process;
