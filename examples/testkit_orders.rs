@@ -2,9 +2,10 @@
 //! `OrderPaid` event marks the order paid and requests shipping. The first
 //! version also emails the customer by writing outside the transaction
 //! (here: a line in a file, standing in for an SMTP call); the testkit
-//! finds the seed where a crash before the commit sends the email twice,
-//! shrinks the schedule to that one fault and prints the command that
-//! replays it. The fixed version publishes the email request through the
+//! finds the seed where the transaction is lost after the handler ran (a
+//! crash before the commit, a rollback, a full disk: seed 0 has a full
+//! disk) and the redelivery sends the email twice, shrinks the schedule to
+//! that one fault and prints the command that replays it. The fixed version publishes the email request through the
 //! outbox instead, in the same transaction, and passes every seed.
 //!
 //! ```text
