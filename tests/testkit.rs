@@ -723,3 +723,61 @@ fn a_correct_handler_survives_real_kills() {
     .run();
     assert_eq!(report.real_kills, 4, "{report}");
 }
+
+/// Orders stamped when paid: with the engine's clock (`tx.now_ms()`), or,
+/// the bug, with the wall clock.
+fn stamps_paid_orders(wall_clock: bool) -> Scenario {
+    Scenario::new(move |app| {
+        app.consumer(
+            "billing",
+            handler_fn(move |tx, msg| {
+                let now = if wall_clock {
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_err(Failure::retry)?
+                        .as_millis() as i64
+                } else {
+                    tx.now_ms()
+                };
+                tx.execute(
+                    "INSERT INTO paid_at (order_id, at) VALUES (?1, ?2)",
+                    [order_id(msg)?, now],
+                )?;
+                Ok(())
+            }),
+        );
+    })
+    .schema(|tx| {
+        tx.execute_batch("CREATE TABLE paid_at (order_id INTEGER NOT NULL, at INTEGER NOT NULL)")?;
+        Ok(())
+    })
+    .messages(|rng| orders(rng, 5))
+    .effects(|check, msg| {
+        let id = order_id(msg).unwrap();
+        check.count("SELECT count(*) FROM paid_at WHERE order_id = ?1", [id])
+    })
+    .detect_wall_clock(|check| {
+        // Ages in whole hours, relative to the engine's clock.
+        let hours = check.count(
+            "SELECT sum(abs(?1 - at) / 3600000) FROM paid_at",
+            [check.now_ms()],
+        );
+        format!("paid {hours} order-hours ago")
+    })
+    .seeds(10)
+}
+
+#[test]
+fn catches_a_handler_that_reads_the_wall_clock() {
+    let failed = stamps_paid_orders(true)
+        .try_run()
+        .expect_err("a handler reading the wall clock must be caught");
+    eprintln!("{failed}");
+    assert!(
+        matches!(failed.violation, Violation::ReadsWallClock { .. }),
+        "{failed}"
+    );
+    assert!(failed.shrunk.is_empty(), "{failed}");
+    // The engine's clock passes.
+    stamps_paid_orders(false).run();
+}

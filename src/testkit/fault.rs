@@ -200,6 +200,16 @@ pub enum Violation {
         /// The consumer that dead-lettered it.
         consumer: String,
     },
+    /// The times your `detect_wall_clock` closure rendered differ between
+    /// two fault-free runs whose engine clocks are 1,000 days apart: your
+    /// code reads the wall clock, or the closure renders absolute times
+    /// (see [`Scenario::detect_wall_clock`](super::Scenario::detect_wall_clock)).
+    ReadsWallClock {
+        /// The rendering at the usual clock.
+        expected: String,
+        /// The rendering with the clock shifted.
+        got: String,
+    },
     /// One of your invariants failed.
     Invariant {
         /// After which step (`"the end"` for the final check).
@@ -257,6 +267,7 @@ impl Violation {
             Violation::EffectsNotOnce { .. } => "effects-not-once",
             Violation::OutcomeDiffers { .. } => "outcome-differs",
             Violation::LostToFault { .. } => "lost-to-fault",
+            Violation::ReadsWallClock { .. } => "reads-wall-clock",
             Violation::Invariant { .. } => "invariant",
             Violation::NotSettled { .. } => "not-settled",
             Violation::NeverHandedToSink { .. } => "never-handed-to-sink",
@@ -292,6 +303,12 @@ impl fmt::Display for Violation {
                 "message {message_id:?} is a dead letter of consumer {consumer:?}, but a \
                  fault-free run completes it: a transient error (full disk, rollback) was \
                  treated as permanent (a Failure::reject for an SQL error?)"
+            ),
+            Violation::ReadsWallClock { expected, got } => write!(
+                f,
+                "the final state depends on the wall clock: with the engine's clock 1,000 days \
+                 later it differs (read time with tx.now_ms(), not SystemTime::now(); render \
+                 times relative to check.now_ms()):\n    expected: {expected}\n    got:      {got}"
             ),
             Violation::Invariant { after, message } => {
                 write!(f, "invariant failed after {after}: {message}")

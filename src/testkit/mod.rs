@@ -238,6 +238,7 @@ pub struct Check<'a> {
     conn: &'a Connection,
     world: &'a World,
     dir: &'a Path,
+    now_ms: i64,
 }
 
 impl Check<'_> {
@@ -273,6 +274,13 @@ impl Check<'_> {
     /// The seed's directory.
     pub fn dir(&self) -> &Path {
         self.dir
+    }
+
+    /// The engine's clock now, in unix milliseconds (the scenario's
+    /// manual clock, not the wall clock): render stored times relative to
+    /// it.
+    pub fn now_ms(&self) -> i64 {
+        self.now_ms
     }
 }
 
@@ -541,6 +549,8 @@ pub struct Scenario {
     off: BTreeSet<FaultKind>,
     /// Seeds run in the real-process mode.
     real_kills: u64,
+    /// Renders times for the comparison under a shifted clock.
+    wall_clock: Option<Box<OutcomeFn>>,
     /// The replay command, if not the default.
     name: Option<String>,
 }
@@ -706,6 +716,7 @@ impl Scenario {
             // The known limit is opt-in: see `with`.
             off: BTreeSet::from([FaultKind::RetentionPass]),
             real_kills: 0,
+            wall_clock: None,
             name: None,
         }
     }
@@ -815,6 +826,18 @@ impl Scenario {
             }
             Err(failed) => panic!("{failed}"),
         }
+    }
+
+    /// Runs each seed fault-free twice, the second time with the engine's
+    /// clock 1,000 days, 13 hours and 7 seconds later, and demands that
+    /// `times` renders the same text for both: render the times your
+    /// handlers stored relative to [`Check::now_ms`] (an age). A handler
+    /// that reads the wall clock (`SystemTime::now()`) instead of the
+    /// engine's (`tx.now_ms()`) fails with [`Violation::ReadsWallClock`].
+    /// Costs one or two more runs per seed.
+    pub fn detect_wall_clock(mut self, times: impl Fn(&Check<'_>) -> String + 'static) -> Self {
+        self.wall_clock = Some(Box::new(times));
+        self
     }
 
     /// After the in-process seeds, `seeds` more in the real-process mode:
@@ -975,6 +998,15 @@ impl Scenario {
     ) -> Result<Done, Violation> {
         if self.outcome.is_some() {
             reference.get(|| self.run_seed(seed, msgs, &[]))?;
+        }
+        if self.wall_clock.is_some() {
+            let base = reference.get(|| self.run_seed(seed, msgs, &[]))?;
+            let shifted = reference.shifted(|| self.run_shifted(seed, msgs))?;
+            if let (Some(expected), Some(got)) = (base.times, shifted.times) {
+                if expected != got {
+                    return Err(Violation::ReadsWallClock { expected, got });
+                }
+            }
         }
         let done = self.run_seed(seed, msgs, schedule)?;
         if !done.dead.is_empty() {
@@ -1143,6 +1175,18 @@ impl Scenario {
         result
     }
 
+    /// A fault-free run with the engine's clock `SHIFT_MS` later.
+    fn run_shifted(&self, seed: u64, msgs: &[Message]) -> Result<Done, Violation> {
+        let dir = scratch_dir().map_err(|e| Violation::Engine {
+            message: format!("cannot make a temporary directory: {e}"),
+        })?;
+        let mut run = Run::new(self, dir.path(), seed);
+        run.clock.advance(Duration::from_millis(SHIFT_MS as u64));
+        let result = run.execute(msgs, &[]);
+        drop(dir);
+        result
+    }
+
     fn failed(
         &self,
         seed: u64,
@@ -1301,6 +1345,8 @@ struct Done {
     fired: BTreeMap<FaultKind, u64>,
     deliveries: u64,
     outcome: Option<String>,
+    /// What `detect_wall_clock`'s closure rendered.
+    times: Option<String>,
     /// (consumer, message id) of the dead letters.
     dead: BTreeSet<(String, String)>,
     /// Messages processed again after retention removed their rows.
@@ -1310,13 +1356,29 @@ struct Done {
 /// A seed's fault-free, in-order run, made once, when a verdict first
 /// needs it.
 #[derive(Default)]
-struct Reference(Option<Result<Done, Violation>>);
+struct Reference(
+    Option<Result<Done, Violation>>,
+    /// The same under a clock shifted by [`SHIFT_MS`] (wall-clock check).
+    Option<Result<Done, Violation>>,
+);
 
 impl Reference {
     fn get(&mut self, run: impl FnOnce() -> Result<Done, Violation>) -> Result<Done, Violation> {
         self.0.get_or_insert_with(run).clone()
     }
+
+    fn shifted(
+        &mut self,
+        run: impl FnOnce() -> Result<Done, Violation>,
+    ) -> Result<Done, Violation> {
+        self.1.get_or_insert_with(run).clone()
+    }
 }
+
+/// How far the wall-clock check shifts the engine's clock: 1,000 days, 13
+/// hours and 7 seconds, so that no rendering in whole days, hours or
+/// minutes hides it.
+const SHIFT_MS: i64 = ((1_000 * 24 + 13) * 3_600 + 7) * 1_000;
 
 /// Which fault kinds the setup admits.
 #[derive(Debug, Clone, Copy)]
@@ -1792,6 +1854,7 @@ impl<'s> Run<'s> {
             conn: &conn,
             world: &self.world,
             dir: &self.dir,
+            now_ms: crate::Clock::now_ms(&self.clock),
         };
         for invariant in &self.sc.invariants {
             invariant(&check).map_err(|message| Violation::Invariant {
@@ -1808,6 +1871,7 @@ impl<'s> Run<'s> {
             conn: &conn,
             world: &self.world,
             dir: &self.dir,
+            now_ms: crate::Clock::now_ms(&self.clock),
         };
         let sql_err = |e: rusqlite::Error| Violation::Engine {
             message: format!("reading the inbox: {e}"),
@@ -1876,6 +1940,7 @@ impl<'s> Run<'s> {
             fired: self.fired.clone(),
             deliveries: self.deliveries,
             outcome: self.sc.outcome.as_ref().map(|o| o(&check)),
+            times: self.sc.wall_clock.as_ref().map(|t| t(&check)),
             dead,
             reprocessed: self.reprocessed.values().sum(),
         })
