@@ -2,9 +2,10 @@
 //! `OrderPaid` event marks the order paid and requests shipping. The first
 //! version also emails the customer by writing outside the transaction
 //! (here: a line in a file, standing in for an SMTP call); the testkit
-//! finds the seed where a crash before the commit sends the email twice,
-//! shrinks the schedule to that one fault and prints the command that
-//! replays it. The fixed version publishes the email request through the
+//! finds the seed where the transaction is lost after the handler ran (a
+//! crash before the commit, a rollback, a full disk: seed 0 has a full
+//! disk) and the redelivery sends the email twice, shrinks the schedule to
+//! that one fault and prints the command that replays it. The fixed version publishes the email request through the
 //! outbox instead, in the same transaction, and passes every seed.
 //!
 //! ```text
@@ -63,13 +64,25 @@ fn mark_paid(tx: &mut Tx<'_>, paid: &OrderPaid) -> Result<(), Failure> {
     Ok(())
 }
 
-/// The relay's sink: the destination acknowledges, then `Sent`.
+/// The relay's sink: `Sent` once the destination acknowledged; a timed-out
+/// acknowledgement is `Retry`, and so is the rest of the batch (a later
+/// message of the same key must not overtake it).
 struct Broker(Downstream);
 
 impl Sink for Broker {
     fn send(&mut self, batch: &[OutboxMessage]) -> Vec<SendResult> {
-        batch.iter().for_each(|m| self.0.accept(m));
-        vec![SendResult::Sent; batch.len()]
+        let mut out = Vec::with_capacity(batch.len());
+        for m in batch {
+            match self.0.accept(m) {
+                Ok(()) => out.push(SendResult::Sent),
+                Err(timeout) => {
+                    let why = timeout.to_string();
+                    out.resize_with(batch.len(), || SendResult::retry(why.clone()));
+                    break;
+                }
+            }
+        }
+        out
     }
 }
 

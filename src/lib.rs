@@ -142,10 +142,12 @@
 //!
 //! With the `testkit` feature, [`testkit::Scenario`](crate::testkit) runs
 //! your own handlers, effect handlers and sinks through this engine under
-//! seeded crashes, redeliveries, reorders, reused ids, sink failures and
-//! clock jumps, and checks that each message's effects happened exactly
-//! once; a failure prints the seed, a shrunk fault schedule and the command
-//! that replays it. See docs/TESTING-YOUR-HANDLERS.md.
+//! seeded crashes (in process, or a child process killed with SIGKILL),
+//! redeliveries, reorders, reused ids, rollbacks, a full disk, sink
+//! failures and timeouts, clock jumps and retention passes, and checks
+//! that each message's effects happened exactly once; a failure prints the
+//! seed, a shrunk fault schedule and the command that replays it. See
+//! docs/TESTING-YOUR-HANDLERS.md.
 //!
 //! ## Limits
 //!

@@ -32,17 +32,43 @@ pub enum FaultKind {
     /// is dropped without its destructor running (what `kill -9` does),
     /// and the engine reopens with a fresh sink.
     CrashInRelay,
+    /// After your handler (or your effect handler's `apply`) ran, SQL in
+    /// its transaction rolls the whole transaction back (`INSERT OR
+    /// ROLLBACK` meeting a conflict), without a restart: what your code
+    /// keeps in memory survives, its writes do not. The message is
+    /// redelivered.
+    SqlRollback,
+    /// The disk fills up during the message's delivery (a real page quota
+    /// on the engine's connection, at the file's size): every write that
+    /// needs a new page fails with `SQLITE_FULL`, yours included, and a
+    /// page-sized write after your handler makes sure one does. The engine
+    /// answers a retryable error and the message is redelivered once there
+    /// is room again: it must not be lost (dead-lettered) nor doubled.
+    DiskFull,
     /// The sink's next sends fail (answered `Retry` before reaching your sink).
     SinkFails,
     /// The sink's destination is down for its next sends (`Unavailable`).
     SinkUnavailable,
-    /// The clock jumps: forward up to two days, or back up to ten minutes.
+    /// The destination's acknowledgement times out for the next 1–3
+    /// messages [`Downstream::accept`](super::Downstream::accept) is
+    /// given: the first did not arrive, a second one arrived late. A sink
+    /// must answer `Retry` (or `Unavailable`), never `Sent`. Applies when
+    /// the setup uses [`App::downstream`](super::App::downstream).
+    SinkTimeout,
+    /// The clock jumps: forward up to two days, or back up to a minute.
     ClockJump,
+    /// Once the message is acknowledged, the clock passes the retention
+    /// period, a retention pass deletes the completed inbox rows, and the
+    /// message comes again: the engine no longer knows it and processes it
+    /// again (a documented limit of the dedupe horizon, unless the message
+    /// carries a sequence number). The verdict expects those effects again
+    /// and the report counts them as a known limit.
+    RetentionPass,
 }
 
 impl FaultKind {
     /// Every kind, in report order.
-    pub const ALL: [FaultKind; 10] = [
+    pub const ALL: [FaultKind; 14] = [
         FaultKind::Redeliver,
         FaultKind::LostAck,
         FaultKind::Reorder,
@@ -50,9 +76,13 @@ impl FaultKind {
         FaultKind::CrashBeforeCommit,
         FaultKind::CrashAfterCommit,
         FaultKind::CrashInRelay,
+        FaultKind::SqlRollback,
+        FaultKind::DiskFull,
         FaultKind::SinkFails,
         FaultKind::SinkUnavailable,
+        FaultKind::SinkTimeout,
         FaultKind::ClockJump,
+        FaultKind::RetentionPass,
     ];
 
     /// Its name in reports: `crash-before-commit`, ….
@@ -65,9 +95,13 @@ impl FaultKind {
             FaultKind::CrashBeforeCommit => "crash-before-commit",
             FaultKind::CrashAfterCommit => "crash-after-commit",
             FaultKind::CrashInRelay => "crash-in-relay",
+            FaultKind::SqlRollback => "sql-rollback",
+            FaultKind::DiskFull => "disk-full",
             FaultKind::SinkFails => "sink-fails",
             FaultKind::SinkUnavailable => "sink-unavailable",
+            FaultKind::SinkTimeout => "sink-timeout",
             FaultKind::ClockJump => "clock-jump",
+            FaultKind::RetentionPass => "retention-pass",
         }
     }
 
@@ -75,8 +109,16 @@ impl FaultKind {
     pub(crate) fn needs_sink(self) -> bool {
         matches!(
             self,
-            FaultKind::CrashInRelay | FaultKind::SinkFails | FaultKind::SinkUnavailable
+            FaultKind::CrashInRelay
+                | FaultKind::SinkFails
+                | FaultKind::SinkUnavailable
+                | FaultKind::SinkTimeout
         )
+    }
+
+    /// Whether it needs the [`Downstream`](super::Downstream) stand-in.
+    pub(crate) fn needs_downstream(self) -> bool {
+        self == FaultKind::SinkTimeout
     }
 
     /// Whether it is a crash of the process.
@@ -96,7 +138,8 @@ impl fmt::Display for FaultKind {
 
 /// One scheduled fault: at the first delivery of the `step`-th generated
 /// message, `kind`, with `arg` (places for a reorder, milliseconds for a
-/// clock jump, sends for a sink fault; 0 otherwise).
+/// clock jump, sends for a sink fault; 1 for a crash that is a real kill
+/// of a child process; 0 otherwise).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fault {
     /// The index of the generated message it is attached to.
@@ -113,8 +156,13 @@ impl fmt::Display for Fault {
         match self.kind {
             FaultKind::Reorder => write!(f, " by {} places", self.arg),
             FaultKind::ClockJump => write!(f, " by {:+} ms", self.arg),
-            FaultKind::SinkFails | FaultKind::SinkUnavailable => {
+            FaultKind::SinkFails | FaultKind::SinkUnavailable | FaultKind::SinkTimeout => {
                 write!(f, " for {} sends", self.arg)
+            }
+            FaultKind::CrashBeforeCommit | FaultKind::CrashAfterCommit
+                if self.arg == super::process::REAL_KILL =>
+            {
+                write!(f, " (SIGKILL of a child process)")
             }
             _ => Ok(()),
         }
@@ -141,6 +189,25 @@ pub enum Violation {
         /// The fault-free run's outcome.
         expected: String,
         /// This run's.
+        got: String,
+    },
+    /// A message a fault-free run completes ended as a dead letter under
+    /// the faults: a transient error (a full disk, a rollback) was treated
+    /// as permanent, so the message is lost until someone redrives it.
+    LostToFault {
+        /// The message's id.
+        message_id: String,
+        /// The consumer that dead-lettered it.
+        consumer: String,
+    },
+    /// The times your `detect_wall_clock` closure rendered differ between
+    /// two fault-free runs whose engine clocks are 1,000 days apart: your
+    /// code reads the wall clock, or the closure renders absolute times
+    /// (see [`Scenario::detect_wall_clock`](super::Scenario::detect_wall_clock)).
+    ReadsWallClock {
+        /// The rendering at the usual clock.
+        expected: String,
+        /// The rendering with the clock shifted.
         got: String,
     },
     /// One of your invariants failed.
@@ -199,6 +266,8 @@ impl Violation {
         match self {
             Violation::EffectsNotOnce { .. } => "effects-not-once",
             Violation::OutcomeDiffers { .. } => "outcome-differs",
+            Violation::LostToFault { .. } => "lost-to-fault",
+            Violation::ReadsWallClock { .. } => "reads-wall-clock",
             Violation::Invariant { .. } => "invariant",
             Violation::NotSettled { .. } => "not-settled",
             Violation::NeverHandedToSink { .. } => "never-handed-to-sink",
@@ -225,6 +294,21 @@ impl fmt::Display for Violation {
             Violation::OutcomeDiffers { expected, got } => write!(
                 f,
                 "the final state differs from a fault-free in-order run:\n    expected: {expected}\n    got:      {got}"
+            ),
+            Violation::LostToFault {
+                message_id,
+                consumer,
+            } => write!(
+                f,
+                "message {message_id:?} is a dead letter of consumer {consumer:?}, but a \
+                 fault-free run completes it: a transient error (full disk, rollback) was \
+                 treated as permanent (a Failure::reject for an SQL error?)"
+            ),
+            Violation::ReadsWallClock { expected, got } => write!(
+                f,
+                "the final state depends on the wall clock: with the engine's clock 1,000 days \
+                 later it differs (read time with tx.now_ms(), not SystemTime::now(); render \
+                 times relative to check.now_ms()):\n    expected: {expected}\n    got:      {got}"
             ),
             Violation::Invariant { after, message } => {
                 write!(f, "invariant failed after {after}: {message}")

@@ -144,29 +144,86 @@ pub struct Received {
     pub topic: String,
 }
 
+/// The destination did not acknowledge in time: the message may have
+/// arrived or not. Answer `Retry` (or `Unavailable`) for it, never `Sent`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeout;
+
+impl std::fmt::Display for Timeout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(
+            "the destination did not acknowledge in time (the message may or may not have arrived)",
+        )
+    }
+}
+
+impl std::error::Error for Timeout {}
+
+#[derive(Debug, Default)]
+struct DownState {
+    received: Vec<Received>,
+    /// Acknowledgements still to time out, of the fault in progress.
+    timeouts: i64,
+    /// Timed-out acknowledgements of the fault in progress.
+    answered: u64,
+    /// Timeout faults that met an `accept`.
+    fired: u64,
+}
+
 /// A stand-in for the destination your [`Sink`](crate::Sink) hands
 /// messages to (a broker): call [`accept`](Downstream::accept) where your
-/// sink has its destination's acknowledgement. The verdict then demands
-/// that every message your sink answered `Sent` for was accepted here, in
-/// per-key order. Get one with [`App::downstream`](super::App::downstream).
+/// sink waits for its destination's acknowledgement, and answer `Sent` only
+/// when it is `Ok`. The verdict then demands that every message your sink
+/// answered `Sent` for was accepted here, in per-key order. Get one with
+/// [`App::downstream`](super::App::downstream).
 #[derive(Debug, Clone, Default)]
 pub struct Downstream {
-    received: Arc<Mutex<Vec<Received>>>,
+    state: Arc<Mutex<DownState>>,
 }
 
 impl Downstream {
-    /// The destination acknowledged `msg` (durably: it survives the crash
-    /// of your process).
-    pub fn accept(&self, msg: &OutboxMessage) {
-        lock(&self.received).push(Received {
+    /// Hands `msg` to the destination and waits for its acknowledgement:
+    /// `Ok` once it has it durably (it survives the crash of your
+    /// process). During a [`sink-timeout`](super::FaultKind::SinkTimeout)
+    /// fault the acknowledgement times out: `Err(Timeout)`, the message
+    /// lost in transit (the first of the fault) or arrived late (the next).
+    #[must_use = "answer Sent only when the destination acknowledged"]
+    pub fn accept(&self, msg: &OutboxMessage) -> Result<(), Timeout> {
+        let mut s = lock(&self.state);
+        let arrived = Received {
             id: msg.id.clone(),
             key: msg.key.clone(),
             topic: msg.topic.clone(),
-        });
+        };
+        if s.timeouts > 0 {
+            s.timeouts -= 1;
+            let n = s.answered;
+            s.answered += 1;
+            if n == 0 {
+                s.fired += 1;
+            } else {
+                s.received.push(arrived);
+            }
+            return Err(Timeout);
+        }
+        s.received.push(arrived);
+        Ok(())
     }
 
-    /// Everything accepted, in order, repeats included.
+    /// Everything accepted, in order, repeats (and late arrivals) included.
     pub fn received(&self) -> Vec<Received> {
-        lock(&self.received).clone()
+        lock(&self.state).received.clone()
+    }
+
+    /// Starts a timeout fault: the next `acks` acknowledgements time out.
+    pub(crate) fn time_out(&self, acks: i64) {
+        let mut s = lock(&self.state);
+        s.timeouts = acks;
+        s.answered = 0;
+    }
+
+    /// Timeout faults that met an `accept` since the last call.
+    pub(crate) fn take_fired(&self) -> u64 {
+        std::mem::take(&mut lock(&self.state).fired)
     }
 }
