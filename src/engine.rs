@@ -351,7 +351,7 @@ impl Postroom {
         };
         let state = WriterState {
             outbox_dirty,
-            relay_wake: sink.is_some().then_some(relay_wake),
+            relay_wake: sink.is_some().then(|| relay_wake.clone()),
             checkpoint: writer::CheckpointTrigger::new(
                 checkpoint_wake,
                 wal_bounds,
@@ -376,9 +376,21 @@ impl Postroom {
             path: path.to_path_buf(),
             busy_timeout,
         };
+        // One named thread opens the pool's connections (r2d2's default is
+        // three, unnamed for the engine's purposes), and connections are
+        // kept rather than timed out: r2d2's reaper of idle connections
+        // wakes every 30 s, and an idle engine is asleep (issue 33). At
+        // most `read_pool_size` connections stay open.
+        let pool_thread = scheduled_thread_pool::ScheduledThreadPool::builder()
+            .num_threads(1)
+            .thread_name_pattern("postroom-reads-{}")
+            .build();
         let readers = r2d2::Pool::builder()
             .max_size(config.read_pool_size)
             .min_idle(Some(0))
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .thread_pool(Arc::new(pool_thread))
             .connection_timeout(config.busy_timeout.max(Duration::from_secs(1)))
             .build_unchecked(manager);
 
@@ -387,6 +399,17 @@ impl Postroom {
             .map(|(name, kind)| (name.clone(), Arc::new(Consumer { name, kind })))
             .collect();
         let (wake_tx, wake_rx) = crossbeam_channel::bounded(1);
+        let (reaper_wake_tx, reaper_wake_rx) = crossbeam_channel::bounded(1);
+        // The checkpointer wakes these when another process changed the
+        // file or the clock stepped (see `checkpoint::Watch`).
+        let mut watched = vec![wake_tx.clone(), reaper_wake_tx.clone()];
+        if sink.is_some() {
+            watched.push(relay_wake);
+        }
+        let watch = checkpoint::Watch {
+            wake: watched,
+            clock: Arc::clone(&clock),
+        };
         let shared = Arc::new(Shared {
             path: path.to_path_buf(),
             writer,
@@ -397,6 +420,9 @@ impl Postroom {
             stopping: AtomicBool::new(false),
             wake_tx,
             wake_rx,
+            reaper_wake_tx,
+            reaper_wake_rx,
+            reaper_armed: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
             next_token: AtomicI64::new(first_token),
         });
@@ -421,6 +447,7 @@ impl Postroom {
             sink,
             relay_woken,
             checkpoint_inputs,
+            watch,
             wal_bounds,
             worker_slots,
         )?;
@@ -466,6 +493,7 @@ impl Postroom {
         sink: Option<Box<dyn Sink>>,
         relay_woken: crossbeam_channel::Receiver<()>,
         checkpoint_inputs: CheckpointInputs,
+        watch: checkpoint::Watch,
         wal_bounds: wal::WalBounds,
         worker_slots: Vec<ClaimSlot>,
     ) -> Result<()> {
@@ -497,6 +525,7 @@ impl Postroom {
             stop: stop_rx,
             guard: checkpoint_inputs.guard,
             slow_record: checkpoint_inputs.slow_record,
+            watch,
         };
         threads.checkpointer = Some(spawn(
             "postroom-checkpointer".into(),
