@@ -236,7 +236,9 @@ impl Config {
 
     /// How long a queued row, or queued processing, waits after the storage
     /// failed it (not the message): the first retry delay, and at least
-    /// the poll interval, so a failure that lasts does not spin.
+    /// the poll interval or 1 s (the shorter: the poll interval is a
+    /// sleep's upper bound, 60 s by default), so a failure that lasts does
+    /// not spin.
     pub(crate) fn storage_retry_delay(&self) -> Duration {
         self.retry
             .initial

@@ -119,12 +119,14 @@ fn spawn(
 }
 
 /// What the checkpointer thread is handed at open besides the shared
-/// state: the writer's "the WAL has grown" signal, and what it needs to
-/// watch for a slow handler.
+/// state: the writer's "the WAL has grown" signal, what it needs to
+/// watch for a slow handler, and whom to wake when another process
+/// changed the file.
 struct CheckpointInputs {
     woken: crossbeam_channel::Receiver<()>,
     guard: UserCodeGuard,
     slow_record: Option<crate::store::inflight::SlowRecord>,
+    watch: checkpoint::Watch,
 }
 
 /// The share of [`Postroom::shutdown`]'s deadline kept for the writer,
@@ -344,14 +346,26 @@ impl Postroom {
             .slow_record()
             .map_err(|e| log::warn!("postroom: slow handlers are only logged: {e}"))
             .ok();
+        let (wake_tx, wake_rx) = crossbeam_channel::bounded(1);
+        let (reaper_wake_tx, reaper_wake_rx) = crossbeam_channel::bounded(1);
+        // The checkpointer wakes these when another process changed the
+        // file or the clock stepped (see `checkpoint::Watch`).
+        let mut watched = vec![wake_tx.clone(), reaper_wake_tx.clone()];
+        if sink.is_some() {
+            watched.push(relay_wake.clone());
+        }
         let checkpoint_inputs = CheckpointInputs {
             woken: checkpoint_woken,
             guard: guard.clone(),
             slow_record,
+            watch: checkpoint::Watch {
+                wake: watched,
+                clock: Arc::clone(&clock),
+            },
         };
         let state = WriterState {
             outbox_dirty,
-            relay_wake: sink.is_some().then(|| relay_wake.clone()),
+            relay_wake: sink.is_some().then_some(relay_wake),
             checkpoint: writer::CheckpointTrigger::new(
                 checkpoint_wake,
                 wal_bounds,
@@ -398,18 +412,6 @@ impl Postroom {
             .into_iter()
             .map(|(name, kind)| (name.clone(), Arc::new(Consumer { name, kind })))
             .collect();
-        let (wake_tx, wake_rx) = crossbeam_channel::bounded(1);
-        let (reaper_wake_tx, reaper_wake_rx) = crossbeam_channel::bounded(1);
-        // The checkpointer wakes these when another process changed the
-        // file or the clock stepped (see `checkpoint::Watch`).
-        let mut watched = vec![wake_tx.clone(), reaper_wake_tx.clone()];
-        if sink.is_some() {
-            watched.push(relay_wake);
-        }
-        let watch = checkpoint::Watch {
-            wake: watched,
-            clock: Arc::clone(&clock),
-        };
         let shared = Arc::new(Shared {
             path: path.to_path_buf(),
             writer,
@@ -447,7 +449,6 @@ impl Postroom {
             sink,
             relay_woken,
             checkpoint_inputs,
-            watch,
             wal_bounds,
             worker_slots,
         )?;
@@ -493,7 +494,6 @@ impl Postroom {
         sink: Option<Box<dyn Sink>>,
         relay_woken: crossbeam_channel::Receiver<()>,
         checkpoint_inputs: CheckpointInputs,
-        watch: checkpoint::Watch,
         wal_bounds: wal::WalBounds,
         worker_slots: Vec<ClaimSlot>,
     ) -> Result<()> {
@@ -525,7 +525,7 @@ impl Postroom {
             stop: stop_rx,
             guard: checkpoint_inputs.guard,
             slow_record: checkpoint_inputs.slow_record,
-            watch,
+            watch: checkpoint_inputs.watch,
         };
         threads.checkpointer = Some(spawn(
             "postroom-checkpointer".into(),

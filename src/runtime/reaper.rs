@@ -84,6 +84,9 @@ pub(crate) fn reap(shared: Arc<Shared>, readers: Readers, stop: Receiver<()>) {
     }
 }
 
+/// The furthest ahead the reaper's timer is set.
+const FAR: Duration = Duration::from_secs(24 * 3600);
+
 /// When the next pass is due, on the monotonic clock: the earliest lease
 /// to expire (a lease this process holds by its own deadline, any other by
 /// its stored `lease_until`) or row past retention; `None`: nothing waits
@@ -96,8 +99,11 @@ fn next_pass(shared: &Shared, readers: &Readers) -> Result<Option<Instant>> {
     let conn = read_connection(readers)?;
     let now_ms = shared.clock.now_ms();
     let now = Instant::now();
+    // A stored time far off (a hand edit) is looked at again within a day:
+    // an `Instant` cannot hold every i64 of milliseconds.
     let after_ms = |at_ms: i64| {
-        now + Duration::from_millis(u64::try_from(at_ms.saturating_sub(now_ms)).unwrap_or(0))
+        let ms = u64::try_from(at_ms.saturating_sub(now_ms)).unwrap_or(0);
+        now + Duration::from_millis(ms).min(FAR)
     };
     let mut next: Option<Instant> = None;
     let mut earliest = |at: Instant| next = Some(next.map_or(at, |n| n.min(at)));

@@ -240,10 +240,11 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
                             .map_err(|e| Error::sqlite("claim due messages", e))?,
                     );
                 }
-                // Workers left idle: when to look again (with every
-                // worker busy, the next one to finish wakes the dispatcher).
+                // Nothing to claim: when to look again. (Only then does
+                // the dispatcher sleep; with every worker busy, the next
+                // one to finish wakes it.)
                 let mut next = NextDue::default();
-                if claimed.len() < free {
+                if claimed.is_empty() {
                     for name in &order {
                         next = next.min(
                             due::inbox(w.conn, name, now)
@@ -293,8 +294,8 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
 }
 
 /// Processes one batch of transactional consumers' due rows (see the
-/// module docs). Returns how many rows it settled and, when it took fewer
-/// than a full batch, when their next row comes due. A row whose handler
+/// module docs). Returns how many rows it settled and, when none, when
+/// their next row comes due. A row whose handler
 /// rolled the whole transaction back is counted as a failed attempt when
 /// the writer runs the batch again.
 fn process_batch(
@@ -311,8 +312,10 @@ fn process_batch(
         let mut held = lock(&held);
         let done = delivery::process_due(&mut env, &list, limit, &mut poisoned, &mut held)?;
         failpoint::hit("process.after_batch")?;
+        // Nothing due: when to look again (only then does the dispatcher
+        // sleep; a partial batch lingers and looks again at once).
         let mut next = NextDue::default();
-        if done.len() < limit {
+        if done.is_empty() {
             let now = w.clock.now_ms();
             for (name, _) in &list {
                 next = next.min(
