@@ -15,11 +15,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
+use r2d2::ManageConnection;
+use rusqlite::Connection;
 
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::runtime::workers::{LeaseState, Shared};
-use crate::runtime::{read_connection, Readers};
+use crate::runtime::{read_connection, ReadManager, Readers};
 use crate::store::{due, queue, retention, retired};
 
 /// What one reaper pass did.
@@ -51,9 +53,20 @@ pub struct CleanupReport {
 /// `reaper_interval` after the last pass.
 pub(crate) fn reap(shared: Arc<Shared>, readers: Readers, stop: Receiver<()>) {
     let interval = shared.config.reaper_interval;
+    // Its own connection for reading its timers, closed when the thread
+    // ends: a pooled one would stay open after shutdown (until the engine
+    // is dropped), and it is read at every wake. Without one (out of file
+    // descriptors, say), the pool's.
+    let own = ReadManager {
+        path: shared.path.clone(),
+        busy_timeout: shared.config.busy_timeout,
+    }
+    .connect()
+    .map_err(|e| log::warn!("postroom reaper: opening its connection: {e}; using the pool's"))
+    .ok();
     let mut last_pass = Instant::now();
     loop {
-        let due = match next_pass(&shared, &readers) {
+        let due = match next_pass(&shared, own.as_ref(), &readers) {
             Ok(due) => due,
             Err(e) => {
                 // Cannot tell: look again as the reaper used to, on its
@@ -94,9 +107,20 @@ const FAR: Duration = Duration::from_secs(24 * 3600);
 /// a lease claimed from now on would expire, so the dispatcher need not
 /// wake the reaper for it (cleared before reading: a claim committed
 /// meanwhile is either read here or wakes the reaper).
-fn next_pass(shared: &Shared, readers: &Readers) -> Result<Option<Instant>> {
+fn next_pass(
+    shared: &Shared,
+    own: Option<&Connection>,
+    readers: &Readers,
+) -> Result<Option<Instant>> {
     shared.reaper_armed.store(false, Ordering::SeqCst);
-    let conn = read_connection(readers)?;
+    let pooled;
+    let conn = match own {
+        Some(conn) => conn,
+        None => {
+            pooled = read_connection(readers)?;
+            &*pooled
+        }
+    };
     let now_ms = shared.clock.now_ms();
     let now = Instant::now();
     // A stored time far off (a hand edit) is looked at again within a day:
@@ -107,7 +131,7 @@ fn next_pass(shared: &Shared, readers: &Readers) -> Result<Option<Instant>> {
     };
     let mut next: Option<Instant> = None;
     let mut earliest = |at: Instant| next = Some(next.map_or(at, |n| n.min(at)));
-    for row in queue::leased(&conn).map_err(|e| Error::sqlite("read leases", e))? {
+    for row in queue::leased(conn).map_err(|e| Error::sqlite("read leases", e))? {
         match shared.leases.deadline(row.row_id, row.token) {
             Some(deadline) => earliest(deadline),
             None => earliest(after_ms(row.lease_until.unwrap_or(now_ms))),
@@ -118,7 +142,7 @@ fn next_pass(shared: &Shared, readers: &Readers) -> Result<Option<Instant>> {
         dead: shared.config.dead_retention,
         conflicts: shared.config.conflict_retention,
     };
-    if let Some(at) = due::retention(&conn, keep).map_err(|e| Error::sqlite("read retention", e))? {
+    if let Some(at) = due::retention(conn, keep).map_err(|e| Error::sqlite("read retention", e))? {
         earliest(after_ms(at));
     }
     if next.is_some_and(|at| at <= now + shared.config.lease) {
