@@ -128,7 +128,7 @@ impl Builder {
     /// (read from the outbox), and rows committed by another process within
     /// about a second (the checkpointer thread checks the file once a
     /// second while idle). This only bounds the sleep, as a safety net.
-    /// 1 ms to 365 days. Default: 60 s (was 1 s, a polling rate).
+    /// 1 ms to 365 days. Default: 5 min (was 1 s, a polling rate).
     pub fn relay_poll(mut self, interval: Duration) -> Self {
         self.config.relay_poll = interval;
         self
@@ -185,7 +185,7 @@ impl Builder {
     /// by another process (the CLI's `retry`, `redeliver`) within about a
     /// second (the checkpointer thread checks the file once a second while
     /// idle). This only bounds the sleep, as a safety net. 1 ms to 365
-    /// days. Default: 60 s (was 250 ms, a polling rate).
+    /// days. Default: 5 min (was 250 ms, a polling rate).
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.config.poll_interval = interval;
         self

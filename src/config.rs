@@ -126,14 +126,14 @@ impl Default for Config {
             read_pool_size: 4,
             workers: 2,
             process_batch: 64,
-            poll_interval: Duration::from_secs(60),
+            poll_interval: Duration::from_secs(300),
             reaper_interval: Duration::from_secs(5),
             retention: DEFAULT_RETENTION,
             dead_retention: None,
             conflict_retention: None,
             checkpoint_wal_bytes: 4 * 1024 * 1024,
             relay_batch: 100,
-            relay_poll: Duration::from_secs(60),
+            relay_poll: Duration::from_secs(300),
             slow_handler: Duration::from_secs(1),
         }
     }
@@ -237,7 +237,7 @@ impl Config {
     /// How long a queued row, or queued processing, waits after the storage
     /// failed it (not the message): the first retry delay, and at least
     /// the poll interval or 1 s (the shorter: the poll interval is a
-    /// sleep's upper bound, 60 s by default), so a failure that lasts does
+    /// sleep's upper bound, 5 min by default), so a failure that lasts does
     /// not spin.
     pub(crate) fn storage_retry_delay(&self) -> Duration {
         self.retry

@@ -10,6 +10,12 @@
 //! recorded) before their external step runs, on a worker thread, outside
 //! any transaction. The dispatcher claims no more of them than there are
 //! idle workers, so nothing claimed sits waiting while its lease runs out.
+//!
+//! With nothing to do the dispatcher sleeps until its consumers' next row
+//! comes due (`store::due::inbox`, read by the same writer job that found
+//! nothing), at most `poll_interval`: a `receive`, a worker finishing, or
+//! the checkpointer's watch (another process's commit, a clock step) wakes
+//! it sooner. It never polls, so an idle engine's dispatcher is asleep.
 
 use crate::escape::Esc;
 use std::collections::HashMap;
