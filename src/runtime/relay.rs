@@ -78,8 +78,12 @@ pub(crate) fn relay(
         let fetched = match outbox::fetch_due(&conn, now, shared.config.relay_batch) {
             Ok(fetched) => fetched,
             Err(e) => {
+                // Look again shortly: no due time was read to sleep until.
                 log::warn!("postroom relay: reading the outbox: {}", Esc(&e));
-                Vec::new()
+                if stop_at.is_some() || !pause_after_failure(&shared, &stop, &mut stop_at) {
+                    return;
+                }
+                continue;
             }
         };
         if fetched.is_empty() {
@@ -92,7 +96,10 @@ pub(crate) fn relay(
             // bounds the sleep.
             let next = due::outbox(&conn, now).unwrap_or_else(|e| {
                 log::warn!("postroom relay: reading the next due time: {}", Esc(&e));
-                NextDue::default()
+                NextDue {
+                    at: None,
+                    partial: true,
+                }
             });
             let wait = next.wait(now, shared.config.relay_poll, PARTIAL_RECHECK);
             crossbeam_channel::select! {

@@ -252,10 +252,7 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
                 let mut next = NextDue::default();
                 if claimed.is_empty() {
                     for name in &order {
-                        next = next.min(
-                            due::inbox(w.conn, name, now)
-                                .map_err(|e| Error::sqlite("read next due time", e))?,
-                        );
+                        next = next.min(next_due(w.conn, name, now));
                     }
                 }
                 Ok((claimed, next))
@@ -281,7 +278,16 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
                     }
                 }
                 Err(Error::Closed) => return,
-                Err(e) => log::warn!("postroom dispatcher: claiming failed: {}", Esc(&e)),
+                Err(e) => {
+                    // As for a failed batch: wait before the next try, so
+                    // a failure that lasts does not spin, nor sleeps
+                    // `poll_interval` (no due time was read).
+                    log::warn!("postroom dispatcher: claiming failed: {}", Esc(&e));
+                    let _ = shared
+                        .wake_rx
+                        .recv_timeout(shared.config.storage_retry_delay());
+                    continue;
+                }
             }
         }
         if !claimed_any {
@@ -324,10 +330,7 @@ fn process_batch(
         if done.is_empty() {
             let now = w.clock.now_ms();
             for (name, _) in &list {
-                next = next.min(
-                    due::inbox(w.conn, name, now)
-                        .map_err(|e| Error::sqlite("read next due time", e))?,
-                );
+                next = next.min(next_due(w.conn, name, now));
             }
         }
         Ok((done, next))
@@ -344,6 +347,23 @@ fn process_batch(
         );
     }
     Ok((done.len(), next))
+}
+
+/// When `consumer`'s next row comes due; a failed read is logged and
+/// taken as partial (looked at again within [`PARTIAL_RECHECK`]) rather
+/// than failing the job it rides in.
+fn next_due(conn: &rusqlite::Connection, consumer: &str, now_ms: i64) -> NextDue {
+    due::inbox(conn, consumer, now_ms).unwrap_or_else(|e| {
+        log::warn!(
+            "postroom dispatcher: reading when {:?} next has a row due: {}",
+            Esc(consumer),
+            Esc(&e)
+        );
+        NextDue {
+            at: None,
+            partial: true,
+        }
+    })
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
