@@ -283,6 +283,9 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
                     // a failure that lasts does not spin, nor sleeps
                     // `poll_interval` (no due time was read).
                     log::warn!("postroom dispatcher: claiming failed: {}", Esc(&e));
+                    // Claims may have committed before the failure: their
+                    // leases are the reaper's to time.
+                    shared.wake_reaper();
                     let _ = shared
                         .wake_rx
                         .recv_timeout(shared.config.storage_retry_delay());
