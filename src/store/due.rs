@@ -194,6 +194,86 @@ mod tests {
         assert_eq!(partial.min(soon).wait(1000, cap, second), second);
     }
 
+    /// A queued row of `consumer`, `status`, due at `next` (NULL: now).
+    fn inbox_row(
+        conn: &Connection,
+        consumer: &str,
+        id: &str,
+        key: Option<&str>,
+        next: Option<i64>,
+    ) {
+        conn.execute(
+            "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
+                 payload_hash, ordering_key, queued, next_attempt_at, received_at, updated_at)
+             VALUES (?1, 's', ?2, iif(?4 IS NULL, 'pending', 'failed'), x'', zeroblob(32), ?3,
+                 1, ?4, 0, 0)",
+            params![consumer, id, key, next],
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn the_inbox_is_due_at_its_earliest_future_row_unkeyed_or_head() {
+        let conn = db();
+        // Due now (taken, or waiting on a busy key): not a timer.
+        inbox_row(&conn, "c", "now", None, None);
+        inbox_row(&conn, "c", "later", None, Some(9_000));
+        inbox_row(&conn, "c", "head", Some("k"), Some(5_000));
+        // Behind its key's head: that head decides.
+        inbox_row(&conn, "c", "behind", Some("k"), Some(2_000));
+        inbox_row(&conn, "other", "soon", None, Some(1_500));
+        let due = inbox(&conn, "c", 1_000).unwrap();
+        assert_eq!(
+            due,
+            NextDue {
+                at: Some(5_000),
+                partial: false
+            }
+        );
+        assert_eq!(inbox(&conn, "c", 6_000).unwrap().at, Some(9_000));
+        assert_eq!(inbox(&conn, "c", 9_000).unwrap().at, None);
+    }
+
+    #[test]
+    fn a_read_past_the_scan_limit_is_partial() {
+        let conn = db();
+        conn.execute_batch(&format!(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {SCAN})
+             INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
+                 payload_hash, queued, next_attempt_at, received_at, updated_at)
+             SELECT 'c', 's', 'm' || i, 'failed', x'', zeroblob(32), 1, 10000 + i, 0, 0 FROM n;"
+        ))
+        .unwrap();
+        let due = inbox(&conn, "c", 0).unwrap();
+        assert!(due.partial, "{due:?}");
+        assert_eq!(due.at, Some(10_001));
+    }
+
+    #[test]
+    fn retention_is_due_after_the_oldest_row_but_never_for_the_newest() {
+        let conn = db();
+        let keep = Keep {
+            completed: Duration::from_secs(10),
+            dead: None,
+            conflicts: None,
+        };
+        let completed = |id: &str, at: i64| {
+            conn.execute(
+                "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
+                     payload_hash, received_at, updated_at, processed_at)
+                 VALUES ('c', 's', ?1, 'completed', x'', zeroblob(32), 0, 0, ?2)",
+                params![id, at],
+            )
+            .unwrap();
+        };
+        completed("a", 1_000);
+        // The newest row is kept whatever its age (ids are not reused).
+        assert_eq!(retention(&conn, keep).unwrap(), None);
+        completed("b", 2_000);
+        // Deletes take rows strictly before `now - keep`.
+        assert_eq!(retention(&conn, keep).unwrap(), Some(11_001));
+    }
+
     #[test]
     fn nothing_due_in_an_empty_database() {
         let conn = db();
