@@ -123,9 +123,12 @@ impl Builder {
         self
     }
 
-    /// How often the relay looks for due rows when nothing woke it (retries
-    /// coming due, rows committed by another process); commits of this
-    /// engine wake it at once. 1 ms to 365 days. Default: 1 s.
+    /// The longest the relay sleeps with nothing to do. It does not poll:
+    /// commits of this engine wake it at once, a retry when it comes due
+    /// (read from the outbox), and rows committed by another process within
+    /// about a second (the checkpointer thread checks the file once a
+    /// second while idle). This only bounds the sleep, as a safety net.
+    /// 1 ms to 365 days. Default: 5 min (was 1 s, a polling rate).
     pub fn relay_poll(mut self, interval: Duration) -> Self {
         self.config.relay_poll = interval;
         self
@@ -176,16 +179,23 @@ impl Builder {
         self
     }
 
-    /// How often idle workers look for due messages (backoffs expiring,
-    /// rows written by another process); a `receive` wakes them at once.
-    /// 1 ms to 365 days. Default: 250 ms.
+    /// The longest queued processing sleeps with nothing to do. It does
+    /// not poll: a `receive` wakes it at once, a retry when it comes due
+    /// (read from the inbox), a worker when it finishes, and rows made due
+    /// by another process (the CLI's `retry`, `redeliver`) within about a
+    /// second (the checkpointer thread checks the file once a second while
+    /// idle). This only bounds the sleep, as a safety net. 1 ms to 365
+    /// days. Default: 5 min (was 250 ms, a polling rate).
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.config.poll_interval = interval;
         self
     }
 
-    /// How often the reaper recovers expired leases and applies retention.
-    /// 1 ms to 365 days. Default: 5 s.
+    /// The least time between two passes of the reaper, which recovers
+    /// expired leases and applies retention. It does not poll: a pass runs
+    /// when a lease expires or a row passes retention (read from the data),
+    /// but no sooner than this after the last one, so an idle engine's
+    /// reaper does not wake at all. 1 ms to 365 days. Default: 5 s.
     pub fn reaper_interval(mut self, interval: Duration) -> Self {
         self.config.reaper_interval = interval;
         self

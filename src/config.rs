@@ -126,14 +126,14 @@ impl Default for Config {
             read_pool_size: 4,
             workers: 2,
             process_batch: 64,
-            poll_interval: Duration::from_millis(250),
+            poll_interval: Duration::from_secs(300),
             reaper_interval: Duration::from_secs(5),
             retention: DEFAULT_RETENTION,
             dead_retention: None,
             conflict_retention: None,
             checkpoint_wal_bytes: 4 * 1024 * 1024,
             relay_batch: 100,
-            relay_poll: Duration::from_secs(1),
+            relay_poll: Duration::from_secs(300),
             slow_handler: Duration::from_secs(1),
         }
     }
@@ -236,9 +236,13 @@ impl Config {
 
     /// How long a queued row, or queued processing, waits after the storage
     /// failed it (not the message): the first retry delay, and at least
-    /// the poll interval, so a failure that lasts does not spin.
+    /// the poll interval or 1 s (the shorter: the poll interval is a
+    /// sleep's upper bound, 5 min by default), so a failure that lasts does
+    /// not spin.
     pub(crate) fn storage_retry_delay(&self) -> Duration {
-        self.retry.initial.max(self.poll_interval)
+        self.retry
+            .initial
+            .max(self.poll_interval.min(Duration::from_secs(1)))
     }
 
     /// Checks an incoming message against the limits.

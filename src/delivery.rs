@@ -248,7 +248,7 @@ impl Processed {
 /// handler that passed on a storage error (disk full, busy, read-only —
 /// perhaps of an attached database of its own). The caller's next batch
 /// first holds those rows back, uncounted, for the first retry delay (at
-/// least `poll_interval`), so one such row cannot stop every other row,
+/// least `poll_interval` or 1 s, the shorter), so one such row cannot stop every other row,
 /// while a storage failure that is real fails the next batch too.
 pub(crate) fn process_due(
     env: &mut Env<'_>,

@@ -119,12 +119,14 @@ fn spawn(
 }
 
 /// What the checkpointer thread is handed at open besides the shared
-/// state: the writer's "the WAL has grown" signal, and what it needs to
-/// watch for a slow handler.
+/// state: the writer's "the WAL has grown" signal, what it needs to
+/// watch for a slow handler, and whom to wake when another process
+/// changed the file.
 struct CheckpointInputs {
     woken: crossbeam_channel::Receiver<()>,
     guard: UserCodeGuard,
     slow_record: Option<crate::store::inflight::SlowRecord>,
+    watch: checkpoint::Watch,
 }
 
 /// The share of [`Postroom::shutdown`]'s deadline kept for the writer,
@@ -344,10 +346,22 @@ impl Postroom {
             .slow_record()
             .map_err(|e| log::warn!("postroom: slow handlers are only logged: {e}"))
             .ok();
+        let (wake_tx, wake_rx) = crossbeam_channel::bounded(1);
+        let (reaper_wake_tx, reaper_wake_rx) = crossbeam_channel::bounded(1);
+        // The checkpointer wakes these when another process changed the
+        // file or the clock stepped (see `checkpoint::Watch`).
+        let mut watched = vec![wake_tx.clone(), reaper_wake_tx.clone()];
+        if sink.is_some() {
+            watched.push(relay_wake.clone());
+        }
         let checkpoint_inputs = CheckpointInputs {
             woken: checkpoint_woken,
             guard: guard.clone(),
             slow_record,
+            watch: checkpoint::Watch {
+                wake: watched,
+                clock: Arc::clone(&clock),
+            },
         };
         let state = WriterState {
             outbox_dirty,
@@ -376,9 +390,21 @@ impl Postroom {
             path: path.to_path_buf(),
             busy_timeout,
         };
+        // One named thread opens the pool's connections (r2d2's default is
+        // three, unnamed for the engine's purposes), and connections are
+        // kept rather than timed out: r2d2's reaper of idle connections
+        // wakes every 30 s, and an idle engine is asleep (issue 33). At
+        // most `read_pool_size` connections stay open.
+        let pool_thread = scheduled_thread_pool::ScheduledThreadPool::builder()
+            .num_threads(1)
+            .thread_name_pattern("postroom-reads-{}")
+            .build();
         let readers = r2d2::Pool::builder()
             .max_size(config.read_pool_size)
             .min_idle(Some(0))
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .thread_pool(Arc::new(pool_thread))
             .connection_timeout(config.busy_timeout.max(Duration::from_secs(1)))
             .build_unchecked(manager);
 
@@ -386,7 +412,6 @@ impl Postroom {
             .into_iter()
             .map(|(name, kind)| (name.clone(), Arc::new(Consumer { name, kind })))
             .collect();
-        let (wake_tx, wake_rx) = crossbeam_channel::bounded(1);
         let shared = Arc::new(Shared {
             path: path.to_path_buf(),
             writer,
@@ -397,6 +422,9 @@ impl Postroom {
             stopping: AtomicBool::new(false),
             wake_tx,
             wake_rx,
+            reaper_wake_tx,
+            reaper_wake_rx,
+            reaper_armed: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
             next_token: AtomicI64::new(first_token),
         });
@@ -497,6 +525,7 @@ impl Postroom {
             stop: stop_rx,
             guard: checkpoint_inputs.guard,
             slow_record: checkpoint_inputs.slow_record,
+            watch: checkpoint_inputs.watch,
         };
         threads.checkpointer = Some(spawn(
             "postroom-checkpointer".into(),

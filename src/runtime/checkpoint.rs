@@ -35,6 +35,17 @@
 //! filesystem's size when it is small (and the writer gives the WAL back
 //! when a commit finds the disk full: see `WriterState::give_wal_back`).
 //!
+//! It is also the engine's one periodic timer, and only while idle: every
+//! other thread sleeps until its data says something comes due, or until a
+//! commit of this engine wakes it. What neither can tell them — a commit of
+//! another process (the CLI's `redeliver`, a `sqlite3` beside the engine)
+//! or a step of the wall clock, which stored due times are read against —
+//! this thread checks at most once a [`WATCH`] (`PRAGMA data_version`, one
+//! read of shared memory) and wakes the dispatcher, the relay and the
+//! reaper when either happened (see [`Watch`]). It ticks every [`TICK`]
+//! while commits go on, a handler runs or a `Normal` commit waits for its
+//! fsync, and every [`WATCH`] otherwise.
+//!
 //! Being the engine's timer that never runs user code, this thread also
 //! watches the handler holding the writer (see [`Checkpointer::watch`]):
 //! one that has held it past `slow_handler` is logged, counted and named
@@ -47,17 +58,24 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Receiver;
+use crossbeam_channel::{Receiver, Sender};
 use rusqlite::{Connection, OpenFlags};
 
+use crate::clock::{self, Clock};
 use crate::config::{Config, Durability};
 use crate::guard::UserCodeGuard;
 use crate::runtime::wal::{self, WalBounds};
 use crate::runtime::writer::{Counters, WriterHandle};
 use crate::store::inflight::{SlowHandler, SlowRecord};
 
-/// How often the WAL size is looked at.
+/// How often the WAL size is looked at while the engine commits.
 const TICK: Duration = Duration::from_millis(100);
+/// How often, at most, the file is checked for another process's commits
+/// and the wall clock for a step; also the idle tick.
+pub(crate) const WATCH: Duration = Duration::from_secs(1);
+/// A wall clock that moved this much further than the monotonic clock
+/// stepped forward: due times read before it may have come already.
+const CLOCK_STEP: Duration = Duration::from_millis(250);
 /// At `Durability::Normal` commits are not fsynced: a copy-back syncs the
 /// WAL first, and without one a slow trickle of commits (which never
 /// reaches the writer's 1000-frame hook) would stay unsynced for as long
@@ -93,6 +111,70 @@ pub(crate) struct Checkpointer {
     /// Where a slow handler is recorded for the CLI; `None` if the engine
     /// file could not be opened again for it (then it is only logged).
     pub slow_record: Option<SlowRecord>,
+    /// Who is woken when another process changed the file.
+    pub watch: Watch,
+}
+
+/// What the other threads cannot see while asleep: commits of another
+/// process, and steps of the wall clock. Each is woken (a `try_send` on a
+/// bounded channel of one: a wake already pending is enough) when either
+/// happened since the last check. A commit of this engine changes
+/// `data_version` too (the checkpointer has its own connection), so while
+/// the engine is busy they are woken about once a [`WATCH`], which costs
+/// them one look at their due rows.
+pub(crate) struct Watch {
+    /// The dispatcher's, the relay's and the reaper's wakes.
+    pub wake: Vec<Sender<()>>,
+    /// The engine's clock, that stored due times are read against.
+    pub clock: Arc<dyn Clock>,
+}
+
+/// The watch's state between checks.
+struct Watching {
+    version: Option<i64>,
+    checked: Instant,
+    wall_ms: i64,
+}
+
+impl Watch {
+    fn start(&self, conn: &Connection) -> Watching {
+        Watching {
+            version: data_version(conn),
+            checked: Instant::now(),
+            wall_ms: self.clock.now_ms(),
+        }
+    }
+
+    /// Checks, if the last check is [`WATCH`] old (less a little, so that
+    /// an idle tick of exactly [`WATCH`] finds it due).
+    fn check(&self, conn: &Connection, last: &mut Watching) {
+        let elapsed = last.checked.elapsed();
+        if elapsed < WATCH.mul_f64(0.9) {
+            return;
+        }
+        let version = data_version(conn);
+        let wall_ms = self.clock.now_ms();
+        let stepped = wall_ms.saturating_sub(last.wall_ms) > clock::millis(elapsed + CLOCK_STEP);
+        // An error reads as a change: waking them is harmless.
+        if version.is_none() || version != last.version || stepped {
+            for wake in &self.wake {
+                let _ = wake.try_send(());
+            }
+        }
+        *last = Watching {
+            version,
+            checked: Instant::now(),
+            wall_ms,
+        };
+    }
+}
+
+/// The connection's `PRAGMA data_version`: changes whenever another
+/// connection committed. `None` when it cannot be read.
+fn data_version(conn: &Connection) -> Option<i64> {
+    conn.query_row("PRAGMA data_version", [], |r| r.get(0))
+        .map_err(|e| log::warn!("postroom checkpointer: reading data_version: {e}"))
+        .ok()
 }
 
 impl Checkpointer {
@@ -119,9 +201,23 @@ impl Checkpointer {
         let mut woken_gone = false;
         // The handler run reported slow, if it still runs.
         let mut reported = None;
+        let mut watching = self.watch.start(&conn);
+        // Whether the last tick saw commits.
+        let mut busy = false;
         loop {
             self.watch(&mut reported);
+            self.watch.check(&conn, &mut watching);
             let wake = if woken_gone { &never } else { &self.wake };
+            // Ticks fast only while there is something to time: commits
+            // (the WAL to truncate once they stop), a handler to report
+            // slow, a `Normal` commit to fsync.
+            let unsynced = self.config.durability == Durability::Normal
+                && self.counters.batches.load(Ordering::Relaxed) != synced_batches;
+            let tick = if busy || unsynced || self.guard.running().is_some() {
+                TICK
+            } else {
+                WATCH
+            };
             crossbeam_channel::select! {
                 recv(self.stop) -> _ => {
                     if reported.is_some() {
@@ -140,10 +236,11 @@ impl Checkpointer {
                     }
                     continue;
                 }
-                default(TICK) => {}
+                default(tick) => {}
             }
             let batches = self.counters.batches.load(Ordering::Relaxed);
             let idle = batches == last_batches;
+            busy = !idle;
             let trickle = batches - last_batches <= TRICKLE_BATCHES;
             last_batches = batches;
             if self.config.durability == Durability::Normal

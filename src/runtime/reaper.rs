@@ -1,22 +1,28 @@
-//! The reaper: on a timer, recovers expired leases and deletes what
-//! retention allows: completed inbox rows, sent outbox rows, and dead
-//! letters and conflicts when configured. (The WAL is the checkpointer's job.)
+//! The reaper: recovers expired leases and deletes what retention allows:
+//! completed inbox rows, sent outbox rows, and dead letters and conflicts
+//! when configured. (The WAL is the checkpointer's job.) Its timer comes
+//! from the data: it sleeps until the next lease expires or the next row
+//! passes retention, and an idle engine's reaper does not wake at all
+//! (see [`reap`]).
 //!
 //! Retention is `store::retention`'s pass, each batch a background writer
 //! job: it runs only when no caller's job is waiting (or after being put
 //! off), in a transaction of its own, so a million-row cleanup never holds
 //! a delivery up for more than one batch.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::Receiver;
+use r2d2::ManageConnection;
+use rusqlite::Connection;
 
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::runtime::workers::{LeaseState, Shared};
-use crate::runtime::{read_connection, Readers};
-use crate::store::{queue, retention, retired};
+use crate::runtime::{read_connection, ReadManager, Readers};
+use crate::store::{due, queue, retention, retired};
 
 /// What one reaper pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -39,14 +45,47 @@ pub struct CleanupReport {
     pub conflicts_deleted: u64,
 }
 
-/// The reaper thread's body: a pass every `reaper_interval` until `stop`
-/// disconnects.
+/// The reaper thread's body, until `stop` disconnects: asleep until its
+/// next pass is due, which is when a lease expires or a row passes
+/// retention (read from the data after each pass, and again whenever it
+/// is woken: a claim it may not have counted, a commit of another
+/// process, a step of the wall clock), but never sooner than
+/// `reaper_interval` after the last pass.
 pub(crate) fn reap(shared: Arc<Shared>, readers: Readers, stop: Receiver<()>) {
+    let interval = shared.config.reaper_interval;
+    // Its own connection for reading its timers, closed when the thread
+    // ends: a pooled one would stay open after shutdown (until the engine
+    // is dropped), and it is read at every wake. Without one (out of file
+    // descriptors, say), the pool's.
+    let own = ReadManager {
+        path: shared.path.clone(),
+        busy_timeout: shared.config.busy_timeout,
+    }
+    .connect()
+    .map_err(|e| log::warn!("postroom reaper: opening its connection: {e}; using the pool's"))
+    .ok();
+    let mut last_pass = Instant::now();
     loop {
-        match stop.recv_timeout(shared.config.reaper_interval) {
-            Err(RecvTimeoutError::Timeout) => {}
-            Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+        let due = match next_pass(&shared, own.as_ref(), &readers) {
+            Ok(due) => due,
+            Err(e) => {
+                // Cannot tell: look again as the reaper used to, on its
+                // interval.
+                log::warn!("postroom reaper: reading when the next pass is due: {e}");
+                Some(Instant::now())
+            }
+        };
+        let at = due.map(|due| due.max(last_pass + interval));
+        let timer = match at {
+            Some(at) => crossbeam_channel::at(at),
+            None => crossbeam_channel::never(),
+        };
+        crossbeam_channel::select! {
+            recv(stop) -> _ => return,
+            recv(shared.reaper_wake_rx) -> _ => continue,
+            recv(timer) -> _ => {}
         }
+        last_pass = Instant::now();
         match run_once(&shared, &readers) {
             Ok(report) if report != CleanupReport::default() => {
                 log::debug!("postroom reaper: {report:?}")
@@ -56,6 +95,60 @@ pub(crate) fn reap(shared: Arc<Shared>, readers: Readers, stop: Receiver<()>) {
             Err(e) => log::warn!("postroom reaper: {e}"),
         }
     }
+}
+
+/// The furthest ahead the reaper's timer is set.
+const FAR: Duration = Duration::from_secs(24 * 3600);
+
+/// When the next pass is due, on the monotonic clock: the earliest lease
+/// to expire (a lease this process holds by its own deadline, any other by
+/// its stored `lease_until`) or row past retention; `None`: nothing waits
+/// on the clock. Sets [`Shared::reaper_armed`] when that is no later than
+/// a lease claimed from now on would expire, so the dispatcher need not
+/// wake the reaper for it (cleared before reading: a claim committed
+/// meanwhile is either read here or wakes the reaper).
+fn next_pass(
+    shared: &Shared,
+    own: Option<&Connection>,
+    readers: &Readers,
+) -> Result<Option<Instant>> {
+    shared.reaper_armed.store(false, Ordering::SeqCst);
+    let pooled;
+    let conn = match own {
+        Some(conn) => conn,
+        None => {
+            pooled = read_connection(readers)?;
+            &*pooled
+        }
+    };
+    let now_ms = shared.clock.now_ms();
+    let now = Instant::now();
+    // A stored time far off (a hand edit) is looked at again within a day:
+    // an `Instant` cannot hold every i64 of milliseconds.
+    let after_ms = |at_ms: i64| {
+        let ms = u64::try_from(at_ms.saturating_sub(now_ms)).unwrap_or(0);
+        now + Duration::from_millis(ms).min(FAR)
+    };
+    let mut next: Option<Instant> = None;
+    let mut earliest = |at: Instant| next = Some(next.map_or(at, |n| n.min(at)));
+    for row in queue::leased(conn).map_err(|e| Error::sqlite("read leases", e))? {
+        match shared.leases.deadline(row.row_id, row.token) {
+            Some(deadline) => earliest(deadline),
+            None => earliest(after_ms(row.lease_until.unwrap_or(now_ms))),
+        }
+    }
+    let keep = retention::Keep {
+        completed: shared.config.retention,
+        dead: shared.config.dead_retention,
+        conflicts: shared.config.conflict_retention,
+    };
+    if let Some(at) = due::retention(conn, keep).map_err(|e| Error::sqlite("read retention", e))? {
+        earliest(after_ms(at));
+    }
+    if next.is_some_and(|at| at <= now + shared.config.lease) {
+        shared.reaper_armed.store(true, Ordering::SeqCst);
+    }
+    Ok(next)
 }
 
 /// One pass: expired leases, then retention.

@@ -3,8 +3,10 @@
 //!
 //! It reads due rows through a read-only connection of its own, calls the
 //! sink outside any transaction, and marks the results through the writer.
-//! The writer wakes it right after a commit that added outbox rows; a slow
-//! poll catches rows written by another process.
+//! The writer wakes it right after a commit that added outbox rows; a
+//! retry wakes it when it comes due (read from the data), and rows written
+//! by another process when the checkpointer sees the file change: an idle
+//! relay does not wake at all.
 //!
 //! Ordering invariant: rows of one key are handed over in `seq` order, and
 //! once a row of a key is not `Sent`, later rows of that key are neither
@@ -28,8 +30,9 @@ use crate::config::Config;
 use crate::delivery::panic_message;
 use crate::error::{Error, Result};
 use crate::failpoint;
-use crate::runtime::workers::Shared;
+use crate::runtime::workers::{Shared, PARTIAL_RECHECK};
 use crate::sink::{SendResult, Sink};
+use crate::store::due::{self, NextDue};
 use crate::store::outbox::{self, OutboxMessage};
 use crate::telemetry;
 
@@ -75,18 +78,34 @@ pub(crate) fn relay(
         let fetched = match outbox::fetch_due(&conn, now, shared.config.relay_batch) {
             Ok(fetched) => fetched,
             Err(e) => {
+                // Look again shortly: no due time was read to sleep until.
                 log::warn!("postroom relay: reading the outbox: {}", Esc(&e));
-                Vec::new()
+                if stop_at.is_some() || !pause_after_failure(&shared, &stop, &mut stop_at) {
+                    return;
+                }
+                continue;
             }
         };
         if fetched.is_empty() {
             if stop_at.is_some() {
                 return; // flushed
             }
+            // Asleep until the next row comes due, a commit of this
+            // engine adds one, or the checkpointer saw another process
+            // change the file (see `checkpoint::Watch`); `relay_poll`
+            // bounds the sleep.
+            let next = due::outbox(&conn, now).unwrap_or_else(|e| {
+                log::warn!("postroom relay: reading the next due time: {}", Esc(&e));
+                NextDue {
+                    at: None,
+                    partial: true,
+                }
+            });
+            let wait = next.wait(now, shared.config.relay_poll, PARTIAL_RECHECK);
             crossbeam_channel::select! {
                 recv(wake) -> _ => {}
                 recv(stop) -> at => stop_at = Some(at.unwrap_or_else(|_| Instant::now())),
-                default(shared.config.relay_poll) => {}
+                default(wait) => {}
             }
             continue;
         }

@@ -10,6 +10,12 @@
 //! recorded) before their external step runs, on a worker thread, outside
 //! any transaction. The dispatcher claims no more of them than there are
 //! idle workers, so nothing claimed sits waiting while its lease runs out.
+//!
+//! With nothing to do the dispatcher sleeps until its consumers' next row
+//! comes due (`store::due::inbox`, read by the same writer job that found
+//! nothing), at most `poll_interval`: a `receive`, a worker finishing, or
+//! the checkpointer's watch (another process's commit, a clock step) wakes
+//! it sooner. It never polls, so an idle engine's dispatcher is asleep.
 
 use crate::escape::Esc;
 use std::collections::HashMap;
@@ -31,6 +37,7 @@ use crate::guard::UserCodeGuard;
 use crate::handler::{idempotency_key, EffectContext, Handler, Tx};
 use crate::message::{Failure, Outcome};
 use crate::runtime::writer::{WriterCtx, WriterHandle};
+use crate::store::due::{self, NextDue};
 use crate::store::inflight::{ClaimMarks, ClaimSlot, NoInflightLog};
 use crate::store::queue::{self, Claimed};
 
@@ -73,6 +80,15 @@ impl Leases {
         }
     }
 
+    /// The deadline of the lease this process holds on `row_id` with
+    /// `token`, if it holds it.
+    pub fn deadline(&self, row_id: i64, token: Option<i64>) -> Option<Instant> {
+        match self.lock().get(&row_id) {
+            Some(&(t, deadline)) if Some(t) == token => Some(deadline),
+            _ => None,
+        }
+    }
+
     pub fn state(&self, row_id: i64, token: Option<i64>, now: Instant) -> LeaseState {
         match self.lock().get(&row_id) {
             Some(&(t, deadline)) if Some(t) == token => {
@@ -98,6 +114,14 @@ pub(crate) struct Shared {
     pub stopping: AtomicBool,
     pub wake_tx: Sender<()>,
     pub wake_rx: Receiver<()>,
+    /// Wakes the reaper to look at its timers again (new leases, rows
+    /// changed by another process, the clock stepped).
+    pub reaper_wake_tx: Sender<()>,
+    pub reaper_wake_rx: Receiver<()>,
+    /// True while the reaper's timer fires no later than any lease claimed
+    /// from now on would expire (see `reaper::reap`); the dispatcher wakes
+    /// it after a claim when false.
+    pub reaper_armed: AtomicBool,
     pub in_flight: AtomicUsize,
     /// The next claim's lease token. Starts at a random base
     /// (`schema::lease_token_base`), not 1, so that tokens are unique
@@ -111,7 +135,17 @@ impl Shared {
     pub fn wake(&self) {
         let _ = self.wake_tx.try_send(());
     }
+
+    /// Wakes the reaper (see [`Shared::reaper_armed`]).
+    pub fn wake_reaper(&self) {
+        let _ = self.reaper_wake_tx.try_send(());
+    }
 }
+
+/// How soon the dispatcher and the relay look again when their read of
+/// the next due time stopped at `store::due::SCAN` rows (a backlog waits:
+/// not idle).
+pub(crate) const PARTIAL_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How long queued processing, caught up, waits for more messages before
 /// its next batch: a few milliseconds of latency for far fewer pages per
@@ -138,13 +172,17 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
     let held: Arc<Mutex<Vec<Claimed>>> = Arc::default();
     while !shared.stopping.load(Ordering::Acquire) {
         let mut claimed_any = false;
+        // When the next row comes due, as read by this round's jobs: what
+        // the dispatcher sleeps until when it found nothing to do.
+        let mut next = NextDue::default();
         if !transactional.is_empty() {
             // Rotate so that one busy consumer does not starve the others.
             transactional.rotate_left(1);
             let holding = lock(&held).len();
             match process_batch(&shared, transactional.clone(), Arc::clone(&held)) {
                 // A full batch: more may be due at once.
-                Ok(n) => {
+                Ok((n, due)) => {
+                    next = next.min(due);
                     lock(&held).clear();
                     claimed_any = n >= shared.config.process_batch;
                     if n > 0 && !claimed_any {
@@ -208,14 +246,28 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
                             .map_err(|e| Error::sqlite("claim due messages", e))?,
                     );
                 }
-                Ok(claimed)
+                // Nothing to claim: when to look again. (Only then does
+                // the dispatcher sleep; with every worker busy, the next
+                // one to finish wakes it.)
+                let mut next = NextDue::default();
+                if claimed.is_empty() {
+                    for name in &order {
+                        next = next.min(next_due(w.conn, name, now));
+                    }
+                }
+                Ok((claimed, next))
             });
             // A failure here leaves the rows claimed but unstarted: their
             // leases expire and the reaper makes them due again.
             let result =
                 result.and_then(|claims| failpoint::hit("dispatch.after_claim").map(|()| claims));
             match result {
-                Ok(claims) => {
+                Ok((claims, due)) => {
+                    next = next.min(due);
+                    // A lease the reaper's timer may not cover yet.
+                    if !claims.is_empty() && !shared.reaper_armed.swap(true, Ordering::SeqCst) {
+                        shared.wake_reaper();
+                    }
                     for claim in claims {
                         claimed_any = true;
                         shared.leases.insert(claim.row_id, token, started + lease);
@@ -226,34 +278,65 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
                     }
                 }
                 Err(Error::Closed) => return,
-                Err(e) => log::warn!("postroom dispatcher: claiming failed: {}", Esc(&e)),
+                Err(e) => {
+                    // As for a failed batch: wait before the next try, so
+                    // a failure that lasts does not spin, nor sleeps
+                    // `poll_interval` (no due time was read).
+                    log::warn!("postroom dispatcher: claiming failed: {}", Esc(&e));
+                    // Claims may have committed before the failure: their
+                    // leases are the reaper's to time.
+                    shared.wake_reaper();
+                    let _ = shared
+                        .wake_rx
+                        .recv_timeout(shared.config.storage_retry_delay());
+                    continue;
+                }
             }
         }
         if !claimed_any {
-            let _ = shared.wake_rx.recv_timeout(shared.config.poll_interval);
+            // Asleep until the next row comes due, a commit of this engine
+            // or a worker wakes it, or the checkpointer saw another
+            // process change the file (see `checkpoint::Watch`);
+            // `poll_interval` bounds the sleep.
+            let wait = next.wait(
+                shared.clock.now_ms(),
+                shared.config.poll_interval,
+                PARTIAL_RECHECK,
+            );
+            let _ = shared.wake_rx.recv_timeout(wait);
         }
     }
 }
 
 /// Processes one batch of transactional consumers' due rows (see the
-/// module docs). Returns how many rows it settled. A row whose handler
+/// module docs). Returns how many rows it settled and, when none, when
+/// their next row comes due. A row whose handler
 /// rolled the whole transaction back is counted as a failed attempt when
 /// the writer runs the batch again.
 fn process_batch(
     shared: &Shared,
     consumers: Vec<(String, Arc<dyn Handler>)>,
     held: Arc<Mutex<Vec<Claimed>>>,
-) -> Result<usize> {
+) -> Result<(usize, NextDue)> {
     let limit = shared.config.process_batch;
     let mut poisoned: Vec<Claimed> = Vec::new();
-    let done = shared.writer.submit_rider(move |w| {
+    let (done, next) = shared.writer.submit_rider(move |w| {
         let list: Vec<(&str, &dyn Handler)> =
             consumers.iter().map(|(n, h)| (n.as_str(), &**h)).collect();
         let mut env = w.env();
         let mut held = lock(&held);
         let done = delivery::process_due(&mut env, &list, limit, &mut poisoned, &mut held)?;
         failpoint::hit("process.after_batch")?;
-        Ok(done)
+        // Nothing due: when to look again (only then does the dispatcher
+        // sleep; a partial batch lingers and looks again at once).
+        let mut next = NextDue::default();
+        if done.is_empty() {
+            let now = w.clock.now_ms();
+            for (name, _) in &list {
+                next = next.min(next_due(w.conn, name, now));
+            }
+        }
+        Ok((done, next))
     })?;
     for p in &done {
         crate::telemetry::outcome(&p.consumer, &p.outcome);
@@ -266,7 +349,24 @@ fn process_batch(
             Esc(format_args!("{:?}", p.outcome))
         );
     }
-    Ok(done.len())
+    Ok((done.len(), next))
+}
+
+/// When `consumer`'s next row comes due; a failed read is logged and
+/// taken as partial (looked at again within [`PARTIAL_RECHECK`]) rather
+/// than failing the job it rides in.
+fn next_due(conn: &rusqlite::Connection, consumer: &str, now_ms: i64) -> NextDue {
+    due::inbox(conn, consumer, now_ms).unwrap_or_else(|e| {
+        log::warn!(
+            "postroom dispatcher: reading when {:?} next has a row due: {}",
+            Esc(consumer),
+            Esc(&e)
+        );
+        NextDue {
+            at: None,
+            partial: true,
+        }
+    })
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
