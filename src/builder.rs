@@ -126,8 +126,8 @@ impl Builder {
     /// The longest the relay sleeps with nothing to do. It does not poll:
     /// commits of this engine wake it at once, a retry when it comes due
     /// (read from the outbox), and rows committed by another process within
-    /// about a second (the checkpointer thread checks the file once a
-    /// second while idle). This only bounds the sleep, as a safety net.
+    /// about 1.25 s (the checkpointer thread checks the file that often
+    /// while idle). This only bounds the sleep, as a safety net.
     /// 1 ms to 365 days. Default: 5 min (was 1 s, a polling rate).
     pub fn relay_poll(mut self, interval: Duration) -> Self {
         self.config.relay_poll = interval;
@@ -182,8 +182,8 @@ impl Builder {
     /// The longest queued processing sleeps with nothing to do. It does
     /// not poll: a `receive` wakes it at once, a retry when it comes due
     /// (read from the inbox), a worker when it finishes, and rows made due
-    /// by another process (the CLI's `retry`, `redeliver`) within about a
-    /// second (the checkpointer thread checks the file once a second while
+    /// by another process (the CLI's `retry`, `redeliver`) within about
+    /// 1.25 s (the checkpointer thread checks the file that often while
     /// idle). This only bounds the sleep, as a safety net. 1 ms to 365
     /// days. Default: 5 min (was 250 ms, a polling rate).
     pub fn poll_interval(mut self, interval: Duration) -> Self {
