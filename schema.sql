@@ -510,13 +510,14 @@ CREATE INDEX IF NOT EXISTS postroom_outbox_waiting
     ON postroom_outbox (key, seq)
     WHERE status = 'pending' AND key IS NOT NULL AND next_attempt_at > 0;
 
--- A row stored pending other than by the engine's insert (which sets
--- `head` itself, so this changes nothing): made a head if it is one, and
--- a later head of its key (a row stored by hand with a lower seq) stepped
--- down.
+-- A row stored pending without its head mark (by hand: the engine's
+-- insert sets `head` itself, so a new head fires nothing): made a head if
+-- it is one, and a later head of its key (a row stored by hand with a
+-- lower seq) stepped down. The engine's rows take the highest seq, so no
+-- later row of their key is ever pending.
 CREATE TRIGGER IF NOT EXISTS postroom_outbox_head_insert
 AFTER INSERT ON postroom_outbox
-WHEN NEW.status = 'pending'
+WHEN NEW.status = 'pending' AND NEW.head = 0
 BEGIN
     UPDATE postroom_outbox SET head = 1
     WHERE seq = NEW.seq AND head = 0
