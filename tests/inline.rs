@@ -1123,10 +1123,14 @@ fn an_inline_delivery_publishing_a_keyed_message_adds_seven_b_tree_entries() {
         added
     };
     // A first delivery, so that every table has its pages.
-    let first = room.deliver("orders", Message::new("shop", "m-0", "p")).unwrap();
+    let first = room
+        .deliver("orders", Message::new("shop", "m-0", "p"))
+        .unwrap();
     assert_eq!(first, Outcome::Processed { attempts: 1 });
     let before = entries();
-    let outcome = room.deliver("orders", Message::new("shop", "m-1", "p")).unwrap();
+    let outcome = room
+        .deliver("orders", Message::new("shop", "m-1", "p"))
+        .unwrap();
     assert_eq!(outcome, Outcome::Processed { attempts: 1 });
     let added = added(&before);
     let total: i64 = added.iter().map(|(_, n)| n).sum();

@@ -729,10 +729,8 @@ pub(crate) fn head_mismatches(
     mut found: impl FnMut(&'static str, String, Option<i64>, Option<i64>),
 ) -> rusqlite::Result<()> {
     let has = |sql: &str| -> rusqlite::Result<bool> { conn.query_row(sql, [], |r| r.get(0)) };
-    let inbox_heads = has(
-        "SELECT count(*) > 0 FROM sqlite_master
-         WHERE type = 'table' AND name = 'postroom_inbox_heads'",
-    )?;
+    let inbox_heads = has("SELECT count(*) > 0 FROM sqlite_master
+         WHERE type = 'table' AND name = 'postroom_inbox_heads'")?;
     let outbox_heads =
         has("SELECT count(*) > 0 FROM pragma_table_info('postroom_outbox') WHERE name = 'head'")?;
     let mut checks = Vec::new();
@@ -1061,11 +1059,11 @@ mod tests {
                 "SELECT key, seq FROM postroom_outbox
                  WHERE status = 'pending' AND head = 1 AND key IS NOT NULL ORDER BY 1",
             )
-                .unwrap()
-                .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
-                .unwrap()
-                .map(Result::unwrap)
-                .collect()
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
         };
         let insert = |id: i64, consumer: &str, key: Option<&str>, status: &str| {
             conn.execute(
