@@ -539,19 +539,23 @@ CREATE TRIGGER IF NOT EXISTS postroom_outbox_head_status
 AFTER UPDATE OF status ON postroom_outbox
 WHEN (OLD.status = 'pending') <> (NEW.status = 'pending')
 BEGIN
+    -- Back to pending: the row is a head unless its key has an earlier
+    -- pending row, and when it is, the head after it steps down.
     UPDATE postroom_outbox SET head = (NEW.key IS NULL OR NOT EXISTS (
             SELECT 1 FROM postroom_outbox
             WHERE key = NEW.key AND status = 'pending' AND seq < NEW.seq))
-    WHERE seq = NEW.seq AND NEW.status = 'pending';
-    UPDATE postroom_outbox SET head = (seq = (
-            SELECT seq FROM postroom_outbox
-            WHERE key = NEW.key AND status = 'pending' ORDER BY seq LIMIT 1))
-    WHERE NEW.key IS NOT NULL AND status = 'pending' AND key = NEW.key
-      AND seq IN ((SELECT seq FROM postroom_outbox
-                   WHERE key = NEW.key AND status = 'pending' ORDER BY seq LIMIT 1),
-                  (SELECT seq FROM postroom_outbox
-                   WHERE key = NEW.key AND status = 'pending' AND seq > NEW.seq
-                   ORDER BY seq LIMIT 1));
+    WHERE NEW.status = 'pending' AND seq = NEW.seq;
+    UPDATE postroom_outbox SET head = 0
+    WHERE NEW.status = 'pending' AND NEW.key IS NOT NULL AND head = 1
+      AND seq = (SELECT seq FROM postroom_outbox
+                 WHERE key = NEW.key AND status = 'pending' AND seq > NEW.seq
+                 ORDER BY seq LIMIT 1);
+    -- Out of pending (sent, dead): the key's lowest pending row is its
+    -- head (already, unless this row was).
+    UPDATE postroom_outbox SET head = 1
+    WHERE NEW.status <> 'pending' AND NEW.key IS NOT NULL AND head = 0
+      AND seq = (SELECT seq FROM postroom_outbox
+                 WHERE key = NEW.key AND status = 'pending' ORDER BY seq LIMIT 1);
 END;
 
 -- A row's key changed (only by hand: postroom never does): both keys'
