@@ -1,4 +1,4 @@
--- postroom schema, version 7.
+-- postroom schema, version 8.
 --
 -- Applied in one transaction when a database is opened for the first time.
 -- Every statement is `IF NOT EXISTS`: the migration from version 1 renames
@@ -462,6 +462,17 @@ END;
 --
 -- next_attempt_at is 0 for a row due at once (new, or redriven), for the
 -- inbox's reason above; a retry's backoff sets a time.
+--
+-- `head` (schema version 8): 1 on a pending row the relay may send now in
+-- key order: a row without a key, or the lowest pending row of its key.
+-- The relay reads heads in commit order (postroom_outbox_ready) and a
+-- key's later rows from its head (postroom_outbox_key), so a key held
+-- back by a failing head costs it one row, however many wait behind it.
+-- Set by the engine's insert, kept by the triggers below whatever changes
+-- the rows (checked by `postroom check`); meaningless on a row that is not
+-- pending. Schema version 7 kept the heads in a table of their own with
+-- an index (two more B-trees, two more pages per message written), and
+-- every pending row in a third index.
 CREATE TABLE IF NOT EXISTS postroom_outbox (
     seq              INTEGER PRIMARY KEY,
     message_id       TEXT    NOT NULL UNIQUE,
@@ -478,24 +489,18 @@ CREATE TABLE IF NOT EXISTS postroom_outbox (
     cause_consumer   TEXT,
     cause_source     TEXT,
     cause_message_id TEXT
-);
+, head INTEGER NOT NULL DEFAULT 0 CHECK (head IN (0, 1)));
 
--- What the relay reads: pending rows in commit order.
-CREATE INDEX IF NOT EXISTS postroom_outbox_pending
+-- What the relay reads (schema version 8): the heads, in commit order.
+-- The lowest pending seq is always a head, so this also gives it.
+CREATE INDEX IF NOT EXISTS postroom_outbox_ready
     ON postroom_outbox (seq)
-    WHERE status = 'pending';
+    WHERE status = 'pending' AND head = 1;
 
--- Pending rows per key: a row is held back while an earlier row of its key
--- waits out a backoff.
+-- Pending rows per key: a key's next head, and its rows behind the head.
 CREATE INDEX IF NOT EXISTS postroom_outbox_key
     ON postroom_outbox (key, seq)
     WHERE key IS NOT NULL AND status = 'pending';
-
--- Pending rows without a key, in commit order (schema version 7): what the
--- relay reads of them, without walking the keyed rows.
-CREATE INDEX IF NOT EXISTS postroom_outbox_unkeyed
-    ON postroom_outbox (seq)
-    WHERE status = 'pending' AND key IS NULL;
 
 -- Pending keyed rows that failed once (a backoff set next_attempt_at; new
 -- and redriven rows hold 0), schema version 7: the relay stops a key's
@@ -505,60 +510,86 @@ CREATE INDEX IF NOT EXISTS postroom_outbox_waiting
     ON postroom_outbox (key, seq)
     WHERE status = 'pending' AND key IS NOT NULL AND next_attempt_at > 0;
 
--- The head of each key (schema version 7): its lowest pending seq. The
--- relay reads keys through their heads, in commit order, and skips a key
--- whose head waits out a backoff at the cost of one row, however many
--- rows wait behind it. Kept by the triggers below (checked by `postroom
--- check`).
-CREATE TABLE IF NOT EXISTS postroom_outbox_heads (
-    key      TEXT    PRIMARY KEY,
-    head_seq INTEGER NOT NULL
-) WITHOUT ROWID;
-
-CREATE INDEX IF NOT EXISTS postroom_outbox_heads_seq
-    ON postroom_outbox_heads (head_seq);
-
+-- A row stored pending without its head mark (by hand: the engine's
+-- insert sets `head` itself, so a new head fires nothing): made a head if
+-- it is one, and a later head of its key (a row stored by hand with a
+-- lower seq) stepped down. The engine's rows take the highest seq, so no
+-- later row of their key is ever pending.
 CREATE TRIGGER IF NOT EXISTS postroom_outbox_head_insert
 AFTER INSERT ON postroom_outbox
-WHEN NEW.key IS NOT NULL AND NEW.status = 'pending'
+WHEN NEW.status = 'pending' AND NEW.head = 0
 BEGIN
-    INSERT INTO postroom_outbox_heads (key, head_seq) VALUES (NEW.key, NEW.seq)
-    ON CONFLICT (key) DO UPDATE SET head_seq = excluded.head_seq
-    WHERE excluded.head_seq < head_seq;
+    UPDATE postroom_outbox SET head = 1
+    WHERE seq = NEW.seq AND head = 0
+      AND (NEW.key IS NULL
+           OR NOT EXISTS (SELECT 1 FROM postroom_outbox
+                          WHERE key = NEW.key AND status = 'pending' AND seq < NEW.seq));
+    UPDATE postroom_outbox SET head = 0
+    WHERE NEW.key IS NOT NULL AND head = 1
+      AND seq = (SELECT seq FROM postroom_outbox
+                 WHERE key = NEW.key AND status = 'pending' AND seq > NEW.seq
+                 ORDER BY seq LIMIT 1);
 END;
 
+-- A row leaves pending (sent, dead) or comes back (redriven): its key's
+-- lowest pending row is its head, and only that one. One step down
+-- postroom_outbox_key each way (ORDER BY … LIMIT 1: a key's backlog is
+-- never walked).
 CREATE TRIGGER IF NOT EXISTS postroom_outbox_head_status
 AFTER UPDATE OF status ON postroom_outbox
-WHEN NEW.key IS NOT NULL AND OLD.key IS NEW.key
-  AND (OLD.status = 'pending') <> (NEW.status = 'pending')
+WHEN (OLD.status = 'pending') <> (NEW.status = 'pending')
 BEGIN
-    DELETE FROM postroom_outbox_heads WHERE key = NEW.key;
-    INSERT INTO postroom_outbox_heads (key, head_seq)
-    SELECT key, seq FROM postroom_outbox WHERE key = NEW.key AND status = 'pending'
-    ORDER BY seq LIMIT 1;
+    -- Back to pending: the row is a head unless its key has an earlier
+    -- pending row, and when it is, the head after it steps down.
+    UPDATE postroom_outbox SET head = (NEW.key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM postroom_outbox
+            WHERE key = NEW.key AND status = 'pending' AND seq < NEW.seq))
+    WHERE NEW.status = 'pending' AND seq = NEW.seq;
+    UPDATE postroom_outbox SET head = 0
+    WHERE NEW.status = 'pending' AND NEW.key IS NOT NULL AND head = 1
+      AND seq = (SELECT seq FROM postroom_outbox
+                 WHERE key = NEW.key AND status = 'pending' AND seq > NEW.seq
+                 ORDER BY seq LIMIT 1);
+    -- Out of pending (sent, dead): the key's lowest pending row is its
+    -- head (already, unless this row was).
+    UPDATE postroom_outbox SET head = 1
+    WHERE NEW.status <> 'pending' AND NEW.key IS NOT NULL AND head = 0
+      AND seq = (SELECT seq FROM postroom_outbox
+                 WHERE key = NEW.key AND status = 'pending' ORDER BY seq LIMIT 1);
 END;
 
+-- A row's key changed (only by hand: postroom never does): both keys'
+-- lowest pending rows are heads, and the row is one if it leads its new
+-- key (or has none).
 CREATE TRIGGER IF NOT EXISTS postroom_outbox_head_rekey
 AFTER UPDATE OF key ON postroom_outbox
-WHEN OLD.key IS NOT NEW.key
+WHEN OLD.key IS NOT NEW.key AND NEW.status = 'pending'
 BEGIN
-    DELETE FROM postroom_outbox_heads WHERE key IN (OLD.key, NEW.key);
-    INSERT INTO postroom_outbox_heads (key, head_seq)
-    SELECT key, seq FROM postroom_outbox WHERE key = OLD.key AND status = 'pending'
-    ORDER BY seq LIMIT 1;
-    INSERT INTO postroom_outbox_heads (key, head_seq)
-    SELECT key, seq FROM postroom_outbox WHERE key = NEW.key AND status = 'pending'
-    ORDER BY seq LIMIT 1;
+    UPDATE postroom_outbox SET head = (NEW.key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM postroom_outbox
+            WHERE key = NEW.key AND status = 'pending' AND seq < NEW.seq))
+    WHERE seq = NEW.seq;
+    UPDATE postroom_outbox SET head = 1
+    WHERE head = 0 AND seq = (SELECT seq FROM postroom_outbox
+                              WHERE key = OLD.key AND status = 'pending'
+                              ORDER BY seq LIMIT 1);
+    UPDATE postroom_outbox SET head = 0
+    WHERE NEW.key IS NOT NULL AND head = 1
+      AND seq = (SELECT seq FROM postroom_outbox
+                 WHERE key = NEW.key AND status = 'pending' AND seq > NEW.seq
+                 ORDER BY seq LIMIT 1);
 END;
 
+-- A pending head deleted (by hand, or an operator's tool): its key's next
+-- pending row is the head.
 CREATE TRIGGER IF NOT EXISTS postroom_outbox_head_delete
 AFTER DELETE ON postroom_outbox
 WHEN OLD.key IS NOT NULL AND OLD.status = 'pending'
 BEGIN
-    DELETE FROM postroom_outbox_heads WHERE key = OLD.key;
-    INSERT INTO postroom_outbox_heads (key, head_seq)
-    SELECT key, seq FROM postroom_outbox WHERE key = OLD.key AND status = 'pending'
-    ORDER BY seq LIMIT 1;
+    UPDATE postroom_outbox SET head = 1
+    WHERE head = 0 AND seq = (SELECT seq FROM postroom_outbox
+                              WHERE key = OLD.key AND status = 'pending'
+                              ORDER BY seq LIMIT 1);
 END;
 
 CREATE INDEX IF NOT EXISTS postroom_outbox_sent

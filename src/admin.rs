@@ -2469,8 +2469,8 @@ pub enum FindingKind {
     /// inbox: an entry missing, wrong or without its row. Dedupe answers
     /// come from that table, so this breaks exactly-once.
     KeyTable,
-    /// An ordering key's head (`postroom_inbox_heads`,
-    /// `postroom_outbox_heads`) is not its lowest unfinished row: the due
+    /// An ordering key's head (`postroom_inbox_heads`, the outbox's
+    /// `head` column) is not its lowest unfinished row: the due
     /// queries read only heads, so the key would be held back for good or
     /// run out of order. Kept by triggers: the file was changed outside
     /// postroom.

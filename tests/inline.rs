@@ -1077,3 +1077,62 @@ fn a_handler_that_locks_itself_is_counted_not_retried_forever() {
         Outcome::Dead { attempts: 2, .. }
     ));
 }
+
+/// Issue 33 (flash): what one inline delivery writes is what the job needs.
+/// A delivery whose handler publishes one keyed message adds 7 B-tree
+/// entries: the inbox row, its key and its `done` index entry; the outbox
+/// row, its unique id, its key's entry and its entry among the rows the
+/// relay may send now (a key's head). Schema 7 added 9 (a separate pending
+/// index, and a heads table with an index of its own), each a page
+/// written to the WAL per commit. Sent, the row leaves every pending
+/// index. Counted with `dbstat` (entries on leaf pages of each B-tree).
+#[test]
+fn an_inline_delivery_publishing_a_keyed_message_adds_seven_b_tree_entries() {
+    let dir = tempfile::tempdir().unwrap();
+    let room = open(
+        &dir,
+        Postroom::builder().consumer(
+            "orders",
+            handler_fn(|tx, msg| {
+                tx.publish(Outgoing::new("t", "payload").with_key(msg.id()))?;
+                Ok(())
+            }),
+        ),
+    );
+    let conn = raw(&dir.path().join("app.db"));
+    let entries = || -> std::collections::BTreeMap<String, i64> {
+        let mut stmt = conn
+            .prepare(
+                "SELECT name, coalesce(sum(ncell), 0) FROM dbstat
+                 WHERE pagetype = 'leaf' AND name LIKE '%postroom%' GROUP BY name",
+            )
+            .unwrap();
+        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    };
+    let added = |before: &std::collections::BTreeMap<String, i64>| {
+        let after = entries();
+        let mut added: Vec<(String, i64)> = after
+            .iter()
+            .map(|(name, n)| (name.clone(), n - before.get(name).copied().unwrap_or(0)))
+            .filter(|(_, n)| *n != 0)
+            .collect();
+        added.sort();
+        added
+    };
+    // A first delivery, so that every table has its pages.
+    let first = room
+        .deliver("orders", Message::new("shop", "m-0", "p"))
+        .unwrap();
+    assert_eq!(first, Outcome::Processed { attempts: 1 });
+    let before = entries();
+    let outcome = room
+        .deliver("orders", Message::new("shop", "m-1", "p"))
+        .unwrap();
+    assert_eq!(outcome, Outcome::Processed { attempts: 1 });
+    let added = added(&before);
+    let total: i64 = added.iter().map(|(_, n)| n).sum();
+    assert_eq!(total, 7, "entries added per delivery: {added:?}");
+}

@@ -74,9 +74,13 @@ fn insert_row(
     now_ms: i64,
 ) -> rusqlite::Result<()> {
     conn.prepare_cached(
+        // `head` set here (schema.sql): the insert trigger then changes
+        // nothing, and a new head costs no second write of its row.
         "INSERT INTO postroom_outbox (message_id, topic, key, payload, headers, status, attempts,
-             created_at, next_attempt_at, cause_consumer, cause_source, cause_message_id)
-         VALUES (?1, ?2, ?3, ?4, ?5, 'pending', 0, ?6, 0, ?7, ?8, ?9)",
+             created_at, next_attempt_at, cause_consumer, cause_source, cause_message_id, head)
+         VALUES (?1, ?2, ?3, ?4, ?5, 'pending', 0, ?6, 0, ?7, ?8, ?9,
+                 ?3 IS NULL OR NOT EXISTS (SELECT 1 FROM postroom_outbox
+                                           WHERE key = ?3 AND status = 'pending'))",
     )?
     .execute(params![
         id,
@@ -208,11 +212,11 @@ pub struct OutboxMessage {
 /// The columns [`from_row`] reads. The last two are the database's
 /// instance id and the lowest `seq` still pending or dead, each through
 /// its own index (uncorrelated subqueries: SQLite reads them once per
-/// statement).
+/// statement; the lowest pending row is always a head).
 const COLUMNS: &str =
     "seq, message_id, topic, key, payload, headers, attempts, created_at, last_error,
      coalesce((SELECT value FROM postroom_meta WHERE key = 'instance_id'), ''),
-     min(coalesce((SELECT min(seq) FROM postroom_outbox WHERE status = 'pending'),
+     min(coalesce((SELECT min(seq) FROM postroom_outbox WHERE status = 'pending' AND head = 1),
                   9223372036854775807),
          coalesce((SELECT min(seq) FROM postroom_outbox WHERE status = 'dead'),
                   9223372036854775807))";
@@ -245,14 +249,14 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<(OutboxMessage, Option<&'static str
 /// with the first column that did not decode, if one did not.
 ///
 /// O(limit) whatever a key's backlog (issue 32), in one statement (one
-/// snapshot): rows without a key come from `postroom_outbox_unkeyed`; keyed
-/// rows from the first `limit` keys whose head is due, in head order
-/// (`postroom_outbox_heads`: a key held back by its head costs one row,
-/// however many wait behind it), each key's rows read from its head up to
-/// `limit` of them and stopped before the first one still waiting
-/// (`postroom_outbox_waiting`). No row of the first `limit` due rows is
-/// missed: a key's head comes before its other rows, so a key with a row
-/// among them has its head among the first `limit` due heads.
+/// snapshot): the first `limit` due heads in commit order
+/// (`postroom_outbox_ready`: a row without a key, or a key's lowest
+/// pending row; a key held back by its head costs one row, however many
+/// wait behind it), a head without a key as it is, a keyed head with its
+/// key's rows read from it up to `limit` of them and stopped before the
+/// first one still waiting (`postroom_outbox_waiting`). No row of the
+/// first `limit` due rows is missed: a row's head is due and comes no
+/// later than the row, so the heads before it are due rows before it.
 pub(crate) fn fetch_due(
     conn: &Connection,
     now_ms: i64,
@@ -261,15 +265,15 @@ pub(crate) fn fetch_due(
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {COLUMNS} FROM postroom_outbox r WHERE r.seq IN (
              SELECT seq FROM (
-                 SELECT seq FROM postroom_outbox
-                 WHERE status = 'pending' AND key IS NULL AND next_attempt_at <= ?1
+                 SELECT seq, key FROM postroom_outbox
+                 WHERE status = 'pending' AND head = 1 AND next_attempt_at <= ?1
                  ORDER BY seq LIMIT ?2)
+             WHERE key IS NULL
              UNION ALL
              SELECT o.seq FROM (
-                 SELECT h.key AS key FROM postroom_outbox_heads h
-                 JOIN postroom_outbox hr ON hr.seq = h.head_seq
-                 WHERE hr.next_attempt_at <= ?1
-                 ORDER BY h.head_seq LIMIT ?2) k
+                 SELECT seq, key FROM postroom_outbox
+                 WHERE status = 'pending' AND head = 1 AND next_attempt_at <= ?1
+                 ORDER BY seq LIMIT ?2) k
              JOIN postroom_outbox o ON o.key = k.key AND o.status = 'pending'
              WHERE o.seq <= coalesce(
                      (SELECT seq FROM postroom_outbox

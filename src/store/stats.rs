@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use rusqlite::Connection;
+use rusqlite::{Connection, OptionalExtension};
 
 use crate::error::{Error, Result};
 use crate::store::inbox::Status;
@@ -83,7 +83,8 @@ pub struct Stats {
     pub inbox: BTreeMap<String, StatusCounts>,
     /// Outbox rows by status.
     pub outbox: OutboxCounts,
-    /// `created_at` of the oldest pending outbox row, in unix ms.
+    /// `created_at` of the first pending outbox row in commit order (the
+    /// oldest, unless the clock was set back meanwhile), in unix ms.
     pub oldest_pending_outbox_ms: Option<i64>,
     /// Rows in `postroom_conflicts`.
     pub conflicts: u64,
@@ -164,11 +165,17 @@ pub(crate) fn read(conn: &Connection, db_path: &Path) -> Result<Stats> {
     }
     stats.oldest_pending_outbox_ms = conn
         .query_row(
-            "SELECT min(created_at) FROM postroom_outbox WHERE status = 'pending'",
+            // The first pending row in commit order: a head, found through
+            // the relay's index in one step (schema version 8 has no index
+            // of every pending row to take the minimum over).
+            "SELECT created_at FROM postroom_outbox WHERE status = 'pending' AND head = 1
+             ORDER BY seq LIMIT 1",
             [],
             |r| r.get(0),
         )
-        .map_err(sql)?;
+        .optional()
+        .map_err(sql)?
+        .flatten();
     stats.conflicts = count(
         conn.query_row("SELECT count(*) FROM postroom_conflicts", [], |r| r.get(0))
             .map_err(sql)?,
