@@ -1812,11 +1812,14 @@ mod engine {
         Ok(u64::try_from(n)?)
     }
 
-    /// Outbox rows not yet marked sent (through the relay's partial index:
-    /// cheap once they are few).
+    /// Pending outbox heads, through the relay's partial index (cheap once
+    /// they are few): zero exactly when no row is pending, as the lowest
+    /// pending row is always a head (schema 8).
     pub fn outbox_pending(probe: &Connection) -> Res<u64> {
         let n: i64 = probe
-            .prepare_cached("SELECT count(*) FROM postroom_outbox WHERE status = 'pending'")?
+            .prepare_cached(
+                "SELECT count(*) FROM postroom_outbox WHERE status = 'pending' AND head = 1",
+            )?
             .query_row([], |r| r.get(0))?;
         Ok(u64::try_from(n)?)
     }

@@ -75,45 +75,39 @@ fn earliest(
     })
 }
 
+/// Queued rows of consumer `?3` without an ordering key (`postroom_inbox_due`).
+const INBOX_UNKEYED: &str = "SELECT coalesce(next_attempt_at, 0) AS t FROM postroom_inbox
+     WHERE consumer = ?3 AND queued = 1 AND status IN ('pending', 'failed')
+       AND ordering_key IS NULL";
+/// The heads of consumer `?3`'s ordering keys.
+const INBOX_HEADS: &str = "SELECT coalesce(i.next_attempt_at, 0) AS t
+     FROM postroom_inbox_heads h JOIN postroom_inbox i ON i.id = h.head_id
+     WHERE h.consumer = ?3 AND i.queued = 1 AND i.status IN ('pending', 'failed')";
+/// The outbox's heads (`postroom_outbox_ready`).
+const OUTBOX_HEADS: &str = "SELECT next_attempt_at AS t FROM postroom_outbox
+     WHERE status = 'pending' AND head = 1";
+/// Keyed outbox rows waiting out a backoff (`postroom_outbox_waiting`).
+const OUTBOX_WAITING: &str = "SELECT next_attempt_at AS t FROM postroom_outbox
+     WHERE status = 'pending' AND key IS NOT NULL AND next_attempt_at > 0";
+
 /// When `consumer`'s queued rows next come due: rows without a key from
 /// `postroom_inbox_due`, keyed rows by their key's head (the only row of a
 /// key that may run). See `queue::due_rows`.
 pub(crate) fn inbox(conn: &Connection, consumer: &str, now_ms: i64) -> rusqlite::Result<NextDue> {
-    let unkeyed = earliest(
-        conn,
-        "SELECT coalesce(next_attempt_at, 0) AS t FROM postroom_inbox
-         WHERE consumer = ?3 AND queued = 1 AND status IN ('pending', 'failed')
-           AND ordering_key IS NULL",
-        params![now_ms, SCAN, consumer],
-    )?;
-    let heads = earliest(
-        conn,
-        "SELECT coalesce(i.next_attempt_at, 0) AS t
-         FROM postroom_inbox_heads h JOIN postroom_inbox i ON i.id = h.head_id
-         WHERE h.consumer = ?3 AND i.queued = 1 AND i.status IN ('pending', 'failed')",
-        params![now_ms, SCAN, consumer],
-    )?;
+    let unkeyed = earliest(conn, INBOX_UNKEYED, params![now_ms, SCAN, consumer])?;
+    let heads = earliest(conn, INBOX_HEADS, params![now_ms, SCAN, consumer])?;
     Ok(unkeyed.min(heads))
 }
 
-/// When pending outbox rows next come due: rows without a key
-/// (`postroom_outbox_unkeyed`) and keyed rows waiting out a backoff
+/// When pending outbox rows next come due: the heads (every pending row
+/// without a key, and each key's first pending row: `postroom_outbox_ready`,
+/// what the relay reads) and keyed rows waiting out a backoff
 /// (`postroom_outbox_waiting`: a key's rows go as far as its first one
 /// still waiting). See `outbox::fetch_due`.
 pub(crate) fn outbox(conn: &Connection, now_ms: i64) -> rusqlite::Result<NextDue> {
-    let unkeyed = earliest(
-        conn,
-        "SELECT next_attempt_at AS t FROM postroom_outbox
-         WHERE status = 'pending' AND key IS NULL",
-        params![now_ms, SCAN],
-    )?;
-    let waiting = earliest(
-        conn,
-        "SELECT next_attempt_at AS t FROM postroom_outbox
-         WHERE status = 'pending' AND key IS NOT NULL AND next_attempt_at > 0",
-        params![now_ms, SCAN],
-    )?;
-    Ok(unkeyed.min(waiting))
+    let heads = earliest(conn, OUTBOX_HEADS, params![now_ms, SCAN])?;
+    let waiting = earliest(conn, OUTBOX_WAITING, params![now_ms, SCAN])?;
+    Ok(heads.min(waiting))
 }
 
 /// When retention next has a row to delete: the oldest row of each kind
@@ -173,6 +167,49 @@ mod tests {
         let mut conn = Connection::open_in_memory().unwrap();
         schema::migrate(&mut conn).unwrap();
         conn
+    }
+
+    /// Every due-time read goes through an index, with or without
+    /// statistics: none may walk a table, whose retained rows (sent,
+    /// completed) can number millions and are read on every sleep.
+    /// (Schema 8 dropped the index the outbox read used; the read then
+    /// walked the whole outbox.)
+    #[test]
+    fn due_reads_use_indexes() {
+        let conn = db();
+        for analyzed in [false, true] {
+            if analyzed {
+                conn.execute_batch("ANALYZE").unwrap();
+            }
+            for rows in [INBOX_UNKEYED, INBOX_HEADS, OUTBOX_HEADS, OUTBOX_WAITING] {
+                let sql =
+                    format!("EXPLAIN QUERY PLAN SELECT t FROM ({rows} LIMIT ?2) WHERE ?1 >= 0");
+                let mut stmt = conn.prepare(&sql).unwrap();
+                let n = stmt.parameter_count();
+                let values: Vec<rusqlite::types::Value> = (0..n)
+                    .map(|i| {
+                        if i == 2 {
+                            "c".to_string().into()
+                        } else {
+                            1000i64.into()
+                        }
+                    })
+                    .collect();
+                let plan: Vec<String> = stmt
+                    .query_map(rusqlite::params_from_iter(values), |r| {
+                        r.get::<_, String>(3)
+                    })
+                    .unwrap()
+                    .map(Result::unwrap)
+                    .collect();
+                for step in &plan {
+                    assert!(
+                        !step.starts_with("SCAN postroom_") || step.contains("INDEX"),
+                        "{rows}: walks a table ({analyzed}): {plan:?}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
