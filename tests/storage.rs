@@ -431,14 +431,14 @@ fn the_wal_stays_bounded_while_writes_never_stop() {
     // (10,548 frames seen once in CI on a loaded 2-core machine). Twice the
     // inline threshold still fails without copy-back (over 30,000 frames).
     let frame = 4096 + 24;
+    let stats = room.stats().unwrap();
     assert!(
         largest <= 16_000 * frame,
-        "the WAL grew to {largest} bytes ({} frames)",
+        "the WAL grew to {largest} bytes ({} frames): {stats:?}",
         largest / frame
     );
     // And it is the checkpointer that does so: callers never paused, so
     // its passes were forced.
-    let stats = room.stats().unwrap();
     assert!(
         stats.wal_checkpoints >= 1,
         "the checkpointer never completed a pass: {stats:?}"
