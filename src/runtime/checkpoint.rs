@@ -172,6 +172,36 @@ impl Watch {
     }
 }
 
+/// The watch alone, for a checkpointer that could not open its
+/// connection, until `stop` disconnects: every [`WATCH`] it tries again
+/// and, until it can read `data_version`, wakes the watched threads (it
+/// cannot tell whether anything changed: as an error in [`Watch::check`],
+/// that reads as a change). Once open, it checks as the checkpointer does.
+fn watch_only(watch: &Watch, stop: &Receiver<()>, db: &Path, config: &Config) {
+    let mut opened: Option<(Connection, Watching)> = None;
+    loop {
+        match &mut opened {
+            Some((conn, watching)) => watch.check(conn, watching),
+            None => {
+                for wake in &watch.wake {
+                    let _ = wake.try_send(());
+                }
+                match open(db, config) {
+                    Ok(conn) => {
+                        let watching = watch.start(&conn);
+                        opened = Some((conn, watching));
+                    }
+                    Err(e) => log::debug!("postroom checkpointer: opening again: {e}"),
+                }
+            }
+        }
+        match stop.recv_timeout(WATCH) {
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            Ok(()) | Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
 /// The connection's `PRAGMA data_version`: changes whenever another
 /// connection committed. `None` when it cannot be read.
 fn data_version(conn: &Connection) -> Option<i64> {
@@ -183,15 +213,33 @@ fn data_version(conn: &Connection) -> Option<i64> {
 impl Checkpointer {
     /// The thread's body, until `stop` disconnects.
     pub fn run(mut self) {
-        let conn = match open(&self.db, &self.config) {
+        // `checkpoint.open`: a test-only failpoint (not in the crash
+        // matrix), for an open that fails (out of file descriptors, say).
+        let opened = crate::failpoint::hit("checkpoint.open")
+            .map_err(|e| e.to_string())
+            .and_then(|()| open(&self.db, &self.config).map_err(|e| e.to_string()));
+        let conn = match opened {
             Ok(conn) => conn,
             Err(e) => {
-                // Returning drops the wake's receiver: the writer sees it
-                // gone and copies the WAL back itself.
+                // Dropping the wake's receiver: the writer sees it gone and
+                // copies the WAL back itself. The watch goes on, though:
+                // without it the other threads would sleep to their safety
+                // nets (the reaper has none) whatever another process
+                // commits (see `watch_only`).
                 log::error!(
                     "postroom checkpointer: cannot open the database: {e}; \
                      the writer copies the WAL back itself"
                 );
+                let Checkpointer {
+                    wake,
+                    stop,
+                    watch,
+                    db,
+                    config,
+                    ..
+                } = self;
+                drop(wake);
+                watch_only(&watch, &stop, &db, &config);
                 return;
             }
         };
