@@ -148,6 +148,13 @@ impl Watch {
         }
     }
 
+    /// Wakes every watched thread (a wake already pending is enough).
+    fn wake_all(&self) {
+        for wake in &self.wake {
+            let _ = wake.try_send(());
+        }
+    }
+
     /// Checks, if the last check is [`WATCH`] old (less a little, so that
     /// an idle tick of exactly [`WATCH`] finds it due).
     fn check(&self, conn: &Connection, last: &mut Watching) {
@@ -160,9 +167,7 @@ impl Watch {
         let stepped = wall_ms.saturating_sub(last.wall_ms) > clock::millis(elapsed + CLOCK_STEP);
         // An error reads as a change: waking them is harmless.
         if version.is_none() || version != last.version || stepped {
-            for wake in &self.wake {
-                let _ = wake.try_send(());
-            }
+            self.wake_all();
         }
         *last = Watching {
             version,
@@ -183,9 +188,6 @@ fn watch_only(watch: &Watch, stop: &Receiver<()>, db: &Path, config: &Config) {
         match &mut opened {
             Some((conn, watching)) => watch.check(conn, watching),
             None => {
-                for wake in &watch.wake {
-                    let _ = wake.try_send(());
-                }
                 match open(db, config) {
                     Ok(conn) => {
                         let watching = watch.start(&conn);
@@ -193,6 +195,9 @@ fn watch_only(watch: &Watch, stop: &Receiver<()>, db: &Path, config: &Config) {
                     }
                     Err(e) => log::debug!("postroom checkpointer: opening again: {e}"),
                 }
+                // After the baseline, if any: what changed before it is
+                // read by the woken threads.
+                watch.wake_all();
             }
         }
         match stop.recv_timeout(WATCH) {
@@ -253,6 +258,10 @@ impl Checkpointer {
         // The handler run reported slow, if it still runs.
         let mut reported = None;
         let mut watching = self.watch.start(&conn);
+        // A commit of another process after the other threads' first read
+        // of their due times but before this baseline changes nothing the
+        // watch can see: one wake after it, so they read again.
+        self.watch.wake_all();
         // Whether the last tick saw commits.
         let mut busy = false;
         loop {
