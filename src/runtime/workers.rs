@@ -142,9 +142,9 @@ impl Shared {
     }
 }
 
-/// How soon the dispatcher and the relay look again when their read of
-/// the next due time stopped at `store::due::SCAN` rows (a backlog waits:
-/// not idle).
+/// How soon the dispatcher looks again when its read of the next due time
+/// stopped at `store::due::SCAN` rows (a backlog waits: not idle), and the
+/// dispatcher or the relay when that read failed.
 pub(crate) const PARTIAL_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How long queued processing, caught up, waits for more messages before

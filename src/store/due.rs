@@ -6,10 +6,16 @@
 //! stored timestamps) strictly after `now` at which a row becomes due: a
 //! row already due but not taken (its key busy, say) is left out, since
 //! what frees it (a commit, a lease expiring) wakes its thread anyway, and
-//! counting it would make the thread spin. Invariant: every read walks at
-//! most [`SCAN`] rows per index, through the same partial indexes as the
-//! due queries; when a read stops there, the answer is marked `partial`
-//! and the caller looks again soon rather than trusting it.
+//! counting it would make the thread spin. Invariant: every read of the
+//! inbox (in the writer's job) walks at most [`SCAN`] rows per index,
+//! through the same partial indexes as the due queries; when a read stops
+//! there, the answer is marked `partial` and the caller looks again soon
+//! rather than trusting it. The outbox's reads walk every pending row
+//! instead, never partial: the relay makes them on its own connection,
+//! right after `outbox::fetch_due` walked the same rows to find none due,
+//! so a cap saves nothing, while a partial answer had the relay look again
+//! every second for as long as a backlog of 1000 rows the sink put off
+//! waited (an edge device offline for hours).
 
 use std::time::Duration;
 
@@ -100,18 +106,19 @@ pub(crate) fn inbox(conn: &Connection, consumer: &str, now_ms: i64) -> rusqlite:
 /// (`postroom_outbox_unkeyed`) and keyed rows waiting out a backoff
 /// (`postroom_outbox_waiting`: a key's rows go as far as its first one
 /// still waiting). See `outbox::fetch_due`.
+/// Reads every such row: never partial (see the module docs).
 pub(crate) fn outbox(conn: &Connection, now_ms: i64) -> rusqlite::Result<NextDue> {
     let unkeyed = earliest(
         conn,
         "SELECT next_attempt_at AS t FROM postroom_outbox
          WHERE status = 'pending' AND key IS NULL",
-        params![now_ms, SCAN],
+        params![now_ms, i64::MAX],
     )?;
     let waiting = earliest(
         conn,
         "SELECT next_attempt_at AS t FROM postroom_outbox
          WHERE status = 'pending' AND key IS NOT NULL AND next_attempt_at > 0",
-        params![now_ms, SCAN],
+        params![now_ms, i64::MAX],
     )?;
     Ok(unkeyed.min(waiting))
 }
@@ -247,6 +254,26 @@ mod tests {
         let due = inbox(&conn, "c", 0).unwrap();
         assert!(due.partial, "{due:?}");
         assert_eq!(due.at, Some(10_001));
+    }
+
+    #[test]
+    fn the_outbox_is_read_whole_never_partial() {
+        let conn = db();
+        // The earliest row after the first SCAN in seq order.
+        conn.execute_batch(&format!(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {SCAN} + 10)
+             INSERT INTO postroom_outbox (message_id, topic, payload, status, next_attempt_at, created_at)
+             SELECT 'o' || i, 't', x'', 'pending', iif(i > {SCAN}, 20000, 30000), 0 FROM n;"
+        ))
+        .unwrap();
+        let due = outbox(&conn, 0).unwrap();
+        assert_eq!(
+            due,
+            NextDue {
+                at: Some(20_000),
+                partial: false
+            }
+        );
     }
 
     #[test]

@@ -1,0 +1,76 @@
+//! A hostile review of the idle engine (issue 33 item 1): a backlog the
+//! sink put off (an edge device offline, its broker down for an hour) is
+//! not work due, so the relay sleeps until it is, however long the backlog.
+//! Its own binary: the relay thread's wakeups are counted by name in
+//! `/proc/self/task`, and no other test's engine may share the process.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use postroom::{sink_fn, OutboxMessage, Outgoing, Postroom, SendResult};
+
+/// Context switches of this process's threads named `name`.
+fn switches(name: &str) -> u64 {
+    let mut total = 0;
+    for entry in std::fs::read_dir("/proc/self/task").unwrap() {
+        let entry = entry.unwrap();
+        let Ok(comm) = std::fs::read_to_string(entry.path().join("comm")) else {
+            continue;
+        };
+        if comm.trim() != name {
+            continue;
+        }
+        let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else {
+            continue;
+        };
+        total += status
+            .lines()
+            .filter(|l| l.starts_with("voluntary_ctxt_switches:") || l.starts_with("nonvoluntary_ctxt_switches:"))
+            .map(|l| l.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap())
+            .sum::<u64>();
+    }
+    total
+}
+
+/// 1,500 outbox rows (more than `store::due::SCAN`), the sink down for an
+/// hour: the relay used to look again every second (its read of the next
+/// due time stopped at 1,000 rows and was not trusted).
+#[test]
+fn a_backlog_the_sink_put_off_does_not_wake_the_relay() {
+    let dir = tempfile::tempdir().unwrap();
+    let tried = Arc::new(AtomicU64::new(0));
+    let sink_tried = Arc::clone(&tried);
+    let room = Postroom::builder()
+        .sink(sink_fn(move |_: &OutboxMessage| {
+            sink_tried.fetch_add(1, Ordering::SeqCst);
+            SendResult::unavailable("broker down", Duration::from_secs(3600))
+        }))
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    room.transaction(|tx| {
+        for i in 0..1500 {
+            tx.publish(Outgoing::new("t", format!("{i}")))?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    eventually(60, "every row tried once", || {
+        tried.load(Ordering::SeqCst) >= 1500
+    });
+    // Settled: the last marks committed, the watch saw them.
+    std::thread::sleep(Duration::from_secs(4));
+    let window = Duration::from_secs(6);
+    let before = switches("postroom-relay");
+    std::thread::sleep(window);
+    let woke = switches("postroom-relay") - before;
+    println!("relay, backlog of 1500 put off for an hour: {woke} switches in {window:?}");
+    assert_eq!(tried.load(Ordering::SeqCst), 1500, "tried again early");
+    // Nothing is due for an hour: a wake or two of slack for a busy
+    // machine (a preemption), not one a second.
+    assert!(woke <= 2, "the relay woke {woke} times in {window:?}");
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}
