@@ -7,11 +7,16 @@
 mod common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use postroom::{sink_fn, OutboxMessage, Outgoing, Postroom, SendResult};
+use postroom::{
+    handler_fn, sink_fn, Failure, Message, OutboxMessage, Outgoing, Postroom, SendResult, Tx,
+};
+
+/// One test at a time: threads are counted by name.
+static ALONE: Mutex<()> = Mutex::new(());
 
 /// Context switches of this process's threads named `name`.
 fn switches(name: &str) -> u64 {
@@ -21,7 +26,8 @@ fn switches(name: &str) -> u64 {
         let Ok(comm) = std::fs::read_to_string(entry.path().join("comm")) else {
             continue;
         };
-        if comm.trim() != name {
+        // The kernel keeps 15 bytes of a thread's name.
+        if comm.trim() != &name[..name.len().min(15)] {
             continue;
         }
         let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else {
@@ -41,6 +47,7 @@ fn switches(name: &str) -> u64 {
 /// due time stopped at 1,000 rows and was not trusted).
 #[test]
 fn a_backlog_the_sink_put_off_does_not_wake_the_relay() {
+    let _alone = ALONE.lock().unwrap_or_else(|p| p.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let tried = Arc::new(AtomicU64::new(0));
     let sink_tried = Arc::clone(&tried);
@@ -72,5 +79,43 @@ fn a_backlog_the_sink_put_off_does_not_wake_the_relay() {
     // Nothing is due for an hour: a wake or two of slack for a busy
     // machine (a preemption), not one a second.
     assert!(woke <= 2, "the relay woke {woke} times in {window:?}");
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}
+
+/// 1,500 queued messages (more than `store::due::SCAN`) whose handler
+/// asked for a retry in an hour (its database down, say): the dispatcher
+/// looks again every second (its read of the next due time stops at 1,000
+/// rows and is not trusted).
+#[test]
+fn a_backlog_put_off_does_not_wake_the_dispatcher() {
+    let _alone = ALONE.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let tried = Arc::new(AtomicU64::new(0));
+    let handler_tried = Arc::clone(&tried);
+    let room = Postroom::builder()
+        .consumer(
+            "orders",
+            handler_fn(move |_: &mut Tx<'_>, _: &Message| {
+                handler_tried.fetch_add(1, Ordering::SeqCst);
+                Err(Failure::retry_after("db down", Duration::from_secs(3600)))
+            }),
+        )
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    for i in 0..1500 {
+        room.receive("orders", Message::new("shop", format!("{i}"), "x"))
+            .unwrap();
+    }
+    eventually(60, "every message tried once", || {
+        tried.load(Ordering::SeqCst) >= 1500
+    });
+    std::thread::sleep(Duration::from_secs(4));
+    let window = Duration::from_secs(6);
+    let before = switches("postroom-dispatcher");
+    std::thread::sleep(window);
+    let woke = switches("postroom-dispatcher") - before;
+    println!("dispatcher, backlog of 1500 put off for an hour: {woke} switches in {window:?}");
+    assert_eq!(tried.load(Ordering::SeqCst), 1500, "tried again early");
+    assert!(woke <= 2, "the dispatcher woke {woke} times in {window:?}");
     room.shutdown(Duration::from_secs(10)).unwrap();
 }

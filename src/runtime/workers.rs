@@ -142,9 +142,8 @@ impl Shared {
     }
 }
 
-/// How soon the dispatcher looks again when its read of the next due time
-/// stopped at `store::due::SCAN` rows (a backlog waits: not idle), and the
-/// dispatcher or the relay when that read failed.
+/// How soon the dispatcher or the relay looks again when its read of the
+/// next due time failed (`NextDue::partial`).
 pub(crate) const PARTIAL_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How long queued processing, caught up, waits for more messages before

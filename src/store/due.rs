@@ -6,16 +6,15 @@
 //! stored timestamps) strictly after `now` at which a row becomes due: a
 //! row already due but not taken (its key busy, say) is left out, since
 //! what frees it (a commit, a lease expiring) wakes its thread anyway, and
-//! counting it would make the thread spin. Invariant: every read of the
-//! inbox (in the writer's job) walks at most [`SCAN`] rows per index,
-//! through the same partial indexes as the due queries; when a read stops
-//! there, the answer is marked `partial` and the caller looks again soon
-//! rather than trusting it. The outbox's reads walk every pending row
-//! instead, never partial: the relay makes them on its own connection,
-//! right after `outbox::fetch_due` walked the same rows to find none due,
-//! so a cap saves nothing, while a partial answer had the relay look again
-//! every second for as long as a backlog of 1000 rows the sink put off
-//! waited (an edge device offline for hours).
+//! counting it would make the thread spin. Invariant: each read walks
+//! every row its due query walked to find none due (the same partial
+//! indexes; it runs only after that query found nothing), so it costs no
+//! more than the query before it, and its answer is exact. It used to stop
+//! at 1,000 rows and mark the answer partial, to be looked at again within
+//! a second: a backlog the sink or a handler put off (an edge device
+//! offline for hours) then woke the relay or the dispatcher, and the
+//! writer, every second for as long as it waited. `partial` is now only a
+//! failed read's answer (see the callers).
 
 use std::time::Duration;
 
@@ -24,15 +23,12 @@ use rusqlite::{params, Connection};
 use crate::clock;
 use crate::store::retention::Keep;
 
-/// Most rows one read looks at per index.
-pub(crate) const SCAN: i64 = 1000;
-
 /// The earliest time something comes due.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct NextDue {
     /// Unix ms; `None`: nothing waits on the clock.
     pub at: Option<i64>,
-    /// The read stopped at [`SCAN`] rows: a later row may come due sooner.
+    /// The read failed: a row may come due sooner than `at`.
     pub partial: bool,
 }
 
@@ -90,14 +86,14 @@ pub(crate) fn inbox(conn: &Connection, consumer: &str, now_ms: i64) -> rusqlite:
         "SELECT coalesce(next_attempt_at, 0) AS t FROM postroom_inbox
          WHERE consumer = ?3 AND queued = 1 AND status IN ('pending', 'failed')
            AND ordering_key IS NULL",
-        params![now_ms, SCAN, consumer],
+        params![now_ms, i64::MAX, consumer],
     )?;
     let heads = earliest(
         conn,
         "SELECT coalesce(i.next_attempt_at, 0) AS t
          FROM postroom_inbox_heads h JOIN postroom_inbox i ON i.id = h.head_id
          WHERE h.consumer = ?3 AND i.queued = 1 AND i.status IN ('pending', 'failed')",
-        params![now_ms, SCAN, consumer],
+        params![now_ms, i64::MAX, consumer],
     )?;
     Ok(unkeyed.min(heads))
 }
@@ -106,7 +102,6 @@ pub(crate) fn inbox(conn: &Connection, consumer: &str, now_ms: i64) -> rusqlite:
 /// (`postroom_outbox_unkeyed`) and keyed rows waiting out a backoff
 /// (`postroom_outbox_waiting`: a key's rows go as far as its first one
 /// still waiting). See `outbox::fetch_due`.
-/// Reads every such row: never partial (see the module docs).
 pub(crate) fn outbox(conn: &Connection, now_ms: i64) -> rusqlite::Result<NextDue> {
     let unkeyed = earliest(
         conn,
@@ -176,6 +171,9 @@ mod tests {
     use super::*;
     use crate::store::schema;
 
+    /// More rows than the reads once stopped at.
+    const ROWS: i64 = 1500;
+
     fn db() -> Connection {
         let mut conn = Connection::open_in_memory().unwrap();
         schema::migrate(&mut conn).unwrap();
@@ -242,28 +240,39 @@ mod tests {
     }
 
     #[test]
-    fn a_read_past_the_scan_limit_is_partial() {
+    fn a_long_read_is_whole() {
         let conn = db();
         conn.execute_batch(&format!(
-            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {SCAN})
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {ROWS})
              INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
                  payload_hash, queued, next_attempt_at, received_at, updated_at)
              SELECT 'c', 's', 'm' || i, 'failed', x'', zeroblob(32), 1, 10000 + i, 0, 0 FROM n;"
         ))
         .unwrap();
+        // The earliest is the last row in the index's order.
+        conn.execute(
+            "UPDATE postroom_inbox SET next_attempt_at = 5000 WHERE message_id = ?1",
+            [format!("m{ROWS}")],
+        )
+        .unwrap();
         let due = inbox(&conn, "c", 0).unwrap();
-        assert!(due.partial, "{due:?}");
-        assert_eq!(due.at, Some(10_001));
+        assert_eq!(
+            due,
+            NextDue {
+                at: Some(5_000),
+                partial: false
+            }
+        );
     }
 
     #[test]
     fn the_outbox_is_read_whole_never_partial() {
         let conn = db();
-        // The earliest row after the first SCAN in seq order.
+        // The earliest is the last row in seq order.
         conn.execute_batch(&format!(
-            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {SCAN} + 10)
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {ROWS})
              INSERT INTO postroom_outbox (message_id, topic, payload, status, next_attempt_at, created_at)
-             SELECT 'o' || i, 't', x'', 'pending', iif(i > {SCAN}, 20000, 30000), 0 FROM n;"
+             SELECT 'o' || i, 't', x'', 'pending', iif(i = {ROWS}, 20000, 30000), 0 FROM n;"
         ))
         .unwrap();
         let due = outbox(&conn, 0).unwrap();
