@@ -35,7 +35,10 @@ fn switches(name: &str) -> u64 {
         };
         total += status
             .lines()
-            .filter(|l| l.starts_with("voluntary_ctxt_switches:") || l.starts_with("nonvoluntary_ctxt_switches:"))
+            .filter(|l| {
+                l.starts_with("voluntary_ctxt_switches:")
+                    || l.starts_with("nonvoluntary_ctxt_switches:")
+            })
             .map(|l| l.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap())
             .sum::<u64>();
     }
