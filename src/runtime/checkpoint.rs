@@ -148,6 +148,13 @@ impl Watch {
         }
     }
 
+    /// Wakes every watched thread (a wake already pending is enough).
+    fn wake_all(&self) {
+        for wake in &self.wake {
+            let _ = wake.try_send(());
+        }
+    }
+
     /// Checks, if the last check is [`WATCH`] old (less a little, so that
     /// an idle tick of exactly [`WATCH`] finds it due).
     fn check(&self, conn: &Connection, last: &mut Watching) {
@@ -160,15 +167,43 @@ impl Watch {
         let stepped = wall_ms.saturating_sub(last.wall_ms) > clock::millis(elapsed + CLOCK_STEP);
         // An error reads as a change: waking them is harmless.
         if version.is_none() || version != last.version || stepped {
-            for wake in &self.wake {
-                let _ = wake.try_send(());
-            }
+            self.wake_all();
         }
         *last = Watching {
             version,
             checked: Instant::now(),
             wall_ms,
         };
+    }
+}
+
+/// The watch alone, for a checkpointer that could not open its
+/// connection, until `stop` disconnects: every [`WATCH`] it tries again
+/// and, until it can read `data_version`, wakes the watched threads (it
+/// cannot tell whether anything changed: as an error in [`Watch::check`],
+/// that reads as a change). Once open, it checks as the checkpointer does.
+fn watch_only(watch: &Watch, stop: &Receiver<()>, db: &Path, config: &Config) {
+    let mut opened: Option<(Connection, Watching)> = None;
+    loop {
+        match &mut opened {
+            Some((conn, watching)) => watch.check(conn, watching),
+            None => {
+                match open(db, config) {
+                    Ok(conn) => {
+                        let watching = watch.start(&conn);
+                        opened = Some((conn, watching));
+                    }
+                    Err(e) => log::debug!("postroom checkpointer: opening again: {e}"),
+                }
+                // After the baseline, if any: what changed before it is
+                // read by the woken threads.
+                watch.wake_all();
+            }
+        }
+        match stop.recv_timeout(WATCH) {
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            Ok(()) | Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+        }
     }
 }
 
@@ -183,15 +218,33 @@ fn data_version(conn: &Connection) -> Option<i64> {
 impl Checkpointer {
     /// The thread's body, until `stop` disconnects.
     pub fn run(mut self) {
-        let conn = match open(&self.db, &self.config) {
+        // `checkpoint.open`: a test-only failpoint (not in the crash
+        // matrix), for an open that fails (out of file descriptors, say).
+        let opened = crate::failpoint::hit("checkpoint.open")
+            .map_err(|e| e.to_string())
+            .and_then(|()| open(&self.db, &self.config).map_err(|e| e.to_string()));
+        let conn = match opened {
             Ok(conn) => conn,
             Err(e) => {
-                // Returning drops the wake's receiver: the writer sees it
-                // gone and copies the WAL back itself.
+                // Dropping the wake's receiver: the writer sees it gone and
+                // copies the WAL back itself. The watch goes on, though:
+                // without it the other threads would sleep to their safety
+                // nets (the reaper has none) whatever another process
+                // commits (see `watch_only`).
                 log::error!(
                     "postroom checkpointer: cannot open the database: {e}; \
                      the writer copies the WAL back itself"
                 );
+                let Checkpointer {
+                    wake,
+                    stop,
+                    watch,
+                    db,
+                    config,
+                    ..
+                } = self;
+                drop(wake);
+                watch_only(&watch, &stop, &db, &config);
                 return;
             }
         };
@@ -205,6 +258,10 @@ impl Checkpointer {
         // The handler run reported slow, if it still runs.
         let mut reported = None;
         let mut watching = self.watch.start(&conn);
+        // A commit of another process after the other threads' first read
+        // of their due times but before this baseline changes nothing the
+        // watch can see: one wake after it, so they read again.
+        self.watch.wake_all();
         // Whether the last tick saw commits.
         let mut busy = false;
         loop {

@@ -30,7 +30,7 @@ use crate::config::Config;
 use crate::delivery::panic_message;
 use crate::error::{Error, Result};
 use crate::failpoint;
-use crate::runtime::workers::{Shared, PARTIAL_RECHECK};
+use crate::runtime::workers::{Shared, Stalled, PARTIAL_RECHECK};
 use crate::sink::{SendResult, Sink};
 use crate::store::due::{self, NextDue};
 use crate::store::outbox::{self, OutboxMessage};
@@ -70,6 +70,7 @@ pub(crate) fn relay(
     };
     let wal = crate::store::wal_path(&shared.path);
     let mut stop_at: Option<Instant> = None;
+    let mut stalled = Stalled::new(shared.clock.now_ms());
     loop {
         if stop_at.is_some_and(|at| Instant::now() >= at) {
             return;
@@ -102,6 +103,7 @@ pub(crate) fn relay(
                 }
             });
             let wait = next.wait(now, shared.config.relay_poll, PARTIAL_RECHECK);
+            let wait = stalled.wait(now, wait, shared.config.relay_poll);
             crossbeam_channel::select! {
                 recv(wake) -> _ => {}
                 recv(stop) -> at => stop_at = Some(at.unwrap_or_else(|_| Instant::now())),

@@ -142,10 +142,54 @@ impl Shared {
     }
 }
 
-/// How soon the dispatcher and the relay look again when their read of
-/// the next due time stopped at `store::due::SCAN` rows (a backlog waits:
-/// not idle).
+/// How soon the dispatcher or the relay looks again when its read of the
+/// next due time failed (`NextDue::partial`).
 pub(crate) const PARTIAL_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Notices an engine clock that does not follow time passing (a stopped
+/// `ManualClock` in tests): a due time just ahead of such a clock is never
+/// reached, so a sleep until it would end at once, again and again (a
+/// clock stopped 5 ms short of a retry woke the dispatcher ~400 times a
+/// second, each a writer job). While the clock lags, a sleep is at least
+/// [`Stalled::FLOOR`] (the polling rate before issue 33), or the cap if
+/// shorter. A real clock follows within a millisecond: never floored.
+pub(crate) struct Stalled {
+    base: (i64, std::time::Instant),
+    stalled: bool,
+}
+
+impl Stalled {
+    pub const FLOOR: std::time::Duration = std::time::Duration::from_millis(250);
+    /// How much time passing one judgement needs (the clock's milliseconds
+    /// are whole).
+    const SPAN: std::time::Duration = std::time::Duration::from_millis(50);
+
+    pub fn new(now_ms: i64) -> Self {
+        Stalled {
+            base: (now_ms, std::time::Instant::now()),
+            stalled: false,
+        }
+    }
+
+    /// `wait`, floored while the clock, read as `now_ms`, lags.
+    pub fn wait(
+        &mut self,
+        now_ms: i64,
+        wait: std::time::Duration,
+        cap: std::time::Duration,
+    ) -> std::time::Duration {
+        let real = self.base.1.elapsed();
+        if real >= Self::SPAN {
+            self.stalled = now_ms.saturating_sub(self.base.0) < clock::millis(real) / 2;
+            self.base = (now_ms, std::time::Instant::now());
+        }
+        if self.stalled {
+            wait.max(Self::FLOOR.min(cap))
+        } else {
+            wait
+        }
+    }
+}
 
 /// How long queued processing, caught up, waits for more messages before
 /// its next batch: a few milliseconds of latency for far fewer pages per
@@ -170,6 +214,7 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
     let lease_ms = clock::millis(lease);
     // Rows whose step failed the last batch; held back by the next one.
     let held: Arc<Mutex<Vec<Claimed>>> = Arc::default();
+    let mut stalled = Stalled::new(shared.clock.now_ms());
     while !shared.stopping.load(Ordering::Acquire) {
         let mut claimed_any = false;
         // When the next row comes due, as read by this round's jobs: what
@@ -298,11 +343,9 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
             // or a worker wakes it, or the checkpointer saw another
             // process change the file (see `checkpoint::Watch`);
             // `poll_interval` bounds the sleep.
-            let wait = next.wait(
-                shared.clock.now_ms(),
-                shared.config.poll_interval,
-                PARTIAL_RECHECK,
-            );
+            let now_ms = shared.clock.now_ms();
+            let wait = next.wait(now_ms, shared.config.poll_interval, PARTIAL_RECHECK);
+            let wait = stalled.wait(now_ms, wait, shared.config.poll_interval);
             let _ = shared.wake_rx.recv_timeout(wait);
         }
     }

@@ -6,10 +6,15 @@
 //! stored timestamps) strictly after `now` at which a row becomes due: a
 //! row already due but not taken (its key busy, say) is left out, since
 //! what frees it (a commit, a lease expiring) wakes its thread anyway, and
-//! counting it would make the thread spin. Invariant: every read walks at
-//! most [`SCAN`] rows per index, through the same partial indexes as the
-//! due queries; when a read stops there, the answer is marked `partial`
-//! and the caller looks again soon rather than trusting it.
+//! counting it would make the thread spin. Invariant: each read walks
+//! every row its due query walked to find none due (the same partial
+//! indexes; it runs only after that query found nothing), so it costs no
+//! more than the query before it, and its answer is exact. It used to stop
+//! at 1,000 rows and mark the answer partial, to be looked at again within
+//! a second: a backlog the sink or a handler put off (an edge device
+//! offline for hours) then woke the relay or the dispatcher, and the
+//! writer, every second for as long as it waited. `partial` is now only a
+//! failed read's answer (see the callers).
 
 use std::time::Duration;
 
@@ -18,15 +23,12 @@ use rusqlite::{params, Connection};
 use crate::clock;
 use crate::store::retention::Keep;
 
-/// Most rows one read looks at per index.
-pub(crate) const SCAN: i64 = 1000;
-
 /// The earliest time something comes due.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct NextDue {
     /// Unix ms; `None`: nothing waits on the clock.
     pub at: Option<i64>,
-    /// The read stopped at [`SCAN`] rows: a later row may come due sooner.
+    /// The read failed: a row may come due sooner than `at`.
     pub partial: bool,
 }
 
@@ -94,8 +96,8 @@ const OUTBOX_WAITING: &str = "SELECT next_attempt_at AS t FROM postroom_outbox
 /// `postroom_inbox_due`, keyed rows by their key's head (the only row of a
 /// key that may run). See `queue::due_rows`.
 pub(crate) fn inbox(conn: &Connection, consumer: &str, now_ms: i64) -> rusqlite::Result<NextDue> {
-    let unkeyed = earliest(conn, INBOX_UNKEYED, params![now_ms, SCAN, consumer])?;
-    let heads = earliest(conn, INBOX_HEADS, params![now_ms, SCAN, consumer])?;
+    let unkeyed = earliest(conn, INBOX_UNKEYED, params![now_ms, i64::MAX, consumer])?;
+    let heads = earliest(conn, INBOX_HEADS, params![now_ms, i64::MAX, consumer])?;
     Ok(unkeyed.min(heads))
 }
 
@@ -105,8 +107,8 @@ pub(crate) fn inbox(conn: &Connection, consumer: &str, now_ms: i64) -> rusqlite:
 /// (`postroom_outbox_waiting`: a key's rows go as far as its first one
 /// still waiting). See `outbox::fetch_due`.
 pub(crate) fn outbox(conn: &Connection, now_ms: i64) -> rusqlite::Result<NextDue> {
-    let heads = earliest(conn, OUTBOX_HEADS, params![now_ms, SCAN])?;
-    let waiting = earliest(conn, OUTBOX_WAITING, params![now_ms, SCAN])?;
+    let heads = earliest(conn, OUTBOX_HEADS, params![now_ms, i64::MAX])?;
+    let waiting = earliest(conn, OUTBOX_WAITING, params![now_ms, i64::MAX])?;
     Ok(heads.min(waiting))
 }
 
@@ -162,6 +164,9 @@ pub(crate) fn retention(conn: &Connection, keep: Keep) -> rusqlite::Result<Optio
 mod tests {
     use super::*;
     use crate::store::schema;
+
+    /// More rows than the reads once stopped at.
+    const ROWS: i64 = 1500;
 
     fn db() -> Connection {
         let mut conn = Connection::open_in_memory().unwrap();
@@ -272,18 +277,49 @@ mod tests {
     }
 
     #[test]
-    fn a_read_past_the_scan_limit_is_partial() {
+    fn a_long_read_is_whole() {
         let conn = db();
         conn.execute_batch(&format!(
-            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {SCAN})
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {ROWS})
              INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
                  payload_hash, queued, next_attempt_at, received_at, updated_at)
              SELECT 'c', 's', 'm' || i, 'failed', x'', zeroblob(32), 1, 10000 + i, 0, 0 FROM n;"
         ))
         .unwrap();
+        // The earliest is the last row in the index's order.
+        conn.execute(
+            "UPDATE postroom_inbox SET next_attempt_at = 5000 WHERE message_id = ?1",
+            [format!("m{ROWS}")],
+        )
+        .unwrap();
         let due = inbox(&conn, "c", 0).unwrap();
-        assert!(due.partial, "{due:?}");
-        assert_eq!(due.at, Some(10_001));
+        assert_eq!(
+            due,
+            NextDue {
+                at: Some(5_000),
+                partial: false
+            }
+        );
+    }
+
+    #[test]
+    fn the_outbox_is_read_whole_never_partial() {
+        let conn = db();
+        // The earliest is the last row in seq order.
+        conn.execute_batch(&format!(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {ROWS})
+             INSERT INTO postroom_outbox (message_id, topic, payload, status, next_attempt_at, created_at)
+             SELECT 'o' || i, 't', x'', 'pending', iif(i = {ROWS}, 20000, 30000), 0 FROM n;"
+        ))
+        .unwrap();
+        let due = outbox(&conn, 0).unwrap();
+        assert_eq!(
+            due,
+            NextDue {
+                at: Some(20_000),
+                partial: false
+            }
+        );
     }
 
     #[test]
