@@ -134,7 +134,12 @@ fn next_pass(
     for row in queue::leased(conn).map_err(|e| Error::sqlite("read leases", e))? {
         match shared.leases.deadline(row.row_id, row.token) {
             Some(deadline) => earliest(deadline),
-            None => earliest(after_ms(row.lease_until.unwrap_or(now_ms))),
+            // Expired once `lease_until < now` (see `reap`): one ms after
+            // it, or a pass landing on that very ms expires nothing and the
+            // next waits `reaper_interval`.
+            None => earliest(after_ms(
+                row.lease_until.unwrap_or(now_ms).saturating_add(1),
+            )),
         }
     }
     let keep = retention::Keep {
