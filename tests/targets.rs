@@ -171,3 +171,37 @@ fn a_payload_at_the_size_cap_goes_through_delivery_queue_and_relay() {
     assert_eq!(stats.inbox["c"].completed, 2, "{stats:?}");
     room.shutdown(Duration::from_secs(60)).unwrap();
 }
+
+/// A large message delivered inline once must not cost its size for good:
+/// the in-flight marker (`<db>-postroom`) holds the message while its
+/// handler runs, and the file kept that size afterwards, and every later
+/// open read all of it into memory (on a device's small flash and RAM,
+/// 256 MiB for one message at the cap).
+#[test]
+fn the_engine_file_gives_back_a_large_messages_room() {
+    const BIG: usize = 8 * 1024 * 1024;
+    const SMALL_FILE: u64 = 64 * 1024;
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("e.db");
+    let engine_file = with_suffix(&db, "-postroom");
+    let open = || {
+        Postroom::builder()
+            .max_payload(BIG)
+            .workers(0)
+            .consumer("c", handler_fn(|_, _| Ok(())))
+            .open(&db)
+            .unwrap()
+    };
+    let room = open();
+    let size = || std::fs::metadata(&engine_file).unwrap().len();
+    assert_eq!(
+        room.deliver("c", Message::new("s", "big", vec![7; BIG])).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    assert!(size() <= SMALL_FILE, "after the handler: {} bytes", size());
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    drop(room);
+    let room = open();
+    assert!(size() <= SMALL_FILE, "after a reopen: {} bytes", size());
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}
