@@ -10,7 +10,6 @@ use std::time::Duration;
 use common::*;
 use postroom::{handler_fn, Failure, ManualClock, Message, Outcome, Outgoing, Postroom};
 
-
 /// Inline tests run without workers: they would otherwise retry failed
 /// rows in the background and race the test's own redeliveries.
 fn open(dir: &tempfile::TempDir, builder: postroom::Builder) -> Postroom {
@@ -589,13 +588,18 @@ fn concurrent_deliveries_are_group_committed() {
     let dir = tempfile::tempdir().unwrap();
     let room = open(
         &dir,
-        Postroom::builder().workers(0).consumer(
-            "c",
-            handler_fn(|tx, msg| {
-                thread::sleep(Duration::from_micros(200));
-                apply(tx, msg)
-            }),
-        ),
+        Postroom::builder()
+            .workers(0)
+            // No reaper pass meanwhile: its jobs would count too (under
+            // qemu or a loaded host the test outlasts the 5 s default).
+            .reaper_interval(Duration::from_secs(3600))
+            .consumer(
+                "c",
+                handler_fn(|tx, msg| {
+                    thread::sleep(Duration::from_micros(200));
+                    apply(tx, msg)
+                }),
+            ),
     );
     thread::scope(|s| {
         for t in 0..8 {

@@ -82,11 +82,17 @@ fn timestamps_past_2038_and_2106_are_stored_and_compared_exactly() {
         // Early: answered from the row, the handler not run (still 1 attempt).
         clock.set(due - 1);
         let early = room.deliver("c", Message::new("s", "f", "fail")).unwrap();
-        assert!(matches!(early, Outcome::Failed { attempts: 1, .. }), "{early:?}");
+        assert!(
+            matches!(early, Outcome::Failed { attempts: 1, .. }),
+            "{early:?}"
+        );
         assert_eq!(early.retry_after(), Some(Duration::from_millis(1)));
         clock.set(due);
         let again = room.deliver("c", Message::new("s", "f", "fail")).unwrap();
-        assert!(matches!(again, Outcome::Failed { attempts: 2, .. }), "{again:?}");
+        assert!(
+            matches!(again, Outcome::Failed { attempts: 2, .. }),
+            "{again:?}"
+        );
 
         // A lease: one that ended a millisecond ago is reaped, one that
         // ends in a millisecond is not.
@@ -103,14 +109,21 @@ fn timestamps_past_2038_and_2106_are_stored_and_compared_exactly() {
         }
         assert_eq!(room.cleanup().unwrap().leases_expired, 1);
         let status = |id: &str| inbox_row(&conn, "c", "s", id).unwrap().0;
-        assert_eq!((status("ended"), status("running")), ("failed".into(), "processing".into()));
+        assert_eq!(
+            (status("ended"), status("running")),
+            ("failed".into(), "processing".into())
+        );
 
         // Retention: an hour after processing, not a millisecond before.
         room.deliver("c", Message::new("s", "newest", "x")).unwrap();
         clock.set(start + 3_600_000 - 1);
         assert_eq!(room.cleanup().unwrap().inbox_deleted, 0);
         clock.set(start + 3_600_000 + 1);
-        assert_eq!(room.cleanup().unwrap().inbox_deleted, 1, "\"ok\" is an hour old");
+        assert_eq!(
+            room.cleanup().unwrap().inbox_deleted,
+            1,
+            "\"ok\" is an hour old"
+        );
         assert!(inbox_row(&conn, "c", "s", "ok").is_none());
         room.shutdown(Duration::from_secs(10)).unwrap();
     }
@@ -157,16 +170,25 @@ fn a_payload_at_the_size_cap_goes_through_delivery_queue_and_relay() {
         room.deliver("c", msg.clone()).unwrap(),
         Outcome::Processed { attempts: 1 }
     );
-    assert_eq!(sent_rx.recv_timeout(wait).unwrap(), (MAX_PAYLOAD_LIMIT, digest));
+    assert_eq!(
+        sent_rx.recv_timeout(wait).unwrap(),
+        (MAX_PAYLOAD_LIMIT, digest)
+    );
     assert_eq!(room.deliver("c", msg).unwrap(), Outcome::Duplicate);
     drop(
-        room.deliver("c", Message::new("s", "over", vec![0; MAX_PAYLOAD_LIMIT + 1]))
-            .expect_err("one byte over the cap is refused"),
+        room.deliver(
+            "c",
+            Message::new("s", "over", vec![0; MAX_PAYLOAD_LIMIT + 1]),
+        )
+        .expect_err("one byte over the cap is refused"),
     );
 
     let msg = Message::new("s", "queued", payload);
     assert_eq!(room.receive("c", msg).unwrap(), Receipt::Accepted);
-    assert_eq!(sent_rx.recv_timeout(wait).unwrap(), (MAX_PAYLOAD_LIMIT, digest));
+    assert_eq!(
+        sent_rx.recv_timeout(wait).unwrap(),
+        (MAX_PAYLOAD_LIMIT, digest)
+    );
     let stats = room.stats().unwrap();
     assert_eq!(stats.inbox["c"].completed, 2, "{stats:?}");
     room.shutdown(Duration::from_secs(60)).unwrap();
@@ -195,7 +217,8 @@ fn the_engine_file_gives_back_a_large_messages_room() {
     let room = open();
     let size = || std::fs::metadata(&engine_file).unwrap().len();
     assert_eq!(
-        room.deliver("c", Message::new("s", "big", vec![7; BIG])).unwrap(),
+        room.deliver("c", Message::new("s", "big", vec![7; BIG]))
+            .unwrap(),
         Outcome::Processed { attempts: 1 }
     );
     assert!(size() <= SMALL_FILE, "after the handler: {} bytes", size());

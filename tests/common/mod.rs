@@ -155,7 +155,10 @@ pub fn target_command(exe: impl AsRef<std::ffi::OsStr>) -> Command {
 pub fn start_ms() -> i64 {
     std::env::var("POSTROOM_TEST_START_MS")
         .ok()
-        .map(|s| s.parse().expect("POSTROOM_TEST_START_MS: unix milliseconds"))
+        .map(|s| {
+            s.parse()
+                .expect("POSTROOM_TEST_START_MS: unix milliseconds")
+        })
         .unwrap_or(1_700_000_000_000)
 }
 
