@@ -127,6 +127,17 @@ test_armv7() {
     --lib --test inline --test queued --test relay --test retention --test watermarks \
     --test model --test targets "$@" \
     || die "the armv7 suite under qemu (cargo test --target $ARMV7)"
+  # The crash tests whose kills are not timed: a handler that aborts, a
+  # kill between a handler's write and its commit, a queued poison crash
+  # loop. Their children are this test binary run again, through qemu.
+  # The random-kill tests are not run: they kill within milliseconds of
+  # the spawn, before an emulated child has opened the database.
+  step "armv7 under qemu: the crash tests with children killed at a chosen point"
+  CARGO_TARGET_DIR="$CROSS_DIR" CARGO_PROFILE_DEV_OPT_LEVEL=1 \
+    cargo test --locked --target "$ARMV7" --all-features --test crash -- \
+    a_handler_that_aborts_the_process sigkill_between_the_handlers_write_and_commit \
+    a_queued_poison_crash_loop \
+    || die "the crash tests under qemu (cargo test --target $ARMV7 --test crash)"
   # A payload at the 256 MiB cap where usize is 32 bits: alone (1.8 GB).
   step "armv7 under qemu: a payload at the size cap (tests/targets.rs, ignored elsewhere)"
   CARGO_TARGET_DIR="$CROSS_DIR" CARGO_PROFILE_DEV_OPT_LEVEL=1 \
