@@ -264,6 +264,12 @@ pub struct Machine {
 
 type SimResult<T> = std::result::Result<T, String>;
 
+/// The machine's clock at the start of every run: 2040-01-01T00:00:00Z,
+/// past the end of a 32-bit `time_t` (2038-01-19), so every model run —
+/// on armv7 under `.ci/cross.sh` as elsewhere — checks retention, leases,
+/// backoff and watermarks on timestamps a 32-bit seconds count cannot hold.
+pub(crate) const START_MS: i64 = 2_208_988_800_000;
+
 /// (consumer, message id).
 type Key = (String, String);
 
@@ -326,7 +332,7 @@ impl Machine {
             marker: None,
             started_claim: None,
             read_retired: None,
-            now_ms: 1_000_000,
+            now_ms: START_MS,
             next_token: 1,
         };
         schema::create_private(path).map_err(err)?;

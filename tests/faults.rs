@@ -13,7 +13,7 @@ use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -199,7 +199,7 @@ fn run_cell(cell: &Cell) -> (Checked, Checked, String) {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("a.db");
     let exe = std::env::current_exe().unwrap();
-    let mut child = Command::new(exe)
+    let mut child = target_command(exe)
         .args([
             "--exact",
             "child_main",

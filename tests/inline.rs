@@ -10,8 +10,6 @@ use std::time::Duration;
 use common::*;
 use postroom::{handler_fn, Failure, ManualClock, Message, Outcome, Outgoing, Postroom};
 
-const T0: i64 = 1_700_000_000_000;
-
 /// Inline tests run without workers: they would otherwise retry failed
 /// rows in the background and race the test's own redeliveries.
 fn open(dir: &tempfile::TempDir, builder: postroom::Builder) -> Postroom {
@@ -90,7 +88,7 @@ fn ten_threads_delivering_the_same_message_apply_it_once() {
 #[test]
 fn handler_failure_is_recorded_and_retried_with_backoff() {
     let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
+    let clock = ManualClock::new(start_ms());
     let failing = Arc::new(AtomicBool::new(true));
     let calls = Arc::new(AtomicU32::new(0));
     let (f, c) = (Arc::clone(&failing), Arc::clone(&calls));
@@ -185,7 +183,7 @@ fn handler_failure_is_recorded_and_retried_with_backoff() {
 #[test]
 fn attempts_above_the_cap_go_dead_without_running_the_handler() {
     let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
+    let clock = ManualClock::new(start_ms());
     let calls = Arc::new(AtomicU32::new(0));
     let c = Arc::clone(&calls);
     let room = open(
@@ -311,7 +309,7 @@ fn rejected_and_undecodable_messages_are_dead_at_once_with_payload() {
 #[test]
 fn a_panicking_handler_is_a_counted_retryable_failure_and_the_engine_carries_on() {
     let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
+    let clock = ManualClock::new(start_ms());
     let room = open(
         &dir,
         Postroom::builder().clock(clock.clone()).consumer(
@@ -356,7 +354,7 @@ fn a_panicking_handler_is_a_counted_retryable_failure_and_the_engine_carries_on(
 fn conflicts_expire_or_are_discarded_without_reusing_ids() {
     const MINUTE: Duration = Duration::from_secs(60);
     let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
+    let clock = ManualClock::new(start_ms());
     let room = open(
         &dir,
         Postroom::builder()
@@ -485,7 +483,7 @@ fn same_id_with_a_different_payload_is_quarantined() {
 fn published_messages_have_stable_ids_and_causation() {
     static KEYS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
+    let clock = ManualClock::new(start_ms());
     let ids = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let seen = Arc::clone(&ids);
     let room = open(
@@ -590,13 +588,18 @@ fn concurrent_deliveries_are_group_committed() {
     let dir = tempfile::tempdir().unwrap();
     let room = open(
         &dir,
-        Postroom::builder().workers(0).consumer(
-            "c",
-            handler_fn(|tx, msg| {
-                thread::sleep(Duration::from_micros(200));
-                apply(tx, msg)
-            }),
-        ),
+        Postroom::builder()
+            .workers(0)
+            // No reaper pass meanwhile: its jobs would count too (under
+            // qemu or a loaded host the test outlasts the 5 s default).
+            .reaper_interval(Duration::from_secs(3600))
+            .consumer(
+                "c",
+                handler_fn(|tx, msg| {
+                    thread::sleep(Duration::from_micros(200));
+                    apply(tx, msg)
+                }),
+            ),
     );
     thread::scope(|s| {
         for t in 0..8 {
@@ -1047,7 +1050,7 @@ fn shutdown_while_callers_deliver_leaves_nobody_waiting() {
 #[test]
 fn a_handler_that_locks_itself_is_counted_not_retried_forever() {
     let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
+    let clock = ManualClock::new(start_ms());
     let room = open(
         &dir,
         Postroom::builder()

@@ -411,7 +411,7 @@ fn retention_and_discards_never_give_a_row_number_out_twice() {
     const HOUR: Duration = Duration::from_secs(3600);
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("r.db");
-    let clock = postroom::ManualClock::new(1_800_000_000_000);
+    let clock = postroom::ManualClock::new(start_ms());
     let (sent, seqs) = crossbeam_channel::unbounded();
     let room = Postroom::builder()
         .workers(0)

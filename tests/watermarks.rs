@@ -19,7 +19,6 @@ use postroom::{
 };
 use rusqlite::Connection;
 
-const T0: i64 = 1_700_000_000_000;
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
 /// An engine on `clock` whose consumer `orders` applies each message once
@@ -102,7 +101,7 @@ fn inbox_rows(conn: &Connection) -> i64 {
 #[test]
 fn a_redelivery_weeks_after_retention_is_a_duplicate_by_sequence() {
     let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
+    let clock = ManualClock::new(start_ms());
     let room = open(&dir.path().join("w.db"), &clock, 0, &Arc::default());
     let conn = raw(room.path());
     for seq in 1..=5 {
@@ -148,7 +147,7 @@ fn a_redelivery_weeks_after_retention_is_a_duplicate_by_sequence() {
 #[test]
 fn out_of_order_and_gaps_never_drop_an_unsettled_message() {
     let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
+    let clock = ManualClock::new(start_ms());
     let failing = Arc::new(AtomicBool::new(true));
     let room = open(&dir.path().join("w.db"), &clock, 0, &failing);
     let conn = raw(room.path());
@@ -221,7 +220,7 @@ fn out_of_order_and_gaps_never_drop_an_unsettled_message() {
 #[test]
 fn dead_letters_and_queued_processing_settle_sequences() {
     let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
+    let clock = ManualClock::new(start_ms());
     let room = open(&dir.path().join("w.db"), &clock, 1, &Arc::default());
     let conn = raw(room.path());
     let msgs = (1..=6).map(|seq| {
@@ -267,7 +266,7 @@ fn dead_letters_and_queued_processing_settle_sequences() {
 #[test]
 fn a_counter_reset_is_a_conflict_and_reset_sequence_starts_an_epoch() {
     let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
+    let clock = ManualClock::new(start_ms());
     let room = open(&dir.path().join("w.db"), &clock, 0, &Arc::default());
     let conn = raw(room.path());
     for seq in [1, 2, 4] {
@@ -357,7 +356,7 @@ fn a_counter_reset_is_a_conflict_and_reset_sequence_starts_an_epoch() {
 #[test]
 fn the_listed_settled_sequences_are_bounded() {
     let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
+    let clock = ManualClock::new(start_ms());
     let room = open(&dir.path().join("w.db"), &clock, 0, &Arc::default());
     let extra = 3;
     let last = 1 + postroom::MAX_LISTED_SEQUENCES + extra;
@@ -418,7 +417,7 @@ impl<S: Sink> Sink for Recording<S> {
 #[test]
 fn a_chain_replayed_whole_after_retention_applies_nothing_twice() {
     let dir = tempfile::tempdir().unwrap();
-    let clock_b = ManualClock::new(T0);
+    let clock_b = ManualClock::new(start_ms());
     let b_runs = Arc::new(AtomicU32::new(0));
     let runs = Arc::clone(&b_runs);
     let b = Arc::new(
@@ -504,7 +503,7 @@ fn a_chain_replayed_whole_after_retention_applies_nothing_twice() {
 #[test]
 fn the_cli_shows_a_streams_gap() {
     let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
+    let clock = ManualClock::new(start_ms());
     let room = open(&dir.path().join("w.db"), &clock, 0, &Arc::default());
     for seq in (1..=40).chain(46..=50) {
         room.deliver("orders", seq_msg(&format!("s-{seq}"), seq))
@@ -515,7 +514,7 @@ fn the_cli_shows_a_streams_gap() {
     let path = room.path().to_path_buf();
     room.shutdown(Duration::from_secs(10)).unwrap();
     let run = |args: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_postroom"))
+        let out = target_command(env!("CARGO_BIN_EXE_postroom"))
             .arg(&path)
             .args(args)
             .output()

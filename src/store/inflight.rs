@@ -56,6 +56,12 @@
 //! notices and cleared when the handler returns, so `postroom status` and
 //! `top` can name it ([`read_slow_handler`]). Not on the hot path: written
 //! only for a slow handler. Recovery reads claim slots only below it.
+//!
+//! The file is as long as the largest marker only while that marker's
+//! handler runs: a marker over [`KEEP_BYTES`] (a large payload) is cut off
+//! when the handler returns, and recovery cuts the file back to the slots
+//! at every open, so one 256 MiB message costs its size neither on disk
+//! nor in memory afterwards, nor a read of it at each open.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions, TryLockError};
@@ -88,6 +94,14 @@ const SLOW_BYTES: usize = (RECORD_OFFSET - SLOW_OFFSET) as usize;
 const _: () = assert!(SLOW_BYTES >= 1024);
 /// A marker larger than this is garbage (payloads are capped well below).
 const MAX_RECORD: u64 = 300 * 1024 * 1024;
+/// A marker larger than this is not kept once its handler has returned:
+/// the file is cut back to its slots and the encoding buffer dropped, so
+/// one large message does not cost its size on disk and in memory for the
+/// life of the database (up to 256 MiB on a device, and as much read at
+/// every open).
+const KEEP_BYTES: usize = 64 * 1024;
+/// The file's length with no marker: the slots and a cleared magic.
+const CLEARED_LEN: u64 = RECORD_OFFSET + 8;
 
 /// Records which handler is running, so a crash inside it can be counted.
 pub(crate) trait InflightLog {
@@ -274,10 +288,20 @@ impl EngineFile {
     /// The marker left by the previous engine, if it is valid.
     pub fn read(&mut self) -> io::Result<Option<Inflight>> {
         let len = self.held.file.metadata()?.len();
-        if len < RECORD_OFFSET + (MAGIC.len() + 4 + 32) as u64 || len > MAX_RECORD {
+        let head_len = MAGIC.len() + 4;
+        if len < RECORD_OFFSET + (head_len + 32) as u64 || len > MAX_RECORD {
             return Ok(None);
         }
-        let mut bytes = vec![0; (len - RECORD_OFFSET) as usize];
+        // The head first: only a marker's own bytes are read, not whatever
+        // an older build left past a cleared one (see `KEEP_BYTES`).
+        let mut head = vec![0; head_len];
+        self.held.file.read_exact_at(&mut head, RECORD_OFFSET)?;
+        let body_len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
+        let record = (head_len + 32) as u64 + u64::from(body_len);
+        if &head[..MAGIC.len()] != MAGIC || record > len - RECORD_OFFSET {
+            return Ok(None);
+        }
+        let mut bytes = vec![0; record as usize]; // at most MAX_RECORD
         self.held.file.read_exact_at(&mut bytes, RECORD_OFFSET)?;
         Ok(decode(&bytes))
     }
@@ -287,7 +311,10 @@ impl EngineFile {
     pub fn clear(&mut self) -> io::Result<()> {
         self.held
             .file
-            .write_all_at(&[0u8; RECORD_OFFSET as usize + 8], 0)?;
+            .write_all_at(&[0u8; CLEARED_LEN as usize], 0)?;
+        // What a large marker (this build's, cut short by a crash, or an
+        // older build's, never cut) left past the slots.
+        self.held.file.set_len(CLEARED_LEN)?;
         self.held.file.sync_data()
     }
 
@@ -337,7 +364,12 @@ impl InflightLog for EngineFile {
     }
 
     fn end(&mut self) -> io::Result<()> {
-        self.held.file.write_all_at(&[0u8; 8], RECORD_OFFSET)
+        self.held.file.write_all_at(&[0u8; 8], RECORD_OFFSET)?;
+        if self.buf.capacity() > KEEP_BYTES {
+            self.buf = Vec::new();
+            self.held.file.set_len(CLEARED_LEN)?;
+        }
+        Ok(())
     }
 }
 
@@ -883,6 +915,41 @@ mod tests {
         assert_eq!(file.started_claims().unwrap(), vec![claim(41, 7)]);
         file.clear().unwrap();
         assert!(file.started_claims().unwrap().is_empty());
+        assert!(file.read().unwrap().is_none());
+    }
+
+    /// A large marker is read whole after a crash (its handler never
+    /// returned), the file is cut back to the slots by recovery's clear
+    /// and by the handler's return, and what lies past a cleared marker
+    /// (an older build left the file at its largest) is not read.
+    #[test]
+    fn a_large_marker_is_read_after_a_crash_and_its_room_given_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut file = EngineFile::lock(&dir.path().join("x.db")).unwrap();
+        let len = |f: &EngineFile| f.held.file.metadata().unwrap().len();
+        let msg = Message::new("s", "m", vec![9u8; 4 * KEEP_BYTES]);
+        let hash = *blake3::hash(msg.payload()).as_bytes();
+        InflightLog::begin(&mut file, "c", &msg, &hash, 2, 1).unwrap();
+        assert!(len(&file) > 4 * KEEP_BYTES as u64);
+        // Trailing bytes past a valid marker change nothing.
+        let end = len(&file);
+        file.held.file.write_all_at(&[1u8; 100], end).unwrap();
+        assert_eq!(file.read().unwrap().unwrap().msg, msg);
+        file.clear().unwrap();
+        assert_eq!(len(&file), CLEARED_LEN);
+        assert!(file.read().unwrap().is_none());
+
+        InflightLog::begin(&mut file, "c", &msg, &hash, 0, 1).unwrap();
+        InflightLog::end(&mut file).unwrap();
+        assert_eq!(len(&file), CLEARED_LEN);
+        assert_eq!(file.buf.capacity(), 0);
+        // A small marker keeps its buffer and the file as it is.
+        let small = Message::new("s", "n", "x");
+        InflightLog::begin(&mut file, "c", &small, &hash, 0, 1).unwrap();
+        InflightLog::end(&mut file).unwrap();
+        assert!(file.buf.capacity() > 0);
+        // A cleared marker with the rest of an old large one behind it.
+        file.held.file.set_len(64 * 1024 * 1024).unwrap();
         assert!(file.read().unwrap().is_none());
     }
 

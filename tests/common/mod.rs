@@ -129,12 +129,45 @@ pub fn seed() -> u64 {
         })
 }
 
+/// A command running `exe`, a program built for the target under test
+/// (this test binary re-executed, the `postroom` CLI): through the runner
+/// in `POSTROOM_TEST_RUNNER` when that is set, else directly. `.ci/cross.sh`
+/// sets it to `qemu-arm-static` for the armv7 run: cargo's runner wraps
+/// only the test binary it starts, and without binfmt_misc (a container)
+/// the kernel cannot exec the ARM children that binary spawns.
+pub fn target_command(exe: impl AsRef<std::ffi::OsStr>) -> Command {
+    let runner = std::env::var("POSTROOM_TEST_RUNNER").unwrap_or_default();
+    let mut words = runner.split_whitespace();
+    match words.next() {
+        Some(program) => {
+            let mut cmd = Command::new(program);
+            cmd.args(words).arg(exe);
+            cmd
+        }
+        None => Command::new(exe),
+    }
+}
+
+/// Where the manual clocks of the time-dependent tests start (unix ms):
+/// 2023-11-14, or `POSTROOM_TEST_START_MS`. `.ci/cross.sh` runs the armv7
+/// suite from 2040-01-01, past the end of a 32-bit `time_t` (2038-01-19),
+/// so retention, leases, backoff and watermarks are checked there too.
+pub fn start_ms() -> i64 {
+    std::env::var("POSTROOM_TEST_START_MS")
+        .ok()
+        .map(|s| {
+            s.parse()
+                .expect("POSTROOM_TEST_START_MS: unix milliseconds")
+        })
+        .unwrap_or(1_700_000_000_000)
+}
+
 /// Spawns this test binary again as a child that runs `role` (see each
 /// test file's `child_main`), with `env` set. Stdout is piped: children
 /// report acknowledgements as `ACK <id>` lines.
 pub fn spawn_child(role: &str, db: &Path, env: &[(&str, String)]) -> Child {
     let exe = std::env::current_exe().expect("current test binary");
-    let mut cmd = Command::new(exe);
+    let mut cmd = target_command(exe);
     cmd.args([
         "--exact",
         "child_main",
