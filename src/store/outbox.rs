@@ -400,7 +400,7 @@ pub(crate) fn discard(conn: &Connection, seq: i64, now_ms: i64) -> rusqlite::Res
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::queue::tests::vm_ops;
+    use crate::store::queue::tests::{both_ways, vm_ops, with_statistics_if_asked};
 
     const NOW: i64 = 1_000_000_000;
 
@@ -408,25 +408,7 @@ mod tests {
     /// else due), `behind` pending rows of `doc-1` behind it, then one row
     /// of each of keys `k0`..`k9` and ten rows without a key, all due.
     fn backlog_fixture(behind: usize, held: bool) -> Connection {
-        let conn = backlog_rows(behind, held);
-        // With statistics too (`PRAGMA optimize` at shutdown runs ANALYZE):
-        // the plan must stay on the heads either way.
-        if ANALYZED.with(|a| a.get()) {
-            conn.execute_batch("ANALYZE").unwrap();
-        }
-        conn
-    }
-
-    thread_local! {
-        static ANALYZED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    }
-
-    /// Runs `test` without statistics, then with.
-    fn both_ways(test: impl Fn()) {
-        for analyzed in [false, true] {
-            ANALYZED.with(|a| a.set(analyzed));
-            test();
-        }
+        with_statistics_if_asked(backlog_rows(behind, held))
     }
 
     fn backlog_rows(behind: usize, held: bool) -> Connection {

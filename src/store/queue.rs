@@ -698,9 +698,13 @@ pub(crate) mod tests {
     /// then one pending row of each of keys `k0`..`k9` and ten pending rows
     /// without a key. Every row queued.
     fn backlog_fixture(behind: usize, held: bool) -> Connection {
-        let conn = backlog_rows(behind, held);
-        // With statistics too (`PRAGMA optimize` at shutdown runs ANALYZE):
-        // the plan must stay on the heads either way.
+        with_statistics_if_asked(backlog_rows(behind, held))
+    }
+
+    /// `conn` with statistics when [`both_ways`] is on its second run
+    /// (`PRAGMA optimize` at shutdown runs ANALYZE): a plan must stay on
+    /// the heads either way.
+    pub(crate) fn with_statistics_if_asked(conn: Connection) -> Connection {
         if ANALYZED.with(|a| a.get()) {
             conn.execute_batch("ANALYZE").unwrap();
         }
@@ -712,7 +716,7 @@ pub(crate) mod tests {
     }
 
     /// Runs `test` without statistics, then with.
-    fn both_ways(test: impl Fn()) {
+    pub(crate) fn both_ways(test: impl Fn()) {
         for analyzed in [false, true] {
             ANALYZED.with(|a| a.set(analyzed));
             test();
