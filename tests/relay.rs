@@ -337,7 +337,11 @@ fn two_services_chained_through_inbox_sinks_apply_each_effect_once() {
 fn relay_latency_from_commit_to_sink() {
     let dir = tempfile::tempdir().unwrap();
     let (tx, rx) = crossbeam_channel::unbounded::<OutboxMessage>();
+    // A relay poll far longer than any latency asserted below: only the
+    // commit's wake-up can explain a fast hand-over (a bound near the poll
+    // interval would fail on a loaded machine).
     let room = fast()
+        .relay_poll(Duration::from_secs(30))
         .consumer("c", handler_fn(publish_one))
         .sink(ChannelSink::new(tx))
         .open(dir.path().join("a.db"))
@@ -351,7 +355,7 @@ fn relay_latency_from_commit_to_sink() {
         room.deliver("c", Message::new("s", format!("m{i}"), "x"))
             .unwrap();
         let returned = Instant::now();
-        rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        rx.recv_timeout(Duration::from_secs(20)).unwrap();
         after_return.push(returned.elapsed());
         after_call.push(called.elapsed());
         thread::sleep(Duration::from_millis(1));
@@ -373,8 +377,9 @@ fn relay_latency_from_commit_to_sink() {
     );
     let latencies = after_return;
     let p = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
-    // Woken by the commit, not the 20 ms poll: well under the poll interval.
-    assert!(p(0.5) < Duration::from_millis(10), "p50 {:?}", p(0.5));
+    // Woken by the commit, not the 30 s poll.
+    assert!(p(0.5) < Duration::from_secs(1), "p50 {:?}", p(0.5));
+    assert!(p(0.99) < Duration::from_secs(10), "p99 {:?}", p(0.99));
 }
 
 #[test]
