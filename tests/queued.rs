@@ -236,7 +236,7 @@ fn a_worker_whose_lease_expired_cannot_complete_the_row() {
             .is_err(),
         "the stale attempt's apply ran"
     );
-    eventually(5, "the first worker to finish", || {
+    eventually(30, "the first worker to finish", || {
         room.stats().unwrap().inbox["c"].processing == 0
     });
     assert_eq!(
