@@ -16,10 +16,14 @@
 //! * only the holder of the lock touches the connection;
 //! * a job's `Err` rolls back its own writes and nothing else (its
 //!   savepoint; a lone job's whole transaction);
-//! * if `COMMIT` fails, or the transaction disappears mid-batch after a
-//!   storage error (SQLite rolls back by itself after some I/O errors),
-//!   every job of the batch is answered with an error: nothing of it was
-//!   acknowledged;
+//! * if `COMMIT` fails, or the transaction disappears mid-batch after an
+//!   I/O error (SQLite rolls back by itself after some), every job of the
+//!   batch is answered with an error: nothing of it was acknowledged;
+//! * if it disappears because a job's writes met a full disk, that job is
+//!   answered `StorageFull` and the others run again in a fresh
+//!   transaction (after the WAL is given back), as for a rollback by user
+//!   code below: one message too big for the disk never fails the small
+//!   ones beside it;
 //! * if a job's user code rolls the whole transaction back (a trigger's
 //!   `RAISE(ROLLBACK)`, `INSERT OR ROLLBACK`: the job's doing, not the
 //!   storage's), the batch runs again in a fresh transaction: jobs that
@@ -108,6 +112,11 @@ pub(crate) trait Job: Send {
     /// by some job's user code: true if the job can run again in a fresh
     /// one, else it answers with `reason` (or the error it met itself).
     fn rerun(&mut self, reason: &Error) -> bool;
+    /// The storage rolled back the transaction while this job ran (a full
+    /// disk met by its own writes): it answers with `own` and never runs
+    /// again, whatever kind of job it is (run again, it would meet the
+    /// same full disk).
+    fn give_up(&mut self, own: Error);
     /// True for a job that can run again (see [`rerunnable_job`]).
     fn rerunnable(&self) -> bool;
 }
@@ -598,6 +607,10 @@ where
         }
     }
 
+    fn give_up(&mut self, own: Error) {
+        self.result = Some(Err(own));
+    }
+
     fn finish(self: Box<Self>, batch: std::result::Result<(), &Error>) {
         let answer = match (self.result, batch) {
             (Some(Err(own)), _) => Err(own),
@@ -940,18 +953,40 @@ impl WriterState {
         // only reached by jobs that roll back on every run.
         let bound = 2 * batch.len() + self.config.process_batch;
         for _ in 0..bound {
-            let (culprit, error) = match self.execute_live(batch, &live)? {
+            let (culprit, error, reason) = match self.execute_live(batch, &live)? {
                 Ran::Done(committed) => return Ok(committed),
-                Ran::RolledBackBy(culprit, error) => (culprit, error),
+                Ran::RolledBackBy(culprit, error) => {
+                    let reason = Error::GroupRolledBack {
+                        reason: error.to_string(),
+                    };
+                    (culprit, error, reason)
+                }
+                Ran::StorageFullIn(culprit, error) => {
+                    // The culprit answers with its own error and is done;
+                    // the others run again in a fresh transaction, with
+                    // the WAL given back first to make room. One that
+                    // cannot run again answers with the same retryable
+                    // error: nothing of it was stored.
+                    batch[culprit].give_up(error.duplicate());
+                    live[culprit] = false;
+                    if self.checkpoint.full_now() {
+                        self.give_wal_back();
+                    }
+                    let reason = error.duplicate();
+                    (culprit, error, reason)
+                }
             };
-            log::warn!(
-                "postroom writer: {}; the batch's other {} job(s) run again",
-                Esc(&error),
-                live.iter().filter(|&&l| l).count().saturating_sub(1)
-            );
-            let reason = Error::GroupRolledBack {
-                reason: error.to_string(),
-            };
+            let others = live
+                .iter()
+                .enumerate()
+                .filter(|&(i, &l)| l && i != culprit)
+                .count();
+            if others > 0 {
+                log::warn!(
+                    "postroom writer: {}; the batch's other {others} job(s) run again",
+                    Esc(&error)
+                );
+            }
             for (i, job) in batch.iter_mut().enumerate() {
                 if live[i] {
                     let why = if i == culprit { &error } else { &reason };
@@ -998,9 +1033,13 @@ impl WriterState {
                 return match result {
                     // The job's user code did it: not the storage's fault.
                     Err(e @ Error::RolledBack { .. }) => Ok(Ran::RolledBackBy(i, e)),
-                    // SQLite rolled back the whole transaction after a
-                    // full disk or an I/O error: the whole batch failed,
-                    // for the reason this job met.
+                    // SQLite rolled back the whole transaction when this
+                    // job's writes met a full disk: this job's failure,
+                    // not its neighbours'.
+                    Err(e @ Error::StorageFull { .. }) => Ok(Ran::StorageFullIn(i, e)),
+                    // After an I/O error (or a rollback nobody owns) the
+                    // whole batch failed, for the reason this job met:
+                    // running the others again would meet the same disk.
                     other => Err(other.err().unwrap_or(Error::Aborted {
                         reason: "the transaction was rolled back mid-batch".into(),
                     })),
@@ -1191,6 +1230,9 @@ enum Ran {
     Done(bool),
     /// Job `n`'s user code rolled the transaction back, with this error.
     RolledBackBy(usize, Error),
+    /// SQLite rolled the transaction back when job `n`'s writes met a full
+    /// disk (or `max_page_count`).
+    StorageFullIn(usize, Error),
 }
 
 enum Turn {
