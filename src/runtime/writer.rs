@@ -22,8 +22,9 @@
 //! * if it disappears because a job's writes met a full disk, that job is
 //!   answered `StorageFull` and the others run again in a fresh
 //!   transaction (after the WAL is given back), as for a rollback by user
-//!   code below: one message too big for the disk never fails the small
-//!   ones beside it;
+//!   code below: one message too big for the disk does not fail the small
+//!   ones beside it. Once per batch: if the second run meets a full disk
+//!   too, every job left is answered `StorageFull`;
 //! * if a job's user code rolls the whole transaction back (a trigger's
 //!   `RAISE(ROLLBACK)`, `INSERT OR ROLLBACK`: the job's doing, not the
 //!   storage's), the batch runs again in a fresh transaction: jobs that
@@ -952,6 +953,7 @@ impl WriterState {
         // again; a rider counts the row before going on), so this bound is
         // only reached by jobs that roll back on every run.
         let bound = 2 * batch.len() + self.config.process_batch;
+        let mut storage_rerun = false;
         for _ in 0..bound {
             let (culprit, error, reason) = match self.execute_live(batch, &live)? {
                 Ran::Done(committed) => return Ok(committed),
@@ -966,7 +968,19 @@ impl WriterState {
                     // the others run again in a fresh transaction, with
                     // the WAL given back first to make room. One that
                     // cannot run again answers with the same retryable
-                    // error: nothing of it was stored.
+                    // error: nothing of it was stored. Once only: if the
+                    // disk is still full on the second run, every job left
+                    // answers so (running each in turn into a full disk
+                    // would hold the writer for a square of the batch).
+                    if storage_rerun {
+                        for (i, job) in batch.iter_mut().enumerate() {
+                            if std::mem::take(&mut live[i]) {
+                                job.give_up(error.duplicate());
+                            }
+                        }
+                        continue;
+                    }
+                    storage_rerun = true;
                     batch[culprit].give_up(error.duplicate());
                     live[culprit] = false;
                     if self.checkpoint.full_now() {
