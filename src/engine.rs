@@ -885,6 +885,29 @@ impl Postroom {
         })
     }
 
+    /// Where a puller of `consumer`'s sequence stream `stream` (the source,
+    /// for [`Message::with_sequence`]) resumes: every sequence at or below
+    /// the answer has settled, or is stored for queued processing
+    /// ([`receive`](Postroom::receive)), so asking the sender for the
+    /// changes after it loses nothing, whatever happened to the puller (a
+    /// kill, a reboot). A message taken inline ([`deliver`](Postroom::deliver))
+    /// counts once it settled: until then its sender must deliver it again.
+    /// 0 for a stream nothing has been stored in yet.
+    ///
+    /// One read of the stream's watermark and of the rows just above it (at
+    /// most [`RESUME_WALK`](crate::RESUME_WALK); past that the answer stops
+    /// short and the puller pulls some again, each repeat a duplicate). As
+    /// durable as the receives it counts: at `Durability::Normal` a power
+    /// cut can take the last commits, and the answer with them.
+    /// [`Error::UnknownConsumer`] for a consumer this engine does not have.
+    pub fn resume_point(&self, consumer: &str, stream: &str) -> Result<u64> {
+        self.consumer(consumer)?;
+        crate::config::check_name("sequence stream", stream)?;
+        let conn = self.reader()?;
+        crate::store::watermark::resume_point(&conn, consumer, stream)
+            .map_err(|e| Error::sqlite("read the resume point", e))
+    }
+
     /// Creates `consumer`'s stream `stream` starting at `next` unless it
     /// exists (for [`InboxSink`](crate::InboxSink)'s first batch from an
     /// upstream).
