@@ -1,4 +1,4 @@
-//! The inline delivery state machine (DESIGN §4), as a plain function over
+//! The inline delivery state machine (docs/DESIGN.md, "How it works"), as a plain function over
 //! a connection that is inside a write transaction. A batch's leader calls
 //! it; tests and fuzz targets can call it directly with a manual clock.
 

@@ -1,4 +1,4 @@
-//! DESIGN §7: bad input and storage faults get a clear, typed error and
+//! G7 (docs/DESIGN.md): bad input and storage faults get a clear, typed error and
 //! change nothing; delivery works again once the cause is gone.
 
 mod common;

@@ -1,4 +1,4 @@
-//! Inline delivery: the state machine of DESIGN §4 on real SQLite files.
+//! Inline delivery: the state machine of docs/DESIGN.md ("How it works") on real SQLite files.
 
 mod common;
 
