@@ -19,7 +19,7 @@ LAYERS = [
     ("store", ["store"]),
     ("user code", ["handler", "sink"]),
     ("builder", ["builder"]),
-    ("state machines", ["delivery", "recovery"]),
+    ("state machines", ["delivery", "recovery", "brakes"]),
     ("runtime", ["runtime"]),
     ("engine", ["engine"]),
     ("on top", ["admin", "sim", "sinks", "mqtt", "testkit"]),

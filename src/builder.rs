@@ -51,6 +51,7 @@ pub struct Builder {
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) sink: Option<Box<dyn Sink>>,
     pub(crate) handle_signals: bool,
+    pub(crate) backlog_limits: Vec<(String, u64)>,
 }
 
 /// The two kinds of handler a consumer can have.
@@ -70,6 +71,7 @@ impl Default for Builder {
             clock: Arc::new(SystemClock),
             sink: None,
             handle_signals: false,
+            backlog_limits: Vec::new(),
         }
     }
 }
@@ -150,6 +152,28 @@ impl Builder {
     /// 0 to 63. Default: 2.
     pub fn workers(mut self, workers: usize) -> Self {
         self.config.workers = workers;
+        self
+    }
+
+    /// Brakes for `consumer`'s queued intake: once `rows` of its received
+    /// messages wait for processing or are being processed (pending,
+    /// failed and due for a retry, processing), [`receive`](crate::Postroom::receive)
+    /// and [`receive_batch`](crate::Postroom::receive_batch) store nothing
+    /// and answer the retryable [`Error::Backlogged`](crate::Error::Backlogged)
+    /// until the workers have drained some. A puller then pauses (say
+    /// 100 ms to a second) and pulls the same changes again; the built-in
+    /// intakes stop reading from their broker, acknowledging nothing
+    /// meanwhile. A bound, not an exact cap: a call is taken while the
+    /// backlog is under it, so the backlog can pass it by that call's
+    /// messages (and those of calls running at the same time). `deliver`
+    /// is not braked: it processes as it stores.
+    ///
+    /// The backlog is counted through the indexes that list those rows, at
+    /// most `rows` of them, and only near the bound (between counts, each
+    /// call's stored messages are added). 1 to 2^63 - 1; a consumer
+    /// registered on this builder. Default: none (no bound).
+    pub fn backlog_limit(mut self, consumer: impl Into<String>, rows: u64) -> Self {
+        self.backlog_limits.push((consumer.into(), rows));
         self
     }
 

@@ -14,6 +14,7 @@ use crossbeam_channel::{RecvTimeoutError, Sender};
 use rusqlite::hooks::Action;
 use rusqlite::Connection;
 
+use crate::brakes::Brake;
 use crate::builder::{Builder, ConsumerKind};
 use crate::config::check_name;
 use crate::delivery::{self, panic_message, Step};
@@ -211,6 +212,8 @@ pub struct Postroom {
     shared: Arc<Shared>,
     readers: Readers,
     counters: Arc<Counters>,
+    /// Consumers with a backlog bound (`Builder::backlog_limit`).
+    brakes: HashMap<String, Brake>,
 }
 
 /// What shutting down needs, shared with the signal thread (which holds it
@@ -250,6 +253,21 @@ impl Builder {
                 ));
             }
         }
+        let mut bounded = HashMap::new();
+        for (name, rows) in &self.backlog_limits {
+            let problem = if !seen.contains_key(name.as_str()) {
+                Some(format!("no consumer {name:?} is registered"))
+            } else if *rows == 0 || i64::try_from(*rows).is_err() {
+                Some(format!("{rows} rows for {name:?} is outside 1..=2^63-1"))
+            } else if bounded.insert(name.as_str(), ()).is_some() {
+                Some(format!("{name:?} is given a bound twice"))
+            } else {
+                None
+            };
+            if let Some(problem) = problem {
+                return Err(Error::invalid("backlog_limit", problem));
+            }
+        }
         Postroom::open_with(self, path.as_ref())
     }
 }
@@ -267,6 +285,7 @@ impl Postroom {
             clock,
             sink,
             handle_signals,
+            backlog_limits,
         } = builder;
         // Before any file is touched: an old system SQLite changes nothing.
         schema::check_sqlite_version(rusqlite::version_number())?;
@@ -443,6 +462,10 @@ impl Postroom {
             shared: Arc::clone(&shared),
             readers,
             counters,
+            brakes: backlog_limits
+                .into_iter()
+                .map(|(name, rows)| (name.clone(), Brake::new(name, rows)))
+                .collect(),
         };
         room.start_background(
             &shared,
@@ -723,6 +746,7 @@ impl Postroom {
         let name = consumer;
         let consumer = self.consumer(consumer)?;
         let msgs: Vec<Message> = msgs.into_iter().collect();
+        let brake = self.brakes.get(name);
         for (i, msg) in msgs.iter().enumerate() {
             self.shared.config.check_message(msg).map_err(|e| match e {
                 Error::InvalidInput { field, reason } => Error::InvalidInput {
@@ -736,8 +760,11 @@ impl Postroom {
             .iter()
             .map(|m| *blake3::hash(&m.payload).as_bytes())
             .collect();
-        // Runs again if another job's SQL rolls the shared transaction back.
         self.check_caller()?;
+        if let Some(brake) = brake {
+            brake.admit(|| self.reader())?;
+        }
+        // Runs again if another job's SQL rolls the shared transaction back.
         let receipts = self
             .shared
             .writer
@@ -754,8 +781,12 @@ impl Postroom {
                 failpoint::hit("receive.after_insert")?;
                 Ok(receipts)
             }))?;
-        if receipts.contains(&Receipt::Accepted) {
+        let accepted = receipts.iter().filter(|r| **r == Receipt::Accepted).count();
+        if accepted > 0 {
             self.shared.wake();
+        }
+        if let Some(brake) = brake {
+            brake.stored(accepted as u64);
         }
         for receipt in &receipts {
             telemetry::receipt(name, receipt);

@@ -84,6 +84,19 @@ pub enum Error {
         /// The operation that waited.
         op: &'static str,
     },
+    /// The consumer's backlog (rows stored for queued processing and not
+    /// yet settled) has reached its bound (`Builder::backlog_limit`):
+    /// nothing of the call was stored. Retryable: pause, and send again
+    /// once the workers have drained some (a puller stops pulling; a
+    /// broker intake stops reading, acknowledging nothing meanwhile).
+    Backlogged {
+        /// The consumer.
+        consumer: String,
+        /// Its backlog as counted (at least `limit`).
+        backlog: u64,
+        /// Its bound.
+        limit: u64,
+    },
     /// Any other SQLite error.
     Sqlite {
         /// The operation that failed.
@@ -144,7 +157,10 @@ impl Error {
     /// or a transient I/O error occurred.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::StorageFull { .. } | Error::Busy { .. } | Error::GroupRolledBack { .. } => true,
+            Error::StorageFull { .. }
+            | Error::Busy { .. }
+            | Error::Backlogged { .. }
+            | Error::GroupRolledBack { .. } => true,
             Error::Sqlite { source, .. } => matches!(
                 source.sqlite_error_code(),
                 Some(ErrorCode::SystemIoFailure | ErrorCode::OutOfMemory)
@@ -211,6 +227,15 @@ impl Error {
             Error::ReadOnly { path } => Error::ReadOnly { path: path.clone() },
             Error::StorageFull { op } => Error::StorageFull { op },
             Error::Busy { op } => Error::Busy { op },
+            Error::Backlogged {
+                consumer,
+                backlog,
+                limit,
+            } => Error::Backlogged {
+                consumer: consumer.clone(),
+                backlog: *backlog,
+                limit: *limit,
+            },
             Error::RolledBack { op } => Error::RolledBack { op },
             Error::Sqlite { op, source } => Error::Sqlite {
                 op,
@@ -283,6 +308,16 @@ impl fmt::Display for Error {
             Error::Busy { op } => write!(
                 f,
                 "{op}: another connection held the database lock past the busy timeout"
+            ),
+            Error::Backlogged {
+                consumer,
+                backlog,
+                limit,
+            } => write!(
+                f,
+                "consumer {consumer:?} has {backlog} messages waiting for processing, at its \
+                 backlog limit of {limit}: nothing was stored; send again once the workers \
+                 have drained some"
             ),
             Error::Sqlite { op, source } => write!(f, "{op}: {source}"),
             Error::RolledBack { op } => write!(

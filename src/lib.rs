@@ -186,6 +186,7 @@ mod builder;
 mod handler;
 mod sink;
 // The state machines over the store, and recovery at open.
+mod brakes;
 mod delivery;
 mod recovery;
 // The threads.

@@ -359,30 +359,6 @@ pub(crate) fn read_all(conn: &Connection) -> rusqlite::Result<Vec<StreamWatermar
     Ok(streams)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The triggers hold the bound as a literal: it must be this one.
-    #[test]
-    fn the_schema_lists_at_most_max_listed() {
-        let bound = format!("< {MAX_LISTED_SEQUENCES})");
-        assert_eq!(crate::store::schema::SCHEMA_SQL.matches(&bound).count(), 2);
-    }
-
-    #[test]
-    fn missing_ranges_read_as_an_operator_writes_them() {
-        let mut w = StreamWatermark {
-            missing: vec![(41, 45), (50, 50)],
-            ..StreamWatermark::default()
-        };
-        assert_eq!(w.missing_text(), "41-45, 50");
-        w.missing_more = true;
-        assert_eq!(w.missing_text(), "41-45, 50, …");
-        assert_eq!(StreamWatermark::default().missing_text(), "");
-    }
-}
-
 /// How many sequences above a stream's watermark [`resume_point`] walks at
 /// most. Past it the answer stops short (a puller pulls some again; each
 /// repeat is a duplicate), and the walk stays one bounded index range.
@@ -453,4 +429,28 @@ pub(crate) fn resume_point(
 
 fn next_seq(rows: &mut rusqlite::Rows<'_>) -> rusqlite::Result<Option<i64>> {
     rows.next()?.map(|r| r.get(0)).transpose()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The triggers hold the bound as a literal: it must be this one.
+    #[test]
+    fn the_schema_lists_at_most_max_listed() {
+        let bound = format!("< {MAX_LISTED_SEQUENCES})");
+        assert_eq!(crate::store::schema::SCHEMA_SQL.matches(&bound).count(), 2);
+    }
+
+    #[test]
+    fn missing_ranges_read_as_an_operator_writes_them() {
+        let mut w = StreamWatermark {
+            missing: vec![(41, 45), (50, 50)],
+            ..StreamWatermark::default()
+        };
+        assert_eq!(w.missing_text(), "41-45, 50");
+        w.missing_more = true;
+        assert_eq!(w.missing_text(), "41-45, 50, …");
+        assert_eq!(StreamWatermark::default().missing_text(), "");
+    }
 }
