@@ -5,7 +5,7 @@
 //! disk — and next to the *seeds floor*, the physical limit of the job.
 //!
 //! ```text
-//! cargo run --release --example bench -- [--quick] [--json PATH] [--only TEXT]
+//! cargo run --release -p postroom-bench -- [--quick] [--json PATH] [--only TEXT]
 //! ```
 //!
 //! `--quick` uses small message counts and 50,000-row prefills (about 45 s on
@@ -18,7 +18,7 @@
 //! where each engine open's `quick_check` reads the file for 4 s), plus a
 //! minute or two of prefills the first time; the prefilled files are
 //! cached in `<target dir>/bench-cache/` (`$CARGO_TARGET_DIR` when the
-//! binary runs, else the crate's `target/`), so only the first run pays
+//! binary runs, else the workspace's `target/`), so only the first run pays
 //! for them. `--json PATH` also writes the rows as a JSON array. Progress
 //! goes to stderr, the report to stdout.
 //!
@@ -2264,7 +2264,7 @@ impl Cache {
     fn new() -> Cache {
         let target = std::env::var_os("CARGO_TARGET_DIR")
             .map(PathBuf::from)
-            .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
+            .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"));
         Cache {
             dir: target.join("bench-cache"),
         }
@@ -3796,7 +3796,7 @@ fn header(args: &[String], plan: &Plan, peak_resets: bool, io: &Result<(), Strin
         if plan.quick { "quick" } else { "full" }
     );
     println!(
-        "command:  cargo run --release --example bench --{}",
+        "command:  cargo run --release -p postroom-bench --{}",
         args.iter().map(|a| format!(" {a}")).collect::<String>()
     );
     println!("date:     {}", utc_now());
@@ -3904,7 +3904,7 @@ enum Mode {
 }
 
 const USAGE: &str =
-    "usage: cargo run --release --example bench -- [--quick] [--json PATH] [--only TEXT]";
+    "usage: cargo run --release -p postroom-bench -- [--quick] [--json PATH] [--only TEXT]";
 
 fn parse(args: &[String]) -> Result<Mode, String> {
     if args.first().map(String::as_str) == Some("--prefill-child") {
