@@ -3,6 +3,7 @@
 //! Everything above (the state machines, the threads, the operator
 //! functions) reads and writes the database through these.
 
+pub(crate) mod admission;
 pub(crate) mod due;
 pub(crate) mod inbox;
 pub(crate) mod inflight;
