@@ -36,23 +36,28 @@ use std::io;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
-use rusqlite::{
-    params, Connection, ErrorCode, OpenFlags, OptionalExtension, Transaction, TransactionBehavior,
-};
-use serde::ser::SerializeStruct;
-use serde::{Serialize, Serializer};
+use rusqlite::{Connection, ErrorCode, OpenFlags, Transaction, TransactionBehavior};
+use serde::Serialize;
 
 use crate::clock::{self, Clock as _};
 use crate::error::{Error, Result};
-use crate::message::Headers;
+use crate::store::check as rows;
+use crate::store::conflicts;
 use crate::store::inbox::{self, Status};
 use crate::store::outbox::{self, OutboxMessage};
+use crate::store::payload::hex;
 use crate::store::queue::{self, DeadLetter};
 use crate::store::retention as store_retention;
 use crate::store::retired;
 use crate::store::schema;
 use crate::store::stats::{self, OutboxCounts, StatusCounts};
 use crate::store::watermark::StreamWatermark;
+
+pub use crate::store::conflicts::{ConflictDetail, ConflictEntry};
+pub use crate::store::inbox::{InboxDetail, InboxEntry, InboxFilter};
+pub use crate::store::outbox::{OutboxDetail, OutboxEntry, OutboxFilter, OutboxState};
+pub use crate::store::page::Page;
+pub use crate::store::payload::{Decoded, Payload};
 
 /// How long [`open`] waits for another connection's lock (the engine's
 /// writer) before a statement fails with [`Error::Busy`].
@@ -67,17 +72,6 @@ pub const DEFAULT_RETENTION: Duration = crate::config::DEFAULT_RETENTION;
 /// At most this many findings of each kind (violations, warnings) are kept
 /// in a [`CheckReport`]; the totals count all of them.
 pub const MAX_FINDINGS: usize = 100;
-
-/// The tables postroom's schema creates; a file without all of them is not
-/// a postroom database.
-const TABLES: [&str; 6] = [
-    "postroom_meta",
-    "postroom_inbox",
-    "postroom_inbox_keys",
-    "postroom_retired_keys",
-    "postroom_outbox",
-    "postroom_conflicts",
-];
 
 /// The wall clock in unix milliseconds: the engine's [`SystemClock`](crate::SystemClock).
 pub fn now_ms() -> i64 {
@@ -552,19 +546,8 @@ fn validate(conn: &Connection, path: &Path) -> Result<()> {
         }
         Some(found) => schema::check_version(found)?,
     }
-    let mut missing = Vec::new();
-    for table in TABLES {
-        let found: bool = conn
-            .query_row(
-                "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = ?1",
-                [table],
-                |r| r.get(0),
-            )
-            .map_err(|e| schema::open_error(path, "read schema", e))?;
-        if !found {
-            missing.push(table);
-        }
-    }
+    let missing =
+        schema::missing_tables(conn).map_err(|e| schema::open_error(path, "read schema", e))?;
     if !missing.is_empty() {
         return Err(Error::invalid(
             "database",
@@ -649,27 +632,6 @@ fn sql(op: &'static str) -> impl Fn(rusqlite::Error) -> Error {
 
 fn count(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
-}
-
-fn limit_param(limit: usize) -> i64 {
-    i64::try_from(limit).unwrap_or(i64::MAX)
-}
-
-fn hex(bytes: &[u8]) -> String {
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        let _ = write!(s, "{b:02x}");
-    }
-    s
-}
-
-fn parse_headers(text: Option<&str>) -> Headers {
-    text.and_then(|t| serde_json::from_str(t).ok())
-        .unwrap_or_default()
-}
-
-fn serialize_status<S: Serializer>(status: &Status, s: S) -> std::result::Result<S::Ok, S::Error> {
-    s.serialize_str(status.as_str())
 }
 
 // ---------------------------------------------------------------- status
@@ -853,57 +815,21 @@ pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
             consumers.iter().position(|c| c.consumer == name)
         };
 
-        let mut stmt = conn
-            .prepare(
-                "SELECT consumer, min(received_at) FROM postroom_inbox
-                 WHERE status IN ('pending', 'processing', 'failed') GROUP BY consumer",
-            )
-            .map_err(sql("read oldest pending"))?;
-        let rows = stmt
-            .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
-            .map_err(sql("read oldest pending"))?;
-        for row in rows {
-            let (name, oldest) = row.map_err(sql("read oldest pending"))?;
+        let oldest = stats::oldest_unfinished(conn).map_err(sql("read oldest pending"))?;
+        for (name, oldest) in oldest {
             if let Some(i) = find(&consumers, &name) {
                 consumers[i].oldest_pending_ms = Some(oldest);
                 consumers[i].oldest_pending_age_ms = Some(now.saturating_sub(oldest).max(0));
             }
         }
-
-        let mut stmt = conn
-            .prepare(
-                "SELECT consumer, count(*) FROM postroom_inbox
-                 WHERE status = 'processing' AND (lease_until IS NULL OR lease_until < ?1)
-                 GROUP BY consumer",
-            )
-            .map_err(sql("read leases"))?;
-        let rows = stmt
-            .query_map([now], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
-            .map_err(sql("read leases"))?;
-        for row in rows {
-            let (name, n) = row.map_err(sql("read leases"))?;
+        let expired = stats::expired_leases(conn, now).map_err(sql("read leases"))?;
+        for (name, n) in expired {
             if let Some(i) = find(&consumers, &name) {
                 consumers[i].expired_leases = count(n);
             }
         }
-
-        let mut stmt = conn
-            .prepare(
-                "SELECT consumer, attempts, count(*) FROM postroom_inbox
-                 GROUP BY consumer, attempts ORDER BY consumer, attempts",
-            )
-            .map_err(sql("read attempts"))?;
-        let rows = stmt
-            .query_map([], |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, u32>(1)?,
-                    r.get::<_, i64>(2)?,
-                ))
-            })
-            .map_err(sql("read attempts"))?;
-        for row in rows {
-            let (name, attempts, n) = row.map_err(sql("read attempts"))?;
+        let buckets = stats::attempts(conn).map_err(sql("read attempts"))?;
+        for (name, attempts, n) in buckets {
             if let Some(i) = find(&consumers, &name) {
                 consumers[i].attempts.push(AttemptsBucket {
                     attempts,
@@ -1111,59 +1037,7 @@ fn family(
 
 // ---------------------------------------------------------------- payloads
 
-/// A stored payload. Serializes (JSON) as `{"bytes": n, "base64": "…",
-/// "encoding": "json" | "text" | "binary", "value": …}`: `base64` is the
-/// exact stored bytes (what a replay should send); `value` is the payload's
-/// own JSON text, embedded as stored (not reparsed: large numbers and
-/// duplicate keys survive), a string when it is other UTF-8 text, and
-/// `null` for binary.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Payload(pub Vec<u8>);
-
-/// How a [`Payload`] is shown.
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub enum Decoded {
-    /// The payload parses as JSON.
-    Json(serde_json::Value),
-    /// Not JSON, but valid UTF-8.
-    Text(String),
-    /// Neither: lowercase hex digits.
-    Hex(String),
-}
-
 impl Payload {
-    /// The raw bytes.
-    pub fn as_bytes(&self) -> &[u8] {
-        &self.0
-    }
-
-    /// How it is shown and serialized: `"json"` when it is valid JSON,
-    /// `"text"` when other UTF-8, else `"binary"`. Checked without building
-    /// a value (no copy, no lossy numbers).
-    pub fn encoding(&self) -> &'static str {
-        encoding_of(self.parts())
-    }
-
-    /// The payload as text when it is UTF-8, and as JSON text when it is
-    /// valid JSON: what [`Payload::encoding`], [`Payload::pretty`] and the
-    /// serialization all go by.
-    fn parts(&self) -> (Option<&str>, Option<&serde_json::value::RawValue>) {
-        let text = std::str::from_utf8(&self.0).ok();
-        (text, text.and_then(|t| serde_json::from_str(t).ok()))
-    }
-
-    /// JSON if it parses, else UTF-8 text, else hex.
-    pub fn decode(&self) -> Decoded {
-        if let Ok(value) = serde_json::from_slice::<serde_json::Value>(&self.0) {
-            Decoded::Json(value)
-        } else if let Ok(text) = std::str::from_utf8(&self.0) {
-            Decoded::Text(text.to_owned())
-        } else {
-            Decoded::Hex(hex(&self.0))
-        }
-    }
-
     /// For people: pretty-printed JSON, or the text, or a hex dump (offset,
     /// 16 bytes in hex, and their printable ASCII). JSON is re-indented
     /// without being reparsed: large numbers and duplicate keys show as
@@ -1362,292 +1236,18 @@ fn skip_value_rest(chars: &mut impl Iterator<Item = char>) {
     }
 }
 
-fn encoding_of(parts: (Option<&str>, Option<&serde_json::value::RawValue>)) -> &'static str {
-    match parts {
-        (_, Some(_)) => "json",
-        (Some(_), None) => "text",
-        (None, None) => "binary",
-    }
-}
-
-impl Serialize for Payload {
-    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        use base64::Engine as _;
-        let mut st = s.serialize_struct("Payload", 4)?;
-        st.serialize_field("bytes", &self.0.len())?;
-        st.serialize_field(
-            "base64",
-            &base64::engine::general_purpose::STANDARD.encode(&self.0),
-        )?;
-        let parts = self.parts();
-        st.serialize_field("encoding", encoding_of(parts))?;
-        // The stored JSON text itself, not a reparse: numbers past f64,
-        // duplicate keys and key order come out as they were stored.
-        match parts {
-            (_, Some(raw)) => st.serialize_field("value", raw)?,
-            (Some(text), None) => st.serialize_field("value", text)?,
-            (None, None) => st.serialize_field("value", &())?,
-        }
-        st.end()
-    }
-}
-
 // ---------------------------------------------------------------- inbox
-
-/// Which inbox rows [`inbox_list`] returns. Every filter is optional; the
-/// default [`Page`] is the newest 100.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct InboxFilter {
-    /// Only this consumer's rows.
-    pub consumer: Option<String>,
-    /// Only rows in this status.
-    pub status: Option<Status>,
-    /// Only rows from this source.
-    pub source: Option<String>,
-    /// Only rows received at or after this time (unix ms).
-    pub since_ms: Option<i64>,
-    /// Only rows received before this time (unix ms).
-    pub until_ms: Option<i64>,
-    /// Only rows waiting for a redelivery: failed, and no worker retries
-    /// them (see [`InboxEntry::waiting_for_redelivery`]).
-    pub waiting_for_redelivery: bool,
-    /// Where a page starts: see [`Page`].
-    pub page: Page,
-}
-
-/// One page of a listing: newest first (by row id or `seq`) unless
-/// `oldest_first`; the next page starts after the last row shown, named
-/// by `after` (keyset paging: stable while rows are added).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Page {
-    /// Oldest first instead of newest first.
-    pub oldest_first: bool,
-    /// Only rows past this id in the listing's order (below it newest
-    /// first, above it oldest first): the last id of the previous page.
-    pub after: Option<i64>,
-    /// At most this many rows.
-    pub limit: usize,
-}
-
-impl Default for Page {
-    fn default() -> Self {
-        Page {
-            oldest_first: false,
-            after: None,
-            limit: 100,
-        }
-    }
-}
-
-impl Page {
-    /// Every row, oldest first.
-    pub fn all() -> Page {
-        Page {
-            oldest_first: true,
-            after: None,
-            limit: usize::MAX,
-        }
-    }
-
-    /// SQL for the page over the integer column `key`, with the bound
-    /// parameters `?{after}` (the cursor) and `?{limit}`: a condition to
-    /// AND into the WHERE clause, and the ORDER BY … LIMIT tail. Only the
-    /// constants passed in reach the SQL text.
-    fn sql(&self, key: &str, after: usize, limit: usize) -> (String, String) {
-        let (cmp, dir) = if self.oldest_first {
-            (">", "ASC")
-        } else {
-            ("<", "DESC")
-        };
-        (
-            format!("(?{after} IS NULL OR {key} {cmp} ?{after})"),
-            format!("ORDER BY {key} {dir} LIMIT ?{limit}"),
-        )
-    }
-}
-
-/// An inbox row without its payload, as [`inbox_list`] returns it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[non_exhaustive]
-pub struct InboxEntry {
-    /// Row id: what `inbox show`, `redrive` and `discard` take.
-    pub id: i64,
-    /// The consumer it was delivered to.
-    pub consumer: String,
-    /// The stream it came from.
-    pub source: String,
-    /// The message id.
-    pub message_id: String,
-    /// Its state.
-    #[serde(serialize_with = "serialize_status")]
-    pub status: Status,
-    /// Attempts made.
-    pub attempts: u32,
-    /// Its ordering key, if any.
-    pub ordering_key: Option<String>,
-    /// Stored payload size; `None` when the payload was not kept.
-    pub payload_bytes: Option<u64>,
-    /// The last failure (or the discard note).
-    pub last_error: Option<String>,
-    /// When it was first received (unix ms).
-    pub received_at: i64,
-    /// When the row last changed (unix ms).
-    pub updated_at: i64,
-    /// When a pending or failed row is next due: a time while it waits out
-    /// a backoff, `None` when it is due at once (and for finished rows).
-    pub next_attempt_at: Option<i64>,
-    /// When it completed, if it did.
-    pub processed_at: Option<i64>,
-    /// A failed row that no worker will retry, waiting for its sender's
-    /// redelivery: it was delivered inline (`deliver`), or it was received
-    /// and processed in its receipt's own transaction when the process died
-    /// in its handler (crash recovery counted the attempt; the receipt
-    /// never committed, so the sender was never told to stop sending it).
-    /// Only a redelivery (`deliver` or `receive` of the same message)
-    /// revives it; retention never deletes it.
-    pub waiting_for_redelivery: bool,
-}
-
-const ENTRY_COLUMNS: &str = "id, consumer, source, message_id, status, attempts, ordering_key,
-     length(payload), last_error, received_at, updated_at, next_attempt_at, processed_at,
-     status = 'failed' AND queued = 0";
-
-/// How many columns [`ENTRY_COLUMNS`] selects: the index of the first
-/// column a query adds after them.
-const ENTRY_WIDTH: usize = 14;
-
-fn entry_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<InboxEntry> {
-    // Lossy: a row whose text does not decode is shown, not an error.
-    let text = |idx| crate::store::text::lossy_text(r, idx).map(Option::unwrap_or_default);
-    Ok(InboxEntry {
-        id: r.get(0)?,
-        consumer: text(1)?,
-        source: text(2)?,
-        message_id: text(3)?,
-        status: r.get(4)?,
-        attempts: r.get(5)?,
-        ordering_key: crate::store::text::lossy_text(r, 6)?,
-        payload_bytes: r.get::<_, Option<i64>>(7)?.map(count),
-        last_error: crate::store::text::lossy_text(r, 8)?,
-        received_at: r.get(9)?,
-        updated_at: r.get(10)?,
-        next_attempt_at: r.get(11)?,
-        processed_at: r.get(12)?,
-        waiting_for_redelivery: r.get(13)?,
-    })
-}
 
 /// Inbox rows matching `filter`, one [`Page`] of them (newest first by
 /// default).
 pub fn inbox_list(conn: &Connection, filter: &InboxFilter) -> Result<Vec<InboxEntry>> {
-    let (after, order) = filter.page.sql("id", 7, 6);
-    let mut stmt = conn
-        .prepare(&format!(
-            "SELECT {ENTRY_COLUMNS} FROM postroom_inbox
-             WHERE (?1 IS NULL OR consumer = ?1) AND (?2 IS NULL OR status = ?2)
-               AND (?3 IS NULL OR source = ?3) AND (?4 IS NULL OR received_at >= ?4)
-               AND (?5 IS NULL OR received_at < ?5)
-               AND (?8 = 0 OR (status = 'failed' AND queued = 0)) AND {after}
-             {order}"
-        ))
-        .map_err(sql("list inbox"))?;
-    let rows = stmt
-        .query_map(
-            params![
-                filter.consumer,
-                filter.status,
-                filter.source,
-                filter.since_ms,
-                filter.until_ms,
-                limit_param(filter.page.limit),
-                filter.page.after,
-                filter.waiting_for_redelivery,
-            ],
-            entry_from_row,
-        )
-        .map_err(sql("list inbox"))?;
-    rows.collect::<rusqlite::Result<_>>()
-        .map_err(sql("list inbox"))
-}
-
-/// One inbox row in full, from [`inbox_show`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[non_exhaustive]
-pub struct InboxDetail {
-    /// Everything [`inbox_list`] shows.
-    #[serde(flatten)]
-    pub entry: InboxEntry,
-    /// The payload, when kept (failed and dead rows always keep theirs).
-    pub payload: Option<Payload>,
-    /// blake3 digest of the first payload accepted under this key, in hex.
-    pub payload_hash: String,
-    /// Whether the stored payload still matches `payload_hash` (`None`
-    /// when no payload is kept).
-    pub payload_hash_ok: Option<bool>,
-    /// The message's headers.
-    pub headers: Headers,
-    /// Lease end (processing rows), unix ms.
-    pub lease_until: Option<i64>,
-    /// Lease token (processing rows).
-    pub lease_token: Option<i64>,
-    /// `seq` of the outbox rows its handler published (while kept).
-    pub caused_outbox: Vec<i64>,
+    inbox::list(conn, filter).map_err(sql("list inbox"))
 }
 
 /// The inbox row with this id, in full; `None` when there is none.
 pub fn inbox_show(conn: &Connection, id: i64) -> Result<Option<InboxDetail>> {
     snapshot(conn, || {
-        let found = conn
-            .query_row(
-                &format!(
-                    "SELECT {ENTRY_COLUMNS}, payload, payload_hash, headers, lease_until,
-                            lease_token
-                     FROM postroom_inbox WHERE id = ?1"
-                ),
-                [id],
-                |r| {
-                    let payload = crate::store::text::stored_bytes(r, ENTRY_WIDTH)?;
-                    let hash: Vec<u8> = r.get(ENTRY_WIDTH + 1)?;
-                    let headers: Option<String> = r.get(ENTRY_WIDTH + 2)?;
-                    let payload_hash_ok = payload
-                        .as_ref()
-                        .map(|p| blake3::hash(p).as_bytes().as_slice() == hash.as_slice());
-                    Ok(InboxDetail {
-                        entry: entry_from_row(r)?,
-                        payload: payload.map(Payload),
-                        payload_hash: hex(&hash),
-                        payload_hash_ok,
-                        headers: parse_headers(headers.as_deref()),
-                        lease_until: r.get(ENTRY_WIDTH + 3)?,
-                        lease_token: r.get(ENTRY_WIDTH + 4)?,
-                        caused_outbox: Vec::new(),
-                    })
-                },
-            )
-            .optional()
-            .map_err(sql("show inbox row"))?;
-        let Some(mut detail) = found else {
-            return Ok(None);
-        };
-        let mut stmt = conn
-            .prepare(
-                "SELECT seq FROM postroom_outbox
-                 WHERE cause_consumer = ?1 AND cause_source = ?2 AND cause_message_id = ?3
-                 ORDER BY seq",
-            )
-            .map_err(sql("show inbox row"))?;
-        detail.caused_outbox = stmt
-            .query_map(
-                params![
-                    detail.entry.consumer,
-                    detail.entry.source,
-                    detail.entry.message_id
-                ],
-                |r| r.get(0),
-            )
-            .and_then(|rows| rows.collect())
-            .map_err(sql("show inbox row"))?;
-        Ok(Some(detail))
+        inbox::show(conn, id).map_err(sql("show inbox row"))
     })
 }
 
@@ -1724,44 +1324,27 @@ pub struct DeadFilter {
 /// `filter`, one [`Page`] of them (a bulk action takes them all, oldest
 /// first: [`Page::all`]).
 pub fn dead_select(conn: &Connection, filter: &DeadFilter, page: Page) -> Result<Vec<i64>> {
-    let key = if filter.outbox { "seq" } else { "id" };
-    let (after, order) = page.sql(key, 6, 5);
-    let sql_text = if filter.outbox {
-        format!(
-            "SELECT seq FROM postroom_outbox
-             WHERE status = 'dead' AND ?1 IS NULL AND (?2 IS NULL OR instr(last_error, ?2) > 0)
-               AND (?3 IS NULL OR created_at >= ?3) AND (?4 IS NULL OR created_at < ?4)
-               AND {after}
-             {order}"
+    let found = if filter.outbox {
+        if filter.consumer.is_some() {
+            // Consumers are an inbox notion: no outbox row is any one's.
+            return Ok(Vec::new());
+        }
+        outbox::dead_seqs(
+            conn,
+            filter.error_contains.as_deref(),
+            (filter.since_ms, filter.until_ms),
+            page,
         )
     } else {
-        format!(
-            "SELECT id FROM postroom_inbox INDEXED BY postroom_inbox_dead
-             WHERE status = 'dead' AND (?1 IS NULL OR consumer = ?1)
-               AND (?2 IS NULL OR instr(last_error, ?2) > 0)
-               AND (?3 IS NULL OR updated_at >= ?3) AND (?4 IS NULL OR updated_at < ?4)
-               AND {after}
-             {order}"
+        inbox::dead_ids(
+            conn,
+            filter.consumer.as_deref(),
+            filter.error_contains.as_deref(),
+            (filter.since_ms, filter.until_ms),
+            page,
         )
     };
-    let mut stmt = conn
-        .prepare(&sql_text)
-        .map_err(sql("select dead letters"))?;
-    let rows = stmt
-        .query_map(
-            params![
-                filter.consumer,
-                filter.error_contains,
-                filter.since_ms,
-                filter.until_ms,
-                limit_param(page.limit),
-                page.after,
-            ],
-            |r| r.get(0),
-        )
-        .map_err(sql("select dead letters"))?;
-    rows.collect::<rusqlite::Result<_>>()
-        .map_err(sql("select dead letters"))
+    found.map_err(sql("select dead letters"))
 }
 
 /// What [`act_on_dead_letters`] did.
@@ -1842,185 +1425,10 @@ pub fn act_on_dead_letters(
 
 // ---------------------------------------------------------------- outbox
 
-/// An outbox row's state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OutboxState {
-    /// Waiting for the relay (possibly backing off after a failed send).
-    Pending,
-    /// Handed to the sink (or discarded by an operator).
-    Sent,
-    /// Out of attempts or refused by the sink: the relay skips it.
-    Dead,
-}
-
-impl OutboxState {
-    /// The name stored in the database.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OutboxState::Pending => "pending",
-            OutboxState::Sent => "sent",
-            OutboxState::Dead => "dead",
-        }
-    }
-}
-
-impl fmt::Display for OutboxState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for OutboxState {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        [OutboxState::Pending, OutboxState::Sent, OutboxState::Dead]
-            .into_iter()
-            .find(|st| st.as_str() == s)
-            .ok_or_else(|| format!("unknown outbox status {s:?} (pending, sent or dead)"))
-    }
-}
-
-impl rusqlite::types::FromSql for OutboxState {
-    fn column_result(value: rusqlite::types::ValueRef<'_>) -> rusqlite::types::FromSqlResult<Self> {
-        value
-            .as_str()?
-            .parse()
-            .map_err(|e: String| rusqlite::types::FromSqlError::Other(e.into()))
-    }
-}
-
-/// Which outbox rows [`outbox_list`] returns. Every filter is optional.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct OutboxFilter {
-    /// Only rows in this state.
-    pub status: Option<OutboxState>,
-    /// Only this topic.
-    pub topic: Option<String>,
-    /// Only this ordering key.
-    pub key: Option<String>,
-    /// Only rows committed at or after this time (unix ms).
-    pub since_ms: Option<i64>,
-    /// Only rows committed before this time (unix ms).
-    pub until_ms: Option<i64>,
-    /// Where a page starts (by `seq`).
-    pub page: Page,
-}
-
-/// An outbox row without its payload, from [`outbox_list`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[non_exhaustive]
-pub struct OutboxEntry {
-    /// Commit order; what `outbox show` and `dead redrive --outbox` take.
-    pub seq: i64,
-    /// The stable message id a downstream deduplicates on.
-    pub message_id: String,
-    /// The topic.
-    pub topic: String,
-    /// The ordering key, if any.
-    pub key: Option<String>,
-    /// Its state.
-    pub status: OutboxState,
-    /// Hand-overs that failed (sent rows: plus the one that succeeded).
-    pub attempts: u32,
-    /// Payload size in bytes.
-    pub payload_bytes: u64,
-    /// Why it last failed.
-    pub last_error: Option<String>,
-    /// When it was committed (unix ms).
-    pub created_at: i64,
-    /// When a pending row is next tried: `None` when due now.
-    pub next_attempt_at: Option<i64>,
-    /// When it was sent.
-    pub sent_at: Option<i64>,
-    /// The inbox message whose handler published it: consumer, source and
-    /// message id.
-    pub caused_by: Option<[String; 3]>,
-}
-
-const OUTBOX_COLUMNS: &str = "seq, message_id, topic, key, status, attempts, length(payload),
-     last_error, created_at, next_attempt_at, sent_at, cause_consumer, cause_source,
-     cause_message_id";
-
-fn outbox_entry_from_row(r: &rusqlite::Row<'_>, now: i64) -> rusqlite::Result<OutboxEntry> {
-    let text = |idx| crate::store::text::lossy_text(r, idx).map(Option::unwrap_or_default);
-    let status: OutboxState = r.get(4)?;
-    let next: i64 = r.get(9)?;
-    let cause = (
-        crate::store::text::lossy_text(r, 11)?,
-        crate::store::text::lossy_text(r, 12)?,
-        crate::store::text::lossy_text(r, 13)?,
-    );
-    Ok(OutboxEntry {
-        seq: r.get(0)?,
-        message_id: text(1)?,
-        topic: text(2)?,
-        key: crate::store::text::lossy_text(r, 3)?,
-        status,
-        attempts: r.get(5)?,
-        payload_bytes: count(r.get(6)?),
-        last_error: crate::store::text::lossy_text(r, 7)?,
-        created_at: r.get(8)?,
-        next_attempt_at: (status == OutboxState::Pending && next > now).then_some(next),
-        sent_at: r.get(10)?,
-        caused_by: match cause {
-            (Some(c), Some(s), Some(m)) => Some([c, s, m]),
-            _ => None,
-        },
-    })
-}
-
 /// Outbox rows matching `filter`, one [`Page`] of them (newest first by
 /// default).
 pub fn outbox_list(conn: &Connection, filter: &OutboxFilter) -> Result<Vec<OutboxEntry>> {
-    let now = now_ms();
-    let (after, order) = filter.page.sql("seq", 7, 6);
-    let mut stmt = conn
-        .prepare(&format!(
-            "SELECT {OUTBOX_COLUMNS} FROM postroom_outbox
-             WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR topic = ?2)
-               AND (?3 IS NULL OR key = ?3) AND (?4 IS NULL OR created_at >= ?4)
-               AND (?5 IS NULL OR created_at < ?5) AND {after}
-             {order}"
-        ))
-        .map_err(sql("list outbox"))?;
-    let rows = stmt
-        .query_map(
-            params![
-                filter.status.map(OutboxState::as_str),
-                filter.topic,
-                filter.key,
-                filter.since_ms,
-                filter.until_ms,
-                limit_param(filter.page.limit),
-                filter.page.after,
-            ],
-            |r| outbox_entry_from_row(r, now),
-        )
-        .map_err(sql("list outbox"))?;
-    rows.collect::<rusqlite::Result<_>>()
-        .map_err(sql("list outbox"))
-}
-
-/// One outbox row in full, from [`outbox_show`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[non_exhaustive]
-pub struct OutboxDetail {
-    /// Everything [`outbox_list`] shows.
-    #[serde(flatten)]
-    pub entry: OutboxEntry,
-    /// The headers.
-    pub headers: Headers,
-    /// The payload (empty once discarded).
-    pub payload: Payload,
-    /// For a pending row with a key: the earlier pending row of its key
-    /// that holds it back while that row waits out a backoff (the relay
-    /// hands a key's rows over in `seq` order). `None` when nothing holds
-    /// it back.
-    pub held_back_by: Option<OutboxEntry>,
-    /// Pending rows of the same key after this one, which it holds back
-    /// while it waits out a backoff.
-    pub holding_back: u64,
+    outbox::list(conn, filter, now_ms()).map_err(sql("list outbox"))
 }
 
 /// The outbox row `seq` in full, with what holds it back; `None` when
@@ -2028,204 +1436,21 @@ pub struct OutboxDetail {
 pub fn outbox_show(conn: &Connection, seq: i64) -> Result<Option<OutboxDetail>> {
     let now = now_ms();
     snapshot(conn, || {
-        let found = conn
-            .query_row(
-                &format!(
-                    "SELECT {OUTBOX_COLUMNS}, headers, payload FROM postroom_outbox WHERE seq = ?1"
-                ),
-                [seq],
-                |r| {
-                    let headers = crate::store::text::lossy_text(r, 14)?;
-                    Ok(OutboxDetail {
-                        entry: outbox_entry_from_row(r, now)?,
-                        headers: parse_headers(headers.as_deref()),
-                        payload: Payload(
-                            crate::store::text::stored_bytes(r, 15)?.unwrap_or_default(),
-                        ),
-                        held_back_by: None,
-                        holding_back: 0,
-                    })
-                },
-            )
-            .optional()
-            .map_err(sql("show outbox row"))?;
-        let Some(mut detail) = found else {
-            return Ok(None);
-        };
-        let (Some(key), OutboxState::Pending) = (&detail.entry.key, detail.entry.status) else {
-            return Ok(Some(detail));
-        };
-        // The relay's own rule (outbox::fetch_due): held back while an
-        // earlier pending row of the key is not yet due.
-        detail.held_back_by = conn
-            .query_row(
-                &format!(
-                    "SELECT {OUTBOX_COLUMNS} FROM postroom_outbox
-                     WHERE key = ?1 AND seq < ?2 AND status = 'pending' AND next_attempt_at > ?3
-                     ORDER BY seq LIMIT 1"
-                ),
-                params![key, seq, now],
-                |r| outbox_entry_from_row(r, now),
-            )
-            .optional()
-            .map_err(sql("show outbox row"))?;
-        if detail.entry.next_attempt_at.is_some() {
-            let n: i64 = conn
-                .query_row(
-                    "SELECT count(*) FROM postroom_outbox
-                     WHERE key = ?1 AND seq > ?2 AND status = 'pending'",
-                    params![key, seq],
-                    |r| r.get(0),
-                )
-                .map_err(sql("show outbox row"))?;
-            detail.holding_back = count(n);
-        }
-        Ok(Some(detail))
+        outbox::show(conn, seq, now).map_err(sql("show outbox row"))
     })
 }
 
 // ---------------------------------------------------------------- conflicts
 
-/// A quarantined delivery without its payload, from [`conflicts_list`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[non_exhaustive]
-pub struct ConflictEntry {
-    /// Row id in `postroom_conflicts` (the `conflict_id` of the outcome).
-    pub id: i64,
-    /// The consumer it was delivered to.
-    pub consumer: String,
-    /// The stream it came from.
-    pub source: String,
-    /// The reused message id.
-    pub message_id: String,
-    /// Digest of the stored message's payload, in hex.
-    pub stored_hash: String,
-    /// Digest of this delivery's payload, in hex.
-    pub payload_hash: String,
-    /// Size of this delivery's payload.
-    pub payload_bytes: u64,
-    /// First delivery of this payload under the id (unix ms).
-    pub first_seen_at: i64,
-    /// Latest delivery of it (unix ms).
-    pub last_seen_at: i64,
-    /// How many times it was delivered.
-    pub deliveries: u64,
-}
-
-const CONFLICT_COLUMNS: &str = "id, consumer, source, message_id, stored_hash, payload_hash,
-     length(payload), first_seen_at, last_seen_at, deliveries";
-
-fn conflict_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ConflictEntry> {
-    // Lossy: one row whose text rotted is shown, not an error for all.
-    let text = |idx| crate::store::text::lossy_text(r, idx).map(Option::unwrap_or_default);
-    Ok(ConflictEntry {
-        id: r.get(0)?,
-        consumer: text(1)?,
-        source: text(2)?,
-        message_id: text(3)?,
-        stored_hash: hex(&r.get::<_, Vec<u8>>(4)?),
-        payload_hash: hex(&r.get::<_, Vec<u8>>(5)?),
-        payload_bytes: count(r.get(6)?),
-        first_seen_at: r.get(7)?,
-        last_seen_at: r.get(8)?,
-        deliveries: count(r.get(9)?),
-    })
-}
-
 /// Quarantined deliveries, one [`Page`] of them (newest first by default).
 pub fn conflicts_list(conn: &Connection, page: Page) -> Result<Vec<ConflictEntry>> {
-    let (after, order) = page.sql("id", 2, 1);
-    let mut stmt = conn
-        .prepare(&format!(
-            "SELECT {CONFLICT_COLUMNS} FROM postroom_conflicts WHERE {after} {order}"
-        ))
-        .map_err(sql("list conflicts"))?;
-    let rows = stmt
-        .query_map(
-            params![limit_param(page.limit), page.after],
-            conflict_from_row,
-        )
-        .map_err(sql("list conflicts"))?;
-    rows.collect::<rusqlite::Result<_>>()
-        .map_err(sql("list conflicts"))
-}
-
-/// One quarantined delivery in full, beside the stored message it
-/// collided with, from [`conflicts_show`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[non_exhaustive]
-pub struct ConflictDetail {
-    /// Everything [`conflicts_list`] shows.
-    #[serde(flatten)]
-    pub entry: ConflictEntry,
-    /// This delivery's headers.
-    pub headers: Headers,
-    /// This delivery's payload.
-    pub payload: Payload,
-    /// The stored inbox row under the same key, if retention has not
-    /// deleted it.
-    pub stored: Option<InboxEntry>,
-    /// The stored row's payload, when kept.
-    pub stored_payload: Option<Payload>,
+    conflicts::list(conn, page).map_err(sql("list conflicts"))
 }
 
 /// The conflict with this id, in full; `None` when there is none.
 pub fn conflicts_show(conn: &Connection, id: i64) -> Result<Option<ConflictDetail>> {
     snapshot(conn, || {
-        let found = conn
-            .query_row(
-                &format!(
-                    "SELECT {CONFLICT_COLUMNS}, headers, payload FROM postroom_conflicts
-                     WHERE id = ?1"
-                ),
-                [id],
-                |r| {
-                    let headers: Option<String> = r.get(10)?;
-                    Ok(ConflictDetail {
-                        entry: conflict_from_row(r)?,
-                        headers: parse_headers(headers.as_deref()),
-                        payload: Payload(
-                            crate::store::text::stored_bytes(r, 11)?.unwrap_or_default(),
-                        ),
-                        stored: None,
-                        stored_payload: None,
-                    })
-                },
-            )
-            .optional()
-            .map_err(sql("show conflict"))?;
-        let Some(mut detail) = found else {
-            return Ok(None);
-        };
-        let stored = conn
-            .query_row(
-                &format!(
-                    // The key too: a retired entry's inbox_id may since
-                    // have been reused by another message's row.
-                    "SELECT {ENTRY_COLUMNS}, payload FROM postroom_inbox
-                     WHERE id = (SELECT inbox_id FROM postroom_inbox_keys
-                                 WHERE consumer = ?1 AND source = ?2 AND message_id = ?3)
-                       AND consumer = ?1 AND source = ?2 AND message_id = ?3"
-                ),
-                params![
-                    detail.entry.consumer,
-                    detail.entry.source,
-                    detail.entry.message_id
-                ],
-                |r| {
-                    Ok((
-                        entry_from_row(r)?,
-                        crate::store::text::stored_bytes(r, ENTRY_WIDTH)?,
-                    ))
-                },
-            )
-            .optional()
-            .map_err(sql("show conflict"))?;
-        if let Some((entry, payload)) = stored {
-            detail.stored = Some(entry);
-            detail.stored_payload = payload.map(Payload);
-        }
-        Ok(Some(detail))
+        conflicts::show(conn, id).map_err(sql("show conflict"))
     })
 }
 
@@ -2627,16 +1852,7 @@ pub fn check(conn: &Connection, full: bool) -> Result<CheckReport> {
         warnings: Vec::new(),
         warnings_total: 0,
     };
-    let lines: Vec<String> = {
-        let mut stmt = conn
-            .prepare(&format!("PRAGMA {pragma}(100)"))
-            .map_err(sql("integrity check"))?;
-        let rows = stmt
-            .query_map([], |r| r.get::<_, String>(0))
-            .map_err(sql("integrity check"))?;
-        rows.collect::<rusqlite::Result<_>>()
-            .map_err(sql("integrity check"))?
-    };
+    let lines = rows::integrity(conn, full).map_err(sql("integrity check"))?;
     report.integrity_ok = lines.len() == 1 && lines[0] == "ok";
     if !report.integrity_ok {
         report.integrity_errors = lines;
@@ -2698,98 +1914,23 @@ fn check_triggers(conn: &Connection, report: &mut CheckReport) -> Result<()> {
 /// The sequence watermarks' invariants (docs/DESIGN.md "Sequence
 /// watermarks"), each a query over the two tables and the inbox.
 fn check_watermarks(conn: &Connection, report: &mut CheckReport) -> Result<()> {
-    let op = sql("check watermarks");
-    let bound = crate::store::watermark::MAX_LISTED_SEQUENCES as i64 + 1;
-    // (query, a violation rather than a warning)
-    let checks: [(&str, bool); 5] = [
-        (
-            "SELECT consumer, stream, 'settled_below is ' || settled_below || ', below 1'
-             FROM postroom_watermarks WHERE settled_below < 1 OR unrecorded < 0",
-            true,
-        ),
-        (
-            "SELECT s.consumer, s.stream,
-                    'sequence ' || s.seq || ' is listed, but its stream has no watermark'
-             FROM postroom_watermark_settled s
-             WHERE NOT EXISTS (SELECT 1 FROM postroom_watermarks w
-                               WHERE w.consumer = s.consumer AND w.stream = s.stream)",
-            true,
-        ),
-        (
-            "SELECT s.consumer, s.stream,
-                    'sequence ' || s.seq || ' is listed, but the watermark is '
-                    || (w.settled_below - 1) || CASE WHEN s.seq = w.settled_below
-                    THEN ' (it should have moved past it)' ELSE ' (above it)' END
-             FROM postroom_watermark_settled s
-             JOIN postroom_watermarks w ON w.consumer = s.consumer AND w.stream = s.stream
-             WHERE s.seq <= w.settled_below",
-            true,
-        ),
-        (
-            "SELECT s.consumer, s.stream,
-                    'sequence ' || max(s.seq) || ' is listed, above the highest stored, '
-                    || coalesce(w.highest, 'none')
-             FROM postroom_watermark_settled s
-             JOIN postroom_watermarks w ON w.consumer = s.consumer AND w.stream = s.stream
-             GROUP BY s.consumer, s.stream
-             HAVING max(s.seq) > coalesce(w.highest, 0)",
-            true,
-        ),
-        (
-            "SELECT i.consumer, i.seq_stream,
-                    'inbox row ' || i.id || ' (sequence ' || i.seq || ') is ' || i.status
-                    || ' below the watermark ' || (w.settled_below - 1)
-                    || ': a redriven dead letter, or the watermark passed a message that \
-                    never settled'
-             FROM postroom_inbox i
-             JOIN postroom_watermarks w ON w.consumer = i.consumer AND w.stream = i.seq_stream
-             WHERE i.seq IS NOT NULL AND i.seq < w.settled_below
-               AND i.status NOT IN ('completed', 'dead')",
-            false,
-        ),
-    ];
-    for (query, violation) in checks {
-        let mut stmt = conn.prepare(query).map_err(&op)?;
-        let mut rows = stmt.query([]).map_err(&op)?;
-        while let Some(r) = rows.next().map_err(&op)? {
-            let consumer: String = r.get(0).map_err(&op)?;
-            let stream: String = r.get(1).map_err(&op)?;
-            let what: String = r.get(2).map_err(&op)?;
-            let finding = Finding {
-                kind: FindingKind::Watermark,
-                table: "postroom_watermarks",
-                id: 0,
-                detail: format!("consumer {consumer:?}, stream {stream:?}: {what}"),
-            };
-            if violation {
-                report.violation(finding);
-            } else {
-                report.warning(finding);
-            }
-        }
-    }
-    let mut stmt = conn
-        .prepare(
-            "SELECT consumer, stream, count(*) FROM postroom_watermark_settled
-             GROUP BY consumer, stream HAVING count(*) > ?1",
-        )
-        .map_err(&op)?;
-    let mut rows = stmt.query([bound]).map_err(&op)?;
-    while let Some(r) = rows.next().map_err(&op)? {
-        let consumer: String = r.get(0).map_err(&op)?;
-        let stream: String = r.get(1).map_err(&op)?;
-        let n: i64 = r.get(2).map_err(&op)?;
-        report.violation(Finding {
+    rows::watermark_breaks(conn, |b| {
+        let finding = Finding {
             kind: FindingKind::Watermark,
-            table: "postroom_watermark_settled",
+            table: b.table,
             id: 0,
             detail: format!(
-                "consumer {consumer:?}, stream {stream:?}: {n} sequences listed, above the \
-                 bound of {bound}"
+                "consumer {:?}, stream {:?}: {}",
+                b.consumer, b.stream, b.what
             ),
-        });
-    }
-    Ok(())
+        };
+        if b.violation {
+            report.violation(finding);
+        } else {
+            report.warning(finding);
+        }
+    })
+    .map_err(sql("check watermarks"))
 }
 
 /// The identity recorded beside the instance id against this file's.
@@ -2797,14 +1938,7 @@ fn check_identity(conn: &Connection, db: &Path, report: &mut CheckReport) -> Res
     let Ok(identity) = schema::file_identity(db) else {
         return Ok(());
     };
-    let recorded: Option<String> = conn
-        .query_row(
-            "SELECT value FROM postroom_meta WHERE key = ?1",
-            [schema::FILE_IDENTITY_KEY],
-            |r| r.get(0),
-        )
-        .optional()
-        .map_err(sql("check identity"))?;
+    let recorded = rows::recorded_identity(conn).map_err(sql("check identity"))?;
     if recorded.as_deref() != Some(identity.as_str()) {
         report.warning(Finding {
             kind: FindingKind::Identity,
@@ -2825,7 +1959,25 @@ fn check_identity(conn: &Connection, db: &Path, report: &mut CheckReport) -> Res
     Ok(())
 }
 
+/// Every invariant over the rows, each its own function, in one snapshot
+/// (the caller's).
 fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Result<()> {
+    check_key_triggers(conn, report)?;
+    check_triggers(conn, report)?;
+    check_watermarks(conn, report)?;
+    check_key_table(conn, report)?;
+    check_key_heads(conn, report)?;
+    check_inbox_rows(conn, now, report)?;
+    check_conflict_digests(conn, report)?;
+    check_outbox_rows(conn, report)?;
+    if let Some(db) = conn.path().filter(|p| !p.is_empty()) {
+        check_identity(conn, Path::new(db), report)?;
+    }
+    Ok(())
+}
+
+/// The triggers that keep the key table exist.
+fn check_key_triggers(conn: &Connection, report: &mut CheckReport) -> Result<()> {
     for name in schema::missing_triggers(conn).map_err(sql("check inbox keys"))? {
         report.violation(Finding {
             kind: FindingKind::KeyTable,
@@ -2834,8 +1986,11 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
             detail: format!("trigger {name} is missing"),
         });
     }
-    check_triggers(conn, report)?;
-    check_watermarks(conn, report)?;
+    Ok(())
+}
+
+/// Every inbox row has its entry in the key table, and only they do.
+fn check_key_table(conn: &Connection, report: &mut CheckReport) -> Result<()> {
     inbox::key_mismatches(conn, |table, id, what| {
         report.violation(Finding {
             kind: FindingKind::KeyTable,
@@ -2844,7 +1999,11 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
             detail: what.to_string(),
         })
     })
-    .map_err(sql("check inbox keys"))?;
+    .map_err(sql("check inbox keys"))
+}
+
+/// Each ordering key's head names its lowest unfinished row.
+fn check_key_heads(conn: &Connection, report: &mut CheckReport) -> Result<()> {
     schema::head_mismatches(conn, |table, key, stored, expected| {
         let show = |id: Option<i64>| id.map_or_else(|| "none".to_owned(), |id| id.to_string());
         report.violation(Finding {
@@ -2858,73 +2017,46 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
             ),
         })
     })
-    .map_err(sql("check key heads"))?;
-    let op = sql("check inbox");
-    let mut stmt = conn
-        .prepare(
-            "SELECT id, status, payload, payload_hash, last_error, processed_at, lease_until,
-                    lease_token
-             FROM postroom_inbox ORDER BY id",
-        )
-        .map_err(&op)?;
-    let mut rows = stmt.query([]).map_err(&op)?;
-    while let Some(r) = rows.next().map_err(&op)? {
+    .map_err(sql("check key heads"))
+}
+
+/// Each inbox row: its payload matches its digest, its status has the
+/// fields it needs, and a lease that passed is a warning.
+fn check_inbox_rows(conn: &Connection, now: i64, report: &mut CheckReport) -> Result<()> {
+    rows::inbox_rows(conn, |row| {
         report.inbox_rows += 1;
-        let id: i64 = r.get(0).map_err(&op)?;
-        let status: Status = r.get(1).map_err(&op)?;
-        let payload = crate::store::text::stored_bytes(r, 2).map_err(&op)?;
-        let hash: Vec<u8> = r.get(3).map_err(&op)?;
-        let last_error: Option<String> = r.get(4).map_err(&op)?;
-        let processed_at: Option<i64> = r.get(5).map_err(&op)?;
-        let lease_until: Option<i64> = r.get(6).map_err(&op)?;
-        let lease_token: Option<i64> = r.get(7).map_err(&op)?;
-        if let Some(p) = &payload {
+        if let Some(p) = &row.payload {
             report.payloads_hashed += 1;
             let actual = blake3::hash(p);
-            if actual.as_bytes().as_slice() != hash.as_slice() {
+            if actual.as_bytes().as_slice() != row.payload_hash.as_slice() {
                 report.violation(Finding {
                     kind: FindingKind::PayloadDigest,
                     table: "postroom_inbox",
-                    id,
+                    id: row.id,
                     detail: format!(
                         "stored payload ({} bytes) hashes to {}, stored digest is {}",
                         p.len(),
                         actual.to_hex(),
-                        hex(&hash)
+                        hex(&row.payload_hash)
                     ),
                 });
             }
         }
-        let mut wrong = Vec::new();
-        match status {
-            Status::Completed if processed_at.is_none() => wrong.push("no processed_at"),
-            Status::Failed | Status::Dead => {
-                if payload.is_none() {
-                    wrong.push("no payload");
-                }
-                if last_error.is_none() {
-                    wrong.push("no last_error");
-                }
-            }
-            Status::Processing if lease_until.is_none() || lease_token.is_none() => {
-                wrong.push("no lease")
-            }
-            _ => {}
-        }
+        let wrong = missing_inbox_fields(&row);
         if !wrong.is_empty() {
             report.violation(Finding {
                 kind: FindingKind::StatusFields,
                 table: "postroom_inbox",
-                id,
-                detail: format!("{status} row with {}", wrong.join(" and ")),
+                id: row.id,
+                detail: format!("{} row with {}", row.status, wrong.join(" and ")),
             });
         }
-        if status == Status::Processing {
-            if let Some(until) = lease_until.filter(|&u| u < now) {
+        if row.status == Status::Processing {
+            if let Some(until) = row.lease_until.filter(|&u| u < now) {
                 report.warning(Finding {
                     kind: FindingKind::ExpiredLease,
                     table: "postroom_inbox",
-                    id,
+                    id: row.id,
                     detail: format!(
                         "lease expired {} ms ago; retried after the reaper's next pass or \
                          the engine's next open",
@@ -2933,18 +2065,34 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
                 });
             }
         }
-    }
-    drop(rows);
+    })
+    .map_err(sql("check inbox"))
+}
 
-    let op = sql("check conflicts");
-    let mut stmt = conn
-        .prepare("SELECT id, payload, payload_hash FROM postroom_conflicts ORDER BY id")
-        .map_err(&op)?;
-    let mut rows = stmt.query([]).map_err(&op)?;
-    while let Some(r) = rows.next().map_err(&op)? {
-        let id: i64 = r.get(0).map_err(&op)?;
-        let payload: Vec<u8> = r.get(1).map_err(&op)?;
-        let hash: Vec<u8> = r.get(2).map_err(&op)?;
+/// What an inbox row in its status should have and lacks.
+fn missing_inbox_fields(row: &rows::InboxRow) -> Vec<&'static str> {
+    let mut wrong = Vec::new();
+    match row.status {
+        Status::Completed if row.processed_at.is_none() => wrong.push("no processed_at"),
+        Status::Failed | Status::Dead => {
+            if row.payload.is_none() {
+                wrong.push("no payload");
+            }
+            if row.last_error.is_none() {
+                wrong.push("no last_error");
+            }
+        }
+        Status::Processing if row.lease_until.is_none() || row.lease_token.is_none() => {
+            wrong.push("no lease")
+        }
+        _ => {}
+    }
+    wrong
+}
+
+/// Each quarantined payload matches its digest.
+fn check_conflict_digests(conn: &Connection, report: &mut CheckReport) -> Result<()> {
+    rows::conflict_rows(conn, |id, payload, hash| {
         report.payloads_hashed += 1;
         let actual = blake3::hash(&payload);
         if actual.as_bytes().as_slice() != hash.as_slice() {
@@ -2960,53 +2108,34 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
                 ),
             });
         }
-    }
-    drop(rows);
+    })
+    .map_err(sql("check conflicts"))
+}
 
-    let op = sql("check outbox");
-    let mut stmt = conn
-        .prepare(
-            "SELECT o.seq, o.status, o.sent_at, o.last_error, i.id, i.status
-             FROM postroom_outbox o
-             LEFT JOIN postroom_inbox_keys k
-               ON k.consumer = o.cause_consumer AND k.source = o.cause_source
-              AND k.message_id = o.cause_message_id
-             LEFT JOIN postroom_inbox i
-               ON i.id = k.inbox_id AND i.consumer = k.consumer AND i.source = k.source
-              AND i.message_id = k.message_id AND i.received_at <= o.created_at
-             ORDER BY o.seq",
-        )
-        .map_err(&op)?;
-    let mut rows = stmt.query([]).map_err(&op)?;
-    while let Some(r) = rows.next().map_err(&op)? {
+/// Each outbox row has the fields its status needs, and the inbox row
+/// whose handler published it (while stored) is completed.
+fn check_outbox_rows(conn: &Connection, report: &mut CheckReport) -> Result<()> {
+    rows::outbox_rows(conn, |row| {
         report.outbox_rows += 1;
-        let seq: i64 = r.get(0).map_err(&op)?;
-        let status: String = r.get(1).map_err(&op)?;
-        let sent_at: Option<i64> = r.get(2).map_err(&op)?;
-        let last_error: Option<String> = r.get(3).map_err(&op)?;
-        let cause: Option<(i64, Status)> = match r.get::<_, Option<i64>>(4).map_err(&op)? {
-            Some(id) => Some((id, r.get(5).map_err(&op)?)),
-            None => None,
-        };
-        let wrong = match status.as_str() {
-            "sent" if sent_at.is_none() => Some("no sent_at"),
-            "dead" if last_error.is_none() => Some("no last_error"),
+        let wrong = match row.status.as_str() {
+            "sent" if row.sent_at.is_none() => Some("no sent_at"),
+            "dead" if row.last_error.is_none() => Some("no last_error"),
             _ => None,
         };
         if let Some(wrong) = wrong {
             report.violation(Finding {
                 kind: FindingKind::StatusFields,
                 table: "postroom_outbox",
-                id: seq,
-                detail: format!("{status} row with {wrong}"),
+                id: row.seq,
+                detail: format!("{} row with {wrong}", row.status),
             });
         }
-        if let Some((inbox_id, inbox_status)) = cause {
+        if let Some((inbox_id, inbox_status)) = row.cause {
             if inbox_status != Status::Completed {
                 report.violation(Finding {
                     kind: FindingKind::CauseNotCompleted,
                     table: "postroom_outbox",
-                    id: seq,
+                    id: row.seq,
                     detail: format!(
                         "published while handling inbox row {inbox_id}, which is {inbox_status}, \
                          not completed"
@@ -3014,12 +2143,8 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
                 });
             }
         }
-    }
-    drop(rows);
-    if let Some(db) = conn.path().filter(|p| !p.is_empty()) {
-        check_identity(conn, Path::new(db), report)?;
-    }
-    Ok(())
+    })
+    .map_err(sql("check outbox"))
 }
 
 /// True for a character that reorders or hides the text around it

@@ -4,10 +4,14 @@
 //! functions) reads and writes the database through these.
 
 pub(crate) mod admission;
+pub(crate) mod check;
+pub(crate) mod conflicts;
 pub(crate) mod due;
 pub(crate) mod inbox;
 pub(crate) mod inflight;
 pub(crate) mod outbox;
+pub(crate) mod page;
+pub(crate) mod payload;
 pub(crate) mod queue;
 pub(crate) mod retention;
 pub(crate) mod retired;

@@ -67,7 +67,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use postroom::admin::{self, DeadLetterAction as Act, OutboxState, Page, ReadView};
 use postroom::{Error, Status};
-use rusqlite::{Connection, ErrorCode, OptionalExtension};
+use rusqlite::{Connection, ErrorCode};
 use serde::Serialize;
 use serde_json::json;
 
@@ -1185,27 +1185,15 @@ fn dead_one(ctx: &mut Ctx<'_>, outbox: bool, id: i64, act: Act) -> Result<(), Fa
 /// Why a redrive or discard found nothing to do: the row is missing, or in
 /// another status.
 fn not_a_dead_letter(conn: &Connection, outbox: bool, id: i64) -> Failed {
-    let (table, key) = if outbox {
-        ("postroom_outbox", "seq")
+    let key = if outbox { "seq" } else { "id" };
+    let status = if outbox {
+        admin::outbox_show(conn, id).map(|row| row.map(|r| r.entry.status.to_string()))
     } else {
-        ("postroom_inbox", "id")
+        admin::inbox_show(conn, id).map(|row| row.map(|r| r.entry.status.to_string()))
     };
-    // Table and column names come from the two constants above, never from input.
-    let status: Option<String> = match conn
-        .query_row(
-            &format!("SELECT status FROM {table} WHERE {key} = ?1"),
-            [id],
-            |r| r.get(0),
-        )
-        .optional()
-    {
+    let status = match status {
         Ok(status) => status,
-        Err(e) => {
-            return Failed::from(Error::Sqlite {
-                op: "look up the row",
-                source: e,
-            })
-        }
+        Err(e) => return Failed::from(e),
     };
     let what = if outbox { "outbox row" } else { "inbox row" };
     not_found(match status {
