@@ -55,6 +55,7 @@
 //! | 5 | the row named by ID does not exist (for `dead redrive`/`dead discard`: is not a dead letter) |
 #![forbid(unsafe_code)]
 
+mod pretty;
 mod render;
 
 use std::ffi::OsString;

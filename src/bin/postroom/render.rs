@@ -244,7 +244,7 @@ pub fn payload(out: &mut String, label: &str, p: Option<&Payload>) {
         _ => "binary, hex dump",
     };
     let _ = writeln!(out, "{label} ({} bytes, {kind}):", p.as_bytes().len());
-    let body = esc_block(&p.pretty());
+    let body = esc_block(&crate::pretty::pretty(p));
     out.push_str(&body);
     if !body.ends_with('\n') {
         out.push('\n');
