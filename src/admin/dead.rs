@@ -150,7 +150,7 @@ impl DeadLetterAction {
 
 /// Redrives or discards each dead letter of `ids` (inbox row ids, or
 /// outbox `seq`s with `outbox`), [`CLEANUP_BATCH`] per `BEGIN IMMEDIATE`
-/// transaction, pausing between full batches like [`cleanup`]. An id that
+/// transaction, pausing between full batches like [`cleanup`](crate::admin::cleanup). An id that
 /// is not (or no longer) a dead letter is left as it is and counted as
 /// skipped. `progress` hears the count handled so far after each batch.
 pub fn act_on_dead_letters(

@@ -9,7 +9,7 @@ use crate::store::inbox;
 use super::{snapshot, sql};
 use crate::store::inbox::{InboxDetail, InboxEntry, InboxFilter};
 
-/// Inbox rows matching `filter`, one [`Page`] of them (newest first by
+/// Inbox rows matching `filter`, one [`Page`](crate::admin::Page) of them (newest first by
 /// default).
 pub fn inbox_list(conn: &Connection, filter: &InboxFilter) -> Result<Vec<InboxEntry>> {
     inbox::list(conn, filter).map_err(sql("list inbox"))

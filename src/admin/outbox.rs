@@ -11,7 +11,7 @@ use super::open::now_ms;
 use super::{snapshot, sql};
 use crate::store::outbox::{OutboxDetail, OutboxEntry, OutboxFilter};
 
-/// Outbox rows matching `filter`, one [`Page`] of them (newest first by
+/// Outbox rows matching `filter`, one [`Page`](crate::admin::Page) of them (newest first by
 /// default).
 pub fn outbox_list(conn: &Connection, filter: &OutboxFilter) -> Result<Vec<OutboxEntry>> {
     outbox::list(conn, filter, now_ms()).map_err(sql("list outbox"))
