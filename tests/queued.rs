@@ -786,7 +786,7 @@ fn a_clock_set_back_holds_neither_new_rows_nor_redriven_ones() {
         [],
     )
     .unwrap();
-    let admin = postroom::admin::open(&db, true).unwrap();
+    let admin = postroom::admin::open(&db, postroom::admin::Access::ReadWrite).unwrap();
     let dead: i64 = conn
         .query_row(
             "SELECT id FROM postroom_inbox WHERE status = 'dead'",

@@ -159,8 +159,18 @@ impl CheckReport {
     }
 }
 
+/// How thorough [`check`]'s first step, SQLite's own check, is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckDepth {
+    /// `PRAGMA quick_check`: what the engine runs at open.
+    Quick,
+    /// `PRAGMA integrity_check`: slower, and also checks that every index
+    /// matches its table.
+    Full,
+}
+
 /// Checks the database: SQLite's `PRAGMA quick_check` (or the slower, more
-/// thorough `integrity_check` when `full`), then, if that passed,
+/// thorough `integrity_check` with [`CheckDepth::Full`]), then, if that passed,
 /// postroom's own invariants, in one read transaction:
 ///
 /// * every stored inbox and conflict payload matches its blake3 digest;
@@ -175,8 +185,9 @@ impl CheckReport {
 ///
 /// Reads every stored payload; on a live database the read transaction
 /// keeps the WAL from being checkpointed past it while it runs.
-pub fn check(conn: &Connection, full: bool) -> Result<CheckReport> {
+pub fn check(conn: &Connection, depth: CheckDepth) -> Result<CheckReport> {
     let now = now_ms();
+    let full = depth == CheckDepth::Full;
     let pragma = if full {
         "integrity_check"
     } else {

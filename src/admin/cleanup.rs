@@ -110,6 +110,15 @@ pub struct CleanupSummary {
     pub transactions: u64,
 }
 
+/// Whether [`cleanup`] deletes or only counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CleanupMode {
+    /// Delete what expired.
+    Delete,
+    /// Only count it, read-only.
+    DryRun,
+}
+
 /// Applies retention as the engine's reaper does: completed inbox rows
 /// processed, and sent outbox rows sent, before `now_ms - completed`; with
 /// [`Retention::dead`] / [`Retention::conflicts`], dead letters and
@@ -118,7 +127,7 @@ pub struct CleanupSummary {
 /// given out twice). `retention` is a [`Retention`] or a bare [`Duration`]
 /// (completed and sent rows only).
 ///
-/// With `dry_run`, only counts, with the statements a run deletes with
+/// With [`CleanupMode::DryRun`], only counts, with the statements a run deletes with
 /// (read-only). Otherwise deletes [`CLEANUP_BATCH`] rows per
 /// `BEGIN IMMEDIATE` transaction, pausing between batches as long as the
 /// batch took, so a running engine's writer gets the lock at least half of
@@ -127,8 +136,9 @@ pub fn cleanup(
     conn: &Connection,
     now_ms: i64,
     retention: impl Into<Retention>,
-    dry_run: bool,
+    mode: CleanupMode,
 ) -> Result<CleanupSummary> {
+    let dry_run = mode == CleanupMode::DryRun;
     let retention = retention.into();
     let keep = store_retention::Keep {
         completed: retention.completed,

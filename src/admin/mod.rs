@@ -5,7 +5,7 @@
 //! never open a [`Postroom`](crate::Postroom) engine and never touch the
 //! engine's lock file (`<db>-postroom`). [`open_read`] and [`read`] give a
 //! read-only connection that leaves every file as it was; [`open`] with
-//! `writable = true` one for mutations, after the checks the engine's own
+//! [`Access::ReadWrite`] one for mutations, after the checks the engine's own
 //! open makes. Each mutation runs in its own short `BEGIN IMMEDIATE`
 //! transaction, so it waits for — and is serialized with — the running
 //! engine's writer.
@@ -17,12 +17,12 @@
 //! # postroom::Postroom::builder().open(&path)?.shutdown(std::time::Duration::from_secs(5))?;
 //! use postroom::admin;
 //!
-//! let conn = admin::open(&path, false)?;          // read-only
+//! let conn = admin::open(&path, admin::Access::ReadOnly)?;
 //! let status = admin::status(&conn, &path)?;
 //! assert_eq!(status.conflicts, 0);
 //! print!("{}", admin::prometheus(&status));
 //!
-//! let report = admin::check(&conn, false)?;
+//! let report = admin::check(&conn, admin::CheckDepth::Quick)?;
 //! assert!(report.is_ok());
 //! # Ok(()) }
 //! ```
@@ -66,15 +66,17 @@ pub const DEFAULT_RETENTION: Duration = crate::config::DEFAULT_RETENTION;
 /// in a [`CheckReport`]; the totals count all of them.
 pub const MAX_FINDINGS: usize = 100;
 
-pub use check::{check, CheckReport, Finding, FindingKind};
-pub use cleanup::{cleanup, CleanupSummary, Retention};
+pub use check::{check, CheckDepth, CheckReport, Finding, FindingKind};
+pub use cleanup::{cleanup, CleanupMode, CleanupSummary, Retention};
 pub use conflicts::{conflicts_discard, conflicts_list, conflicts_show};
 pub use dead::{
     act_on_dead_letters, dead_letters, dead_select, discard, discard_outbox, outbox_dead_letters,
     redrive, redrive_outbox, BulkSummary, DeadFilter, DeadLetterAction,
 };
 pub use inbox::{inbox_list, inbox_show};
-pub use open::{now_ms, open, open_read, open_with_timeout, read, wal_damaged_frames, ReadView};
+pub use open::{
+    now_ms, open, open_read, open_with_timeout, read, wal_damaged_frames, Access, ReadView,
+};
 pub use outbox::{outbox_list, outbox_show};
 pub use status::{
     prometheus, sequences, sequences_prometheus, slow_handler, status, AttemptsBucket,

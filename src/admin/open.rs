@@ -27,17 +27,28 @@ pub fn now_ms() -> i64 {
     clock::SystemClock.now_ms()
 }
 
+/// What an operator's connection ([`open`]) may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Read only: [`open_read`]'s connection, which leaves every file as
+    /// it was.
+    ReadOnly,
+    /// Mutations too (redrive, discard, cleanup), after the checks the
+    /// engine's own open makes.
+    ReadWrite,
+}
+
 /// Opens an existing postroom database for operator work, with
 /// [`DEFAULT_BUSY_TIMEOUT`]. See [`open_with_timeout`].
-pub fn open(path: impl AsRef<Path>, writable: bool) -> Result<Connection> {
-    open_with_timeout(path, writable, DEFAULT_BUSY_TIMEOUT)
+pub fn open(path: impl AsRef<Path>, access: Access) -> Result<Connection> {
+    open_with_timeout(path, access, DEFAULT_BUSY_TIMEOUT)
 }
 
 /// Opens an existing postroom database for operator work: never creates a
 /// file, never changes the journal mode, never takes the engine's lock.
 ///
-/// With `writable = false` it is [`open_read`]'s read-only connection (see
-/// there for what it leaves untouched). With `writable = true` the file and
+/// With [`Access::ReadOnly`] it is [`open_read`]'s read-only connection (see
+/// there for what it leaves untouched). With [`Access::ReadWrite`] the file and
 /// its directory must be writable ([`Error::ReadOnly`] otherwise), and the
 /// same `PRAGMA quick_check` the engine runs at open must pass
 /// ([`Error::Corrupt`] otherwise): nothing writes to a damaged file.
@@ -56,10 +67,10 @@ pub fn open(path: impl AsRef<Path>, writable: bool) -> Result<Connection> {
 ///   does not): [`Error::InvalidInput`] with field `"database"`.
 pub fn open_with_timeout(
     path: impl AsRef<Path>,
-    writable: bool,
+    access: Access,
     busy_timeout: Duration,
 ) -> Result<Connection> {
-    if !writable {
+    if access == Access::ReadOnly {
         return open_read(path, busy_timeout).map(|(conn, _)| conn);
     }
     // Everything is checked on a read-only connection first: a read-write

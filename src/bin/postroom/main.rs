@@ -555,7 +555,11 @@ impl Ctx<'_> {
     /// damaged or read-only.
     fn write(&self, what: &str) -> Result<(Connection, Progress), Failed> {
         let progress = Progress::spinner(&format!("{what}: checking the database"));
-        let mut conn = admin::open_with_timeout(&self.cli.db, true, self.cli.busy_timeout)?;
+        let mut conn = admin::open_with_timeout(
+            &self.cli.db,
+            admin::Access::ReadWrite,
+            self.cli.busy_timeout,
+        )?;
         progress.watch(&mut conn);
         progress.message(what);
         Ok((conn, progress))

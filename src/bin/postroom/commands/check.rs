@@ -14,7 +14,12 @@ pub(crate) fn run(ctx: &mut Ctx<'_>, full: bool) -> Result<u8, Failed> {
     } else {
         "quick_check"
     };
-    let report = ctx.read(what, |c| admin::check(c, full))?;
+    let depth = if full {
+        admin::CheckDepth::Full
+    } else {
+        admin::CheckDepth::Quick
+    };
+    let report = ctx.read(what, |c| admin::check(c, depth))?;
     if cli.json {
         ctx.json(&report);
     } else {

@@ -30,11 +30,11 @@ pub(crate) fn run(ctx: &mut Ctx<'_>, args: CleanupArgs) -> Result<u8, Failed> {
         .conflicts(conflict_retention);
     let s = if dry_run {
         ctx.read("cleanup: counting expired rows", |c| {
-            admin::cleanup(c, admin::now_ms(), policy, true)
+            admin::cleanup(c, admin::now_ms(), policy, admin::CleanupMode::DryRun)
         })?
     } else {
         let (conn, progress) = ctx.write("cleanup: deleting expired rows")?;
-        let s = admin::cleanup(&conn, admin::now_ms(), policy, false)?;
+        let s = admin::cleanup(&conn, admin::now_ms(), policy, admin::CleanupMode::Delete)?;
         progress.finish();
         s
     };
