@@ -8,8 +8,9 @@ It also keeps SQL on the engine's tables inside `src/store/`: outside it
 (the CLI in `src/bin/` included, in-file test modules not), no string
 literal holding SQL (a statement keyword in capitals) may name a
 `postroom_*` table from schema.sql, nor take its table from a format
-argument (`FROM {table}`: a table chosen at run time). The few files allowed to read the tables from
-outside are listed, each with its reason, in SQL_ALLOWED.
+argument (`FROM {table}`: a table chosen at run time). The few files
+allowed to read the tables from outside are listed, each with its reason,
+in SQL_ALLOWED.
 
 Usage: python3 .ci/layers.py [--graph]   (exit 1 on a violation)
 """
@@ -68,7 +69,11 @@ def string_literals(text):
             j = n if j < 0 else j + 2
             line += text.count("\n", i, j)
             i = j
-        elif c == "r" and re.match(r'r#*"', text[i:]) and not re.match(r"[A-Za-z0-9_]", text[i - 1] if i else " "):
+        elif (
+            c == "r"
+            and re.match(r'r#*"', text[i:])
+            and not re.match(r"[A-Za-z0-9_]", text[i - 1] if i else " ")
+        ):
             m = re.match(r'r(#*)"', text[i:])
             close = '"' + m.group(1)
             start = i + len(m.group(0))

@@ -506,8 +506,8 @@ fn validate(conn: &Connection, path: &Path) -> Result<()> {
         }
         Some(found) => schema::check_version(found)?,
     }
-    let missing =
-        schema::missing_tables(conn).map_err(|e| schema::open_error(path, "read schema", e))?;
+    let missing = crate::store::check::missing_tables(conn)
+        .map_err(|e| schema::open_error(path, "read schema", e))?;
     if !missing.is_empty() {
         return Err(Error::invalid(
             "database",

@@ -1,7 +1,9 @@
 //! The reads `postroom check` (`admin::check`) is built on: SQLite's own
 //! integrity check, and every row the engine's invariants speak about,
-//! handed to the caller one at a time. Invariant: read-only, and nothing
-//! here judges: the caller decides what is a violation, what a warning.
+//! handed to the caller one at a time; and whether a file has postroom's
+//! tables at all (what `admin`'s open checks first). Invariant: read-only,
+//! and nothing here judges: the caller decides what is a violation, what a
+//! warning.
 
 use rusqlite::{Connection, OptionalExtension};
 
@@ -223,4 +225,32 @@ pub(crate) fn outbox_rows(conn: &Connection, mut f: impl FnMut(OutboxRow)) -> ru
         });
     }
     Ok(())
+}
+
+/// The tables postroom's schema creates; a file without all of them is not
+/// a postroom database.
+const TABLES: [&str; 6] = [
+    "postroom_meta",
+    "postroom_inbox",
+    "postroom_inbox_keys",
+    "postroom_retired_keys",
+    "postroom_outbox",
+    "postroom_conflicts",
+];
+
+/// Which of the schema's tables the file lacks (none for a postroom
+/// database).
+pub(crate) fn missing_tables(conn: &Connection) -> rusqlite::Result<Vec<&'static str>> {
+    let mut missing = Vec::new();
+    for table in TABLES {
+        let found: bool = conn.query_row(
+            "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = ?1",
+            [table],
+            |r| r.get(0),
+        )?;
+        if !found {
+            missing.push(table);
+        }
+    }
+    Ok(missing)
 }

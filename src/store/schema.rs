@@ -963,34 +963,6 @@ pub(crate) fn check_version(found: i64) -> Result<()> {
     }
 }
 
-/// The tables postroom's schema creates; a file without all of them is not
-/// a postroom database.
-const TABLES: [&str; 6] = [
-    "postroom_meta",
-    "postroom_inbox",
-    "postroom_inbox_keys",
-    "postroom_retired_keys",
-    "postroom_outbox",
-    "postroom_conflicts",
-];
-
-/// Which of the schema's tables the file lacks (none for a postroom
-/// database).
-pub(crate) fn missing_tables(conn: &Connection) -> rusqlite::Result<Vec<&'static str>> {
-    let mut missing = Vec::new();
-    for table in TABLES {
-        let found: bool = conn.query_row(
-            "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = ?1",
-            [table],
-            |r| r.get(0),
-        )?;
-        if !found {
-            missing.push(table);
-        }
-    }
-    Ok(missing)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
