@@ -4,6 +4,14 @@ against the layers in docs/DESIGN.md: each module may use only modules of
 its own layer or below, and no two modules may need each other (no cycle),
 nor two files inside one layer's directory (`store/`, `runtime/`).
 
+It also keeps SQL on the engine's tables inside `src/store/`: outside it
+(the CLI in `src/bin/` included, in-file test modules not), no string
+literal holding SQL (a statement keyword in capitals) may name a
+`postroom_*` table from schema.sql, nor take its table from a format
+argument (`FROM {table}`: a table chosen at run time). The few files
+allowed to read the tables from outside are listed, each with its reason,
+in SQL_ALLOWED.
+
 Usage: python3 .ci/layers.py [--graph]   (exit 1 on a violation)
 """
 import os
@@ -24,6 +32,99 @@ LAYERS = [
     ("engine", ["engine"]),
     ("on top", ["admin", "sim", "sinks", "mqtt", "testkit"]),
 ]
+
+
+# Files outside src/store/ that may hold SQL on the engine's tables, and why.
+# An allowlist: a new file with such SQL fails until its SQL moves into
+# store/ or it is listed here with a reason.
+SQL_ALLOWED = {
+    # The thread-free model harness and the application testkit check the
+    # engine's rows from outside, as a reader would; they are test rigs
+    # (issue 35 moves the model out of the library).
+    "src/sim.rs": "model harness: reads rows to check them against its model",
+    "src/testkit/mod.rs": "testkit verdicts: read rows from outside, as a reader would",
+    "src/testkit/process.rs": "testkit child process: reads what was sent",
+}
+SQL_KEYWORD = re.compile(  # case-sensitive: the crate writes SQL in capitals
+    r"\b(SELECT|INSERT|UPDATE|DELETE|FROM|JOIN|INTO|TABLE|INDEX|TRIGGER|PRAGMA)\b"
+)
+
+RUNTIME_TABLE = re.compile(r"\b(FROM|JOIN|INTO|UPDATE|TABLE)\s+\{")
+
+
+def string_literals(text):
+    """Yields (line, content) for each string literal in Rust source, with
+    comments skipped and char literals (`'"'`) not taken for strings."""
+    i, n, line = 0, len(text), 1
+    while i < n:
+        c = text[i]
+        if c == "\n":
+            line += 1
+            i += 1
+        elif text.startswith("//", i):
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i)
+            j = n if j < 0 else j + 2
+            line += text.count("\n", i, j)
+            i = j
+        elif (
+            c == "r"
+            and re.match(r'r#*"', text[i:])
+            and not re.match(r"[A-Za-z0-9_]", text[i - 1] if i else " ")
+        ):
+            m = re.match(r'r(#*)"', text[i:])
+            close = '"' + m.group(1)
+            start = i + len(m.group(0))
+            j = text.find(close, start)
+            j = n if j < 0 else j
+            yield line, text[start:j]
+            line += text.count("\n", i, j)
+            i = j + len(close)
+        elif c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            yield line, text[i + 1 : j]
+            line += text.count("\n", i, j)
+            i = j + 1
+        elif c == "'":
+            m = re.match(r"'(\\.[^']*|[^\\'])'", text[i:])
+            i += len(m.group(0)) if m else 1
+        else:
+            i += 1
+
+
+def engine_tables():
+    schema = open(os.path.join(ROOT, "schema.sql"), encoding="utf-8").read()
+    return set(re.findall(r"TABLE\s+(?:IF NOT EXISTS\s+)?(postroom_[a-z_]+)", schema))
+
+
+def sql_outside_store():
+    """Each string literal outside src/store/ that names an engine table."""
+    tables = engine_tables()
+    found = []
+    for dirpath, _, files in os.walk(SRC):
+        for f in sorted(files):
+            path = os.path.join(dirpath, f)
+            rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+            if not f.endswith(".rs") or rel.startswith("src/store/") or rel in SQL_ALLOWED:
+                continue
+            text = open(path, encoding="utf-8").read()
+            text = re.split(r"#\[cfg\(test\)\]\s*mod tests", text)[0]
+            for line, lit in string_literals(text):
+                if not SQL_KEYWORD.search(lit):
+                    continue
+                named = set(re.findall(r"\bpostroom_[a-z_]+\b", lit)) & tables
+                if RUNTIME_TABLE.search(lit):
+                    named.add("a table named at run time")
+                if named:
+                    found.append(
+                        f"{rel}:{line}: SQL on {', '.join(sorted(named))} outside src/store/ "
+                        "(move it into a store/ function, or list the file in SQL_ALLOWED with why)"
+                    )
+    return found
 
 
 def module_of(path, depth=1):
@@ -127,6 +228,7 @@ def main():
     for comp in sccs(graph(depth=2)):
         if len(comp) > 1:
             problems.append(f"files that use each other: {', '.join(comp)}")
+    problems += sql_outside_store()
     if "--graph" in sys.argv:
         for mod, uses in sorted(edges.items()):
             print(f"{mod} -> {', '.join(sorted(u for u in uses if u in edges))}")

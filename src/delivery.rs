@@ -15,11 +15,11 @@ use crate::failpoint;
 use crate::guard::UserCodeGuard;
 use crate::handler::{Handler, Tx};
 use crate::message::{Failure, Message, Outcome};
-use crate::store::inbox::{self, Found, Key, Record, Status};
+use crate::store::admission::{self, Admission};
+use crate::store::inbox::{self, Record, Status};
 use crate::store::inflight::InflightLog;
 use crate::store::outbox::Cause;
 use crate::store::queue::{self, Claimed};
-use crate::store::watermark;
 
 /// What one delivery runs against.
 pub(crate) struct Env<'a> {
@@ -56,48 +56,22 @@ pub(crate) fn deliver(
 ) -> Result<Outcome> {
     let conn = env.conn;
     let now = env.now_ms;
-    let key = Key {
-        consumer,
-        source: &msg.source,
-        message_id: &msg.id,
-    };
-    let found =
-        inbox::find_live(conn, key, hash).map_err(|e| Error::sqlite("look up inbox row", e))?;
-    match watermark::check(conn, consumer, msg, hash, found.as_ref())
-        .map_err(|e| Error::sqlite("look up sequence watermark", e))?
+    let stored = match admission::admit(conn, consumer, msg, hash, now)
+        .map_err(|e| Error::sqlite("admit delivery (key, digest, sequence)", e))?
     {
-        watermark::Answer::New => {}
-        watermark::Answer::Duplicate => {
-            return Ok(Outcome::DuplicateBySequence {
-                sequence: msg.sequence.unwrap_or_default(),
-            })
+        Admission::New => None,
+        Admission::Duplicate => return Ok(Outcome::Duplicate),
+        Admission::DuplicateBySequence { sequence } => {
+            return Ok(Outcome::DuplicateBySequence { sequence })
         }
-        watermark::Answer::Conflict { stored_hash, why } => {
-            return seq_conflict(env, consumer, msg, &stored_hash, hash, &why)
-        }
-    }
-    let found = match found {
-        Some(Found::CompletedDuplicate) => return Ok(Outcome::Duplicate),
-        Some(Found::Row { id, row }) => Some((id, row)),
-        None => None,
+        Admission::Conflict(conflict_id) => return Ok(Outcome::Conflict { conflict_id }),
+        Admission::Stored { id, row } => Some((id, row)),
     };
-    let row_id = found.as_ref().map(|(id, _)| *id);
+    let row_id = stored.as_ref().map(|(id, _)| *id);
     // The row's incarnation: a new row gets `now` as its received_at.
-    let received_at = found.as_ref().map_or(now, |(_, r)| r.received_at);
-    let prior_attempts = match found {
+    let received_at = stored.as_ref().map_or(now, |(_, r)| r.received_at);
+    let prior_attempts = match stored {
         None => 0,
-        Some((_, row)) if row.payload_hash != *hash => {
-            let conflict_id = inbox::quarantine(conn, consumer, msg, &row.payload_hash, hash, now)
-                .map_err(|e| Error::sqlite("quarantine conflicting delivery", e))?;
-            log::warn!(
-                "consumer {:?}: message {}/{} reused with a different payload; \
-                 quarantined as conflict {conflict_id}",
-                Esc(consumer),
-                Esc(&msg.source),
-                Esc(&msg.id)
-            );
-            return Ok(Outcome::Conflict { conflict_id });
-        }
         Some((id, row)) => match row.status {
             Status::Completed | Status::Dead => {
                 return Ok(final_outcome(row).expect("completed and dead are settled"))
@@ -138,28 +112,6 @@ pub(crate) fn deliver(
         row_id,
     };
     attempt(env, step, at)
-}
-
-/// Quarantines a delivery whose sequence number conflicts (see
-/// [`watermark::Answer::Conflict`]), as a reused id is.
-fn seq_conflict(
-    env: &Env<'_>,
-    consumer: &str,
-    msg: &Message,
-    stored_hash: &[u8; 32],
-    hash: &[u8; 32],
-    why: &str,
-) -> Result<Outcome> {
-    let conflict_id = inbox::quarantine(env.conn, consumer, msg, stored_hash, hash, env.now_ms)
-        .map_err(|e| Error::sqlite("quarantine conflicting delivery", e))?;
-    log::warn!(
-        "consumer {:?}: message {}/{}: {}; quarantined as conflict {conflict_id}",
-        Esc(consumer),
-        Esc(&msg.source),
-        Esc(&msg.id),
-        Esc(why)
-    );
-    Ok(Outcome::Conflict { conflict_id })
 }
 
 /// The final answer for a row whose fate is decided (completed or dead, so

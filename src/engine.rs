@@ -32,7 +32,7 @@ use crate::runtime::workers::{self, Consumer, Leases, Shared};
 use crate::runtime::writer::{self, Counters, WriterCtx, WriterState};
 use crate::runtime::{read_connection, ReadManager, Readers};
 use crate::sink::Sink;
-use crate::store::inbox;
+use crate::store::admission::{self, Admission};
 use crate::store::inflight::{ClaimSlot, EngineFile};
 use crate::store::outbox::{self, OutboxMessage};
 use crate::store::queue::{self, DeadLetter};
@@ -1211,26 +1211,13 @@ fn answer_if_settled(
     msg: &Message,
     hash: &[u8; 32],
 ) -> Option<Outcome> {
-    use crate::store::watermark::{self, Answer};
-    let key = inbox::Key {
-        consumer,
-        source: &msg.source,
-        message_id: &msg.id,
-    };
-    let found = inbox::find(conn, key, hash).ok()?;
-    match watermark::check(conn, consumer, msg, hash, found.as_ref()).ok()? {
-        Answer::New => {}
-        Answer::Duplicate => {
-            return Some(Outcome::DuplicateBySequence {
-                sequence: msg.sequence?,
-            })
+    match admission::peek(conn, consumer, msg, hash).ok()? {
+        Admission::Duplicate => Some(Outcome::Duplicate),
+        Admission::DuplicateBySequence { sequence } => {
+            Some(Outcome::DuplicateBySequence { sequence })
         }
-        Answer::Conflict { .. } => return None,
-    }
-    match found? {
-        inbox::Found::CompletedDuplicate => Some(Outcome::Duplicate),
-        inbox::Found::Row { row, .. } if row.payload_hash == *hash => delivery::final_outcome(row),
-        inbox::Found::Row { .. } => None,
+        Admission::Stored { row, .. } => delivery::final_outcome(row),
+        Admission::New | Admission::Conflict(_) => None,
     }
 }
 

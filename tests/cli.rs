@@ -1222,7 +1222,7 @@ fn the_cli_leaves_the_engine_lock_alone_and_read_connections_cannot_write() {
         assert!(!lock.exists(), "{args:?} created {}", lock.display());
     }
 
-    let conn = postroom::admin::open(&db, false).unwrap();
+    let conn = postroom::admin::open(&db, postroom::admin::Access::ReadOnly).unwrap();
     let err = conn.execute("DELETE FROM postroom_inbox", []).unwrap_err();
     assert!(err.to_string().contains("readonly"), "{err}");
     assert!(matches!(
@@ -1230,7 +1230,7 @@ fn the_cli_leaves_the_engine_lock_alone_and_read_connections_cannot_write() {
         Err(postroom::Error::Sqlite { .. })
     ));
     assert!(matches!(
-        postroom::admin::open(dir.path().join("nope.db"), false),
+        postroom::admin::open(dir.path().join("nope.db"), postroom::admin::Access::ReadOnly),
         Err(postroom::Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound
     ));
 }

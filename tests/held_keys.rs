@@ -159,7 +159,7 @@ fn other_keys_are_processed_while_a_held_key_waits_with_its_backlog() {
         assert_eq!(doc1, backlog(), "{consumer}: doc-1 in receive order");
     }
     room.shutdown(Duration::from_secs(30)).unwrap();
-    let report = postroom::admin::check(&conn, true).unwrap();
+    let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Full).unwrap();
     assert!(report.is_ok(), "{report:?}");
 }
 

@@ -213,7 +213,7 @@ fn a_version_1_file_keeps_every_row_and_every_dedupe_answer() {
         count(&conn, "SELECT count(*) FROM postroom_inbox_keys"),
         before.len() as i64
     );
-    let report = postroom::admin::check(&conn, true).unwrap();
+    let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Full).unwrap();
     assert!(report.is_ok(), "{report:?}");
     let waiting: Vec<String> = column(&conn, "SELECT message_id FROM app_waiting ORDER BY 1");
     assert_eq!(waiting, ["dead", "failed"]);
@@ -283,7 +283,7 @@ fn a_version_1_file_keeps_every_row_and_every_dedupe_answer() {
     }
     let status = |id: &str| inbox_row(&conn, "orders", "shop", id).unwrap().0;
     assert_eq!(status("queued"), Status::Completed.to_string());
-    let report = postroom::admin::check(&conn, true).unwrap();
+    let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Full).unwrap();
     assert!(report.is_ok(), "{report:?}");
 }
 
@@ -319,7 +319,11 @@ fn a_process_killed_mid_migration_leaves_the_version_1_file_as_it_was() {
     let conn = raw(&db);
     assert_eq!(stored_version(&conn), postroom::SCHEMA_VERSION.to_string());
     assert_eq!(column::<Vec<String>>(&conn, DUMP_INBOX), before);
-    assert!(postroom::admin::check(&conn, false).unwrap().is_ok());
+    assert!(
+        postroom::admin::check(&conn, postroom::admin::CheckDepth::Quick)
+            .unwrap()
+            .is_ok()
+    );
 }
 
 #[test]
@@ -327,7 +331,9 @@ fn the_cli_asks_for_a_version_1_file_to_be_migrated_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("v1.db");
     let before = write_v1(&db, 3);
-    let err = postroom::admin::open(&db, false).unwrap_err().to_string();
+    let err = postroom::admin::open(&db, postroom::admin::Access::ReadOnly)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("older than this build"), "{err}");
     let conn = raw(&db);
     assert_eq!(stored_version(&conn), "1");
@@ -376,7 +382,7 @@ fn a_version_2_file_keeps_every_row_and_key_and_retention_notes_its_keys() {
         "forgotten after retention"
     );
     room.shutdown(Duration::from_secs(10)).unwrap();
-    let report = postroom::admin::check(&conn, true).unwrap();
+    let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Full).unwrap();
     assert!(report.is_ok(), "{report:?}");
 }
 
@@ -433,7 +439,7 @@ fn a_version_3_file_keeps_its_conflicts_and_never_reuses_their_ids() {
         Outcome::Conflict { conflict_id: 10 }
     );
     room.shutdown(Duration::from_secs(10)).unwrap();
-    let report = postroom::admin::check(&conn, true).unwrap();
+    let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Full).unwrap();
     assert!(report.is_ok(), "{report:?}");
 }
 
@@ -505,7 +511,7 @@ fn a_version_5_file_keeps_every_row_and_gets_sequence_watermarks() {
         )
         .unwrap();
     assert_eq!(again, instance);
-    let report = postroom::admin::check(&conn, true).unwrap();
+    let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Full).unwrap();
     assert!(report.is_ok(), "{report:?}");
 }
 
@@ -646,7 +652,7 @@ fn a_version_6_file_gets_the_heads_of_its_keys_and_runs_them_in_order() {
             "every key finished: no heads left"
         );
         room.shutdown(Duration::from_secs(10)).unwrap();
-        let report = postroom::admin::check(&conn, true).unwrap();
+        let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Full).unwrap();
         assert!(report.is_ok(), "{report:?}");
     }
 }

@@ -786,7 +786,7 @@ fn a_clock_set_back_holds_neither_new_rows_nor_redriven_ones() {
         [],
     )
     .unwrap();
-    let admin = postroom::admin::open(&db, true).unwrap();
+    let admin = postroom::admin::open(&db, postroom::admin::Access::ReadWrite).unwrap();
     let dead: i64 = conn
         .query_row(
             "SELECT id FROM postroom_inbox WHERE status = 'dead'",
@@ -884,4 +884,60 @@ fn a_payload_stored_as_text_holds_up_nothing() {
     let mut seen = seen.lock().unwrap().clone();
     seen.sort();
     assert_eq!(seen, [b"as text".to_vec(), b"b".to_vec(), b"c".to_vec()]);
+}
+
+/// Warnings captured for [`a_received_id_reused_with_another_payload_is_logged_and_counted_as_an_inline_one_is`]
+/// (the logger is global to this binary; that test filters on its own
+/// consumers' names, so others' records do not disturb it).
+static WARNINGS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+struct WarnCapture;
+
+impl log::Log for WarnCapture {
+    fn enabled(&self, m: &log::Metadata<'_>) -> bool {
+        m.level() <= log::Level::Warn
+    }
+    fn log(&self, record: &log::Record<'_>) {
+        if self.enabled(record.metadata()) {
+            WARNINGS.lock().unwrap().push(record.args().to_string());
+        }
+    }
+    fn flush(&self) {}
+}
+
+#[test]
+fn a_received_id_reused_with_another_payload_is_logged_and_counted_as_an_inline_one_is() {
+    // Both paths decide by one admission rule: the operator hears about a
+    // reused id the same way whichever way it came in.
+    static CAPTURE: WarnCapture = WarnCapture;
+    let _ = log::set_logger(&CAPTURE);
+    log::set_max_level(log::LevelFilter::Warn);
+    let dir = tempfile::tempdir().unwrap();
+    let room = quick()
+        .consumer("reuse-inline", handler_fn(|_, _| Ok(())))
+        .consumer("reuse-queued", handler_fn(|_, _| Ok(())))
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    room.deliver("reuse-inline", Message::new("s", "m-1", "first"))
+        .unwrap();
+    let inline = room
+        .deliver("reuse-inline", Message::new("s", "m-1", "second"))
+        .unwrap();
+    assert!(matches!(inline, Outcome::Conflict { .. }), "{inline:?}");
+    room.receive("reuse-queued", Message::new("s", "m-1", "first"))
+        .unwrap();
+    let received = room
+        .receive("reuse-queued", Message::new("s", "m-1", "second"))
+        .unwrap();
+    assert!(matches!(received, Receipt::Conflict { .. }), "{received:?}");
+
+    let warned = |consumer: &str| {
+        WARNINGS.lock().unwrap().iter().any(|w| {
+            w.contains(&format!("{consumer:?}")) && w.contains("reused with a different payload")
+        })
+    };
+    assert!(warned("reuse-inline"), "{:#?}", WARNINGS.lock().unwrap());
+    assert!(warned("reuse-queued"), "{:#?}", WARNINGS.lock().unwrap());
+    assert_eq!(room.stats().unwrap().conflicts, 2);
+    room.shutdown(Duration::from_secs(10)).unwrap();
 }

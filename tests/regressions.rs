@@ -271,11 +271,21 @@ fn admin_writes_get_the_lock_while_the_engine_commits_back_to_back() {
         eventually(10, "the load to run", || {
             delivered.load(Ordering::SeqCst) >= 50
         });
-        let conn = postroom::admin::open_with_timeout(&path, true, Duration::from_secs(2)).unwrap();
+        let conn = postroom::admin::open_with_timeout(
+            &path,
+            postroom::admin::Access::ReadWrite,
+            Duration::from_secs(2),
+        )
+        .unwrap();
         for i in 0..20 {
             let before = delivered.load(Ordering::SeqCst);
             let now = postroom::admin::now_ms();
-            if let Err(e) = postroom::admin::cleanup(&conn, now, Duration::from_secs(3600), false) {
+            if let Err(e) = postroom::admin::cleanup(
+                &conn,
+                now,
+                Duration::from_secs(3600),
+                postroom::admin::CleanupMode::Delete,
+            ) {
                 panic!("write {i} while the engine delivers: {e}");
             }
             // The engine kept delivering: the write shared the lock.

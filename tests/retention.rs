@@ -123,7 +123,7 @@ fn key_counts(conn: &Connection) -> (i64, i64, i64) {
 }
 
 fn check_ok(conn: &Connection) {
-    let report = postroom::admin::check(conn, false).unwrap();
+    let report = postroom::admin::check(conn, postroom::admin::CheckDepth::Quick).unwrap();
     assert!(report.is_ok(), "{report:?}");
 }
 
@@ -270,7 +270,7 @@ fn check_reports_a_retired_entry_without_its_note() {
     check_ok(&conn);
     conn.execute("DELETE FROM postroom_retired_keys", [])
         .unwrap();
-    let report = postroom::admin::check(&conn, false).unwrap();
+    let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Quick).unwrap();
     let found: Vec<_> = report
         .violations
         .iter()

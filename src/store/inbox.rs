@@ -1,5 +1,7 @@
 //! Inbox SQL as plain functions over a connection. No thread, no clock:
 //! callers pass `now`, so tests and fuzz targets can drive them directly.
+//! The operator's listing and showing of inbox rows (`admin`'s
+//! `inbox_list` / `inbox_show`, whose types live here) are here too.
 
 use std::fmt;
 use std::str::FromStr;
@@ -7,8 +9,10 @@ use std::str::FromStr;
 use rusqlite::types::{FromSql, FromSqlError, FromSqlResult, ToSql, ToSqlOutput, ValueRef};
 use rusqlite::{params, Connection, OptionalExtension};
 
-use crate::message::Message;
-use crate::store::text::headers_json;
+use crate::message::{Headers, Message};
+use crate::store::page::{limit_param, Page};
+use crate::store::payload::{hex, Payload};
+use crate::store::text::{headers_json, parse_headers};
 
 /// The state of an inbox row.
 #[derive(
@@ -417,4 +421,237 @@ pub(crate) fn quarantine(
         ],
         |r| r.get(0),
     )
+}
+
+// The operator's view: listing and showing inbox rows.
+
+/// Which inbox rows [`inbox_list`](crate::admin::inbox_list) returns. Every filter is optional; the
+/// default [`Page`] is the newest 100.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct InboxFilter {
+    /// Only this consumer's rows.
+    pub consumer: Option<String>,
+    /// Only rows in this status.
+    pub status: Option<Status>,
+    /// Only rows from this source.
+    pub source: Option<String>,
+    /// Only rows received at or after this time (unix ms).
+    pub since_ms: Option<i64>,
+    /// Only rows received before this time (unix ms).
+    pub until_ms: Option<i64>,
+    /// Only rows waiting for a redelivery: failed, and no worker retries
+    /// them (see [`InboxEntry::waiting_for_redelivery`]).
+    pub waiting_for_redelivery: bool,
+    /// Where a page starts: see [`Page`].
+    pub page: Page,
+}
+
+/// An inbox row without its payload, as [`inbox_list`](crate::admin::inbox_list) returns it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct InboxEntry {
+    /// Row id: what `inbox show`, `redrive` and `discard` take.
+    pub id: i64,
+    /// The consumer it was delivered to.
+    pub consumer: String,
+    /// The stream it came from.
+    pub source: String,
+    /// The message id.
+    pub message_id: String,
+    /// Its state.
+    pub status: Status,
+    /// Attempts made.
+    pub attempts: u32,
+    /// Its ordering key, if any.
+    pub ordering_key: Option<String>,
+    /// Stored payload size; `None` when the payload was not kept.
+    pub payload_bytes: Option<u64>,
+    /// The last failure (or the discard note).
+    pub last_error: Option<String>,
+    /// When it was first received (unix ms).
+    pub received_at: i64,
+    /// When the row last changed (unix ms).
+    pub updated_at: i64,
+    /// When a pending or failed row is next due: a time while it waits out
+    /// a backoff, `None` when it is due at once (and for finished rows).
+    pub next_attempt_at: Option<i64>,
+    /// When it completed, if it did.
+    pub processed_at: Option<i64>,
+    /// A failed row that no worker will retry, waiting for its sender's
+    /// redelivery: it was delivered inline (`deliver`), or it was received
+    /// and processed in its receipt's own transaction when the process died
+    /// in its handler (crash recovery counted the attempt; the receipt
+    /// never committed, so the sender was never told to stop sending it).
+    /// Only a redelivery (`deliver` or `receive` of the same message)
+    /// revives it; retention never deletes it.
+    pub waiting_for_redelivery: bool,
+}
+
+pub(crate) const ENTRY_COLUMNS: &str =
+    "id, consumer, source, message_id, status, attempts, ordering_key,
+     length(payload), last_error, received_at, updated_at, next_attempt_at, processed_at,
+     status = 'failed' AND queued = 0";
+
+/// How many columns [`ENTRY_COLUMNS`] selects: the index of the first
+/// column a query adds after them.
+pub(crate) const ENTRY_WIDTH: usize = 14;
+
+pub(crate) fn entry_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<InboxEntry> {
+    // Lossy: a row whose text does not decode is shown, not an error.
+    let text = |idx| crate::store::text::lossy_text(r, idx).map(Option::unwrap_or_default);
+    Ok(InboxEntry {
+        id: r.get(0)?,
+        consumer: text(1)?,
+        source: text(2)?,
+        message_id: text(3)?,
+        status: r.get(4)?,
+        attempts: r.get(5)?,
+        ordering_key: crate::store::text::lossy_text(r, 6)?,
+        payload_bytes: r
+            .get::<_, Option<i64>>(7)?
+            .map(|n| u64::try_from(n).unwrap_or(0)),
+        last_error: crate::store::text::lossy_text(r, 8)?,
+        received_at: r.get(9)?,
+        updated_at: r.get(10)?,
+        next_attempt_at: r.get(11)?,
+        processed_at: r.get(12)?,
+        waiting_for_redelivery: r.get(13)?,
+    })
+}
+
+/// Inbox rows matching `filter`, one [`Page`] of them (newest first by
+/// default).
+pub(crate) fn list(conn: &Connection, filter: &InboxFilter) -> rusqlite::Result<Vec<InboxEntry>> {
+    let (after, order) = filter.page.sql("id", 7, 6);
+    let mut stmt = conn.prepare(&format!(
+        "SELECT {ENTRY_COLUMNS} FROM postroom_inbox
+             WHERE (?1 IS NULL OR consumer = ?1) AND (?2 IS NULL OR status = ?2)
+               AND (?3 IS NULL OR source = ?3) AND (?4 IS NULL OR received_at >= ?4)
+               AND (?5 IS NULL OR received_at < ?5)
+               AND (?8 = 0 OR (status = 'failed' AND queued = 0)) AND {after}
+             {order}"
+    ))?;
+    let rows = stmt.query_map(
+        params![
+            filter.consumer,
+            filter.status,
+            filter.source,
+            filter.since_ms,
+            filter.until_ms,
+            limit_param(filter.page.limit),
+            filter.page.after,
+            filter.waiting_for_redelivery,
+        ],
+        entry_from_row,
+    )?;
+    rows.collect::<rusqlite::Result<_>>()
+}
+
+/// One inbox row in full, from [`inbox_show`](crate::admin::inbox_show).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct InboxDetail {
+    /// Everything [`inbox_list`](crate::admin::inbox_list) shows.
+    #[serde(flatten)]
+    pub entry: InboxEntry,
+    /// The payload, when kept (failed and dead rows always keep theirs).
+    pub payload: Option<Payload>,
+    /// blake3 digest of the first payload accepted under this key, in hex.
+    pub payload_hash: String,
+    /// Whether the stored payload still matches `payload_hash` (`None`
+    /// when no payload is kept).
+    pub payload_hash_ok: Option<bool>,
+    /// The message's headers.
+    pub headers: Headers,
+    /// Lease end (processing rows), unix ms.
+    pub lease_until: Option<i64>,
+    /// Lease token (processing rows).
+    pub lease_token: Option<i64>,
+    /// `seq` of the outbox rows its handler published (while kept).
+    pub caused_outbox: Vec<i64>,
+}
+
+/// The inbox row with this id, in full; `None` when there is none. Two
+/// reads: the caller runs it in one snapshot.
+pub(crate) fn show(conn: &Connection, id: i64) -> rusqlite::Result<Option<InboxDetail>> {
+    let found = conn
+        .query_row(
+            &format!(
+                "SELECT {ENTRY_COLUMNS}, payload, payload_hash, headers, lease_until,
+                            lease_token
+                     FROM postroom_inbox WHERE id = ?1"
+            ),
+            [id],
+            |r| {
+                let payload = crate::store::text::stored_bytes(r, ENTRY_WIDTH)?;
+                let hash: Vec<u8> = r.get(ENTRY_WIDTH + 1)?;
+                let headers: Option<String> = r.get(ENTRY_WIDTH + 2)?;
+                let payload_hash_ok = payload
+                    .as_ref()
+                    .map(|p| blake3::hash(p).as_bytes().as_slice() == hash.as_slice());
+                Ok(InboxDetail {
+                    entry: entry_from_row(r)?,
+                    payload: payload.map(Payload),
+                    payload_hash: hex(&hash),
+                    payload_hash_ok,
+                    headers: parse_headers(headers.as_deref()),
+                    lease_until: r.get(ENTRY_WIDTH + 3)?,
+                    lease_token: r.get(ENTRY_WIDTH + 4)?,
+                    caused_outbox: Vec::new(),
+                })
+            },
+        )
+        .optional()?;
+    let Some(mut detail) = found else {
+        return Ok(None);
+    };
+    let mut stmt = conn.prepare(
+        "SELECT seq FROM postroom_outbox
+                 WHERE cause_consumer = ?1 AND cause_source = ?2 AND cause_message_id = ?3
+                 ORDER BY seq",
+    )?;
+    detail.caused_outbox = stmt
+        .query_map(
+            params![
+                detail.entry.consumer,
+                detail.entry.source,
+                detail.entry.message_id
+            ],
+            |r| r.get(0),
+        )
+        .and_then(|rows| rows.collect())?;
+    Ok(Some(detail))
+}
+
+/// Row ids of the dead letters of `consumer` (or all) whose last error
+/// contains `error_contains` (or any) and that died within `[since, until)`
+/// (either end open), one [`Page`] of them.
+pub(crate) fn dead_ids(
+    conn: &Connection,
+    consumer: Option<&str>,
+    error_contains: Option<&str>,
+    (since_ms, until_ms): (Option<i64>, Option<i64>),
+    page: Page,
+) -> rusqlite::Result<Vec<i64>> {
+    let (after, order) = page.sql("id", 6, 5);
+    let mut stmt = conn.prepare(&format!(
+        "SELECT id FROM postroom_inbox INDEXED BY postroom_inbox_dead
+         WHERE status = 'dead' AND (?1 IS NULL OR consumer = ?1)
+           AND (?2 IS NULL OR instr(last_error, ?2) > 0)
+           AND (?3 IS NULL OR updated_at >= ?3) AND (?4 IS NULL OR updated_at < ?4)
+           AND {after}
+         {order}"
+    ))?;
+    let rows = stmt.query_map(
+        params![
+            consumer,
+            error_contains,
+            since_ms,
+            until_ms,
+            limit_param(page.limit),
+            page.after,
+        ],
+        |r| r.get(0),
+    )?;
+    rows.collect()
 }

@@ -3,11 +3,16 @@
 //! Everything above (the state machines, the threads, the operator
 //! functions) reads and writes the database through these.
 
+pub(crate) mod admission;
 pub(crate) mod backlog;
+pub(crate) mod check;
+pub(crate) mod conflicts;
 pub(crate) mod due;
 pub(crate) mod inbox;
 pub(crate) mod inflight;
 pub(crate) mod outbox;
+pub(crate) mod page;
+pub(crate) mod payload;
 pub(crate) mod queue;
 pub(crate) mod retention;
 pub(crate) mod retired;

@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
 use crate::message::{Headers, Message, Outgoing};
-use crate::store::text::headers_json;
+use crate::store::page::{limit_param, Page};
+use crate::store::payload::Payload;
+use crate::store::text::{headers_json, parse_headers};
 
 /// Header naming the message that caused an outgoing one.
 pub const CAUSATION_HEADER: &str = "causation-id";
@@ -504,4 +506,271 @@ mod tests {
             assert_eq!(ids, expected);
         });
     }
+}
+
+// The operator's view: listing and showing outbox rows.
+
+/// An outbox row's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutboxState {
+    /// Waiting for the relay (possibly backing off after a failed send).
+    Pending,
+    /// Handed to the sink (or discarded by an operator).
+    Sent,
+    /// Out of attempts or refused by the sink: the relay skips it.
+    Dead,
+}
+
+impl OutboxState {
+    /// The name stored in the database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutboxState::Pending => "pending",
+            OutboxState::Sent => "sent",
+            OutboxState::Dead => "dead",
+        }
+    }
+}
+
+impl std::fmt::Display for OutboxState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for OutboxState {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        [OutboxState::Pending, OutboxState::Sent, OutboxState::Dead]
+            .into_iter()
+            .find(|st| st.as_str() == s)
+            .ok_or_else(|| format!("unknown outbox status {s:?} (pending, sent or dead)"))
+    }
+}
+
+impl rusqlite::types::FromSql for OutboxState {
+    fn column_result(value: rusqlite::types::ValueRef<'_>) -> rusqlite::types::FromSqlResult<Self> {
+        value
+            .as_str()?
+            .parse()
+            .map_err(|e: String| rusqlite::types::FromSqlError::Other(e.into()))
+    }
+}
+
+/// Which outbox rows [`outbox_list`](crate::admin::outbox_list) returns. Every filter is optional.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OutboxFilter {
+    /// Only rows in this state.
+    pub status: Option<OutboxState>,
+    /// Only this topic.
+    pub topic: Option<String>,
+    /// Only this ordering key.
+    pub key: Option<String>,
+    /// Only rows committed at or after this time (unix ms).
+    pub since_ms: Option<i64>,
+    /// Only rows committed before this time (unix ms).
+    pub until_ms: Option<i64>,
+    /// Where a page starts (by `seq`).
+    pub page: Page,
+}
+
+/// An outbox row without its payload, from [`outbox_list`](crate::admin::outbox_list).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct OutboxEntry {
+    /// Commit order; what `outbox show` and `dead redrive --outbox` take.
+    pub seq: i64,
+    /// The stable message id a downstream deduplicates on.
+    pub message_id: String,
+    /// The topic.
+    pub topic: String,
+    /// The ordering key, if any.
+    pub key: Option<String>,
+    /// Its state.
+    pub status: OutboxState,
+    /// Hand-overs that failed (sent rows: plus the one that succeeded).
+    pub attempts: u32,
+    /// Payload size in bytes.
+    pub payload_bytes: u64,
+    /// Why it last failed.
+    pub last_error: Option<String>,
+    /// When it was committed (unix ms).
+    pub created_at: i64,
+    /// When a pending row is next tried: `None` when due now.
+    pub next_attempt_at: Option<i64>,
+    /// When it was sent.
+    pub sent_at: Option<i64>,
+    /// The inbox message whose handler published it: consumer, source and
+    /// message id.
+    pub caused_by: Option<[String; 3]>,
+}
+
+const OUTBOX_COLUMNS: &str = "seq, message_id, topic, key, status, attempts, length(payload),
+     last_error, created_at, next_attempt_at, sent_at, cause_consumer, cause_source,
+     cause_message_id";
+
+fn outbox_entry_from_row(r: &rusqlite::Row<'_>, now: i64) -> rusqlite::Result<OutboxEntry> {
+    let text = |idx| crate::store::text::lossy_text(r, idx).map(Option::unwrap_or_default);
+    let status: OutboxState = r.get(4)?;
+    let next: i64 = r.get(9)?;
+    let cause = (
+        crate::store::text::lossy_text(r, 11)?,
+        crate::store::text::lossy_text(r, 12)?,
+        crate::store::text::lossy_text(r, 13)?,
+    );
+    Ok(OutboxEntry {
+        seq: r.get(0)?,
+        message_id: text(1)?,
+        topic: text(2)?,
+        key: crate::store::text::lossy_text(r, 3)?,
+        status,
+        attempts: r.get(5)?,
+        payload_bytes: u64::try_from(r.get::<_, i64>(6)?).unwrap_or(0),
+        last_error: crate::store::text::lossy_text(r, 7)?,
+        created_at: r.get(8)?,
+        next_attempt_at: (status == OutboxState::Pending && next > now).then_some(next),
+        sent_at: r.get(10)?,
+        caused_by: match cause {
+            (Some(c), Some(s), Some(m)) => Some([c, s, m]),
+            _ => None,
+        },
+    })
+}
+
+/// Outbox rows matching `filter`, one [`Page`] of them (newest first by
+/// default).
+pub(crate) fn list(
+    conn: &Connection,
+    filter: &OutboxFilter,
+    now: i64,
+) -> rusqlite::Result<Vec<OutboxEntry>> {
+    let (after, order) = filter.page.sql("seq", 7, 6);
+    let mut stmt = conn.prepare(&format!(
+        "SELECT {OUTBOX_COLUMNS} FROM postroom_outbox
+             WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR topic = ?2)
+               AND (?3 IS NULL OR key = ?3) AND (?4 IS NULL OR created_at >= ?4)
+               AND (?5 IS NULL OR created_at < ?5) AND {after}
+             {order}"
+    ))?;
+    let rows = stmt.query_map(
+        params![
+            filter.status.map(OutboxState::as_str),
+            filter.topic,
+            filter.key,
+            filter.since_ms,
+            filter.until_ms,
+            limit_param(filter.page.limit),
+            filter.page.after,
+        ],
+        |r| outbox_entry_from_row(r, now),
+    )?;
+    rows.collect::<rusqlite::Result<_>>()
+}
+
+/// One outbox row in full, from [`outbox_show`](crate::admin::outbox_show).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct OutboxDetail {
+    /// Everything [`outbox_list`](crate::admin::outbox_list) shows.
+    #[serde(flatten)]
+    pub entry: OutboxEntry,
+    /// The headers.
+    pub headers: Headers,
+    /// The payload (empty once discarded).
+    pub payload: Payload,
+    /// For a pending row with a key: the earlier pending row of its key
+    /// that holds it back while that row waits out a backoff (the relay
+    /// hands a key's rows over in `seq` order). `None` when nothing holds
+    /// it back.
+    pub held_back_by: Option<OutboxEntry>,
+    /// Pending rows of the same key after this one, which it holds back
+    /// while it waits out a backoff.
+    pub holding_back: u64,
+}
+
+/// The outbox row `seq` in full, with what holds it back; `None` when
+/// there is none. Several reads: the caller runs it in one snapshot.
+pub(crate) fn show(
+    conn: &Connection,
+    seq: i64,
+    now: i64,
+) -> rusqlite::Result<Option<OutboxDetail>> {
+    let found = conn
+        .query_row(
+            &format!(
+                "SELECT {OUTBOX_COLUMNS}, headers, payload FROM postroom_outbox WHERE seq = ?1"
+            ),
+            [seq],
+            |r| {
+                let headers = crate::store::text::lossy_text(r, 14)?;
+                Ok(OutboxDetail {
+                    entry: outbox_entry_from_row(r, now)?,
+                    headers: parse_headers(headers.as_deref()),
+                    payload: Payload(crate::store::text::stored_bytes(r, 15)?.unwrap_or_default()),
+                    held_back_by: None,
+                    holding_back: 0,
+                })
+            },
+        )
+        .optional()?;
+    let Some(mut detail) = found else {
+        return Ok(None);
+    };
+    let (Some(key), OutboxState::Pending) = (&detail.entry.key, detail.entry.status) else {
+        return Ok(Some(detail));
+    };
+    // The relay's own rule (outbox::fetch_due): held back while an
+    // earlier pending row of the key is not yet due.
+    detail.held_back_by = conn
+        .query_row(
+            &format!(
+                "SELECT {OUTBOX_COLUMNS} FROM postroom_outbox
+                     WHERE key = ?1 AND seq < ?2 AND status = 'pending' AND next_attempt_at > ?3
+                     ORDER BY seq LIMIT 1"
+            ),
+            params![key, seq, now],
+            |r| outbox_entry_from_row(r, now),
+        )
+        .optional()?;
+    if detail.entry.next_attempt_at.is_some() {
+        let n: i64 = conn.query_row(
+            "SELECT count(*) FROM postroom_outbox
+                     WHERE key = ?1 AND seq > ?2 AND status = 'pending'",
+            params![key, seq],
+            |r| r.get(0),
+        )?;
+        detail.holding_back = u64::try_from(n).unwrap_or(0);
+    }
+    Ok(Some(detail))
+}
+
+/// `seq`s of the dead outbox rows whose last error contains
+/// `error_contains` (or any) and that were committed within
+/// `[since, until)` (either end open), one [`Page`] of them.
+pub(crate) fn dead_seqs(
+    conn: &Connection,
+    error_contains: Option<&str>,
+    (since_ms, until_ms): (Option<i64>, Option<i64>),
+    page: Page,
+) -> rusqlite::Result<Vec<i64>> {
+    let (after, order) = page.sql("seq", 5, 4);
+    let mut stmt = conn.prepare(&format!(
+        "SELECT seq FROM postroom_outbox
+         WHERE status = 'dead' AND (?1 IS NULL OR instr(last_error, ?1) > 0)
+           AND (?2 IS NULL OR created_at >= ?2) AND (?3 IS NULL OR created_at < ?3)
+           AND {after}
+         {order}"
+    ))?;
+    let rows = stmt.query_map(
+        params![
+            error_contains,
+            since_ms,
+            until_ms,
+            limit_param(page.limit),
+            page.after,
+        ],
+        |r| r.get(0),
+    )?;
+    rows.collect()
 }

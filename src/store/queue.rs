@@ -13,9 +13,9 @@ use crate::escape::Esc;
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::message::{Headers, Message, Receipt};
-use crate::store::inbox::{self, Found};
+use crate::store::admission::{self, Admission};
+use crate::store::inbox;
 use crate::store::text::headers_json;
-use crate::store::watermark;
 
 /// Stores a received message as `pending` unless its key is known: then it
 /// is a duplicate (same payload digest) or a conflict (quarantined).
@@ -57,34 +57,14 @@ fn store(
     dead: Option<&str>,
     now_ms: i64,
 ) -> rusqlite::Result<Receipt> {
-    let key = inbox::Key {
-        consumer,
-        source: &msg.source,
-        message_id: &msg.id,
-    };
-    let found = inbox::find_live(conn, key, hash)?;
-    match watermark::check(conn, consumer, msg, hash, found.as_ref())? {
-        watermark::Answer::New => {}
-        watermark::Answer::Duplicate => {
-            return Ok(Receipt::DuplicateBySequence {
-                sequence: msg.sequence.unwrap_or_default(),
-            })
+    let row_id = match admission::admit(conn, consumer, msg, hash, now_ms)? {
+        Admission::Duplicate => return Ok(Receipt::Duplicate),
+        Admission::DuplicateBySequence { sequence } => {
+            return Ok(Receipt::DuplicateBySequence { sequence })
         }
-        watermark::Answer::Conflict { stored_hash, why } => {
-            let conflict_id = inbox::quarantine(conn, consumer, msg, &stored_hash, hash, now_ms)?;
-            log::warn!(
-                "consumer {:?}: message {}/{}: {}; quarantined as conflict \
-                 {conflict_id}",
-                Esc(consumer),
-                Esc(&msg.source),
-                Esc(&msg.id),
-                Esc(&why)
-            );
-            return Ok(Receipt::Conflict { conflict_id });
-        }
-    }
-    let row_id = match found {
-        None => {
+        Admission::Conflict(conflict_id) => return Ok(Receipt::Conflict { conflict_id }),
+        Admission::Stored { id, .. } => id,
+        Admission::New => {
             conn.prepare_cached(
                 "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
                      payload_hash, headers, ordering_key, attempts, received_at, updated_at,
@@ -108,13 +88,6 @@ fn store(
             ])?;
             return Ok(Receipt::Accepted);
         }
-        Some(Found::CompletedDuplicate) => return Ok(Receipt::Duplicate),
-        Some(Found::Row { row, .. }) if row.payload_hash != *hash => {
-            let conflict_id =
-                inbox::quarantine(conn, consumer, msg, &row.payload_hash, hash, now_ms)?;
-            return Ok(Receipt::Conflict { conflict_id });
-        }
-        Some(Found::Row { id, .. }) => id,
     };
     // The caller will ack this receipt, so the workers must own the message
     // from now on even if an inline delivery left it unfinished (its broker

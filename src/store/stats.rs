@@ -186,6 +186,39 @@ pub(crate) fn read(conn: &Connection, db_path: &Path) -> Result<Stats> {
     Ok(stats)
 }
 
+/// Per consumer, when its oldest unfinished (pending, processing or
+/// failed) row was received.
+pub(crate) fn oldest_unfinished(conn: &Connection) -> rusqlite::Result<Vec<(String, i64)>> {
+    let mut stmt = conn.prepare(
+        "SELECT consumer, min(received_at) FROM postroom_inbox
+         WHERE status IN ('pending', 'processing', 'failed') GROUP BY consumer",
+    )?;
+    let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    rows.collect()
+}
+
+/// Per consumer, how many `processing` rows hold a lease that passed
+/// before `now` (or none).
+pub(crate) fn expired_leases(conn: &Connection, now: i64) -> rusqlite::Result<Vec<(String, i64)>> {
+    let mut stmt = conn.prepare(
+        "SELECT consumer, count(*) FROM postroom_inbox
+         WHERE status = 'processing' AND (lease_until IS NULL OR lease_until < ?1)
+         GROUP BY consumer",
+    )?;
+    let rows = stmt.query_map([now], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    rows.collect()
+}
+
+/// Inbox rows per consumer and attempts made, in that order.
+pub(crate) fn attempts(conn: &Connection) -> rusqlite::Result<Vec<(String, u32, i64)>> {
+    let mut stmt = conn.prepare(
+        "SELECT consumer, attempts, count(*) FROM postroom_inbox
+         GROUP BY consumer, attempts ORDER BY consumer, attempts",
+    )?;
+    let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+    rows.collect()
+}
+
 fn count(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
 }

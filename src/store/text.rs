@@ -74,3 +74,10 @@ pub(crate) fn headers_json(headers: &Headers) -> Option<String> {
         serde_json::to_string(headers).ok()
     }
 }
+
+/// Stored headers (a JSON object), or none when absent or unreadable: an
+/// operator's view shows what it can rather than failing on one row.
+pub(crate) fn parse_headers(text: Option<&str>) -> Headers {
+    text.and_then(|t| serde_json::from_str(t).ok())
+        .unwrap_or_default()
+}

@@ -92,7 +92,7 @@ pub fn inbox_row(conn: &Connection, consumer: &str, source: &str, id: &str) -> O
 /// SQLite's `integrity_check` and postroom's own invariants (key table,
 /// status fields, digests, causes) hold; warnings are allowed.
 pub fn integrity_ok(conn: &Connection) {
-    let report = postroom::admin::check(conn, true).unwrap();
+    let report = postroom::admin::check(conn, postroom::admin::CheckDepth::Full).unwrap();
     assert!(report.is_ok(), "{report:#?}");
 }
 

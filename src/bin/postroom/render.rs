@@ -6,7 +6,8 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use comfy_table::{CellAlignment, ContentArrangement, Table};
-use postroom::admin::{self, Payload};
+use postroom::admin::{self, OutboxState, Payload};
+use postroom::Status;
 
 /// `s` safe to print on a terminal, on one line: control characters
 /// (escape sequences, carriage returns, newlines), bidirectional overrides
@@ -244,7 +245,7 @@ pub fn payload(out: &mut String, label: &str, p: Option<&Payload>) {
         _ => "binary, hex dump",
     };
     let _ = writeln!(out, "{label} ({} bytes, {kind}):", p.as_bytes().len());
-    let body = esc_block(&p.pretty());
+    let body = esc_block(&crate::pretty::pretty(p));
     out.push_str(&body);
     if !body.ends_with('\n') {
         out.push('\n');
@@ -261,6 +262,384 @@ pub fn headers(out: &mut String, headers: &postroom::Headers) {
             let _ = writeln!(out, "  {}: {}", esc(k), esc(v));
         }
     }
+}
+
+// What each command shows for people.
+
+/// The handler holding a running engine's writer past its `slow_handler`
+/// threshold, if one does: every write of that engine waits for it.
+pub fn print_slow_handler(out: &mut String, db: &std::path::Path, now_ms: i64) {
+    if let Some(slow) = admin::slow_handler(db) {
+        let _ = writeln!(
+            out,
+            "SLOW HANDLER running for {}: {}/{} (every write of the engine waits for it)",
+            age(now_ms.saturating_sub(slow.since_ms)),
+            esc(&slow.consumer),
+            esc(&slow.message_id)
+        );
+    }
+}
+
+/// An inbox row's state for people: its status, and for a failed row that
+/// no worker retries, that it waits for its sender's redelivery.
+pub fn inbox_state(e: &admin::InboxEntry) -> String {
+    if e.waiting_for_redelivery {
+        format!("{} (waiting for redelivery)", e.status)
+    } else {
+        e.status.to_string()
+    }
+}
+
+pub fn print_status(out: &mut String, r: &admin::StatusReport) {
+    let _ = writeln!(out, "database   {}", esc(&r.path));
+    let _ = writeln!(out, "schema     {}", r.schema_version);
+    let _ = writeln!(
+        out,
+        "size       {} database, {} WAL",
+        bytes(r.db_bytes),
+        bytes(r.wal_bytes)
+    );
+    let _ = writeln!(out, "conflicts  {}", r.conflicts);
+    let _ = writeln!(out);
+    if r.consumers.is_empty() {
+        let _ = writeln!(out, "inbox: empty");
+    } else {
+        let cells = r
+            .consumers
+            .iter()
+            .map(|c| {
+                vec![
+                    esc(&c.consumer),
+                    c.counts.pending.to_string(),
+                    c.counts.processing.to_string(),
+                    c.counts.completed.to_string(),
+                    c.counts.failed.to_string(),
+                    c.counts.waiting_for_redelivery.to_string(),
+                    c.oldest_waiting_for_redelivery_age_ms
+                        .map_or("-".into(), age),
+                    c.counts.dead.to_string(),
+                    c.total.to_string(),
+                    c.oldest_pending_age_ms.map_or("-".into(), age),
+                    c.expired_leases.to_string(),
+                    c.attempts
+                        .iter()
+                        .map(|b| format!("{}:{}", b.attempts, b.rows))
+                        .collect::<Vec<_>>()
+                        .join(" "),
+                ]
+            })
+            .collect();
+        table(
+            out,
+            &[
+                "CONSUMER",
+                "PENDING",
+                "PROCESSING",
+                "COMPLETED",
+                "FAILED",
+                "AWAITING REDELIVERY",
+                "OLDEST AWAITING",
+                "DEAD",
+                "TOTAL",
+                "OLDEST PENDING",
+                "EXPIRED LEASES",
+                "ATTEMPTS:ROWS",
+            ],
+            &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+            cells,
+        );
+    }
+    let _ = writeln!(out);
+    table(
+        out,
+        &["OUTBOX", "PENDING", "SENT", "DEAD", "OLDEST PENDING"],
+        &[1, 2, 3, 4],
+        vec![vec![
+            String::new(),
+            r.outbox.counts.pending.to_string(),
+            r.outbox.counts.sent.to_string(),
+            r.outbox.counts.dead.to_string(),
+            r.outbox.oldest_pending_age_ms.map_or("-".into(), age),
+        ]],
+    );
+}
+
+/// The sequence watermarks, when there are any: an operator reads
+/// "missing 41-45" per stream.
+pub fn print_sequences(out: &mut String, streams: &[postroom::StreamWatermark]) {
+    if streams.is_empty() {
+        return;
+    }
+    let _ = writeln!(out);
+    let cells = streams
+        .iter()
+        .map(|w| {
+            vec![
+                esc(&w.consumer),
+                esc(&w.stream),
+                w.watermark.to_string(),
+                w.highest.map_or("-".into(), |h| h.to_string()),
+                w.listed.to_string(),
+                w.unrecorded.to_string(),
+                match w.missing_text() {
+                    text if text.is_empty() => "-".into(),
+                    text => text,
+                },
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &[
+            "SEQUENCES",
+            "STREAM",
+            "WATERMARK",
+            "HIGHEST",
+            "LISTED",
+            "UNRECORDED",
+            "MISSING",
+        ],
+        &[2, 3, 4, 5],
+        cells,
+    );
+}
+
+pub fn print_inbox_detail(out: &mut String, d: &admin::InboxDetail) {
+    let e = &d.entry;
+    let fields: Vec<(&str, String)> = vec![
+        ("id", e.id.to_string()),
+        ("consumer", esc(&e.consumer)),
+        ("source", esc(&e.source)),
+        ("message id", esc(&e.message_id)),
+        ("status", inbox_state(e)),
+        ("attempts", e.attempts.to_string()),
+        (
+            "ordering key",
+            e.ordering_key.as_deref().map_or("-".into(), esc),
+        ),
+        (
+            "last error",
+            e.last_error.as_deref().map_or("-".into(), esc_long),
+        ),
+        ("received at", time(e.received_at)),
+        ("updated at", time(e.updated_at)),
+        (
+            "next attempt at",
+            match (e.next_attempt_at, e.status) {
+                _ if e.waiting_for_redelivery => {
+                    "when its sender redelivers it (no worker retries it)".into()
+                }
+                (None, Status::Pending | Status::Failed) => "at once".into(),
+                (at, _) => opt_time(at),
+            },
+        ),
+        ("processed at", opt_time(e.processed_at)),
+        ("lease until", opt_time(d.lease_until)),
+        (
+            "lease token",
+            d.lease_token.map_or("-".into(), |t| t.to_string()),
+        ),
+        (
+            "payload digest",
+            format!(
+                "{}{}",
+                d.payload_hash,
+                match d.payload_hash_ok {
+                    Some(true) => " (matches the payload)",
+                    Some(false) => " (DOES NOT MATCH the stored payload)",
+                    None => "",
+                }
+            ),
+        ),
+        (
+            "outbox rows",
+            if d.caused_outbox.is_empty() {
+                "-".into()
+            } else {
+                d.caused_outbox
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            },
+        ),
+    ];
+    key_values(out, &fields);
+    headers(out, &d.headers);
+    payload(out, "payload", d.payload.as_ref());
+}
+
+pub fn print_outbox_detail(out: &mut String, d: &admin::OutboxDetail) {
+    let e = &d.entry;
+    let held = match &d.held_back_by {
+        Some(h) => format!(
+            "seq {} of the same key, waiting out a backoff until {} after {} failed \
+             attempt(s) (committed {}): {}",
+            h.seq,
+            opt_time(h.next_attempt_at),
+            h.attempts,
+            time(h.created_at),
+            esc_long(h.last_error.as_deref().unwrap_or("-"))
+        ),
+        None => "-".into(),
+    };
+    let fields: Vec<(&str, String)> = vec![
+        ("seq", e.seq.to_string()),
+        ("message id", esc(&e.message_id)),
+        ("topic", esc(&e.topic)),
+        ("key", e.key.as_deref().map_or("-".into(), esc)),
+        ("status", e.status.to_string()),
+        ("attempts", e.attempts.to_string()),
+        (
+            "last error",
+            e.last_error.as_deref().map_or("-".into(), esc_long),
+        ),
+        ("created at", time(e.created_at)),
+        (
+            "next attempt at",
+            match (e.next_attempt_at, e.status) {
+                (None, OutboxState::Pending) => "at once".into(),
+                (at, _) => opt_time(at),
+            },
+        ),
+        ("sent at", opt_time(e.sent_at)),
+        (
+            "caused by",
+            e.caused_by.as_ref().map_or("-".into(), |[c, s, m]| {
+                format!("consumer {}, source {}, message {}", esc(c), esc(s), esc(m))
+            }),
+        ),
+        ("held back by", held),
+        (
+            "holding back",
+            if d.holding_back == 0 {
+                "-".into()
+            } else {
+                format!("{} later pending row(s) of its key", d.holding_back)
+            },
+        ),
+    ];
+    key_values(out, &fields);
+    headers(out, &d.headers);
+    payload(out, "payload", Some(&d.payload));
+}
+
+pub fn print_conflict(out: &mut String, d: &admin::ConflictDetail) {
+    let e = &d.entry;
+    key_values(
+        out,
+        &[
+            ("conflict id", e.id.to_string()),
+            ("consumer", esc(&e.consumer)),
+            ("source", esc(&e.source)),
+            ("message id", esc(&e.message_id)),
+            ("deliveries", e.deliveries.to_string()),
+            ("first seen", time(e.first_seen_at)),
+            ("last seen", time(e.last_seen_at)),
+            ("stored digest", e.stored_hash.clone()),
+            ("new digest", e.payload_hash.clone()),
+            (
+                "stored row",
+                match &d.stored {
+                    Some(s) => format!("inbox row {} ({})", s.id, s.status),
+                    None => "deleted by retention".into(),
+                },
+            ),
+        ],
+    );
+    headers(out, &d.headers);
+    payload(out, "quarantined payload", Some(&d.payload));
+    if d.stored.is_some() {
+        payload(out, "stored payload", d.stored_payload.as_ref());
+    }
+}
+
+pub fn print_cleanup(out: &mut String, s: &admin::CleanupSummary, retention: Duration) {
+    let verb = if s.dry_run { "would delete" } else { "deleted" };
+    let _ = writeln!(
+        out,
+        "{}{verb} {} completed inbox row(s) and {} sent outbox row(s) finished before {} \
+         (retention {})",
+        if s.dry_run { "dry run: " } else { "" },
+        s.inbox_deleted,
+        s.outbox_deleted,
+        time(s.cutoff_ms),
+        age(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX)),
+    );
+    if let (Some(n), Some(cutoff)) = (s.dead_deleted, s.dead_cutoff_ms) {
+        let _ = writeln!(
+            out,
+            "{verb} {n} dead letter(s) dead before {}",
+            time(cutoff)
+        );
+    }
+    if let (Some(n), Some(cutoff)) = (s.conflicts_deleted, s.conflicts_cutoff_ms) {
+        let _ = writeln!(
+            out,
+            "{verb} {n} conflict(s) last seen before {}",
+            time(cutoff)
+        );
+    }
+    if !s.dry_run {
+        let _ = writeln!(
+            out,
+            "{} inbox key entr{} deleted after the rows, {} transaction(s)",
+            s.keys_deleted,
+            if s.keys_deleted == 1 { "y" } else { "ies" },
+            s.transactions
+        );
+    }
+}
+
+pub fn print_check(out: &mut String, r: &admin::CheckReport) {
+    if r.integrity_ok {
+        let _ = writeln!(out, "{}: ok", r.integrity_check);
+    } else {
+        let _ = writeln!(out, "{}: FAILED", r.integrity_check);
+        for line in r.integrity_errors.iter().flat_map(|e| e.lines()) {
+            let _ = writeln!(out, "  {}", esc(line));
+        }
+        let _ = writeln!(out, "postroom invariants not checked: the file is damaged");
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "checked {} inbox row(s), {} outbox row(s), {} payload digest(s)",
+        r.inbox_rows, r.outbox_rows, r.payloads_hashed
+    );
+    for (title, list, total) in [
+        ("violations", &r.violations, r.violations_total),
+        ("warnings", &r.warnings, r.warnings_total),
+    ] {
+        if total == 0 {
+            continue;
+        }
+        let _ = writeln!(out, "\n{title} ({total}):");
+        let cells = list
+            .iter()
+            .map(|f| {
+                vec![
+                    f.kind.to_string(),
+                    f.table.to_owned(),
+                    f.id.to_string(),
+                    esc(&f.detail),
+                ]
+            })
+            .collect();
+        table(out, &["KIND", "TABLE", "ID", "DETAIL"], &[2], cells);
+        if (list.len() as u64) < total {
+            let _ = writeln!(out, "… and {} more", total - list.len() as u64);
+        }
+    }
+    let _ = writeln!(
+        out,
+        "\n{}",
+        if r.is_ok() {
+            format!("check: OK ({} warning(s))", r.warnings_total)
+        } else {
+            format!("check: {} VIOLATION(S)", r.violations_total)
+        }
+    );
 }
 
 #[cfg(test)]

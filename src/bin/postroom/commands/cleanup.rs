@@ -1,0 +1,47 @@
+//! `postroom <DB> cleanup`: retention run from outside the engine, or
+//! counted (`--dry-run`).
+
+use std::time::Duration;
+
+use postroom::admin;
+
+use crate::render;
+use crate::{Ctx, Failed, EXIT_OK};
+
+/// The command's arguments, as clap parsed them.
+pub(crate) struct CleanupArgs {
+    pub retention: Duration,
+    pub dead_retention: Option<Duration>,
+    pub conflict_retention: Option<Duration>,
+    pub dry_run: bool,
+}
+
+/// `cleanup`: deletes (or with `--dry-run` counts) what retention expired.
+pub(crate) fn run(ctx: &mut Ctx<'_>, args: CleanupArgs) -> Result<u8, Failed> {
+    let cli = ctx.cli;
+    let CleanupArgs {
+        retention,
+        dead_retention,
+        conflict_retention,
+        dry_run,
+    } = args;
+    let policy = admin::Retention::new(retention)
+        .dead(dead_retention)
+        .conflicts(conflict_retention);
+    let s = if dry_run {
+        ctx.read("cleanup: counting expired rows", |c| {
+            admin::cleanup(c, admin::now_ms(), policy, admin::CleanupMode::DryRun)
+        })?
+    } else {
+        let (conn, progress) = ctx.write("cleanup: deleting expired rows")?;
+        let s = admin::cleanup(&conn, admin::now_ms(), policy, admin::CleanupMode::Delete)?;
+        progress.finish();
+        s
+    };
+    if cli.json {
+        ctx.json(&s);
+    } else {
+        render::print_cleanup(&mut ctx.out, &s, retention);
+    }
+    Ok(EXIT_OK)
+}
