@@ -10,7 +10,7 @@ use crate::config::{Config, Durability, RetryPolicy};
 use crate::handler::{EffectHandler, ErasedEffect, Handler};
 use crate::sink::Sink;
 
-/// Builds a [`Postroom`] engine. Every setting has a default, listed on its
+/// Builds a [`Postroom`](crate::Postroom) engine. Every setting has a default, listed on its
 /// method; `Postroom::builder().consumer(..).open(path)` is a complete setup.
 ///
 /// The builder is taken and returned by value, like r2d2's.
@@ -100,7 +100,7 @@ impl Builder {
 
     /// Registers a consumer whose handler has a step outside the
     /// transaction (see [`EffectHandler`]). Such a consumer takes messages
-    /// through [`Postroom::receive`] only; `deliver` refuses it.
+    /// through [`Postroom::receive`](crate::Postroom::receive) only; `deliver` refuses it.
     pub fn effectful_consumer(
         mut self,
         name: impl Into<String>,
@@ -276,7 +276,7 @@ impl Builder {
     /// WAL, truncated above 256 KiB when idle). Larger filesystems keep
     /// the thresholds above.
     ///
-    /// Whenever a write finds the disk full ([`Error::StorageFull`]), the
+    /// Whenever a write finds the disk full ([`Error::StorageFull`](crate::Error::StorageFull)), the
     /// engine copies the WAL back and truncates it, so that its space and
     /// any freed later take commits again; if the copy-back itself finds
     /// no room (the database file has to grow), the first commit that
@@ -293,7 +293,7 @@ impl Builder {
     }
 
     /// How long a write waits for another connection's lock before failing
-    /// with [`Error::Busy`]. Set before any other pragma. 0 to
+    /// with [`Error::Busy`](crate::Error::Busy). Set before any other pragma. 0 to
     /// 2,147,483,647 ms (SQLite's limit, about 24.8 days). Default: 5 s.
     pub fn busy_timeout(mut self, timeout: Duration) -> Self {
         self.config.busy_timeout = timeout;
@@ -349,7 +349,7 @@ impl Builder {
     }
 
     /// Run `PRAGMA quick_check` when opening, refusing a damaged database
-    /// with [`Error::Corrupt`]. It reads the whole file: about a second per
+    /// with [`Error::Corrupt`](crate::Error::Corrupt). It reads the whole file: about a second per
     /// few hundred MB. Default: true.
     pub fn quick_check_on_open(mut self, check: bool) -> Self {
         self.config.quick_check_on_open = check;
@@ -357,7 +357,7 @@ impl Builder {
     }
 
     /// How long dropping the engine without calling
-    /// [`Postroom::shutdown`] waits for its threads. At most 365 days.
+    /// [`Postroom::shutdown`](crate::Postroom::shutdown) waits for its threads. At most 365 days.
     /// Default: 10 s.
     pub fn drop_deadline(mut self, deadline: Duration) -> Self {
         self.config.drop_deadline = deadline;

@@ -359,7 +359,8 @@ pub(crate) fn read_all(conn: &Connection) -> rusqlite::Result<Vec<StreamWatermar
     Ok(streams)
 }
 
-/// How many sequences above a stream's watermark [`resume_point`] walks at
+/// How many sequences above a stream's watermark
+/// [`Postroom::resume_point`](crate::Postroom::resume_point) walks at
 /// most. Past it the answer stops short (a puller pulls some again; each
 /// repeat is a duplicate), and the walk stays one bounded index range.
 pub const RESUME_WALK: u64 = 65_536;
