@@ -140,7 +140,7 @@
 //!
 //! ## Testing your handlers
 //!
-//! With the `testkit` feature, [`testkit::Scenario`](crate::testkit) runs
+//! With the `testkit` feature, `testkit::Scenario` runs
 //! your own handlers, effect handlers and sinks through this engine under
 //! seeded crashes (in process, or a child process killed with SIGKILL),
 //! redeliveries, reorders, reused ids, rollbacks, a full disk, sink
