@@ -22,7 +22,7 @@ LAYERS = [
     ("state machines", ["delivery", "recovery"]),
     ("runtime", ["runtime"]),
     ("engine", ["engine"]),
-    ("on top", ["admin", "sim", "sinks", "mqtt", "testkit"]),
+    ("on top", ["admin", "sim", "sinks", "hop", "mqtt", "nats", "testkit"]),
 ]
 
 

@@ -46,133 +46,17 @@ use rumqttc::{
     v5, Client, ConnectReturnCode, Connection, Event, MqttOptions, Outgoing, Packet, Publish, QoS,
     RecvTimeoutError,
 };
-use serde::{Deserialize, Serialize};
 
-use crate::config::check_name;
 use crate::delivery::panic_message;
 use crate::engine::Postroom;
 use crate::error::{Error, Result};
-use crate::message::{Headers, Message, Outcome, Receipt};
+use crate::hop::{self, Arrived, Landed, Lander, Mode};
 use crate::sink::{SendResult, Sink};
-use crate::store::outbox::{digest_hex, outbox_stream, OutboxMessage};
+use crate::store::outbox::OutboxMessage;
 
-/// The envelope format's version, its first field (`"postroom":1`).
-pub const ENVELOPE_VERSION: u32 = 1;
-
-/// How an outbox message travels over MQTT 3.1.1, which has no headers:
-/// this struct as one line of compact JSON, then `\n`, then the payload
-/// bytes as they are (binary-safe; compact JSON never holds a raw newline):
-///
-/// ```text
-/// {"postroom":1,"id":"9f…","seq":42,"source":"device-a","topic":"orders","key":"7","headers":{}}
-/// <payload bytes>
-/// ```
-///
-/// `id` is the outbox row's message id, the same on every re-send: dedupe
-/// on it. `seq` is the row's commit order in its outbox (increasing per
-/// source, with gaps). `source`, when the sink was given one, names the
-/// sending outbox; `key` and `headers` are absent when empty.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[non_exhaustive]
-pub struct Envelope {
-    /// Always [`ENVELOPE_VERSION`].
-    pub postroom: u32,
-    /// The outbox message id.
-    pub id: String,
-    /// The outbox row's `seq`.
-    pub seq: i64,
-    /// The sending outbox's name, if the sink was given one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub source: Option<String>,
-    /// The outbox row's topic (the MQTT topic may differ: see
-    /// [`MqttSink::topic_with`]).
-    pub topic: String,
-    /// The outbox row's ordering key.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub key: Option<String>,
-    /// The outbox row's headers.
-    #[serde(default, skip_serializing_if = "Headers::is_empty")]
-    pub headers: Headers,
-    /// The sending database's instance id, which `seq` numbers the outbox
-    /// of ([`OutboxMessage::origin`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub origin: Option<String>,
-    /// The lowest `seq` of that outbox not yet settled when the row was
-    /// sent ([`OutboxMessage::unsettled_from`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub unsettled_from: Option<i64>,
-    /// The payload: not in the JSON line, it follows it.
-    #[serde(skip)]
-    pub payload: Vec<u8>,
-}
-
-impl Envelope {
-    /// An envelope for a message not from a postroom outbox (another
-    /// publisher speaking the format): `id` must be stable across its
-    /// re-sends, `seq` increasing per source.
-    pub fn new(
-        id: impl Into<String>,
-        seq: i64,
-        topic: impl Into<String>,
-        payload: impl Into<Vec<u8>>,
-    ) -> Self {
-        Envelope {
-            postroom: ENVELOPE_VERSION,
-            id: id.into(),
-            seq,
-            source: None,
-            topic: topic.into(),
-            key: None,
-            headers: Headers::new(),
-            origin: None,
-            unsettled_from: None,
-            payload: payload.into(),
-        }
-    }
-
-    /// Names the sending source.
-    pub fn with_source(mut self, source: impl Into<String>) -> Self {
-        self.source = Some(source.into());
-        self
-    }
-
-    /// The envelope of an outbox row, naming `source` when given.
-    pub fn of(msg: &OutboxMessage, source: Option<&str>) -> Self {
-        Envelope {
-            postroom: ENVELOPE_VERSION,
-            id: msg.id.clone(),
-            seq: msg.seq,
-            source: source.map(str::to_owned),
-            topic: msg.topic.clone(),
-            key: msg.key.clone(),
-            headers: msg.headers.clone(),
-            origin: (!msg.origin.is_empty()).then(|| msg.origin.clone()),
-            unsettled_from: (!msg.origin.is_empty()).then_some(msg.unsettled_from),
-            payload: msg.payload.clone(),
-        }
-    }
-
-    /// The bytes that go on the wire.
-    pub fn encode(&self) -> Vec<u8> {
-        // A struct of strings and integers always serializes.
-        let mut out = serde_json::to_vec(self).unwrap_or_default();
-        out.push(b'\n');
-        out.extend_from_slice(&self.payload);
-        out
-    }
-
-    /// Reads an envelope; `None` when `bytes` is not one (no newline, the
-    /// first line is not the JSON above, or another version).
-    pub fn decode(bytes: &[u8]) -> Option<Envelope> {
-        let newline = bytes.iter().position(|&b| b == b'\n')?;
-        let mut env: Envelope = serde_json::from_slice(&bytes[..newline]).ok()?;
-        if env.postroom != ENVELOPE_VERSION {
-            return None;
-        }
-        env.payload = bytes[newline + 1..].to_vec();
-        Some(env)
-    }
-}
+/// The envelope (MQTT 3.1.1) and its version: defined by the hop contract
+/// ([`crate::hop`]), re-exported here where it was first defined.
+pub use crate::hop::{Envelope, ENVELOPE_VERSION};
 
 /// Whether `c` may stand in an MQTT string (a topic, a user property's
 /// name or value): an allowlist of what brokers are known to take. MQTT 5
@@ -296,29 +180,10 @@ impl Backoff {
 type TopicFn = Box<dyn Fn(&OutboxMessage) -> String + Send>;
 
 /// Names of the MQTT 5 user properties the sink sets (and the intake
-/// reads) beside the payload; the row's headers follow under their own
+/// reads) beside the payload: the hop contract's header names
+/// ([`crate::hop::header`]); the row's headers follow under their own
 /// names. Together they carry what the [`Envelope`] carries.
-pub mod property {
-    /// The outbox message id: dedupe on it.
-    pub const ID: &str = "postroom-id";
-    /// The outbox row's `seq`, in decimal.
-    pub const SEQ: &str = "postroom-seq";
-    /// The sink's source name, when it was given one.
-    pub const SOURCE: &str = "postroom-source";
-    /// The outbox row's topic.
-    pub const TOPIC: &str = "postroom-topic";
-    /// The outbox row's ordering key, when it has one.
-    pub const KEY: &str = "postroom-key";
-    /// The sending database's instance id ([`OutboxMessage::origin`]):
-    /// `seq` numbers its outbox.
-    pub const ORIGIN: &str = "postroom-origin";
-    /// The lowest `seq` of the sending outbox not yet settled when the row
-    /// was sent ([`OutboxMessage::unsettled_from`]): where a receiver that
-    /// has not seen this origin starts its watermark.
-    pub const UNSETTLED_FROM: &str = "postroom-unsettled-from";
-    /// The prefix of these names: a header starting with it is not sent.
-    pub const PREFIX: &str = "postroom-";
-}
+pub use crate::hop::header as property;
 
 /// A client's options, for the protocol version it speaks (one per sink
 /// or intake: the sizes do not matter).
@@ -797,30 +662,7 @@ impl MqttSink {
                 v5: false,
             },
             Options::V5(_) => {
-                let mut properties = vec![
-                    (property::ID.to_owned(), msg.id.clone()),
-                    (property::SEQ.to_owned(), msg.seq.to_string()),
-                    (property::TOPIC.to_owned(), msg.topic.clone()),
-                ];
-                if let Some(source) = &self.source {
-                    properties.push((property::SOURCE.to_owned(), source.clone()));
-                }
-                if let Some(key) = &msg.key {
-                    properties.push((property::KEY.to_owned(), key.clone()));
-                }
-                if !msg.origin.is_empty() {
-                    properties.push((property::ORIGIN.to_owned(), msg.origin.clone()));
-                    properties.push((
-                        property::UNSETTLED_FROM.to_owned(),
-                        msg.unsettled_from.to_string(),
-                    ));
-                }
-                properties.extend(
-                    msg.headers
-                        .iter()
-                        .filter(|(name, _)| !name.starts_with(property::PREFIX))
-                        .map(|(name, value)| (name.clone(), value.clone())),
-                );
+                let properties = hop::slots(msg, self.source.as_deref());
                 Outbound {
                     index,
                     topic,
@@ -1029,13 +871,6 @@ fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }
 
-/// How an [`MqttIntake`] hands messages to the inbox.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    Deliver,
-    Receive,
-}
-
 /// Builds an [`MqttIntake`]; see [`MqttIntake::builder`].
 pub struct IntakeBuilder {
     options: Options,
@@ -1049,11 +884,11 @@ pub struct IntakeBuilder {
 
 impl IntakeBuilder {
     /// Keeps a sequence watermark per sending outbox
-    /// ([`Message::with_sequence`]): each message that carries its outbox's
+    /// ([`Message::with_sequence`](crate::Message::with_sequence)): each message that carries its outbox's
     /// origin and `seq` (every `MqttSink` sends them) is numbered in the
     /// stream [`outbox_stream`](crate::outbox_stream)`(origin)`, so a
     /// re-send after this engine's retention deleted the row is still a
-    /// duplicate ([`Outcome::DuplicateBySequence`]). A stream this engine
+    /// duplicate ([`Outcome::DuplicateBySequence`](crate::Outcome::DuplicateBySequence)). A stream this engine
     /// has not seen starts where the sender's unsettled rows started.
     ///
     /// Only for an intake that receives *every* message of each sending
@@ -1134,12 +969,15 @@ impl IntakeBuilder {
         let (done_tx, done) = crossbeam_channel::bounded(1);
         let worker = Intake {
             options,
-            room: self.room,
-            consumer: self.consumer,
             filters: self.filters,
-            mode: self.mode,
             backoff: self.backoff,
-            sequenced: self.sequenced.then(HashSet::new),
+            lander: Lander {
+                room: self.room,
+                consumer: self.consumer,
+                mode: self.mode,
+                sequenced: self.sequenced.then(HashSet::new),
+                label: "postroom mqtt intake",
+            },
             counters: Arc::clone(&counters),
             stop: Arc::clone(&stop),
             acks: VecDeque::new(),
@@ -1181,7 +1019,7 @@ impl IntakeBuilder {
 ///
 /// Messages are handed on one at a time, in the order the broker sends
 /// them, and acknowledged in that order, each only when
-/// [`Outcome::should_ack`] (or, queued, [`Receipt::should_ack`]). One that
+/// [`Outcome::should_ack`](crate::Outcome::should_ack) (or, queued, [`Receipt::should_ack`](crate::Receipt::should_ack)). One that
 /// is not — the handler failed and will be retried, another worker holds
 /// it, or storage failed — stays unacknowledged, and so do the messages
 /// after it: MQTT wants acknowledgements in order (3.1.1 §4.6; rumqttd
@@ -1314,152 +1152,23 @@ impl Drop for MqttIntake {
     }
 }
 
-/// A message as the intake hands it to the inbox.
-struct Inbound {
-    msg: Message,
-    /// The sending outbox's numbers as they came, when the sender named its
-    /// origin; checked before use ([`Numbers::checked`]).
-    numbers: Option<Numbers>,
-    wrapped: bool,
-}
-
-/// Where an inbound message says it stands in its sending outbox, as it
-/// came on the wire: the origin, the row's `seq`, and where the sender's
-/// unsettled rows started, as text (an MQTT 5 property may hold anything).
-struct Numbers {
-    origin: String,
-    seq: Option<String>,
-    unsettled_from: Option<String>,
-}
-
-/// [`Numbers`], checked.
-struct Numbered {
-    origin: String,
-    seq: u64,
-    unsettled_from: u64,
-}
-
-impl Numbers {
-    fn new(
-        origin: Option<String>,
-        seq: Option<String>,
-        unsettled_from: Option<String>,
-    ) -> Option<Self> {
-        Some(Numbers {
-            origin: origin.filter(|o| !o.is_empty())?,
-            seq,
-            unsettled_from,
-        })
-    }
-
-    /// The numbers when they make sense: `seq` a sequence number
-    /// (1..=[`MAX_SEQUENCE`](crate::MAX_SEQUENCE)), `unsettled_from` one
-    /// too and at most `seq` (the row itself was unsettled when sent;
-    /// absent, it is `seq`); else why not. Nothing is clamped: a number out
-    /// of range is a sender's bug, and guessing would file the message
-    /// under a number it does not have.
-    fn checked(self) -> std::result::Result<Numbered, String> {
-        let number = |name: &str, text: &str| {
-            text.parse::<u64>()
-                .ok()
-                .filter(|&n| crate::config::check_sequence(n).is_ok())
-                .ok_or_else(|| {
-                    format!(
-                        "{name} {text:?} is not a sequence number (1..={})",
-                        crate::MAX_SEQUENCE
-                    )
-                })
-        };
-        let text = self
-            .seq
-            .ok_or_else(|| format!("{} names no {}", property::ORIGIN, property::SEQ))?;
-        let seq = number(property::SEQ, &text)?;
-        let unsettled_from = match self.unsettled_from {
-            None => seq,
-            Some(text) => number(property::UNSETTLED_FROM, &text)?,
-        };
-        if unsettled_from > seq {
-            return Err(format!(
-                "{} {unsettled_from} is above the message's own {} {seq}",
-                property::UNSETTLED_FROM,
-                property::SEQ
-            ));
-        }
-        Ok(Numbered {
-            origin: self.origin,
-            seq,
-            unsettled_from,
-        })
-    }
-}
-
-/// The inbox message an MQTT publish carries (see [`MqttIntake`]).
-fn inbound(publish: &Received) -> Inbound {
-    let props = publish.user_properties();
-    let prop = |name: &str| {
-        props
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.clone())
-    };
-    if let Some(id) = prop(property::ID) {
-        let topic = prop(property::TOPIC).unwrap_or_else(|| publish.topic());
-        let mut msg = Message::new(
-            prop(property::SOURCE).unwrap_or(topic),
-            id,
-            publish.payload().to_vec(),
-        );
-        msg.headers = props
-            .iter()
-            .filter(|(k, _)| !k.starts_with(property::PREFIX))
-            .cloned()
-            .collect();
-        msg.ordering_key = prop(property::KEY);
-        return Inbound {
-            msg,
-            numbers: Numbers::new(
-                prop(property::ORIGIN),
-                prop(property::SEQ),
-                prop(property::UNSETTLED_FROM),
-            ),
-            wrapped: true,
-        };
-    }
-    if let Some(env) = Envelope::decode(publish.payload()) {
-        let source = env.source.unwrap_or(env.topic);
-        let mut msg = Message::new(source, env.id, env.payload);
-        msg.headers = env.headers;
-        msg.ordering_key = env.key;
-        return Inbound {
-            msg,
-            numbers: Numbers::new(
-                env.origin,
-                Some(env.seq.to_string()),
-                env.unsettled_from.map(|u| u.to_string()),
-            ),
-            wrapped: true,
-        };
-    }
+/// The inbox message an MQTT publish carries (see [`MqttIntake`]): the hop
+/// contract from its MQTT 5 user properties, else from its envelope, else
+/// an id derived from topic and payload.
+fn inbound(publish: &Received) -> Arrived {
     let topic = publish.topic();
-    let id = digest_hex(b"postroom-mqtt\0", &[topic.as_str()], publish.payload());
-    Inbound {
-        msg: Message::new(topic, format!("mqtt-{id}"), publish.payload().to_vec()),
-        numbers: None,
-        wrapped: false,
-    }
+    Arrived::from_slots(publish.user_properties(), publish.payload(), &topic)
+        .or_else(|| Arrived::from_envelope(publish.payload()))
+        .unwrap_or_else(|| Arrived::unwrapped("mqtt", &topic, publish.payload()))
 }
 
 /// The intake thread's state.
 struct Intake {
     options: Options,
-    room: Arc<Postroom>,
-    consumer: String,
     filters: Vec<String>,
-    mode: Mode,
     backoff: Backoff,
-    /// With [`IntakeBuilder::sequenced`]: the streams started at the
-    /// engine by this intake.
-    sequenced: Option<HashSet<String>>,
+    /// Hands messages to the inbox and says whether to acknowledge.
+    lander: Lander,
     counters: Arc<Counters>,
     stop: Arc<AtomicBool>,
     /// Acknowledgements not yet taken by the request channel.
@@ -1598,127 +1307,21 @@ impl Intake {
         if !came.wrapped {
             bump(&self.counters.unwrapped);
         }
-        let msg = match self.number(came.msg, came.numbers) {
-            Ok(Ok(msg)) => msg,
-            Ok(Err((msg, reason))) => return self.refuse(publish, msg, &reason),
-            Err(e) => {
-                log::warn!("postroom mqtt intake: not acknowledged: {}", Esc(&e));
-                self.not_acked(Duration::from_secs(1));
-                return;
-            }
-        };
-        // What the engine would refuse is known before it is handed on: it
-        // goes to the dead letters instead, never dropped.
-        if let Err(e @ Error::InvalidInput { .. }) = self.room.check_message(&msg) {
-            return self.refuse(publish, msg, &e.to_string());
-        }
-        let answer = match self.mode {
-            Mode::Deliver => self
-                .room
-                .deliver(&self.consumer, msg)
-                .map(|outcome| match outcome {
-                    Outcome::Duplicate | Outcome::DuplicateBySequence { .. } => (true, true, None),
-                    o => (o.should_ack(), false, o.retry_after()),
-                }),
-            Mode::Receive => self.room.receive(&self.consumer, msg).map(|receipt| {
-                let duplicate = matches!(
-                    receipt,
-                    Receipt::Duplicate | Receipt::DuplicateBySequence { .. }
-                );
-                (receipt.should_ack(), duplicate, None)
-            }),
-        };
-        match answer {
-            Ok((ack, duplicate, retry_after)) => {
+        let place = publish.topic();
+        match self
+            .lander
+            .land(came, &place, || inbound(&publish).msg)
+        {
+            Landed::Ack { duplicate, refused } => {
                 if duplicate {
                     bump(&self.counters.duplicates);
                 }
-                if ack {
-                    self.acks.push_back(publish);
-                } else {
-                    self.not_acked(retry_after.unwrap_or(Duration::from_secs(1)));
-                }
-            }
-            Err(e @ Error::InvalidInput { .. }) => {
-                // Not expected (the message and the consumer were checked),
-                // but a refusal all the same: stored as a dead letter as it
-                // came, never acknowledged without being stored.
-                let msg = inbound(&publish).msg;
-                self.refuse(publish, msg, &e.to_string());
-            }
-            Err(e) => {
-                log::warn!("postroom mqtt intake: not acknowledged: {}", Esc(&e));
-                self.not_acked(Duration::from_secs(1));
-            }
-        }
-    }
-
-    /// With [`IntakeBuilder::sequenced`], numbers the message in its
-    /// sending outbox's stream, first starting that stream at the engine
-    /// where the sender's unsettled rows began (a stream the engine knows
-    /// is left as it is). `Ok(Err(..))`: the numbers are not usable (out of
-    /// range, not numbers), with the message unnumbered and the reason, for
-    /// the dead letters; `Err`: the engine could not start the stream now.
-    #[allow(clippy::type_complexity)]
-    fn number(
-        &mut self,
-        msg: Message,
-        numbers: Option<Numbers>,
-    ) -> Result<std::result::Result<Message, (Message, String)>> {
-        let (Some(started), Some(numbers)) = (self.sequenced.as_mut(), numbers) else {
-            return Ok(Ok(msg));
-        };
-        let n = match numbers.checked() {
-            Ok(n) => n,
-            Err(reason) => return Ok(Err((msg, reason))),
-        };
-        let stream = outbox_stream(&n.origin);
-        if let Err(e) = check_name("sequence stream", &stream) {
-            return Ok(Err((msg, format!("{}: {e}", property::ORIGIN))));
-        }
-        if !started.contains(&stream) {
-            match self
-                .room
-                .start_sequence(&self.consumer, &stream, n.unsettled_from)
-            {
-                Ok(()) => {}
-                Err(e @ Error::InvalidInput { .. }) => return Ok(Err((msg, e.to_string()))),
-                Err(e) => return Err(e),
-            }
-            started.insert(stream.clone());
-        }
-        Ok(Ok(msg.with_sequence_in(stream, n.seq)))
-    }
-
-    /// Stores a message the engine refuses as a dead letter of the intake's
-    /// consumer with `reason`, and acknowledges it only once that is
-    /// durable; if it cannot be stored now, it is left unacknowledged.
-    fn refuse(&mut self, publish: Received, msg: Message, reason: &str) {
-        match self.room.receive_dead(&self.consumer, msg, reason) {
-            Ok(receipt) => {
-                if matches!(
-                    receipt,
-                    Receipt::Duplicate | Receipt::DuplicateBySequence { .. }
-                ) {
-                    bump(&self.counters.duplicates);
-                } else {
+                if refused {
                     bump(&self.counters.refused);
-                    log::warn!(
-                        "postroom mqtt intake: a message on {:?} is refused: {reason}; stored \
-                         as a dead letter of {:?} ({receipt:?}), then acknowledged",
-                        publish.topic(),
-                        self.consumer
-                    );
                 }
                 self.acks.push_back(publish);
             }
-            Err(e) => {
-                log::warn!(
-                    "postroom mqtt intake: not acknowledged: a refused message ({reason}) \
-                     could not be stored as a dead letter: {e}"
-                );
-                self.not_acked(Duration::from_secs(1));
-            }
+            Landed::Hold { retry_after } => self.not_acked(retry_after),
         }
     }
 
@@ -1818,44 +1421,5 @@ mod tests {
             p4.pkid = 1;
             assert_eq!(out4.packet_size(), p4.size(), "v4 {payload}");
         }
-    }
-
-    /// Numbers from the wire are parsed and range-checked, never clamped.
-    #[test]
-    fn wire_numbers_are_checked_not_clamped() {
-        let check = |seq: Option<&str>, from: Option<&str>| {
-            Numbers::new(
-                Some("o".into()),
-                seq.map(str::to_owned),
-                from.map(str::to_owned),
-            )
-            .expect("an origin")
-            .checked()
-            .map(|n| (n.seq, n.unsettled_from))
-        };
-        assert_eq!(check(Some("7"), None), Ok((7, 7)));
-        assert_eq!(check(Some("7"), Some("3")), Ok((7, 3)));
-        let max = crate::MAX_SEQUENCE.to_string();
-        assert_eq!(check(Some(&max), Some("1")), Ok((crate::MAX_SEQUENCE, 1)));
-        for (seq, from) in [
-            (Some("9223372036854775807"), None), // i64::MAX
-            (Some("0"), None),
-            (Some("-5"), Some("1")),
-            (Some("x"), None),
-            (None, Some("1")),
-            (Some("3"), Some("5")),
-            (Some("3"), Some("0")),
-            (Some("3"), Some("-1")),
-            (Some("3"), Some("9223372036854775807")),
-        ] {
-            let got = check(seq, from);
-            assert!(
-                got.as_ref()
-                    .is_err_and(|why| why.contains("seq") || why.contains("unsettled")),
-                "{seq:?} {from:?}: {got:?}"
-            );
-        }
-        assert!(Numbers::new(Some(String::new()), Some("1".into()), None).is_none());
-        assert!(Numbers::new(None, Some("1".into()), None).is_none());
     }
 }

@@ -1,0 +1,3 @@
+//! stub
+#[allow(unused_imports)]
+use async_nats::jetstream;
