@@ -33,7 +33,7 @@
 //! outcome's `retry_after`) together with every message behind it that
 //! was not handed on, so per-key order holds.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::panic::{self, AssertUnwindSafe};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -610,6 +610,8 @@ impl IntakeBuilder {
             },
             counters: Arc::clone(&counters),
             stop: Arc::clone(&stop),
+            outstanding: BTreeSet::new(),
+            barrier: None,
         };
         let handle = thread::Builder::new()
             .name("postroom-nats-intake".into())
@@ -639,7 +641,8 @@ impl IntakeBuilder {
 /// Each message's inbox id and source come from its hop headers
 /// ([`crate::hop::header`]: id = `postroom-id`, source = `postroom-source`
 /// or else `postroom-topic`), or, from a publisher that does not speak the
-/// contract, source = the subject and id = its [`MSG_ID`] when it set one,
+/// contract (nor an [`Envelope`](crate::hop::Envelope) payload), source =
+/// the subject and id = its [`MSG_ID`] when it set one,
 /// else `nats-` + 128 bits of blake3 over subject and payload. Headers of
 /// NATS's own (`Nats-…`) are not kept.
 ///
@@ -771,7 +774,12 @@ fn inbound(msg: &async_nats::Message) -> Arrived {
         }
     }
     let subject = msg.subject.as_str();
-    Arrived::from_slots(&slots, &msg.payload, subject).unwrap_or_else(|| match msg_id {
+    if let Some(came) = Arrived::from_slots(&slots, &msg.payload, subject)
+        .or_else(|| Arrived::from_envelope(&msg.payload))
+    {
+        return came;
+    }
+    match msg_id {
         Some(id) if !id.is_empty() => {
             let mut came = Arrived::unwrapped("nats", subject, &msg.payload);
             came.msg.id = id;
@@ -783,7 +791,7 @@ fn inbound(msg: &async_nats::Message) -> Arrived {
             came.msg.headers = slots.into_iter().collect();
             came
         }
-    })
+    }
 }
 
 /// The intake thread's state.
@@ -798,7 +806,15 @@ struct Intake {
     lander: Lander,
     counters: Arc<Counters>,
     stop: Arc<AtomicBool>,
+    /// Stream sequences asked back (NAKed) and not yet handled: nothing
+    /// above the lowest is handed on before it.
+    outstanding: BTreeSet<u64>,
+    /// See [`Intake::bind`].
+    barrier: Option<u64>,
 }
+
+/// The NAK delay of a message held back behind an earlier one.
+const HELD_BACK_DELAY: Duration = Duration::from_millis(200);
 
 /// A bound durable pull consumer.
 type Pull = consumer::Consumer<consumer::pull::Config>;
@@ -821,7 +837,9 @@ impl Intake {
             }
             if bound.is_none() {
                 match rt.block_on(self.bind()) {
-                    Ok(c) => {
+                    Ok((client, c, barrier)) => {
+                        let c = (client, c);
+                        self.barrier = barrier;
                         bump(&self.counters.connects);
                         self.counters.bound.store(true, Ordering::Release);
                         self.backoff.reset();
@@ -841,10 +859,17 @@ impl Intake {
             let Some((_, c)) = bound.as_ref() else {
                 continue;
             };
+            // While an earlier message is awaited, one at a time: what
+            // comes meanwhile is asked back.
+            let waiting_batch = if self.barrier.is_some() || !self.outstanding.is_empty() {
+                1
+            } else {
+                self.batch
+            };
             let pulled = rt.block_on(async {
                 let mut batch = c
                     .fetch()
-                    .max_messages(self.batch)
+                    .max_messages(waiting_batch)
                     .expires(PULL_EXPIRES)
                     .messages()
                     .await
@@ -878,18 +903,30 @@ impl Intake {
                 }
             };
             let mut hold: Option<Duration> = None;
+            let mut handled = 0usize;
             for m in pulled {
                 bump(&self.counters.received);
-                if m.info().is_ok_and(|i| i.delivered > 1) {
+                let (seq, delivered) = m
+                    .info()
+                    .map(|i| (i.stream_sequence, i.delivered))
+                    .unwrap_or((0, 1));
+                if delivered > 1 {
                     bump(&self.counters.redelivered);
                 }
-                if let Some(after) = hold {
-                    // Behind a message not acknowledged: handing it on first
-                    // would break per-key order. Asked back with it.
+                // Behind a message not acknowledged (one this intake asked
+                // back, or one a previous intake pulled and never answered):
+                // handing it on first would break per-key order. Asked back,
+                // to come again after the earlier one.
+                let behind = self.barrier.is_some_and(|b| seq > b)
+                    || self.outstanding.range(..seq).next().is_some();
+                if behind || hold.is_some() {
                     bump(&self.counters.held_back);
+                    self.outstanding.insert(seq);
+                    let after = hold.unwrap_or(HELD_BACK_DELAY);
                     let _ = rt.block_on(m.ack_with(AckKind::Nak(Some(after))));
                     continue;
                 }
+                handled += 1;
                 let came = inbound(&m.message);
                 if !came.wrapped {
                     bump(&self.counters.unwrapped);
@@ -903,6 +940,7 @@ impl Intake {
                         if refused {
                             bump(&self.counters.refused);
                         }
+                        self.outstanding.remove(&seq);
                         // A lost ack is harmless: the message comes again
                         // after the ack wait, and the inbox knows it.
                         match rt.block_on(m.ack()) {
@@ -913,15 +951,28 @@ impl Intake {
                     Landed::Hold { retry_after } => {
                         bump(&self.counters.not_acked);
                         let after = retry_after.min(MAX_WAIT);
+                        self.outstanding.insert(seq);
                         let _ = rt.block_on(m.ack_with(AckKind::Nak(Some(after))));
                         hold = Some(after);
                     }
                 }
             }
+            if let (Some(b), Some((_, c))) = (self.barrier, bound.as_ref()) {
+                // The previous intake's messages are all answered once the
+                // consumer's ack floor reaches the barrier.
+                if let Ok(info) = rt.block_on(c.get_info()) {
+                    if info.ack_floor.stream_sequence >= b {
+                        self.barrier = None;
+                    }
+                }
+            }
             if let Some(after) = hold {
-                // Pull again only once they are due: JetStream hands due
-                // redeliveries out before new messages.
+                // Pull again only once they are due.
                 resume_at = Some(Instant::now() + after);
+            } else if handled == 0 && (self.barrier.is_some() || !self.outstanding.is_empty()) {
+                // Waiting for an earlier message to come again: pull
+                // slowly meanwhile.
+                resume_at = Some(Instant::now() + HELD_BACK_DELAY);
             }
         }
         // Flush what was acknowledged before going (bounded).
@@ -937,14 +988,19 @@ impl Intake {
     }
 
     /// Connects and binds the durable consumer, creating it when absent.
-    async fn bind(&self) -> std::result::Result<(async_nats::Client, Pull), String> {
+    /// With the barrier: when the consumer has messages delivered and not
+    /// yet answered (a previous intake died holding them), the highest
+    /// stream sequence delivered so far; nothing above it is handed on
+    /// before they are answered.
+    #[allow(clippy::type_complexity)]
+    async fn bind(&self) -> std::result::Result<(async_nats::Client, Pull, Option<u64>), String> {
         let client = connect(&self.url, Duration::from_secs(5)).await?;
         let js = jetstream::new(client.clone());
         let stream = js
             .get_stream(&self.stream)
             .await
             .map_err(|e| format!("nats: the stream {:?}: {e}", self.stream))?;
-        stream
+        let consumer = stream
             .get_or_create_consumer(
                 &self.durable,
                 consumer::pull::Config {
@@ -957,8 +1013,13 @@ impl Intake {
                 },
             )
             .await
-            .map(|c| (client, c))
-            .map_err(|e| format!("nats: the consumer {:?}: {e}", self.durable))
+            .map_err(|e| format!("nats: the consumer {:?}: {e}", self.durable))?;
+        let info = consumer
+            .get_info()
+            .await
+            .map_err(|e| format!("nats: the consumer {:?}: {e}", self.durable))?;
+        let barrier = (info.num_ack_pending > 0).then_some(info.delivered.stream_sequence);
+        Ok((client, consumer, barrier))
     }
 }
 
