@@ -620,7 +620,10 @@ mod tests {
             assert_eq!(came.msg.source, "device-a");
             assert_eq!(came.msg.ordering_key.as_deref(), Some("k"));
             assert_eq!(came.msg.payload, row.payload);
-            assert_eq!(came.msg.headers.get("trace").map(String::as_str), Some("abc"));
+            assert_eq!(
+                came.msg.headers.get("trace").map(String::as_str),
+                Some("abc")
+            );
             let n = came.numbers.as_ref().expect("numbers");
             assert_eq!(n.origin, "db-1");
         }

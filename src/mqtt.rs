@@ -1308,10 +1308,7 @@ impl Intake {
             bump(&self.counters.unwrapped);
         }
         let place = publish.topic();
-        match self
-            .lander
-            .land(came, &place, || inbound(&publish).msg)
-        {
+        match self.lander.land(came, &place, || inbound(&publish).msg) {
             Landed::Ack { duplicate, refused } => {
                 if duplicate {
                     bump(&self.counters.duplicates);

@@ -1030,7 +1030,9 @@ mod tests {
     #[test]
     fn subjects_are_checked_by_allowlist() {
         assert!(subject_problem("orders.eu.1").is_none());
-        for bad in ["", "a..b", ".a", "a.", "a.*", "a.>", "a b", "a\tb", "ünï", "a\r\nb"] {
+        for bad in [
+            "", "a..b", ".a", "a.", "a.*", "a.>", "a b", "a\tb", "ünï", "a\r\nb",
+        ] {
             assert!(subject_problem(bad).is_some(), "{bad:?}");
         }
     }

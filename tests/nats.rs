@@ -7,9 +7,9 @@
 //! in commit order. Without nats-server installed each test says so and
 //! passes, unless POSTROOM_REQUIRE_NATS is set (CI sets it).
 
+mod common;
 #[path = "support/nats_server.rs"]
 mod nats_server;
-mod common;
 
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
@@ -188,8 +188,11 @@ fn settle(a_db: &Path, b_db: &Path, n: i64, what: &str, extra: impl Fn() -> Stri
     }
 }
 
+/// A raw message: subject, headers, payload.
+type Raw = (String, Vec<(&'static str, String)>, &'static str);
+
 /// A plain NATS client in the test, for what a foreign publisher sends.
-fn publish_raw(url: &str, messages: Vec<(String, Vec<(&str, String)>, &'static str)>) {
+fn publish_raw(url: &str, messages: Vec<Raw>) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -232,7 +235,9 @@ fn exactly_once_end_to_end_through_jetstream() {
     let a = device_a(&a_db, &url);
     const N: i64 = 200;
     publish(&a, N, Duration::ZERO, &AtomicU64::new(0));
-    settle(&a_db, &b_db, N, "end to end", || format!("{:?}", intake.stats()));
+    settle(&a_db, &b_db, N, "end to end", || {
+        format!("{:?}", intake.stats())
+    });
     let stats = intake.stats();
     println!("{N} messages, intake {stats:?}");
     assert_eq!(stats.unwrapped, 0, "{stats:?}");
@@ -243,7 +248,10 @@ fn exactly_once_end_to_end_through_jetstream() {
     // the key, and no NATS header of its own.
     let conn = raw(&b_db);
     assert_eq!(
-        count(&conn, "SELECT count(*) FROM postroom_inbox WHERE source = 'device-a'"),
+        count(
+            &conn,
+            "SELECT count(*) FROM postroom_inbox WHERE source = 'device-a'"
+        ),
         N
     );
 }
