@@ -19,7 +19,7 @@
 //! inbox message; a row's own header whose name starts with
 //! [`header::PREFIX`] never travels (it could forge the contract's fields);
 //! numbers from the wire are checked before use, never clamped
-//! ([`Numbers::checked`]). The intake side ([`Lander`]) acknowledges a
+//! (`Numbers::checked`). The intake side (`Lander`) acknowledges a
 //! message only once it is durably in the inbox or in the dead letters.
 
 // The intake side is used by the bridges only (features `mqtt`, `nats`).
