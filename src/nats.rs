@@ -384,7 +384,19 @@ impl NatsSink {
                     break;
                 }
                 let payload = batch[i].payload.clone().into();
-                match js.publish_with_headers(subject, headers, payload).await {
+                // Bounded: a client whose connection is down queues the
+                // publish, and waits once its queue is full.
+                let sent = tokio::time::timeout(
+                    ack_timeout,
+                    js.publish_with_headers(subject, headers, payload),
+                )
+                .await
+                .unwrap_or_else(|_| {
+                    Err(jetstream::context::PublishError::new(
+                        PublishErrorKind::TimedOut,
+                    ))
+                });
+                match sent {
                     Ok(ack) => {
                         if let Some(k) = &key {
                             *in_flight_keys.entry(k.clone()).or_insert(0) += 1;
@@ -867,26 +879,30 @@ impl Intake {
                 self.batch
             };
             let pulled = rt.block_on(async {
-                let mut batch = c
-                    .fetch()
-                    .max_messages(waiting_batch)
-                    .expires(PULL_EXPIRES)
-                    .messages()
-                    .await
-                    .map_err(|e| format!("nats: pull: {e}"))?;
-                let mut out = Vec::new();
-                while let Some(m) = batch.next().await {
-                    match m {
-                        Ok(m) => out.push(m),
-                        Err(e) => {
-                            if out.is_empty() {
-                                return Err(format!("nats: pull: {e}"));
+                tokio::time::timeout(PULL_EXPIRES * 10, async {
+                    let mut batch = c
+                        .fetch()
+                        .max_messages(waiting_batch)
+                        .expires(PULL_EXPIRES)
+                        .messages()
+                        .await
+                        .map_err(|e| format!("nats: pull: {e}"))?;
+                    let mut out = Vec::new();
+                    while let Some(m) = batch.next().await {
+                        match m {
+                            Ok(m) => out.push(m),
+                            Err(e) => {
+                                if out.is_empty() {
+                                    return Err(format!("nats: pull: {e}"));
+                                }
+                                break;
                             }
-                            break;
                         }
                     }
-                }
-                Ok(out)
+                    Ok(out)
+                })
+                .await
+                .unwrap_or_else(|_| Err("nats: a pull did not end within 10 s".to_owned()))
             });
             let pulled = match pulled {
                 Ok(p) => p,
