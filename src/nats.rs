@@ -556,7 +556,7 @@ impl IntakeBuilder {
     }
 
     /// Keeps a sequence watermark per sending outbox, as
-    /// [`crate::mqtt::IntakeBuilder::sequenced`] does (the same contract:
+    /// the MQTT intake's `sequenced` does (the same contract:
     /// only for an intake that receives every message of each sending
     /// outbox; numbers out of range make a dead letter).
     pub fn sequenced(mut self) -> Self {
