@@ -369,15 +369,18 @@ impl NatsSink {
                 if let Some(k) = &key {
                     // Never two of one key outstanding: this row waits for
                     // the one before it.
-                    while in_flight_keys.contains_key(k) {
+                    while in_flight_keys.contains_key(k) && outage.is_none() {
                         answer_one!();
+                    }
+                    if outage.is_some() {
+                        break;
                     }
                     if failed_keys.contains(k) {
                         results[i] = SendResult::retry("behind an earlier failure of its key");
                         continue;
                     }
                 }
-                while flight.len() >= window {
+                while flight.len() >= window && outage.is_none() {
                     answer_one!();
                 }
                 if outage.is_some() {
@@ -420,7 +423,10 @@ impl NatsSink {
                     }
                 }
             }
-            while !flight.is_empty() {
+            // Once the server is known unavailable the rest are not waited
+            // for one by one (each could take `ack_timeout`): they stay "not
+            // handed over", unavailable, and a re-send is deduplicated.
+            while !flight.is_empty() && outage.is_none() {
                 answer_one!();
             }
             *used = Instant::now();
@@ -973,12 +979,19 @@ impl Intake {
                     }
                 }
             }
-            if let (Some(b), Some((_, c))) = (self.barrier, bound.as_ref()) {
-                // The previous intake's messages are all answered once the
-                // consumer's ack floor reaches the barrier.
-                if let Ok(info) = rt.block_on(c.get_info()) {
-                    if info.ack_floor.stream_sequence >= b {
-                        self.barrier = None;
+            if self.barrier.is_some() || !self.outstanding.is_empty() {
+                if let Some((_, c)) = bound.as_ref() {
+                    // At or below the consumer's ack floor a message is
+                    // answered or gone from the stream (limits, age): the
+                    // previous intake's messages are all answered once the
+                    // floor reaches the barrier, and a held message the
+                    // stream dropped is awaited no more.
+                    if let Ok(info) = rt.block_on(c.get_info()) {
+                        let floor = info.ack_floor.stream_sequence;
+                        if self.barrier.is_some_and(|b| floor >= b) {
+                            self.barrier = None;
+                        }
+                        self.outstanding = self.outstanding.split_off(&(floor + 1));
                     }
                 }
             }

@@ -444,3 +444,92 @@ fn device_b_killed_mid_stream_applies_every_message_once() {
     assert_eq!(a.stats().unwrap().outbox.dead, 0);
     assert_exactly_once_in_order(&b_db, N);
 }
+
+/// Per-key order in the sink: the stream refuses a row of key `k` (over
+/// its `max_message_size`), so the row behind it of the same key must not
+/// be published while the refused one is still pending: it would be in the
+/// stream ahead of it. It goes once the refused row is dead
+/// (`max_attempts`); a row of another key goes at once.
+#[test]
+fn a_row_the_stream_refuses_holds_back_the_later_rows_of_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let js = rt.block_on(async {
+        async_nats::jetstream::new(async_nats::connect(url.as_str()).await.unwrap())
+    });
+    rt.block_on(js.create_stream(async_nats::jetstream::stream::Config {
+        name: "ORD".into(),
+        subjects: vec!["ord.>".into()],
+        max_message_size: 1024,
+        ..Default::default()
+    }))
+    .unwrap();
+    let subjects_in_stream = || {
+        rt.block_on(async {
+            let stream = js.get_stream("ORD").await.unwrap();
+            let n = stream.get_info().await.unwrap().state.last_sequence;
+            let mut subjects = Vec::new();
+            for seq in 1..=n {
+                if let Ok(m) = stream.get_raw_message(seq).await {
+                    subjects.push(m.subject.to_string());
+                }
+            }
+            subjects
+        })
+    };
+    let a_db = dir.path().join("a.db");
+    let a = Postroom::builder()
+        .max_attempts(3)
+        .backoff(Duration::from_millis(400), Duration::from_millis(400))
+        .relay_poll(Duration::from_millis(20))
+        .sink(NatsSink::new(&url).subject_with(|m| format!("ord.{}", m.payload.len())))
+        .open(&a_db)
+        .unwrap();
+    a.transaction(|tx| {
+        tx.publish(Outgoing::new("orders", vec![b'x'; 2000]).with_key("k"))?;
+        tx.publish(Outgoing::new("orders", "k2").with_key("k"))?;
+        tx.publish(Outgoing::new("orders", "other").with_key("j"))?;
+        Ok(())
+    })
+    .unwrap();
+    let big_status = || {
+        let conn = raw(&a_db);
+        conn.query_row(
+            "SELECT status, attempts FROM postroom_outbox WHERE length(payload) = 2000",
+            [],
+            |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)),
+        )
+        .unwrap()
+    };
+    // While the refused row is pending, its key's later row is not in the
+    // stream; the other key's row is.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, attempts) = big_status();
+        let subjects = subjects_in_stream();
+        if status == "dead" {
+            break;
+        }
+        assert!(
+            !subjects.contains(&"ord.2".to_string()),
+            "k's second row is in the stream while its first is {status} after {attempts} \
+             attempts: {subjects:?}"
+        );
+        assert!(Instant::now() < deadline, "the refused row never died");
+        thread::sleep(Duration::from_millis(50));
+    }
+    eventually(30, "k's second row sent after the first died", || {
+        subjects_in_stream().contains(&"ord.2".to_string())
+    });
+    let subjects = subjects_in_stream();
+    assert_eq!(subjects, vec!["ord.5", "ord.2"], "{subjects:?}");
+    let (_, attempts) = big_status();
+    assert_eq!(attempts, 3);
+}
