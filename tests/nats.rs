@@ -533,3 +533,55 @@ fn a_row_the_stream_refuses_holds_back_the_later_rows_of_its_key() {
     let (_, attempts) = big_status();
     assert_eq!(attempts, 3);
 }
+
+/// A server that cannot be reached is an outage, not the rows' fault: with
+/// `max_attempts(1)` every row stays pending with no attempt counted while
+/// the server is down, and all go once it is back.
+#[test]
+fn an_unreachable_server_counts_no_attempt() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    ensure_stream(&url, "HOP", &["hop.>"]).unwrap();
+    server.kill();
+    let a_db = dir.path().join("a.db");
+    let a = Postroom::builder()
+        .max_attempts(1)
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            NatsSink::new(&url)
+                .subject_prefix("hop.")
+                .ack_timeout(Duration::from_millis(500))
+                .backoff(Duration::from_millis(50), Duration::from_millis(200)),
+        )
+        .open(&a_db)
+        .unwrap();
+    publish(&a, 20, Duration::ZERO, &AtomicU64::new(0));
+    let tried = || {
+        let conn = raw(&a_db);
+        count(
+            &conn,
+            "SELECT count(*) FROM postroom_outbox WHERE last_error LIKE '%nats%'",
+        )
+    };
+    eventually(30, "the sink met the outage", || tried() > 0);
+    // A few more tries against the dead server.
+    thread::sleep(Duration::from_millis(700));
+    let conn = raw(&a_db);
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM postroom_outbox WHERE attempts > 0 OR status != 'pending'"
+        ),
+        0,
+        "an outage counted an attempt"
+    );
+    drop(conn);
+    server.up();
+    eventually(60, "every row sent once the server is back", || {
+        a.stats().is_ok_and(|s| s.outbox.sent == 20)
+    });
+    assert_eq!(a.stats().unwrap().outbox.dead, 0);
+}
