@@ -585,3 +585,33 @@ fn an_unreachable_server_counts_no_attempt() {
     });
     assert_eq!(a.stats().unwrap().outbox.dead, 0);
 }
+
+/// What could never store a message is refused at `start()`, before any
+/// server is asked: an unknown consumer, an empty stream or durable name.
+/// (An effectful consumer without `.queued()` is refused by the same
+/// engine check as the MQTT intake's, tests/mqtt.rs.)
+#[test]
+fn an_intake_that_could_never_store_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = device_b(&dir.path().join("b.db"));
+    let nobody = "nats://127.0.0.1:1"; // start() must not need the server
+    let unknown = NatsIntake::builder(nobody, Arc::clone(&b), "nobody", "HOP", "b").start();
+    assert!(
+        matches!(unknown, Err(postroom::Error::UnknownConsumer { .. })),
+        "an unknown consumer: {:?}",
+        unknown.err()
+    );
+    for (stream, durable) in [("", "b"), ("HOP", "")] {
+        let empty = NatsIntake::builder(nobody, Arc::clone(&b), "b", stream, durable).start();
+        assert!(
+            matches!(empty, Err(postroom::Error::InvalidInput { .. })),
+            "stream {stream:?}, durable {durable:?}: {:?}",
+            empty.err()
+        );
+    }
+    let fine = NatsIntake::builder(nobody, Arc::clone(&b), "b", "HOP", "b")
+        .start()
+        .expect("a transactional consumer, inline");
+    assert!(!fine.wait_bound(Duration::from_millis(200)));
+    fine.shutdown(Duration::from_secs(10)).unwrap();
+}
