@@ -30,7 +30,7 @@ LAYERS = [
     ("state machines", ["delivery", "recovery", "brakes"]),
     ("runtime", ["runtime"]),
     ("engine", ["engine"]),
-    ("on top", ["admin", "sim", "sinks", "mqtt", "testkit"]),
+    ("on top", ["admin", "sim", "sinks", "hop", "mqtt", "nats", "testkit"]),
 ]
 
 

@@ -195,8 +195,11 @@ mod runtime;
 mod engine;
 // On top: operator functions, the thread-free harness, engine-to-engine sinks.
 pub mod admin;
+pub mod hop;
 #[cfg(feature = "mqtt")]
 pub mod mqtt;
+#[cfg(feature = "nats")]
+pub mod nats;
 #[cfg(feature = "sim")]
 pub mod sim;
 mod sinks;

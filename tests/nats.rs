@@ -1,0 +1,617 @@
+//! The NATS JetStream bridge against a real nats-server (Debian's package),
+//! one started per test on a free localhost port with JetStream and its
+//! store in the test's temp dir (tests/support/nats_server.rs). Device A
+//! publishes through its outbox and `NatsSink` into a stream; device B
+//! pulls it through `NatsIntake` (a durable consumer) into its inbox. The
+//! checks are on B's database: every message applied exactly once, per key
+//! in commit order. Without nats-server installed each test says so and
+//! passes, unless POSTROOM_REQUIRE_NATS is set (CI sets it).
+
+mod common;
+#[path = "support/nats_server.rs"]
+mod nats_server;
+
+use std::collections::HashMap;
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::*;
+use nats_server::NatsServer;
+use postroom::nats::{async_nats, ensure_stream, NatsIntake, NatsSink};
+use postroom::{handler_fn, Failure, Message, Outgoing, Postroom};
+
+/// Entry point of the child processes (device B). Not a test: it only does
+/// something when started by `spawn_child`, and is ignored otherwise.
+#[test]
+#[ignore = "entry point for child processes of the NATS tests"]
+fn child_main() {
+    let Some((role, db)) = child_role() else {
+        return;
+    };
+    report("");
+    assert_eq!(role, "device-b", "unknown child role");
+    let url = std::env::var("POSTROOM_NATS_URL").unwrap();
+    let room = device_b(&db);
+    let intake = NatsIntake::builder(url, Arc::clone(&room), "b", "HOP", "b")
+        .start()
+        .unwrap();
+    assert!(intake.wait_bound(Duration::from_secs(30)));
+    report("READY");
+    loop {
+        thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// Device B: every message it applies adds a row to `effects`, with no
+/// uniqueness constraint, so a message applied twice shows as two rows.
+fn device_b(db: &Path) -> Arc<Postroom> {
+    let room = Postroom::builder()
+        .poll_interval(Duration::from_millis(20))
+        .backoff(Duration::from_millis(20), Duration::from_millis(200))
+        .consumer(
+            "b",
+            handler_fn(|tx, msg: &Message| {
+                tx.execute(
+                    "INSERT INTO effects (msg_id, key, n) VALUES (?1, ?2, ?3)",
+                    rusqlite::params![
+                        msg.id(),
+                        msg.ordering_key(),
+                        String::from_utf8_lossy(msg.payload()).parse::<i64>().ok()
+                    ],
+                )?;
+                Ok(())
+            }),
+        )
+        .open(db)
+        .unwrap();
+    room.transaction(|tx| {
+        tx.execute_batch(
+            "CREATE TABLE IF NOT EXISTS effects (msg_id TEXT NOT NULL, key TEXT, n INTEGER)",
+        )?;
+        Ok(())
+    })
+    .unwrap();
+    Arc::new(room)
+}
+
+/// Device A with a NATS sink publishing `orders` rows as `hop.orders`.
+fn device_a(db: &Path, url: &str) -> Postroom {
+    Postroom::builder()
+        .max_attempts(2) // an outage must not use attempts up
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            NatsSink::new(url)
+                .source("device-a")
+                .subject_prefix("hop.")
+                .ack_timeout(Duration::from_secs(2))
+                .backoff(Duration::from_millis(50), Duration::from_millis(500)),
+        )
+        .open(db)
+        .unwrap()
+}
+
+/// Publishes `n` rows through A's outbox, keys `k0`..`k4`, payload = the
+/// number, `pause` after each; `committed` counts them.
+fn publish(a: &Postroom, n: i64, pause: Duration, committed: &AtomicU64) {
+    for i in 0..n {
+        a.transaction(move |tx| {
+            tx.publish(Outgoing::new("orders", i.to_string()).with_key(format!("k{}", i % 5)))?;
+            Ok(())
+        })
+        .unwrap();
+        committed.fetch_add(1, Ordering::SeqCst);
+        thread::sleep(pause);
+    }
+}
+
+/// What B's `effects` say: (rows, distinct messages), and every key's
+/// numbers in the order applied.
+fn effects(db: &Path) -> (i64, i64, HashMap<String, Vec<i64>>) {
+    let conn = rusqlite::Connection::open_with_flags(
+        db,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .unwrap();
+    conn.busy_timeout(Duration::from_secs(5)).unwrap();
+    let (rows, distinct) = conn
+        .query_row(
+            "SELECT count(*), count(DISTINCT msg_id) FROM effects",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap_or((0, 0));
+    let mut order: HashMap<String, Vec<i64>> = HashMap::new();
+    if let Ok(mut stmt) = conn.prepare("SELECT key, n FROM effects ORDER BY rowid") {
+        let rows = stmt
+            .query_map([], |r| {
+                Ok((r.get::<_, Option<String>>(0)?, r.get::<_, Option<i64>>(1)?))
+            })
+            .unwrap();
+        for row in rows {
+            let (key, n) = row.unwrap();
+            if let (Some(key), Some(n)) = (key, n) {
+                order.entry(key).or_default().push(n);
+            }
+        }
+    }
+    (rows, distinct, order)
+}
+
+/// Every one of `n` messages applied exactly once, each key in order.
+fn assert_exactly_once_in_order(db: &Path, n: i64) {
+    let (rows, distinct, order) = effects(db);
+    assert_eq!(distinct, n, "messages applied");
+    assert_eq!(rows, n, "effects: a message was applied twice");
+    for (key, ns) in order {
+        assert!(
+            ns.windows(2).all(|w| w[0] < w[1]),
+            "key {key} applied out of order: {ns:?}"
+        );
+    }
+}
+
+/// Rows A's relay recorded a failure for (its `last_error`, kept after the
+/// row went out), and rows not sent.
+fn outbox_failures(db: &Path) -> (i64, i64) {
+    let conn = rusqlite::Connection::open(db).unwrap();
+    conn.busy_timeout(Duration::from_secs(5)).unwrap();
+    conn.query_row(
+        "SELECT count(last_error), count(*) FILTER (WHERE status != 'sent')
+         FROM postroom_outbox",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )
+    .unwrap()
+}
+
+/// Waits (bounded) until B applied `n` and A's outbox has nothing unsent.
+fn settle(a_db: &Path, b_db: &Path, n: i64, what: &str, extra: impl Fn() -> String) {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        if effects(b_db).1 == n && outbox_failures(a_db).1 == 0 {
+            return;
+        }
+        if Instant::now() > deadline {
+            let (rows, distinct, _) = effects(b_db);
+            panic!(
+                "{what}: B applied {distinct} of {n} ({rows} effects); A's outbox (rows that \
+                 met a failure, rows not sent): {:?}; {}",
+                outbox_failures(a_db),
+                extra()
+            );
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A raw message: subject, headers, payload.
+type Raw = (String, Vec<(&'static str, String)>, &'static str);
+
+/// A plain NATS client in the test, for what a foreign publisher sends.
+fn publish_raw(url: &str, messages: Vec<Raw>) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = async_nats::connect(url).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        for (subject, headers, payload) in messages {
+            let mut map = async_nats::HeaderMap::new();
+            for (k, v) in headers {
+                map.insert(k, v.as_str());
+            }
+            js.publish_with_headers(subject, map, payload.into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+    });
+}
+
+/// Device A's rows go through the stream into device B's inbox: each
+/// exactly once, each key in commit order, and the stream holds each once
+/// (`Nats-Msg-Id`).
+#[test]
+fn exactly_once_end_to_end_through_jetstream() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    ensure_stream(&url, "HOP", &["hop.>"]).unwrap();
+    let b_db = dir.path().join("b.db");
+    let b = device_b(&b_db);
+    let intake = NatsIntake::builder(&url, Arc::clone(&b), "b", "HOP", "b")
+        .start()
+        .unwrap();
+    assert!(intake.wait_bound(Duration::from_secs(30)));
+    let a_db = dir.path().join("a.db");
+    let a = device_a(&a_db, &url);
+    const N: i64 = 200;
+    publish(&a, N, Duration::ZERO, &AtomicU64::new(0));
+    settle(&a_db, &b_db, N, "end to end", || {
+        format!("{:?}", intake.stats())
+    });
+    let stats = intake.stats();
+    println!("{N} messages, intake {stats:?}");
+    assert_eq!(stats.unwrapped, 0, "{stats:?}");
+    assert_eq!(a.stats().unwrap().outbox.dead, 0);
+    intake.shutdown(Duration::from_secs(10)).unwrap();
+    assert_exactly_once_in_order(&b_db, N);
+    // The inbox rows carry the hop contract: source from `postroom-source`,
+    // the key, and no NATS header of its own.
+    let conn = raw(&b_db);
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM postroom_inbox WHERE source = 'device-a'"
+        ),
+        N
+    );
+}
+
+/// The server is SIGKILLed while A publishes and B pulls, and comes back a
+/// second later with its store: A's sink keeps the unacknowledged rows
+/// pending (no attempt counted, so `max_attempts(2)` kills none), B's
+/// intake binds again; every message is applied exactly once, per key in
+/// order.
+#[test]
+fn the_server_killed_and_restarted_mid_stream_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    ensure_stream(&url, "HOP", &["hop.>"]).unwrap();
+    let b_db = dir.path().join("b.db");
+    let b = device_b(&b_db);
+    let intake = NatsIntake::builder(&url, Arc::clone(&b), "b", "HOP", "b")
+        .backoff(Duration::from_millis(50), Duration::from_millis(500))
+        .start()
+        .unwrap();
+    assert!(intake.wait_bound(Duration::from_secs(30)));
+    let a_db = dir.path().join("a.db");
+    let a = device_a(&a_db, &url);
+    const N: i64 = 300;
+    let committed = AtomicU64::new(0);
+    let applied_at_kill = thread::scope(|s| {
+        s.spawn(|| publish(&a, N, Duration::from_millis(5), &committed));
+        eventually(30, "a third committed before the kill", || {
+            committed.load(Ordering::SeqCst) >= N as u64 / 3
+        });
+        let at_kill = effects(&b_db).1;
+        server.restart(Duration::from_secs(1));
+        at_kill
+    });
+    settle(&a_db, &b_db, N, "after the restart", || {
+        format!("intake {:?}", intake.stats())
+    });
+    let stats = intake.stats();
+    let (failed_rows, _) = outbox_failures(&a_db);
+    println!(
+        "{N} messages: {applied_at_kill} applied at the kill, rows that met the outage \
+         {failed_rows}, intake {stats:?}"
+    );
+    assert!(applied_at_kill < N, "the kill came after the run");
+    assert!(failed_rows > 0, "no row met the outage");
+    assert_eq!(a.stats().unwrap().outbox.dead, 0);
+    intake.shutdown(Duration::from_secs(10)).unwrap();
+    assert_exactly_once_in_order(&b_db, N);
+}
+
+/// A handler fails one message's first attempt: the intake does not
+/// acknowledge it but NAKs it, and JetStream redelivers it; the second
+/// attempt applies it. A message with the same `postroom-id` published
+/// twice (past the stream's own dedupe: two `Nats-Msg-Id`s), and a plain
+/// payload without the contract sent twice, are absorbed by the inbox.
+#[test]
+fn duplicates_and_redeliveries_are_absorbed() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    ensure_stream(&url, "HOP", &["hop.>"]).unwrap();
+    let attempts = Arc::new(AtomicU64::new(0));
+    let seen = Arc::clone(&attempts);
+    let b_db = dir.path().join("b.db");
+    let b = Arc::new(
+        Postroom::builder()
+            .consumer(
+                "b",
+                handler_fn(move |tx, msg: &Message| {
+                    if msg.id() == "flaky" && seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                        return Err(Failure::retry_after(
+                            "downstream busy",
+                            Duration::from_millis(300),
+                        ));
+                    }
+                    tx.execute(
+                        "INSERT INTO effects (msg_id, key, n) VALUES (?1, NULL, NULL)",
+                        [msg.id()],
+                    )?;
+                    Ok(())
+                }),
+            )
+            .open(&b_db)
+            .unwrap(),
+    );
+    b.transaction(|tx| {
+        tx.execute_batch("CREATE TABLE effects (msg_id TEXT NOT NULL, key TEXT, n INTEGER)")?;
+        Ok(())
+    })
+    .unwrap();
+    let intake = NatsIntake::builder(&url, Arc::clone(&b), "b", "HOP", "b")
+        .start()
+        .unwrap();
+    assert!(intake.wait_bound(Duration::from_secs(30)));
+    let hop = |id: &str, nats_id: &str| {
+        vec![
+            ("postroom-id", id.to_owned()),
+            ("postroom-seq", "1".to_owned()),
+            ("postroom-source", "pub".to_owned()),
+            ("Nats-Msg-Id", nats_id.to_owned()),
+        ]
+    };
+    publish_raw(
+        &url,
+        vec![
+            ("hop.x".into(), hop("once", "n1"), "a"),
+            ("hop.x".into(), hop("once", "n2"), "a"), // the same message again
+            ("hop.x".into(), hop("flaky", "n3"), "b"),
+            ("hop.x".into(), hop("after", "n4"), "c"),
+            ("hop.plain".into(), vec![], "plain"),
+            ("hop.plain".into(), vec![], "plain"), // a plain repeat
+        ],
+    );
+    eventually(30, "every message applied", || effects(&b_db).1 == 4);
+    eventually(30, "every message acknowledged", || {
+        let s = intake.stats();
+        s.acked == 6 && s.duplicates == 2
+    });
+    let stats = intake.stats();
+    println!("intake {stats:?}");
+    assert!(stats.not_acked >= 1, "{stats:?}");
+    assert!(stats.redelivered >= 1, "{stats:?}");
+    assert_eq!(stats.unwrapped, 2, "{stats:?}");
+    assert_eq!(attempts.load(Ordering::SeqCst), 2);
+    let (rows, distinct, _) = effects(&b_db);
+    assert_eq!((rows, distinct), (4, 4));
+    // Order: "after" came behind "flaky" and was held back with it.
+    let conn = raw(&b_db);
+    let order: Vec<String> = column(&conn, "SELECT msg_id FROM effects ORDER BY rowid");
+    let pos = |id: &str| order.iter().position(|x| x == id).unwrap();
+    assert!(pos("flaky") < pos("after"), "{order:?}");
+    intake.shutdown(Duration::from_secs(10)).unwrap();
+}
+
+/// Device B is a real child process, SIGKILLed while it pulls and started
+/// again: the durable consumer kept its position, what B had pulled and
+/// not acknowledged comes again after the ack wait, and its inbox absorbs
+/// what it had applied but not acknowledged.
+#[test]
+fn device_b_killed_mid_stream_applies_every_message_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    ensure_stream(&url, "HOP", &["hop.>"]).unwrap();
+    // The consumer is made here with a short ack wait, so what the killed
+    // B pulled comes back soon; the child binds to it as it is.
+    {
+        let b_db = dir.path().join("setup.db");
+        let b = device_b(&b_db);
+        let intake = NatsIntake::builder(&url, b, "b", "HOP", "b")
+            .ack_wait(Duration::from_secs(2))
+            .start()
+            .unwrap();
+        assert!(intake.wait_bound(Duration::from_secs(30)));
+        intake.shutdown(Duration::from_secs(10)).unwrap();
+    }
+    let b_db = dir.path().join("b.db");
+    let env = [("POSTROOM_NATS_URL", url.clone())];
+    let mut child = spawn_child("device-b", &b_db, &env);
+    wait_for(&lines_of(&mut child), "READY");
+    let a_db = dir.path().join("a.db");
+    let a = device_a(&a_db, &url);
+    const N: i64 = 400;
+    let committed = AtomicU64::new(0);
+    let applied_at_kill = thread::scope(|s| {
+        s.spawn(|| publish(&a, N, Duration::from_millis(3), &committed));
+        eventually(60, "a third applied before the kill", || {
+            effects(&b_db).1 >= N / 3
+        });
+        child.kill().unwrap();
+        assert_eq!(child.wait().unwrap().signal(), Some(9));
+        let at_kill = effects(&b_db).1;
+        thread::sleep(Duration::from_millis(300));
+        child = spawn_child("device-b", &b_db, &env);
+        wait_for(&lines_of(&mut child), "READY");
+        at_kill
+    });
+    eventually(90, "every message applied", || effects(&b_db).1 == N);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    println!("device B killed with {applied_at_kill} of {N} applied");
+    assert!(applied_at_kill < N, "the kill came after the run");
+    assert_eq!(a.stats().unwrap().outbox.dead, 0);
+    assert_exactly_once_in_order(&b_db, N);
+}
+
+/// Per-key order in the sink: the stream refuses a row of key `k` (over
+/// its `max_message_size`), so the row behind it of the same key must not
+/// be published while the refused one is still pending: it would be in the
+/// stream ahead of it. It goes once the refused row is dead
+/// (`max_attempts`); a row of another key goes at once.
+#[test]
+fn a_row_the_stream_refuses_holds_back_the_later_rows_of_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let js = rt.block_on(async {
+        async_nats::jetstream::new(async_nats::connect(url.as_str()).await.unwrap())
+    });
+    rt.block_on(js.create_stream(async_nats::jetstream::stream::Config {
+        name: "ORD".into(),
+        subjects: vec!["ord.>".into()],
+        max_message_size: 1024,
+        ..Default::default()
+    }))
+    .unwrap();
+    let subjects_in_stream = || {
+        rt.block_on(async {
+            let stream = js.get_stream("ORD").await.unwrap();
+            let n = stream.get_info().await.unwrap().state.last_sequence;
+            let mut subjects = Vec::new();
+            for seq in 1..=n {
+                if let Ok(m) = stream.get_raw_message(seq).await {
+                    subjects.push(m.subject.to_string());
+                }
+            }
+            subjects
+        })
+    };
+    let a_db = dir.path().join("a.db");
+    let a = Postroom::builder()
+        .max_attempts(3)
+        .backoff(Duration::from_millis(400), Duration::from_millis(400))
+        .relay_poll(Duration::from_millis(20))
+        .sink(NatsSink::new(&url).subject_with(|m| format!("ord.{}", m.payload.len())))
+        .open(&a_db)
+        .unwrap();
+    a.transaction(|tx| {
+        tx.publish(Outgoing::new("orders", vec![b'x'; 2000]).with_key("k"))?;
+        tx.publish(Outgoing::new("orders", "k2").with_key("k"))?;
+        tx.publish(Outgoing::new("orders", "other").with_key("j"))?;
+        Ok(())
+    })
+    .unwrap();
+    let big_status = || {
+        let conn = raw(&a_db);
+        conn.query_row(
+            "SELECT status, attempts FROM postroom_outbox WHERE length(payload) = 2000",
+            [],
+            |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)),
+        )
+        .unwrap()
+    };
+    // While the refused row is pending, its key's later row is not in the
+    // stream; the other key's row is.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, attempts) = big_status();
+        let subjects = subjects_in_stream();
+        if status == "dead" {
+            break;
+        }
+        assert!(
+            !subjects.contains(&"ord.2".to_string()),
+            "k's second row is in the stream while its first is {status} after {attempts} \
+             attempts: {subjects:?}"
+        );
+        assert!(Instant::now() < deadline, "the refused row never died");
+        thread::sleep(Duration::from_millis(50));
+    }
+    eventually(30, "k's second row sent after the first died", || {
+        subjects_in_stream().contains(&"ord.2".to_string())
+    });
+    let subjects = subjects_in_stream();
+    assert_eq!(subjects, vec!["ord.5", "ord.2"], "{subjects:?}");
+    let (_, attempts) = big_status();
+    assert_eq!(attempts, 3);
+}
+
+/// A server that cannot be reached is an outage, not the rows' fault: with
+/// `max_attempts(1)` every row stays pending with no attempt counted while
+/// the server is down, and all go once it is back.
+#[test]
+fn an_unreachable_server_counts_no_attempt() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    ensure_stream(&url, "HOP", &["hop.>"]).unwrap();
+    server.kill();
+    let a_db = dir.path().join("a.db");
+    let a = Postroom::builder()
+        .max_attempts(1)
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            NatsSink::new(&url)
+                .subject_prefix("hop.")
+                .ack_timeout(Duration::from_millis(500))
+                .backoff(Duration::from_millis(50), Duration::from_millis(200)),
+        )
+        .open(&a_db)
+        .unwrap();
+    publish(&a, 20, Duration::ZERO, &AtomicU64::new(0));
+    let tried = || {
+        let conn = raw(&a_db);
+        count(
+            &conn,
+            "SELECT count(*) FROM postroom_outbox WHERE last_error LIKE '%nats%'",
+        )
+    };
+    eventually(30, "the sink met the outage", || tried() > 0);
+    // A few more tries against the dead server.
+    thread::sleep(Duration::from_millis(700));
+    let conn = raw(&a_db);
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM postroom_outbox WHERE attempts > 0 OR status != 'pending'"
+        ),
+        0,
+        "an outage counted an attempt"
+    );
+    drop(conn);
+    server.up();
+    eventually(60, "every row sent once the server is back", || {
+        a.stats().is_ok_and(|s| s.outbox.sent == 20)
+    });
+    assert_eq!(a.stats().unwrap().outbox.dead, 0);
+}
+
+/// What could never store a message is refused at `start()`, before any
+/// server is asked: an unknown consumer, an empty stream or durable name.
+/// (An effectful consumer without `.queued()` is refused by the same
+/// engine check as the MQTT intake's, tests/mqtt.rs.)
+#[test]
+fn an_intake_that_could_never_store_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = device_b(&dir.path().join("b.db"));
+    let nobody = "nats://127.0.0.1:1"; // start() must not need the server
+    let unknown = NatsIntake::builder(nobody, Arc::clone(&b), "nobody", "HOP", "b").start();
+    assert!(
+        matches!(unknown, Err(postroom::Error::UnknownConsumer { .. })),
+        "an unknown consumer: {:?}",
+        unknown.err()
+    );
+    for (stream, durable) in [("", "b"), ("HOP", "")] {
+        let empty = NatsIntake::builder(nobody, Arc::clone(&b), "b", stream, durable).start();
+        assert!(
+            matches!(empty, Err(postroom::Error::InvalidInput { .. })),
+            "stream {stream:?}, durable {durable:?}: {:?}",
+            empty.err()
+        );
+    }
+    let fine = NatsIntake::builder(nobody, Arc::clone(&b), "b", "HOP", "b")
+        .start()
+        .expect("a transactional consumer, inline");
+    assert!(!fine.wait_bound(Duration::from_millis(200)));
+    fine.shutdown(Duration::from_secs(10)).unwrap();
+}
