@@ -463,6 +463,14 @@ impl Lander {
             // but a refusal all the same: stored as a dead letter as it
             // came, never acknowledged without being stored.
             Err(e @ Error::InvalidInput { .. }) => self.refuse(again(), &e.to_string(), place),
+            // The consumer's brakes: flow control, not a fault. Held, the
+            // broker keeps it; the intake reads on once the workers drained.
+            Err(e @ Error::Backlogged { .. }) => {
+                log::debug!("{}: not acknowledged: {}", self.label, Esc(&e));
+                Landed::Hold {
+                    retry_after: ERROR_RETRY,
+                }
+            }
             Err(e) => {
                 log::warn!("{}: not acknowledged: {}", self.label, Esc(&e));
                 Landed::Hold {

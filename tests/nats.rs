@@ -615,3 +615,104 @@ fn an_intake_that_could_never_store_is_refused_at_start() {
     assert!(!fine.wait_bound(Duration::from_millis(200)));
     fine.shutdown(Duration::from_secs(10)).unwrap();
 }
+
+/// Brakes through the intake (issue 36 item 4): device B's consumer has a
+/// backlog bound, and its effect step waits at a gate until the intake has
+/// been answered `Backlogged`; meanwhile the queued intake acknowledges
+/// nothing it did not store and holds the stream. B's backlog stays within
+/// the bound, and once the gate opens every message is applied exactly
+/// once, per key in order.
+#[test]
+fn a_braked_intake_holds_the_stream_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    ensure_stream(&url, "HOP", &["hop.>"]).unwrap();
+    let limit = 20;
+    let gate = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let b_db = dir.path().join("b.db");
+    let b = Arc::new(
+        Postroom::builder()
+            .poll_interval(Duration::from_millis(20))
+            .effectful_consumer("b", Gated(Arc::clone(&gate)))
+            .backlog_limit("b", limit)
+            .open(&b_db)
+            .unwrap(),
+    );
+    b.transaction(|tx| {
+        tx.execute_batch("CREATE TABLE effects (msg_id TEXT NOT NULL, key TEXT, n INTEGER)")?;
+        Ok(())
+    })
+    .unwrap();
+    let intake = NatsIntake::builder(&url, Arc::clone(&b), "b", "HOP", "b")
+        .queued()
+        .start()
+        .unwrap();
+    assert!(intake.wait_bound(Duration::from_secs(30)));
+    let a_db = dir.path().join("a.db");
+    let a = device_a(&a_db, &url);
+    const N: i64 = 200;
+    publish(&a, N, Duration::ZERO, &AtomicU64::new(0));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while intake.stats().not_acked == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "never braked: {:?}",
+            intake.stats()
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    let held = b
+        .stats()
+        .unwrap()
+        .inbox
+        .get("b")
+        .copied()
+        .unwrap_or_default();
+    let backlog = held.pending + held.processing + held.failed;
+    assert!(
+        (limit..=limit + 1).contains(&backlog),
+        "backlog {backlog} while braked, bound {limit}"
+    );
+    assert_eq!(
+        intake.stats().acked,
+        backlog,
+        "acknowledged only what was stored"
+    );
+    gate.store(true, Ordering::SeqCst);
+    settle(&a_db, &b_db, N, "braked", || {
+        format!("{:?}", intake.stats())
+    });
+    let stats = intake.stats();
+    println!("{N} messages, backlog {backlog} while braked (bound {limit}), intake {stats:?}");
+    intake.shutdown(Duration::from_secs(10)).unwrap();
+    assert_exactly_once_in_order(&b_db, N);
+}
+
+/// An effect step that waits (bounded) until the gate opens, then an
+/// effects row per message.
+struct Gated(Arc<std::sync::atomic::AtomicBool>);
+
+impl postroom::EffectHandler for Gated {
+    type Output = ();
+    fn effect(&self, _: &postroom::EffectContext<'_>, _: &Message) -> Result<(), Failure> {
+        let until = Instant::now() + Duration::from_secs(60);
+        while !self.0.load(Ordering::SeqCst) && Instant::now() < until {
+            thread::sleep(Duration::from_millis(5));
+        }
+        Ok(())
+    }
+    fn apply(&self, tx: &mut postroom::Tx<'_>, msg: &Message, (): ()) -> Result<(), Failure> {
+        tx.execute(
+            "INSERT INTO effects (msg_id, key, n) VALUES (?1, ?2, ?3)",
+            rusqlite::params![
+                msg.id(),
+                msg.ordering_key(),
+                String::from_utf8_lossy(msg.payload()).parse::<i64>().ok()
+            ],
+        )?;
+        Ok(())
+    }
+}
