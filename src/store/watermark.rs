@@ -478,7 +478,8 @@ mod tests {
 
 /// How many sequences above a stream's watermark [`resume_point`] walks at
 /// most. Past it the answer stops short (a puller pulls some again; each
-/// repeat is a duplicate), and the walk stays one bounded index range.
+/// repeat is a duplicate), and the walk stays one bounded index range:
+/// at most this many rows and listed sequences are read.
 pub const RESUME_WALK: u64 = 65_536;
 
 /// The sequence a puller of `consumer`'s `stream` resumes after: every
