@@ -109,7 +109,7 @@ fn serve(listener: TcpListener, log: Vec<Change>) {
     for stream in listener.incoming() {
         let Ok(mut stream) = stream else { continue };
         served += 1;
-        let _ = answer(&mut stream, &log, served % 4 == 0);
+        let _ = answer(&mut stream, &log, served.is_multiple_of(4));
     }
 }
 

@@ -359,6 +359,92 @@ pub(crate) fn read_all(conn: &Connection) -> rusqlite::Result<Vec<StreamWatermar
     Ok(streams)
 }
 
+/// How many sequences above a stream's watermark [`resume_point`] walks at
+/// most. Past it the answer stops short (a puller pulls some again; each
+/// repeat is a duplicate), and the walk stays one bounded index range:
+/// at most this many rows and listed sequences are read.
+pub const RESUME_WALK: u64 = 65_536;
+
+/// The sequence a puller of `consumer`'s `stream` resumes after: every
+/// sequence at or below it has settled (at or under the watermark, or
+/// listed settled above it) or is stored in a queued row (received: the
+/// workers process it whatever happens to the puller). A row taken inline
+/// that has not settled does not count: its sender must deliver it again.
+/// 0 for a stream with nothing of the kind (or unknown).
+///
+/// Walks the stream's rows and listed sequences upward from the watermark
+/// (two index ranges, merged) to the first sequence that is neither, at
+/// most [`RESUME_WALK`] steps: never past a sequence that is not held, so
+/// a puller that resumes here loses nothing, and at worst pulls again what
+/// it has. Invariants: one snapshot (a watermark read apart from the rows
+/// could be another epoch's, after a reset, and walk over rows it does not
+/// number); every row of the range is read, held or not, so the walk stops
+/// at the first row not held instead of scanning past it for a held one.
+pub(crate) fn resume_point(
+    conn: &Connection,
+    consumer: &str,
+    stream: &str,
+) -> rusqlite::Result<u64> {
+    // One read transaction for the three statements (rolled back on drop:
+    // it writes nothing). A caller already in one reads in it.
+    let _snapshot = if conn.is_autocommit() {
+        Some(conn.unchecked_transaction()?)
+    } else {
+        None
+    };
+    let settled_below: Option<i64> = conn
+        .prepare_cached(
+            "SELECT settled_below FROM postroom_watermarks WHERE consumer = ?1 AND stream = ?2",
+        )?
+        .query_row(params![consumer, stream], |r| r.get(0))
+        .optional()?;
+    let Some(mut next) = settled_below else {
+        return Ok(0);
+    };
+    let walk = i64::try_from(RESUME_WALK).unwrap_or(i64::MAX);
+    let mut stored_stmt = conn.prepare_cached(
+        "SELECT seq, queued = 1 OR status IN ('completed', 'dead') FROM postroom_inbox
+         WHERE consumer = ?1 AND seq_stream = ?2 AND seq IS NOT NULL AND seq >= ?3
+         ORDER BY seq LIMIT ?4",
+    )?;
+    let mut listed_stmt = conn.prepare_cached(
+        "SELECT seq, 1 FROM postroom_watermark_settled
+         WHERE consumer = ?1 AND stream = ?2 AND seq >= ?3
+         ORDER BY seq LIMIT ?4",
+    )?;
+    let mut stored = stored_stmt.query(params![consumer, stream, next, walk])?;
+    let mut listed = listed_stmt.query(params![consumer, stream, next, walk])?;
+    let mut a = next_seq(&mut stored)?;
+    let mut b = next_seq(&mut listed)?;
+    for _ in 0..RESUME_WALK {
+        // A sequence can be both stored and listed (settled, still
+        // retained), or stored twice (a conflict's row): it is held if any
+        // of them holds it. Rows below `next` were looked at already.
+        let mut held = false;
+        while let Some((seq, holds)) = a.filter(|&(seq, _)| seq <= next) {
+            held |= seq == next && holds;
+            a = next_seq(&mut stored)?;
+        }
+        while let Some((seq, _)) = b.filter(|&(seq, _)| seq <= next) {
+            held |= seq == next;
+            b = next_seq(&mut listed)?;
+        }
+        if !held {
+            break;
+        }
+        match next.checked_add(1) {
+            Some(n) => next = n,
+            None => break,
+        }
+    }
+    Ok(u64::try_from(next - 1).unwrap_or(0))
+}
+
+/// The next `(seq, held)` of a walk's range.
+fn next_seq(rows: &mut rusqlite::Rows<'_>) -> rusqlite::Result<Option<(i64, bool)>> {
+    rows.next()?.map(|r| Ok((r.get(0)?, r.get(1)?))).transpose()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -474,92 +560,4 @@ mod tests {
         assert_eq!(w.missing_text(), "41-45, 50, …");
         assert_eq!(StreamWatermark::default().missing_text(), "");
     }
-}
-
-/// How many sequences above a stream's watermark [`resume_point`] walks at
-/// most. Past it the answer stops short (a puller pulls some again; each
-/// repeat is a duplicate), and the walk stays one bounded index range:
-/// at most this many rows and listed sequences are read.
-pub const RESUME_WALK: u64 = 65_536;
-
-/// The sequence a puller of `consumer`'s `stream` resumes after: every
-/// sequence at or below it has settled (at or under the watermark, or
-/// listed settled above it) or is stored in a queued row (received: the
-/// workers process it whatever happens to the puller). A row taken inline
-/// that has not settled does not count: its sender must deliver it again.
-/// 0 for a stream with nothing of the kind (or unknown).
-///
-/// Walks the stream's rows and listed sequences upward from the watermark
-/// (two index ranges, merged) to the first sequence that is neither, at
-/// most [`RESUME_WALK`] steps: never past a sequence that is not held, so
-/// a puller that resumes here loses nothing, and at worst pulls again what
-/// it has. Invariants: one snapshot (a watermark read apart from the rows
-/// could be another epoch's, after a reset, and walk over rows it does not
-/// number); every row of the range is read, held or not, so the walk stops
-/// at the first row not held instead of scanning past it for a held one.
-pub(crate) fn resume_point(
-    conn: &Connection,
-    consumer: &str,
-    stream: &str,
-) -> rusqlite::Result<u64> {
-    // One read transaction for the three statements (rolled back on drop:
-    // it writes nothing). A caller already in one reads in it.
-    let _snapshot = if conn.is_autocommit() {
-        Some(conn.unchecked_transaction()?)
-    } else {
-        None
-    };
-    let settled_below: Option<i64> = conn
-        .prepare_cached(
-            "SELECT settled_below FROM postroom_watermarks WHERE consumer = ?1 AND stream = ?2",
-        )?
-        .query_row(params![consumer, stream], |r| r.get(0))
-        .optional()?;
-    let Some(mut next) = settled_below else {
-        return Ok(0);
-    };
-    let walk = i64::try_from(RESUME_WALK).unwrap_or(i64::MAX);
-    let mut stored_stmt = conn.prepare_cached(
-        "SELECT seq, queued = 1 OR status IN ('completed', 'dead') FROM postroom_inbox
-         WHERE consumer = ?1 AND seq_stream = ?2 AND seq IS NOT NULL AND seq >= ?3
-         ORDER BY seq LIMIT ?4",
-    )?;
-    let mut listed_stmt = conn.prepare_cached(
-        "SELECT seq, 1 FROM postroom_watermark_settled
-         WHERE consumer = ?1 AND stream = ?2 AND seq >= ?3
-         ORDER BY seq LIMIT ?4",
-    )?;
-    let mut stored = stored_stmt.query(params![consumer, stream, next, walk])?;
-    let mut listed = listed_stmt.query(params![consumer, stream, next, walk])?;
-    let mut a = next_seq(&mut stored)?;
-    let mut b = next_seq(&mut listed)?;
-    for _ in 0..RESUME_WALK {
-        // A sequence can be both stored and listed (settled, still
-        // retained), or stored twice (a conflict's row): it is held if any
-        // of them holds it. Rows below `next` were looked at already.
-        let mut held = false;
-        while let Some((seq, holds)) = a.filter(|&(seq, _)| seq <= next) {
-            held |= seq == next && holds;
-            a = next_seq(&mut stored)?;
-        }
-        while let Some((seq, _)) = b.filter(|&(seq, _)| seq <= next) {
-            held |= seq == next;
-            b = next_seq(&mut listed)?;
-        }
-        if !held {
-            break;
-        }
-        match next.checked_add(1) {
-            Some(n) => next = n,
-            None => break,
-        }
-    }
-    Ok(u64::try_from(next - 1).unwrap_or(0))
-}
-
-/// The next `(seq, held)` of a walk's range.
-fn next_seq(rows: &mut rusqlite::Rows<'_>) -> rusqlite::Result<Option<(i64, bool)>> {
-    rows.next()?
-        .map(|r| Ok((r.get(0)?, r.get(1)?)))
-        .transpose()
 }
