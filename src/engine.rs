@@ -925,9 +925,12 @@ impl Postroom {
     /// counts once it settled: until then its sender must deliver it again.
     /// 0 for a stream nothing has been stored in yet.
     ///
-    /// One read of the stream's watermark and of the rows just above it (at
-    /// most [`RESUME_WALK`](crate::RESUME_WALK); past that the answer stops
-    /// short and the puller pulls some again, each repeat a duplicate). As
+    /// One read (one snapshot) of the stream's watermark and of the rows
+    /// just above it (at most [`RESUME_WALK`](crate::RESUME_WALK); past
+    /// that the answer stops short and the puller pulls some again, each
+    /// repeat a duplicate — unless the stream has
+    /// [`unrecorded`](crate::StreamWatermark::unrecorded) sequences whose
+    /// rows retention removed: those are taken as new; reset it). As
     /// durable as the receives it counts: at `Durability::Normal` a power
     /// cut can take the last commits, and the answer with them.
     /// [`Error::UnknownConsumer`] for a consumer this engine does not have.

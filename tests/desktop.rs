@@ -132,6 +132,9 @@ struct Deliverer {
     acked: Vec<String>,
     slowest: Duration,
     busy: u64,
+    /// The longest one call may take (`BUSY * N_BUSY` unless a test that
+    /// does not assert it says otherwise).
+    limit: Duration,
 }
 
 impl Deliverer {
@@ -141,6 +144,7 @@ impl Deliverer {
             acked: Vec::new(),
             slowest: Duration::ZERO,
             busy: 0,
+            limit: BUSY * N_BUSY,
         }
     }
 
@@ -159,8 +163,9 @@ impl Deliverer {
         let took = started.elapsed();
         self.slowest = self.slowest.max(took);
         assert!(
-            took <= BUSY * N_BUSY,
-            "deliver {id} took {took:?}, more than {N_BUSY} x busy_timeout ({BUSY:?}): {result:?}"
+            took <= self.limit,
+            "deliver {id} took {took:?}, more than {:?} (busy_timeout {BUSY:?}): {result:?}",
+            self.limit
         );
         match result {
             Ok(o) => {
@@ -222,13 +227,23 @@ fn db_in(dir: &tempfile::TempDir) -> PathBuf {
 /// WAL grows, and recover when it leaves; the WAL is given back once it
 /// can be.
 ///
-/// The rates are compared loosely (a quarter) because a growing WAL costs
-/// each commit something real (SQLite searches more of the WAL index for
-/// a page): on CI's 2-core machine the rate with the reader was 0.49 of the
-/// rate alone, and a bound of a half failed there. A quarter still fails
-/// the stall by three orders of magnitude.
+/// The stall's signature is absolute, not a ratio: once the WAL had passed
+/// twice the bound, one delivery per busy timeout (1 s). So the test
+/// delivers until the WAL has passed twice the bound, however long a
+/// loaded machine takes (at most 180 s), then asserts at least
+/// [`NOT_STALLED`] deliveries a second — five times the stall's rate, and
+/// far below any machine's: a loaded 2-core one delivered 63/s here with
+/// the reader. (It compared rates with and without the reader, and held
+/// the reader a fixed 15 s: on a loaded machine the ratio moved with the
+/// neighbours' load, and the WAL never passed twice the bound in time.)
 #[test]
 fn a_long_read_transaction_beside_the_engine_does_not_stall_deliveries() {
+    /// Deliveries a second that only a writer not waiting `BUSY` per
+    /// commit reaches.
+    const NOT_STALLED: f64 = 5.0;
+    /// Twice the writer's bound (8,000 frames of 4 KiB): where the stall
+    /// began.
+    const TWICE_THE_BOUND: u64 = 2 * 8000 * 4096;
     let Some(_serial) = sqlite3() else {
         return;
     };
@@ -236,25 +251,37 @@ fn a_long_read_transaction_beside_the_engine_does_not_stall_deliveries() {
     let path = db_in(&dir);
     let room = open(&path);
     let mut d = Deliverer::new();
-    // Warm up, then the rate with nobody else.
+    // The stall is not a slow call but many: one call may take long on a
+    // loaded machine (the copy-back after the reader leaves is the
+    // writer's; 3.6 s was measured beside busy loops).
+    d.limit = Duration::from_secs(60);
+    // Warm up, then the rate with nobody else (reported only).
     d.for_period(&room, Duration::from_millis(500));
     let base = Duration::from_secs(3);
     let alone = d.for_period(&room, base);
 
     let mut reader = Session::open(&path);
     reader.run("BEGIN; SELECT count(*) FROM applied;");
-    // Long enough for the WAL to pass twice the writer's bound (about
-    // 2,300 deliveries of this size) several times over.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while wal_len(&path) <= TWICE_THE_BOUND {
+        assert!(
+            Instant::now() < deadline,
+            "the WAL ({} bytes) did not pass twice the writer's bound in 180 s",
+            wal_len(&path)
+        );
+        d.for_period(&room, Duration::from_millis(100));
+    }
     // POSTROOM_READER_HOLD_SECS=60 for the minute (the figures in
     // docs/BENCHMARKS.md).
-    let hold = Duration::from_secs(env_u64("POSTROOM_READER_HOLD_SECS").unwrap_or(15));
+    let hold = Duration::from_secs(env_u64("POSTROOM_READER_HOLD_SECS").unwrap_or(10));
     let held = d.for_period(&room, hold);
     let wal_held = wal_len(&path);
     let blocked = room.stats().unwrap().wal_checkpoints_blocked;
     reader.close();
-    // Longer: the first commits after it pay for copying back what it
-    // held.
-    let after_period = 2 * base;
+    // The first commit after it copies back what it held (seconds on a
+    // loaded machine, once): the rate is measured after that.
+    d.one(&room);
+    let after_period = Duration::from_secs(10);
     let after = d.for_period(&room, after_period);
 
     let rate = |n: usize, t: Duration| n as f64 / t.as_secs_f64();
@@ -270,19 +297,14 @@ fn a_long_read_transaction_beside_the_engine_does_not_stall_deliveries() {
         d.slowest
     );
     assert!(
-        held_r >= alone_r / 4.0,
-        "with a reader: {held_r:.0}/s, alone {alone_r:.0}/s"
+        held_r >= NOT_STALLED,
+        "with a reader, past twice the bound: {held_r:.1}/s (alone {alone_r:.0}/s)"
     );
     assert!(
-        after_r >= alone_r / 4.0,
-        "after the reader left: {after_r:.0}/s, alone {alone_r:.0}/s"
+        after_r >= NOT_STALLED,
+        "after the reader left: {after_r:.1}/s (alone {alone_r:.0}/s)"
     );
     assert!(blocked > 0, "no copy-back was blocked by the reader?");
-    // Else the test proved nothing: the stall began past twice the bound.
-    assert!(
-        wal_held > 2 * 8000 * 4096,
-        "the WAL ({wal_held} bytes) never passed twice the writer's bound"
-    );
     d.check(&path);
     // Idle, the WAL is copied back and truncated.
     eventually(60, "the WAL to be given back", || wal_len(&path) <= 8 << 20);

@@ -173,3 +173,90 @@ fn the_wal_stays_a_small_share_of_a_small_filesystem() {
         "the WAL grew to {largest_wal} bytes on a {FS_BYTES}-byte filesystem"
     );
 }
+
+/// The same claim as bad_input's
+/// `a_full_disk_answers_the_job_that_met_it_not_its_whole_batch`, on a real
+/// full filesystem rather than a `max_page_count` quota. A quota is met
+/// while a statement allocates pages (inside the job), but a filesystem is
+/// met when pages are written: into the WAL at `COMMIT` (or when the page
+/// cache spills), after every job of the batch ran, when nobody can say
+/// whose writes did not fit: the jobs then commit one by one. (Before, the
+/// whole batch was answered `StorageFull { op: "COMMIT" }`: the small
+/// delivery batched beside a big one failed with it, in round 0.)
+///
+/// Each round holds the writer in a handler while the other two callers
+/// queue, so their jobs are batched together once it returns.
+#[test]
+fn on_a_real_full_filesystem_a_big_write_fails_only_itself_not_its_batch() {
+    use std::sync::Arc;
+    use std::time::Duration;
+    let Some(fs) = Tmpfs::mount(FS_BYTES) else {
+        return;
+    };
+    let path = fs.path().join("app.db");
+    let (gate_tx, gate_rx) = crossbeam_channel::bounded::<()>(0);
+    let (entered_tx, entered_rx) = crossbeam_channel::bounded::<()>(1);
+    let room = Arc::new(
+        Postroom::builder()
+            .max_attempts(100)
+            .consumer(
+                "gate",
+                handler_fn(move |_tx, _msg| {
+                    let _ = entered_tx.send(());
+                    let _ = gate_rx.recv_timeout(Duration::from_secs(60));
+                    Ok(())
+                }),
+            )
+            .consumer(
+                "big",
+                handler_fn(|tx, msg| {
+                    // Far more than the space left, far less than the page
+                    // cache: nothing is written before COMMIT.
+                    tx.execute(
+                        "INSERT INTO applied (consumer, message_id, payload) VALUES ('big', ?1, ?2)",
+                        rusqlite::params![msg.id(), vec![7u8; 1024 * 1024]],
+                    )?;
+                    Ok(())
+                }),
+            )
+            .consumer("small", handler_fn(apply))
+            .open(&path)
+            .unwrap(),
+    );
+    create_domain(&room);
+    let ballast = fs.path().join("ballast");
+    let ballast_len = free_bytes(fs.path()).saturating_sub(512 * 1024);
+    std::fs::write(&ballast, vec![0u8; ballast_len as usize]).unwrap();
+    for round in 0..5 {
+        let deliver = |consumer: &'static str, id: String| {
+            let room = Arc::clone(&room);
+            std::thread::spawn(move || room.deliver(consumer, Message::new("s", id, "x")))
+        };
+        let gate = deliver("gate", format!("g{round}"));
+        entered_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        let big = deliver("big", format!("b{round}"));
+        let small = deliver("small", format!("s{round}"));
+        std::thread::sleep(Duration::from_millis(500));
+        gate_tx.send(()).unwrap();
+        assert!(gate.join().unwrap().unwrap().should_ack());
+        match big.join().unwrap() {
+            Err(Error::StorageFull { .. }) => {}
+            other => panic!("round {round}: the big delivery: {other:?}"),
+        }
+        match small.join().unwrap() {
+            Ok(o) => assert!(o.should_ack(), "round {round}: {o:?}"),
+            other => {
+                panic!("round {round}: the small delivery batched beside the big one: {other:?}")
+            }
+        }
+    }
+    drop(room);
+    let conn = raw(&path);
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM applied WHERE consumer = 'small'"
+        ),
+        5
+    );
+}

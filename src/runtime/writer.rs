@@ -23,8 +23,11 @@
 //!   answered `StorageFull` and the others run again in a fresh
 //!   transaction (after the WAL is given back), as for a rollback by user
 //!   code below: one message too big for the disk does not fail the small
-//!   ones beside it. Once per batch: if the second run meets a full disk
-//!   too, every job left is answered `StorageFull`;
+//!   ones beside it. A real filesystem fills at `COMMIT` instead (pages
+//!   reach the WAL then), where nobody knows whose writes did not fit: the
+//!   jobs left then commit one by one, a run-once job that already ran
+//!   answering `StorageFull` (nothing of it was stored). Once per batch:
+//!   after a second full disk, every job left is answered `StorageFull`;
 //! * if a job's user code rolls the whole transaction back (a trigger's
 //!   `RAISE(ROLLBACK)`, `INSERT OR ROLLBACK`: the job's doing, not the
 //!   storage's), the batch runs again in a fresh transaction: jobs that
@@ -989,6 +992,30 @@ impl WriterState {
                     let reason = error.duplicate();
                     (culprit, error, reason)
                 }
+                Ran::CommitFull(error) => {
+                    // Met at COMMIT (a real filesystem fills when the WAL
+                    // is written, not while a statement runs): the jobs
+                    // left commit one by one, so only the one whose writes
+                    // do not fit fails. Once per batch, as above.
+                    if storage_rerun {
+                        for (i, job) in batch.iter_mut().enumerate() {
+                            if std::mem::take(&mut live[i]) {
+                                job.give_up(error.duplicate());
+                            }
+                        }
+                        continue;
+                    }
+                    self.roll_back();
+                    if self.checkpoint.full_now() {
+                        self.give_wal_back();
+                    }
+                    for (i, job) in batch.iter_mut().enumerate() {
+                        if live[i] {
+                            live[i] = job.rerun(&error);
+                        }
+                    }
+                    return Ok(self.execute_each(batch, &mut live));
+                }
             };
             let others = live
                 .iter()
@@ -1011,6 +1038,65 @@ impl WriterState {
         Err(Error::Aborted {
             reason: "the transaction was rolled back on every run".into(),
         })
+    }
+
+    /// After a batch's `COMMIT` met a full disk: runs each `live` job in a
+    /// transaction of its own, so that the job whose writes do not fit is
+    /// answered `StorageFull` and the others are stored. Once a second job
+    /// meets the full disk, every job left is answered so (each failure
+    /// costs a WAL give-back; a disk with no room at all is not tried job
+    /// by job). Any other error answers the jobs left with it. Returns
+    /// whether any job committed; every job not committed holds its error.
+    fn execute_each(&mut self, batch: &mut [Box<dyn Job>], live: &mut [bool]) -> bool {
+        let mut committed = false;
+        let mut full_once = false;
+        for i in 0..batch.len() {
+            // Twice at most: a run rolled back by the job's own user code
+            // is recorded by the next (a delivery counts the attempt).
+            for _ in 0..2 {
+                if !live[i] {
+                    break;
+                }
+                let only: Vec<bool> = (0..batch.len()).map(|j| j == i).collect();
+                let error = match self.execute_live(batch, &only) {
+                    Ok(Ran::Done(c)) => {
+                        committed |= c;
+                        live[i] = false;
+                        continue;
+                    }
+                    Ok(Ran::RolledBackBy(_, e)) => {
+                        live[i] = batch[i].rerun(&e);
+                        continue;
+                    }
+                    Ok(Ran::StorageFullIn(_, e) | Ran::CommitFull(e)) => e,
+                    Err(e) => e,
+                };
+                self.roll_back();
+                let full = matches!(error, Error::StorageFull { .. });
+                batch[i].give_up(error.duplicate());
+                live[i] = false;
+                if full && !full_once {
+                    full_once = true;
+                    self.checkpoint.note(&Err::<(), _>(error.duplicate()));
+                    if self.checkpoint.full_now() {
+                        self.give_wal_back();
+                    }
+                    continue;
+                }
+                for (j, job) in batch.iter_mut().enumerate() {
+                    if std::mem::take(&mut live[j]) {
+                        job.give_up(error.duplicate());
+                    }
+                }
+                return committed;
+            }
+            if std::mem::take(&mut live[i]) {
+                batch[i].give_up(Error::Aborted {
+                    reason: "the transaction was rolled back on every run".into(),
+                });
+            }
+        }
+        committed
     }
 
     /// Runs the `live` jobs of the batch in one transaction.
@@ -1073,7 +1159,17 @@ impl WriterState {
             }
         }
         failpoint::hit("writer.before_commit")?;
-        exec(&self.conn, "COMMIT")?;
+        match exec(&self.conn, "COMMIT") {
+            Ok(()) => {}
+            // A filesystem that fills is met here, when the pages are
+            // written to the WAL, after every job ran: whose writes did
+            // not fit is unknown (a lone job's are its own: its error).
+            Err(e @ Error::StorageFull { .. }) if !alone => {
+                self.checkpoint.note(&Err::<(), _>(e.duplicate()));
+                return Ok(Ran::CommitFull(e));
+            }
+            Err(e) => return Err(e),
+        }
         self.after_commit();
         // An error here reaches callers although the batch committed: they
         // retry and are told Duplicate, which is safe (never the reverse).
@@ -1247,6 +1343,9 @@ enum Ran {
     /// SQLite rolled the transaction back when job `n`'s writes met a full
     /// disk (or `max_page_count`).
     StorageFullIn(usize, Error),
+    /// `COMMIT` of several jobs met a full disk: which job's writes did not
+    /// fit is unknown.
+    CommitFull(Error),
 }
 
 enum Turn {
