@@ -45,7 +45,9 @@
 //! docs/TESTING-YOUR-HANDLERS.md.
 //!
 //! Invariants of this module: it uses only the crate's public API (it
-//! could be a separate crate); a seed fixes the messages and the fault
+//! could be a separate crate) and two test hooks of the engine, the page
+//! quota (public, hidden) and the lease expiry (crate-private, this
+//! feature only); a seed fixes the messages and the fault
 //! schedule (the messages come from a generator seeded apart from the
 //! schedule, so a shrunk schedule replays the same messages); the relay
 //! and the workers run on the engine's own threads as in production, so
@@ -56,7 +58,10 @@
 //! threads stop (the in-process crash cannot stop a thread mid-write; for
 //! that, [`Scenario::real_kills`] SIGKILLs a child process, see `process`);
 //! a rollback fault (`sql-rollback`, `disk-full`) keeps the process and
-//! its memory, and rolls back only the transaction; a disk-full quota is
+//! its memory, and rolls back only the transaction; a lease-expiry fault
+//! holds the worker after the effect step until the lease has expired (a
+//! handshake, bounded, not a short lease that a slow machine might
+//! outlive by chance); a disk-full quota is
 //! lifted before the delivery's wait, so nothing else waits on a full disk;
 //! every wait is bounded (60 s). The testkit writes only its own
 //! `_testkit_*` tables in your database.
@@ -69,7 +74,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, OpenFlags, OptionalExtension};
@@ -149,6 +154,8 @@ pub struct App<'a> {
     dir: &'a Path,
     world: &'a World,
     consumers: Vec<(String, bool, Register)>,
+    /// The names of the effectful consumers.
+    effectful: BTreeSet<String>,
     sink: Option<Box<dyn Sink>>,
 }
 
@@ -188,6 +195,7 @@ impl App<'_> {
     /// runs again on the redelivery (with the same idempotency key).
     pub fn effectful_consumer(&mut self, name: &str, handler: impl EffectHandler) -> &mut Self {
         let owned = name.to_owned();
+        self.effectful.insert(owned.clone());
         self.consumers.push((
             owned.clone(),
             true,
@@ -297,6 +305,24 @@ enum Mode {
     /// In a child process of the real-process mode: tell the parent, and
     /// wait for its SIGKILL, inside the uncommitted transaction.
     Kill,
+    /// After an effect handler's external step, hold the worker until the
+    /// run has expired its lease (see [`Hold`]).
+    Lease,
+}
+
+/// The handshake of a lease-expiry fault between the effect wrapper (on a
+/// worker thread) and the run: the wrapper holds after the external step
+/// until the run has expired the lease, so the expiry lands under the step
+/// on every machine, fast or slow, without waiting out a real lease.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Hold {
+    /// No step held.
+    #[default]
+    Idle,
+    /// A step is held, its lease still live.
+    Holding,
+    /// The run has expired the lease (or gave up): the step goes on.
+    Released,
 }
 
 /// Which message a fault in the handler's transaction waits for, and
@@ -308,6 +334,9 @@ struct Armed {
     fired: Mutex<Option<Mode>>,
     /// The file a child process creates when it is ready to be killed.
     ready: Mutex<Option<PathBuf>>,
+    /// A lease-expiry fault's handshake, and its signal.
+    hold: Mutex<Hold>,
+    held: Condvar,
 }
 
 impl Armed {
@@ -336,6 +365,55 @@ impl Armed {
 
     fn fire(&self, mode: Mode) {
         *lock(&self.fired) = Some(mode);
+    }
+
+    /// On the worker, after the external step: holds until the run has
+    /// expired the lease (at most [`WAIT`]).
+    fn hold_for_expiry(&self) {
+        let mut hold = lock(&self.hold);
+        *hold = Hold::Holding;
+        self.held.notify_all();
+        let deadline = Instant::now() + WAIT;
+        while *hold == Hold::Holding {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            hold = self
+                .held
+                .wait_timeout(hold, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        *hold = Hold::Idle;
+    }
+
+    /// On the run: waits (at most `wait`) for a step held by
+    /// [`hold_for_expiry`](Self::hold_for_expiry); whether one is.
+    fn await_hold(&self, wait: Duration) -> bool {
+        let mut hold = lock(&self.hold);
+        let deadline = Instant::now() + wait;
+        while *hold != Hold::Holding {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            hold = self
+                .held
+                .wait_timeout(hold, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        true
+    }
+
+    /// On the run: lets a held step go on.
+    fn release_hold(&self) {
+        let mut hold = lock(&self.hold);
+        if *hold == Hold::Holding {
+            *hold = Hold::Released;
+        }
+        self.held.notify_all();
     }
 
     /// Disarms; what fired.
@@ -393,6 +471,8 @@ impl Armed {
                     Ok(_) => result,
                 }
             }
+            // Held in the effect step, never around a transaction.
+            Mode::Lease => result,
         }
     }
 }
@@ -429,7 +509,13 @@ impl<H: EffectHandler> EffectHandler for CrashableEffect<H> {
     type Output = H::Output;
 
     fn effect(&self, ctx: &EffectContext<'_>, msg: &Message) -> Result<H::Output, Failure> {
-        let out = self.inner.effect(ctx, msg)?;
+        let lease = self.armed.take(msg, &[Mode::Lease]).is_some();
+        let out = self.inner.effect(ctx, msg);
+        if lease {
+            // Whatever the step answered, its lease expires under it.
+            self.armed.hold_for_expiry();
+        }
+        let out = out?;
         if let Some(Mode::Kill) = self.armed.take(msg, &[Mode::Kill]) {
             self.armed.die();
         }
@@ -616,6 +702,8 @@ impl fmt::Display for Report {
         for kind in &self.not_applicable {
             let why = if kind.needs_downstream() {
                 "no app.downstream()"
+            } else if kind.needs_effectful() {
+                "no app.effectful_consumer(..)"
             } else {
                 "no sink"
             };
@@ -1102,6 +1190,7 @@ impl Scenario {
             dir: &dir,
             world: &world,
             consumers: Vec::new(),
+            effectful: BTreeSet::new(),
             sink: None,
         };
         (self.setup)(&mut app);
@@ -1120,6 +1209,7 @@ impl Scenario {
         }
         let applies = Applies {
             sink: app.sink.is_some(),
+            effectful: !app.effectful.is_empty(),
             downstream: world.downstream_used.load(Ordering::Relaxed),
         };
         // Nothing was opened: forget the sink rather than run a destructor
@@ -1384,12 +1474,15 @@ const SHIFT_MS: i64 = ((1_000 * 24 + 13) * 3_600 + 7) * 1_000;
 #[derive(Debug, Clone, Copy)]
 struct Applies {
     sink: bool,
+    effectful: bool,
     downstream: bool,
 }
 
 impl Applies {
     fn admits(self, kind: FaultKind) -> bool {
-        (self.sink || !kind.needs_sink()) && (self.downstream || !kind.needs_downstream())
+        (self.sink || !kind.needs_sink())
+            && (self.downstream || !kind.needs_downstream())
+            && (self.effectful || !kind.needs_effectful())
     }
 }
 
@@ -1418,7 +1511,12 @@ struct Run<'s> {
     /// (name, queued), in registration order.
     consumers: Vec<(String, bool)>,
     has_sink: bool,
+    /// The effectful consumers' names.
+    effectful: BTreeSet<String>,
     deliveries: u64,
+    /// A lease-expiry fault for the delivery in hand: expire the lease
+    /// under the effect step it holds.
+    lease: bool,
     /// A disk-full fault for the delivery in hand: set the quota first;
     /// cleared once it met a storage error.
     disk_full: bool,
@@ -1454,7 +1552,9 @@ impl<'s> Run<'s> {
             fired: BTreeMap::new(),
             consumers: Vec::new(),
             has_sink: false,
+            effectful: BTreeSet::new(),
             deliveries: 0,
+            lease: false,
             disk_full: false,
             full_met: false,
             answered: BTreeSet::new(),
@@ -1472,12 +1572,17 @@ impl<'s> Run<'s> {
             dir: &self.dir,
             world: &self.world,
             consumers: Vec::new(),
+            effectful: BTreeSet::new(),
             sink: None,
         };
         (self.sc.setup)(&mut app);
         let App {
-            consumers, sink, ..
+            consumers,
+            sink,
+            effectful,
+            ..
         } = app;
+        self.effectful = effectful;
         let queued = consumers.iter().any(|c| c.1);
         let mut b = Postroom::builder()
             .handle_signals(false)
@@ -1599,6 +1704,10 @@ impl<'s> Run<'s> {
                     FaultKind::SinkTimeout => self.world.downstream.time_out(f.arg),
                     FaultKind::CrashBeforeCommit => self.armed.arm(&msg, Mode::Crash),
                     FaultKind::SqlRollback => self.armed.arm(&msg, Mode::Rollback),
+                    FaultKind::LeaseExpiry => {
+                        self.armed.arm(&msg, Mode::Lease);
+                        self.lease = true;
+                    }
                     FaultKind::DiskFull => {
                         self.armed.arm(&msg, Mode::DiskFull);
                         self.disk_full = true;
@@ -1613,6 +1722,7 @@ impl<'s> Run<'s> {
             let acked = self.deliver(&room, item.msg, &msg)?;
             let fired = self.armed.disarm();
             self.disk_full = false;
+            self.lease = false;
             let full_met = std::mem::take(&mut self.full_met);
             match fired {
                 Some(Mode::Rollback) => self.fire(FaultKind::SqlRollback),
@@ -1701,6 +1811,13 @@ impl<'s> Run<'s> {
                         std::thread::sleep(Duration::from_millis(1));
                     }
                 }
+                if self.lease
+                    && self.effectful.contains(&name)
+                    && matches!(answer, Ok(crate::Receipt::Accepted))
+                {
+                    self.lease = false;
+                    self.expire_lease(room)?;
+                }
                 match answer {
                     Ok(receipt) => Some(matches!(receipt, crate::Receipt::Accepted)),
                     Err(e) if e.is_retryable() => {
@@ -1752,6 +1869,25 @@ impl<'s> Run<'s> {
             }
         }
         Ok(acked)
+    }
+
+    /// A lease-expiry fault: once the worker holds after the effect step
+    /// (at most [`WAIT`]), the leases expire and a reaper pass makes the
+    /// row due again; then the step goes on, into the lease fence.
+    fn expire_lease(&mut self, room: &Postroom) -> Result<(), Violation> {
+        if !self.armed.await_hold(WAIT) {
+            // The step never ran (the message was not claimed in time):
+            // nothing fired; a step arriving late must not hold.
+            self.armed.disarm();
+            self.armed.release_hold();
+            return Ok(());
+        }
+        let expired = retry(|| room.expire_leases_for_tests());
+        self.armed.release_hold();
+        if expired.map_err(engine("expiring the lease"))? > 0 {
+            self.fire(FaultKind::LeaseExpiry);
+        }
+        Ok(())
     }
 
     /// Whether the engine answered for this message and consumer before
