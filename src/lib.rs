@@ -196,7 +196,9 @@ mod engine;
 pub mod admin;
 #[cfg(feature = "mqtt")]
 pub mod mqtt;
-#[cfg(feature = "sim")]
+// The project's own model harness: internal (feature `_sim`), hidden.
+#[cfg(feature = "_sim")]
+#[doc(hidden)]
 pub mod sim;
 mod sinks;
 #[cfg(feature = "testkit")]
