@@ -857,3 +857,56 @@ fn a_keyed_effect_survives_its_lease_expiring_and_the_fault_is_counted() {
         "{failed}"
     );
 }
+
+/// Fuzzer bytes keep a clock jump within the documented range (forward up
+/// to two days, back up to a minute), as the seeded schedule does: a
+/// handler stamps each message with the engine's clock, and the clock
+/// must never be more than a minute behind a stamp. (Bytes once meant up
+/// to 128 minutes back, which a fault-free drain then spent tens of
+/// seconds polling through.)
+#[test]
+fn fuzzer_bytes_jump_the_clock_back_at_most_a_minute() {
+    let scenario = FaultKind::ALL
+        .into_iter()
+        .filter(|k| *k != FaultKind::ClockJump)
+        .fold(
+            Scenario::new(|app| {
+                app.consumer(
+                    "stamps",
+                    handler_fn(|tx, msg| {
+                        tx.execute(
+                            "INSERT INTO stamps (id, at) VALUES (?1, ?2)",
+                            (msg.id(), tx.now_ms()),
+                        )?;
+                        Ok(())
+                    }),
+                );
+            }),
+            Scenario::without,
+        )
+        .schema(|tx| {
+            tx.execute_batch("CREATE TABLE stamps (id TEXT, at INTEGER)")?;
+            Ok(())
+        })
+        .messages(|rng| orders(rng, 3))
+        .invariant(|check| {
+            let latest = check.count("SELECT max(at) FROM stamps", []) as i64;
+            if check.now_ms() >= latest - 60_000 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "the clock went back {} ms",
+                    latest - check.now_ms()
+                ))
+            }
+        });
+    // Seed 0; then the largest jump back the bytes can say (size 0), and
+    // the largest forward (size 255), each at message #1.
+    for size in [0u8, 255] {
+        let mut data = vec![0u8; 8];
+        data.extend([1, 0, size]);
+        if let Err(failed) = scenario.try_run_bytes(&data) {
+            panic!("size {size}: {failed}");
+        }
+    }
+}

@@ -1151,7 +1151,12 @@ impl Scenario {
                     kind,
                     arg: match kind {
                         FaultKind::Reorder => 1 + size % 4,
-                        FaultKind::ClockJump => (size - 128) * 60_000,
+                        // The seeded schedule's range: back 1 s to a
+                        // minute, forward 1 s to two days.
+                        FaultKind::ClockJump if size < 128 => -(1_000 + size * 59_000 / 127),
+                        FaultKind::ClockJump => {
+                            1_000 + (size - 128) * (2 * 86_400_000 - 1_000) / 127
+                        }
                         FaultKind::SinkFails
                         | FaultKind::SinkUnavailable
                         | FaultKind::SinkTimeout => 1 + size % 3,
