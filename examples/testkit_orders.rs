@@ -16,6 +16,7 @@
 //! POSTROOM_TESTKIT_SEEDS=1000 cargo run --release --example testkit_orders --features testkit
 //! ```
 
+#[path = "testkit_orders/scenarios.rs"]
 mod scenarios;
 
 use scenarios::{buggy, fixed};
