@@ -859,6 +859,17 @@ impl Postroom {
         })
     }
 
+    /// Test support (feature `testkit`, crate-private): the leases this
+    /// process holds expire now and a reaper pass runs, as if the steps
+    /// holding them had outlived them; returns the leases expired. Their
+    /// rows come due again while the steps still run, whose results the
+    /// lease fence then discards.
+    #[cfg(feature = "testkit")]
+    pub(crate) fn expire_leases_for_tests(&self) -> Result<u64> {
+        self.shared.leases.expire_all(Instant::now());
+        reaper::run_once(&self.shared, &self.readers).map(|r| r.leases_expired)
+    }
+
     /// Counts per status per consumer, outbox backlog, conflicts and file
     /// sizes, read through the read pool (it does not wait for the writer).
     ///

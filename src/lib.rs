@@ -200,7 +200,9 @@ pub mod hop;
 pub mod mqtt;
 #[cfg(feature = "nats")]
 pub mod nats;
-#[cfg(feature = "sim")]
+// The project's own model harness: internal (feature `_sim`), hidden.
+#[cfg(feature = "_sim")]
+#[doc(hidden)]
 pub mod sim;
 mod sinks;
 #[cfg(feature = "testkit")]

@@ -2,7 +2,7 @@
 //! conflicting payload / handler fail, reject, panic, crash / crash and
 //! re-open / clock / reap / relay / cleanup / a drain split around other
 //! operations, each step checked against a reference model
-//! (`postroom::sim`). Needs `--features sim`.
+//! (`postroom::sim`, internal). Needs `--features _sim`.
 //!
 //! `POSTROOM_MODEL_SEQUENCES` (default 2000) and `POSTROOM_MODEL_LEN`
 //! (default 40) size the run; `POSTROOM_SEED` replays one sequence.

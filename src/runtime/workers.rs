@@ -89,6 +89,17 @@ impl Leases {
         }
     }
 
+    /// Test support (feature `testkit`): every lease this process holds
+    /// is due by `now`, as if its step had outlived it; the next reaper
+    /// pass expires them. The testkit's `lease-expiry` fault, without
+    /// waiting out a real lease.
+    #[cfg(feature = "testkit")]
+    pub fn expire_all(&self, now: Instant) {
+        for (_, deadline) in self.lock().values_mut() {
+            *deadline = (*deadline).min(now);
+        }
+    }
+
     pub fn state(&self, row_id: i64, token: Option<i64>, now: Instant) -> LeaseState {
         match self.lock().get(&row_id) {
             Some(&(t, deadline)) if Some(t) == token => {

@@ -54,7 +54,7 @@ pub(crate) fn check_sqlite_version(number: i32) -> Result<()> {
 
 /// Creates the database file with mode 0600 if it does not exist. SQLite
 /// gives its `-wal` and `-shm` files the database file's mode.
-#[cfg(any(test, feature = "sim"))]
+#[cfg(any(test, feature = "_sim"))]
 pub(crate) fn create_private(path: &Path) -> Result<()> {
     create_if_missing(path).map(drop)
 }

@@ -32,6 +32,14 @@ pub enum FaultKind {
     /// is dropped without its destructor running (what `kill -9` does),
     /// and the engine reopens with a fresh sink.
     CrashInRelay,
+    /// Your effect handler's external step outlives its lease: while the
+    /// step runs, the lease expires and the engine's reaper makes the
+    /// message due again; the step's result is discarded by the lease
+    /// fence and the step runs again, with the same idempotency key (a
+    /// slow payment API, a stalled worker). An effect that ignores
+    /// `ctx.idempotency_key()` is applied twice. Applies when the setup
+    /// has an [`App::effectful_consumer`](super::App::effectful_consumer).
+    LeaseExpiry,
     /// After your handler (or your effect handler's `apply`) ran, SQL in
     /// its transaction rolls the whole transaction back (`INSERT OR
     /// ROLLBACK` meeting a conflict), without a restart: what your code
@@ -68,7 +76,7 @@ pub enum FaultKind {
 
 impl FaultKind {
     /// Every kind, in report order.
-    pub const ALL: [FaultKind; 14] = [
+    pub const ALL: [FaultKind; 15] = [
         FaultKind::Redeliver,
         FaultKind::LostAck,
         FaultKind::Reorder,
@@ -76,6 +84,7 @@ impl FaultKind {
         FaultKind::CrashBeforeCommit,
         FaultKind::CrashAfterCommit,
         FaultKind::CrashInRelay,
+        FaultKind::LeaseExpiry,
         FaultKind::SqlRollback,
         FaultKind::DiskFull,
         FaultKind::SinkFails,
@@ -95,6 +104,7 @@ impl FaultKind {
             FaultKind::CrashBeforeCommit => "crash-before-commit",
             FaultKind::CrashAfterCommit => "crash-after-commit",
             FaultKind::CrashInRelay => "crash-in-relay",
+            FaultKind::LeaseExpiry => "lease-expiry",
             FaultKind::SqlRollback => "sql-rollback",
             FaultKind::DiskFull => "disk-full",
             FaultKind::SinkFails => "sink-fails",
@@ -114,6 +124,11 @@ impl FaultKind {
                 | FaultKind::SinkUnavailable
                 | FaultKind::SinkTimeout
         )
+    }
+
+    /// Whether it needs an effectful consumer.
+    pub(crate) fn needs_effectful(self) -> bool {
+        self == FaultKind::LeaseExpiry
     }
 
     /// Whether it needs the [`Downstream`](super::Downstream) stand-in.

@@ -45,7 +45,9 @@
 //! docs/TESTING-YOUR-HANDLERS.md.
 //!
 //! Invariants of this module: it uses only the crate's public API (it
-//! could be a separate crate); a seed fixes the messages and the fault
+//! could be a separate crate) and two test hooks of the engine, the page
+//! quota (public, hidden) and the lease expiry (crate-private, this
+//! feature only); a seed fixes the messages and the fault
 //! schedule (the messages come from a generator seeded apart from the
 //! schedule, so a shrunk schedule replays the same messages); the relay
 //! and the workers run on the engine's own threads as in production, so
@@ -56,7 +58,10 @@
 //! threads stop (the in-process crash cannot stop a thread mid-write; for
 //! that, [`Scenario::real_kills`] SIGKILLs a child process, see `process`);
 //! a rollback fault (`sql-rollback`, `disk-full`) keeps the process and
-//! its memory, and rolls back only the transaction; a disk-full quota is
+//! its memory, and rolls back only the transaction; a lease-expiry fault
+//! holds the worker after the effect step until the lease has expired (a
+//! handshake, bounded, not a short lease that a slow machine might
+//! outlive by chance); a disk-full quota is
 //! lifted before the delivery's wait, so nothing else waits on a full disk;
 //! every wait is bounded (60 s). The testkit writes only its own
 //! `_testkit_*` tables in your database.
@@ -65,11 +70,12 @@ mod fault;
 mod process;
 mod stand_in;
 
+use std::cell::{Ref, RefCell};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, OpenFlags, OptionalExtension};
@@ -149,6 +155,8 @@ pub struct App<'a> {
     dir: &'a Path,
     world: &'a World,
     consumers: Vec<(String, bool, Register)>,
+    /// The names of the effectful consumers.
+    effectful: BTreeSet<String>,
     sink: Option<Box<dyn Sink>>,
 }
 
@@ -188,6 +196,7 @@ impl App<'_> {
     /// runs again on the redelivery (with the same idempotency key).
     pub fn effectful_consumer(&mut self, name: &str, handler: impl EffectHandler) -> &mut Self {
         let owned = name.to_owned();
+        self.effectful.insert(owned.clone());
         self.consumers.push((
             owned.clone(),
             true,
@@ -251,9 +260,11 @@ impl Check<'_> {
     /// row as a count (0 for no row or NULL). Panics on an SQL error, with
     /// the statement: this is test code.
     pub fn count<P: rusqlite::Params>(&self, sql: &str, params: P) -> u64 {
+        // Cached: an invariant runs the same statements after every step.
         match self
             .conn
-            .query_row(sql, params, |r| r.get::<_, Option<i64>>(0))
+            .prepare_cached(sql)
+            .and_then(|mut stmt| stmt.query_row(params, |r| r.get::<_, Option<i64>>(0)))
             .optional()
         {
             Ok(n) => n.flatten().unwrap_or(0).max(0) as u64,
@@ -297,6 +308,24 @@ enum Mode {
     /// In a child process of the real-process mode: tell the parent, and
     /// wait for its SIGKILL, inside the uncommitted transaction.
     Kill,
+    /// After an effect handler's external step, hold the worker until the
+    /// run has expired its lease (see [`Hold`]).
+    Lease,
+}
+
+/// The handshake of a lease-expiry fault between the effect wrapper (on a
+/// worker thread) and the run: the wrapper holds after the external step
+/// until the run has expired the lease, so the expiry lands under the step
+/// on every machine, fast or slow, without waiting out a real lease.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Hold {
+    /// No step held.
+    #[default]
+    Idle,
+    /// A step is held, its lease still live.
+    Holding,
+    /// The run has expired the lease (or gave up): the step goes on.
+    Released,
 }
 
 /// Which message a fault in the handler's transaction waits for, and
@@ -308,6 +337,9 @@ struct Armed {
     fired: Mutex<Option<Mode>>,
     /// The file a child process creates when it is ready to be killed.
     ready: Mutex<Option<PathBuf>>,
+    /// A lease-expiry fault's handshake, and its signal.
+    hold: Mutex<Hold>,
+    held: Condvar,
 }
 
 impl Armed {
@@ -336,6 +368,55 @@ impl Armed {
 
     fn fire(&self, mode: Mode) {
         *lock(&self.fired) = Some(mode);
+    }
+
+    /// On the worker, after the external step: holds until the run has
+    /// expired the lease (at most [`WAIT`]).
+    fn hold_for_expiry(&self) {
+        let mut hold = lock(&self.hold);
+        *hold = Hold::Holding;
+        self.held.notify_all();
+        let deadline = Instant::now() + WAIT;
+        while *hold == Hold::Holding {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            hold = self
+                .held
+                .wait_timeout(hold, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        *hold = Hold::Idle;
+    }
+
+    /// On the run: waits (at most `wait`) for a step held by
+    /// [`hold_for_expiry`](Self::hold_for_expiry); whether one is.
+    fn await_hold(&self, wait: Duration) -> bool {
+        let mut hold = lock(&self.hold);
+        let deadline = Instant::now() + wait;
+        while *hold != Hold::Holding {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            hold = self
+                .held
+                .wait_timeout(hold, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        true
+    }
+
+    /// On the run: lets a held step go on.
+    fn release_hold(&self) {
+        let mut hold = lock(&self.hold);
+        if *hold == Hold::Holding {
+            *hold = Hold::Released;
+        }
+        self.held.notify_all();
     }
 
     /// Disarms; what fired.
@@ -393,6 +474,8 @@ impl Armed {
                     Ok(_) => result,
                 }
             }
+            // Held in the effect step, never around a transaction.
+            Mode::Lease => result,
         }
     }
 }
@@ -429,7 +512,13 @@ impl<H: EffectHandler> EffectHandler for CrashableEffect<H> {
     type Output = H::Output;
 
     fn effect(&self, ctx: &EffectContext<'_>, msg: &Message) -> Result<H::Output, Failure> {
-        let out = self.inner.effect(ctx, msg)?;
+        let lease = self.armed.take(msg, &[Mode::Lease]).is_some();
+        let out = self.inner.effect(ctx, msg);
+        if lease {
+            // Whatever the step answered, its lease expires under it.
+            self.armed.hold_for_expiry();
+        }
+        let out = out?;
         if let Some(Mode::Kill) = self.armed.take(msg, &[Mode::Kill]) {
             self.armed.die();
         }
@@ -616,6 +705,8 @@ impl fmt::Display for Report {
         for kind in &self.not_applicable {
             let why = if kind.needs_downstream() {
                 "no app.downstream()"
+            } else if kind.needs_effectful() {
+                "no app.effectful_consumer(..)"
             } else {
                 "no sink"
             };
@@ -1063,7 +1154,12 @@ impl Scenario {
                     kind,
                     arg: match kind {
                         FaultKind::Reorder => 1 + size % 4,
-                        FaultKind::ClockJump => (size - 128) * 60_000,
+                        // The seeded schedule's range: back 1 s to a
+                        // minute, forward 1 s to two days.
+                        FaultKind::ClockJump if size < 128 => -(1_000 + size * 59_000 / 127),
+                        FaultKind::ClockJump => {
+                            1_000 + (size - 128) * (2 * 86_400_000 - 1_000) / 127
+                        }
                         FaultKind::SinkFails
                         | FaultKind::SinkUnavailable
                         | FaultKind::SinkTimeout => 1 + size % 3,
@@ -1102,6 +1198,7 @@ impl Scenario {
             dir: &dir,
             world: &world,
             consumers: Vec::new(),
+            effectful: BTreeSet::new(),
             sink: None,
         };
         (self.setup)(&mut app);
@@ -1120,6 +1217,7 @@ impl Scenario {
         }
         let applies = Applies {
             sink: app.sink.is_some(),
+            effectful: !app.effectful.is_empty(),
             downstream: world.downstream_used.load(Ordering::Relaxed),
         };
         // Nothing was opened: forget the sink rather than run a destructor
@@ -1384,12 +1482,15 @@ const SHIFT_MS: i64 = ((1_000 * 24 + 13) * 3_600 + 7) * 1_000;
 #[derive(Debug, Clone, Copy)]
 struct Applies {
     sink: bool,
+    effectful: bool,
     downstream: bool,
 }
 
 impl Applies {
     fn admits(self, kind: FaultKind) -> bool {
-        (self.sink || !kind.needs_sink()) && (self.downstream || !kind.needs_downstream())
+        (self.sink || !kind.needs_sink())
+            && (self.downstream || !kind.needs_downstream())
+            && (self.effectful || !kind.needs_effectful())
     }
 }
 
@@ -1418,7 +1519,12 @@ struct Run<'s> {
     /// (name, queued), in registration order.
     consumers: Vec<(String, bool)>,
     has_sink: bool,
+    /// The effectful consumers' names.
+    effectful: BTreeSet<String>,
     deliveries: u64,
+    /// A lease-expiry fault for the delivery in hand: expire the lease
+    /// under the effect step it holds.
+    lease: bool,
     /// A disk-full fault for the delivery in hand: set the quota first;
     /// cleared once it met a storage error.
     disk_full: bool,
@@ -1432,6 +1538,8 @@ struct Run<'s> {
     /// After a real kill: the outbox rows the dead child had sent (they
     /// count as handed to the sink; its downstream died with it).
     killed: Option<BTreeSet<String>>,
+    /// The read-only connection of the checks, kept (see `reader`).
+    conn: RefCell<Option<Connection>>,
 }
 
 fn engine(what: &str) -> impl Fn(crate::Error) -> Violation + '_ {
@@ -1454,12 +1562,15 @@ impl<'s> Run<'s> {
             fired: BTreeMap::new(),
             consumers: Vec::new(),
             has_sink: false,
+            effectful: BTreeSet::new(),
             deliveries: 0,
+            lease: false,
             disk_full: false,
             full_met: false,
             answered: BTreeSet::new(),
             reprocessed: BTreeMap::new(),
             killed: None,
+            conn: RefCell::new(None),
         }
     }
 
@@ -1472,12 +1583,17 @@ impl<'s> Run<'s> {
             dir: &self.dir,
             world: &self.world,
             consumers: Vec::new(),
+            effectful: BTreeSet::new(),
             sink: None,
         };
         (self.sc.setup)(&mut app);
         let App {
-            consumers, sink, ..
+            consumers,
+            sink,
+            effectful,
+            ..
         } = app;
+        self.effectful = effectful;
         let queued = consumers.iter().any(|c| c.1);
         let mut b = Postroom::builder()
             .handle_signals(false)
@@ -1599,6 +1715,10 @@ impl<'s> Run<'s> {
                     FaultKind::SinkTimeout => self.world.downstream.time_out(f.arg),
                     FaultKind::CrashBeforeCommit => self.armed.arm(&msg, Mode::Crash),
                     FaultKind::SqlRollback => self.armed.arm(&msg, Mode::Rollback),
+                    FaultKind::LeaseExpiry => {
+                        self.armed.arm(&msg, Mode::Lease);
+                        self.lease = true;
+                    }
                     FaultKind::DiskFull => {
                         self.armed.arm(&msg, Mode::DiskFull);
                         self.disk_full = true;
@@ -1613,6 +1733,7 @@ impl<'s> Run<'s> {
             let acked = self.deliver(&room, item.msg, &msg)?;
             let fired = self.armed.disarm();
             self.disk_full = false;
+            self.lease = false;
             let full_met = std::mem::take(&mut self.full_met);
             match fired {
                 Some(Mode::Rollback) => self.fire(FaultKind::SqlRollback),
@@ -1641,7 +1762,7 @@ impl<'s> Run<'s> {
                             ..again
                         }),
                         FaultKind::CrashInRelay => {
-                            self.drain(&room)?;
+                            self.drain()?;
                             room = self.crash(room)?;
                         }
                         FaultKind::RetentionPass => {
@@ -1660,7 +1781,7 @@ impl<'s> Run<'s> {
             self.check_invariants(&after)?;
         }
         self.settle(&room)?;
-        self.drain(&room)?;
+        self.drain()?;
         let fired_sink = std::mem::take(&mut lock(&self.log).fired);
         for (k, n) in fired_sink {
             *self.fired.entry(k).or_insert(0) += n;
@@ -1700,6 +1821,13 @@ impl<'s> Run<'s> {
                     {
                         std::thread::sleep(Duration::from_millis(1));
                     }
+                }
+                if self.lease
+                    && self.effectful.contains(&name)
+                    && matches!(answer, Ok(crate::Receipt::Accepted))
+                {
+                    self.lease = false;
+                    self.expire_lease(room)?;
                 }
                 match answer {
                     Ok(receipt) => Some(matches!(receipt, crate::Receipt::Accepted)),
@@ -1754,6 +1882,25 @@ impl<'s> Run<'s> {
         Ok(acked)
     }
 
+    /// A lease-expiry fault: once the worker holds after the effect step
+    /// (at most [`WAIT`]), the leases expire and a reaper pass makes the
+    /// row due again; then the step goes on, into the lease fence.
+    fn expire_lease(&mut self, room: &Postroom) -> Result<(), Violation> {
+        if !self.armed.await_hold(WAIT) {
+            // The step never ran (the message was not claimed in time):
+            // nothing fired; a step arriving late must not hold.
+            self.armed.disarm();
+            self.armed.release_hold();
+            return Ok(());
+        }
+        let expired = retry(|| room.expire_leases_for_tests());
+        self.armed.release_hold();
+        if expired.map_err(engine("expiring the lease"))? > 0 {
+            self.fire(FaultKind::LeaseExpiry);
+        }
+        Ok(())
+    }
+
     /// Whether the engine answered for this message and consumer before
     /// and has no row for it now: a retention pass removed it.
     fn gone(&self, index: usize, consumer: &str, msg: &Message) -> Result<bool, Violation> {
@@ -1783,14 +1930,14 @@ impl<'s> Run<'s> {
         let deadline = Instant::now() + WAIT;
         let mut reaped = Instant::now();
         loop {
-            let stats = room.stats().map_err(engine("stats"))?;
-            let busy: u64 = self
-                .consumers
-                .iter()
-                .filter(|c| c.1)
-                .filter_map(|c| stats.inbox.get(&c.0))
-                .map(|s| s.pending + s.processing + s.failed)
-                .sum();
+            let mut busy = 0;
+            for (name, _) in self.consumers.iter().filter(|c| c.1) {
+                busy += self.count(
+                    "SELECT count(*) FROM postroom_inbox WHERE consumer = ?1
+                     AND status IN ('pending', 'processing', 'failed')",
+                    [name],
+                )?;
+            }
             if busy == 0 {
                 return Ok(());
             }
@@ -1814,14 +1961,30 @@ impl<'s> Run<'s> {
         }
     }
 
+    /// A count through the run's reader: the waits poll it, and
+    /// `Postroom::stats` would open a pool connection (another parse of the
+    /// whole schema per process life) and count every status.
+    fn count<P: rusqlite::Params>(&self, sql: &str, params: P) -> Result<u64, Violation> {
+        let conn = self.reader()?;
+        conn.prepare_cached(sql)
+            .and_then(|mut stmt| stmt.query_row(params, |r| r.get::<_, i64>(0)))
+            .map(|n| n.max(0) as u64)
+            .map_err(|e| Violation::Engine {
+                message: format!("counting ({sql}): {e}"),
+            })
+    }
+
     /// Waits until the relay has no pending outbox row.
-    fn drain(&self, room: &Postroom) -> Result<(), Violation> {
+    fn drain(&self) -> Result<(), Violation> {
         if !self.has_sink {
             return Ok(());
         }
         let deadline = Instant::now() + WAIT;
         loop {
-            let pending = room.stats().map_err(engine("stats"))?.outbox.pending;
+            let pending = self.count(
+                "SELECT count(*) FROM postroom_outbox WHERE status = 'pending'",
+                [],
+            )?;
             if pending == 0 {
                 return Ok(());
             }
@@ -1835,13 +1998,24 @@ impl<'s> Run<'s> {
         }
     }
 
-    fn reader(&self) -> Result<Connection, Violation> {
-        Connection::open_with_flags(
-            &self.db,
-            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-        )
-        .map_err(|e| Violation::Engine {
-            message: format!("open a reader: {e}"),
+    /// The run's read-only connection, opened at first use and kept: a
+    /// connection parses the whole schema (the engine's triggers
+    /// included) at its first statement, which per check was a fifth of
+    /// a seed's CPU. It holds no transaction between statements, so it
+    /// neither pins the WAL nor sees a stale snapshot.
+    fn reader(&self) -> Result<Ref<'_, Connection>, Violation> {
+        if self.conn.borrow().is_none() {
+            let conn = Connection::open_with_flags(
+                &self.db,
+                OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+            )
+            .map_err(|e| Violation::Engine {
+                message: format!("open a reader: {e}"),
+            })?;
+            *self.conn.borrow_mut() = Some(conn);
+        }
+        Ref::filter_map(self.conn.borrow(), Option::as_ref).map_err(|_| Violation::Engine {
+            message: "open a reader: no connection".into(),
         })
     }
 

@@ -207,7 +207,7 @@ impl Scenario {
             run.deliver_until_acked(&room, i, msg)?;
         }
         run.settle(&room)?;
-        run.drain(&room)?;
+        run.drain()?;
         room.shutdown(Duration::from_secs(30))
             .map_err(engine("shutdown"))?;
         drop(room);
