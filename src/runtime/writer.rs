@@ -976,12 +976,9 @@ impl WriterState {
                     // answers so (running each in turn into a full disk
                     // would hold the writer for a square of the batch).
                     if storage_rerun {
-                        for (i, job) in batch.iter_mut().enumerate() {
-                            if std::mem::take(&mut live[i]) {
-                                job.give_up(error.duplicate());
-                            }
-                        }
-                        continue;
+                        self.roll_back();
+                        give_up_live(batch, &mut live, &error);
+                        return Ok(false);
                     }
                     storage_rerun = true;
                     batch[culprit].give_up(error.duplicate());
@@ -998,12 +995,9 @@ impl WriterState {
                     // left commit one by one, so only the one whose writes
                     // do not fit fails. Once per batch, as above.
                     if storage_rerun {
-                        for (i, job) in batch.iter_mut().enumerate() {
-                            if std::mem::take(&mut live[i]) {
-                                job.give_up(error.duplicate());
-                            }
-                        }
-                        continue;
+                        self.roll_back();
+                        give_up_live(batch, &mut live, &error);
+                        return Ok(false);
                     }
                     self.roll_back();
                     if self.checkpoint.full_now() {
@@ -1083,11 +1077,7 @@ impl WriterState {
                     }
                     continue;
                 }
-                for (j, job) in batch.iter_mut().enumerate() {
-                    if std::mem::take(&mut live[j]) {
-                        job.give_up(error.duplicate());
-                    }
-                }
+                give_up_live(batch, live, &error);
                 return committed;
             }
             if std::mem::take(&mut live[i]) {
@@ -1330,6 +1320,16 @@ impl WriterState {
         }
         if let Err((_, e)) = self.conn.close() {
             log::warn!("postroom writer: closing the database: {e}");
+        }
+    }
+}
+
+/// Answers every job still `live` with `error` (nothing of it was
+/// stored): none runs again.
+fn give_up_live(batch: &mut [Box<dyn Job>], live: &mut [bool], error: &Error) {
+    for (job, live) in batch.iter_mut().zip(live.iter_mut()) {
+        if std::mem::take(live) {
+            job.give_up(error.duplicate());
         }
     }
 }
