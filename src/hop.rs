@@ -26,6 +26,7 @@
 #![cfg_attr(not(any(feature = "mqtt", feature = "nats")), allow(dead_code))]
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -640,4 +641,77 @@ mod tests {
         assert!(u.msg.id.starts_with("nats-"));
         assert!(!u.wrapped);
     }
+}
+
+/// What an intake (MQTT or NATS) has seen since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct IntakeStats {
+    /// Messages received from the broker, redeliveries included.
+    pub received: u64,
+    /// Of those, messages the broker flagged as redelivered (MQTT's DUP;
+    /// a JetStream delivery count over 1).
+    pub redelivered: u64,
+    /// Acknowledgements sent (for MQTT: handed to the connection; one it
+    /// loses before writing is counted too, the broker then resends that
+    /// message, and the inbox knows it).
+    pub acked: u64,
+    /// Messages the inbox had already: absorbed, acknowledged.
+    pub duplicates: u64,
+    /// Messages left unacknowledged (a "do not ack" outcome or an error):
+    /// asked back after the outcome's `retry_after` (MQTT: by the
+    /// reconnect; NATS: with a NAK).
+    pub not_acked: u64,
+    /// Messages that came behind one left unacknowledged: not handed on,
+    /// not acknowledged, asked back with it.
+    pub held_back: u64,
+    /// Messages the engine refuses to take as they are (a payload over
+    /// `max_payload`, too many headers, an id or name outside postroom's
+    /// limits, a sequence number out of range in a sequenced intake): each
+    /// stored as a dead letter with its payload and the reason, then
+    /// acknowledged. A resend of one counts as a duplicate.
+    pub refused: u64,
+    /// Messages without the hop contract, given a content-derived id.
+    pub unwrapped: u64,
+    /// Connections made, the first included.
+    pub connects: u64,
+}
+
+/// An intake's counters, shared between its handle and its thread.
+#[derive(Default)]
+pub(crate) struct IntakeCounters {
+    pub(crate) received: AtomicU64,
+    pub(crate) redelivered: AtomicU64,
+    pub(crate) acked: AtomicU64,
+    pub(crate) duplicates: AtomicU64,
+    pub(crate) not_acked: AtomicU64,
+    pub(crate) held_back: AtomicU64,
+    pub(crate) refused: AtomicU64,
+    pub(crate) unwrapped: AtomicU64,
+    pub(crate) connects: AtomicU64,
+    /// Ready to take messages: subscribed (MQTT), bound to its durable
+    /// consumer (NATS).
+    pub(crate) ready: AtomicBool,
+}
+
+impl IntakeCounters {
+    pub(crate) fn snapshot(&self) -> IntakeStats {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        IntakeStats {
+            received: get(&self.received),
+            redelivered: get(&self.redelivered),
+            acked: get(&self.acked),
+            duplicates: get(&self.duplicates),
+            not_acked: get(&self.not_acked),
+            held_back: get(&self.held_back),
+            refused: get(&self.refused),
+            unwrapped: get(&self.unwrapped),
+            connects: get(&self.connects),
+        }
+    }
+}
+
+/// Counts one.
+pub(crate) fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
 }

@@ -36,7 +36,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::panic::{self, AssertUnwindSafe};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -50,7 +50,8 @@ use crate::delivery::panic_message;
 use crate::engine::Postroom;
 use crate::error::{Error, Result};
 use crate::escape::Esc;
-use crate::hop::{self, Arrived, Landed, Lander, Mode};
+pub use crate::hop::IntakeStats;
+use crate::hop::{self, bump, Arrived, IntakeCounters as Counters, Landed, Lander, Mode};
 use crate::sink::{SendResult, Sink};
 use crate::store::outbox::OutboxMessage;
 
@@ -485,51 +486,6 @@ impl Sink for NatsSink {
     }
 }
 
-/// What a [`NatsIntake`] has seen since it started.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct IntakeStats {
-    /// Messages pulled from the consumer, redeliveries included.
-    pub received: u64,
-    /// Of those, messages JetStream delivered before (delivery count > 1).
-    pub redelivered: u64,
-    /// Acknowledgements sent.
-    pub acked: u64,
-    /// Messages the inbox had already: absorbed, acknowledged.
-    pub duplicates: u64,
-    /// Messages not acknowledged (a "do not ack" outcome or an error):
-    /// asked back with a NAK after the outcome's `retry_after`.
-    pub not_acked: u64,
-    /// Messages pulled behind one not acknowledged: not handed on, asked
-    /// back with it.
-    pub held_back: u64,
-    /// Messages the engine refuses as they are: stored as dead letters
-    /// with the reason, then acknowledged.
-    pub refused: u64,
-    /// Messages without the hop contract, given an id of their own.
-    pub unwrapped: u64,
-    /// Connections made, the first included.
-    pub connects: u64,
-}
-
-#[derive(Default)]
-struct Counters {
-    received: AtomicU64,
-    redelivered: AtomicU64,
-    acked: AtomicU64,
-    duplicates: AtomicU64,
-    not_acked: AtomicU64,
-    held_back: AtomicU64,
-    refused: AtomicU64,
-    unwrapped: AtomicU64,
-    connects: AtomicU64,
-    bound: AtomicBool,
-}
-
-fn bump(counter: &AtomicU64) {
-    counter.fetch_add(1, Ordering::Relaxed);
-}
-
 /// Builds a [`NatsIntake`]; see [`NatsIntake::builder`].
 pub struct IntakeBuilder {
     url: String,
@@ -708,26 +664,14 @@ impl NatsIntake {
 
     /// What it has seen so far.
     pub fn stats(&self) -> IntakeStats {
-        let c = &self.counters;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        IntakeStats {
-            received: get(&c.received),
-            redelivered: get(&c.redelivered),
-            acked: get(&c.acked),
-            duplicates: get(&c.duplicates),
-            not_acked: get(&c.not_acked),
-            held_back: get(&c.held_back),
-            refused: get(&c.refused),
-            unwrapped: get(&c.unwrapped),
-            connects: get(&c.connects),
-        }
+        self.counters.snapshot()
     }
 
     /// Waits until the intake is bound to its durable consumer, at most
     /// `timeout`; false if it is not.
     pub fn wait_bound(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
-        while !self.counters.bound.load(Ordering::Acquire) {
+        while !self.counters.ready.load(Ordering::Acquire) {
             if Instant::now() >= deadline {
                 return false;
             }
@@ -859,7 +803,7 @@ impl Intake {
                         let c = (client, c);
                         self.barrier = barrier;
                         bump(&self.counters.connects);
-                        self.counters.bound.store(true, Ordering::Release);
+                        self.counters.ready.store(true, Ordering::Release);
                         self.backoff.reset();
                         bound = Some(c);
                     }
@@ -913,7 +857,7 @@ impl Intake {
             let pulled = match pulled {
                 Ok(p) => p,
                 Err(e) => {
-                    self.counters.bound.store(false, Ordering::Release);
+                    self.counters.ready.store(false, Ordering::Release);
                     bound = None;
                     let pause = self.backoff.fail();
                     log::warn!(

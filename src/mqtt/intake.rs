@@ -5,7 +5,7 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -20,58 +20,8 @@ use crate::delivery::panic_message;
 use crate::engine::Postroom;
 use crate::error::{Error, Result};
 use crate::escape::Esc;
-use crate::hop::{Arrived, Landed, Lander, Mode};
-
-/// What an [`MqttIntake`] has seen since it started.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct IntakeStats {
-    /// Messages received from the broker, redeliveries included.
-    pub received: u64,
-    /// Of those, messages the broker flagged as a redelivery (DUP).
-    pub redelivered: u64,
-    /// Acknowledgements handed to the connection (one the connection
-    /// loses before writing it is counted too; the broker then resends
-    /// that message, and the inbox knows it).
-    pub acked: u64,
-    /// Messages the inbox had already (`Duplicate`): absorbed, acknowledged.
-    pub duplicates: u64,
-    /// Messages left unacknowledged (a "do not ack" outcome or an error),
-    /// for the broker to redeliver when the intake reconnects.
-    pub not_acked: u64,
-    /// Messages that came behind one left unacknowledged: not handed on,
-    /// not acknowledged, redelivered after the reconnect.
-    pub held_back: u64,
-    /// Messages the engine refuses to take as they are (a payload over
-    /// `max_payload`, too many headers, an id or name outside postroom's
-    /// limits, a sequence number out of range in a
-    /// [`sequenced`](IntakeBuilder::sequenced) intake): each stored as a
-    /// dead letter with its payload and the reason, then acknowledged. A
-    /// resend of one counts as a duplicate.
-    pub refused: u64,
-    /// Messages without an envelope, given a content-derived id.
-    pub unwrapped: u64,
-    /// Connections made, the first included.
-    pub connects: u64,
-}
-
-#[derive(Default)]
-struct Counters {
-    received: AtomicU64,
-    redelivered: AtomicU64,
-    acked: AtomicU64,
-    duplicates: AtomicU64,
-    not_acked: AtomicU64,
-    held_back: AtomicU64,
-    refused: AtomicU64,
-    unwrapped: AtomicU64,
-    connects: AtomicU64,
-    subscribed: AtomicBool,
-}
-
-fn bump(counter: &AtomicU64) {
-    counter.fetch_add(1, Ordering::Relaxed);
-}
+pub use crate::hop::IntakeStats;
+use crate::hop::{bump, Arrived, IntakeCounters as Counters, Landed, Lander, Mode};
 
 /// Builds an [`MqttIntake`]; see [`MqttIntake::builder`].
 pub struct IntakeBuilder {
@@ -285,19 +235,7 @@ impl MqttIntake {
 
     /// What it has seen so far.
     pub fn stats(&self) -> IntakeStats {
-        let c = &self.counters;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        IntakeStats {
-            received: get(&c.received),
-            redelivered: get(&c.redelivered),
-            acked: get(&c.acked),
-            duplicates: get(&c.duplicates),
-            not_acked: get(&c.not_acked),
-            held_back: get(&c.held_back),
-            refused: get(&c.refused),
-            unwrapped: get(&c.unwrapped),
-            connects: get(&c.connects),
-        }
+        self.counters.snapshot()
     }
 
     /// Waits until the broker has granted the subscriptions on the current
@@ -306,7 +244,7 @@ impl MqttIntake {
     /// queued for it by the broker.
     pub fn wait_subscribed(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
-        while !self.counters.subscribed.load(Ordering::Acquire) {
+        while !self.counters.ready.load(Ordering::Acquire) {
             if Instant::now() >= deadline {
                 return false;
             }
@@ -405,7 +343,7 @@ impl Intake {
                     flushing_since = None;
                     self.acks.clear();
                     self.unsent_acks = 0;
-                    self.counters.subscribed.store(false, Ordering::Release);
+                    self.counters.ready.store(false, Ordering::Release);
                     wire = self.options.connect(INTAKE_CHANNEL);
                 }
             }
@@ -434,7 +372,7 @@ impl Intake {
                     );
                 }
                 Ok(Some(Ev::SubAck { refused: false })) => {
-                    self.counters.subscribed.store(true, Ordering::Release);
+                    self.counters.ready.store(true, Ordering::Release);
                 }
                 Ok(Some(Ev::Publish(publish))) => self.handle(publish),
                 Ok(Some(Ev::AckWritten)) => {
@@ -447,7 +385,7 @@ impl Intake {
                     // those messages, and the inbox knows them).
                     self.acks.clear();
                     self.unsent_acks = 0;
-                    self.counters.subscribed.store(false, Ordering::Release);
+                    self.counters.ready.store(false, Ordering::Release);
                     let pause = self.backoff.fail();
                     log::warn!(
                         "postroom mqtt intake: {}; reconnecting in {pause:?}",
