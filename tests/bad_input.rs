@@ -722,19 +722,11 @@ fn queued_work_failing_on_a_full_disk_uses_up_no_attempts() {
 #[test]
 fn a_full_disk_answers_the_job_that_met_it_not_its_whole_batch() {
     let dir = tempfile::tempdir().unwrap();
-    let (gate_tx, gate_rx) = crossbeam_channel::bounded::<()>(0);
-    let (entered_tx, entered_rx) = crossbeam_channel::bounded::<()>(1);
+    let (gate, gate_handler) = WriterGate::new();
     let room = Arc::new(
         Postroom::builder()
             .max_attempts(100)
-            .consumer(
-                "gate",
-                handler_fn(move |_tx, _msg| {
-                    let _ = entered_tx.send(());
-                    let _ = gate_rx.recv_timeout(Duration::from_secs(60));
-                    Ok(())
-                }),
-            )
+            .consumer("gate", gate_handler)
             .consumer(
                 "big",
                 handler_fn(|tx, msg| {
@@ -752,25 +744,19 @@ fn a_full_disk_answers_the_job_that_met_it_not_its_whole_batch() {
     create_domain(&room);
     tighten_quota(&room);
     for round in 0..5 {
-        let deliver = |consumer: &'static str, id: String| {
-            let room = Arc::clone(&room);
-            std::thread::spawn(move || room.deliver(consumer, Message::new("s", id, "x")))
-        };
-        let gate = deliver("gate", format!("g{round}"));
-        entered_rx.recv_timeout(Duration::from_secs(60)).unwrap();
-        let big = deliver("big", format!("b{round}"));
-        let small = deliver("small", format!("s{round}"));
-        // Both callers queue behind the held writer (on a loaded machine
-        // they may not have yet: then they run apart and the round proves
-        // less, but passes).
-        std::thread::sleep(Duration::from_millis(500));
-        gate_tx.send(()).unwrap();
-        assert!(gate.join().unwrap().unwrap().should_ack());
-        match big.join().unwrap() {
+        let mut answers = gate
+            .batch(
+                &room,
+                ("gate", format!("g{round}")),
+                vec![("big", format!("b{round}")), ("small", format!("s{round}"))],
+            )
+            .into_iter();
+        let (big, small) = (answers.next().unwrap(), answers.next().unwrap());
+        match big {
             Err(Error::StorageFull { .. }) => {}
             other => panic!("round {round}: the big delivery: {other:?}"),
         }
-        match small.join().unwrap() {
+        match small {
             Ok(Outcome::Processed { .. }) => {}
             other => panic!("round {round}: the small delivery beside it: {other:?}"),
         }

@@ -189,24 +189,15 @@ fn the_wal_stays_a_small_share_of_a_small_filesystem() {
 #[test]
 fn on_a_real_full_filesystem_a_big_write_fails_only_itself_not_its_batch() {
     use std::sync::Arc;
-    use std::time::Duration;
     let Some(fs) = Tmpfs::mount(FS_BYTES) else {
         return;
     };
     let path = fs.path().join("app.db");
-    let (gate_tx, gate_rx) = crossbeam_channel::bounded::<()>(0);
-    let (entered_tx, entered_rx) = crossbeam_channel::bounded::<()>(1);
+    let (gate, gate_handler) = WriterGate::new();
     let room = Arc::new(
         Postroom::builder()
             .max_attempts(100)
-            .consumer(
-                "gate",
-                handler_fn(move |_tx, _msg| {
-                    let _ = entered_tx.send(());
-                    let _ = gate_rx.recv_timeout(Duration::from_secs(60));
-                    Ok(())
-                }),
-            )
+            .consumer("gate", gate_handler)
             .consumer(
                 "big",
                 handler_fn(|tx, msg| {
@@ -228,22 +219,19 @@ fn on_a_real_full_filesystem_a_big_write_fails_only_itself_not_its_batch() {
     let ballast_len = free_bytes(fs.path()).saturating_sub(512 * 1024);
     std::fs::write(&ballast, vec![0u8; ballast_len as usize]).unwrap();
     for round in 0..5 {
-        let deliver = |consumer: &'static str, id: String| {
-            let room = Arc::clone(&room);
-            std::thread::spawn(move || room.deliver(consumer, Message::new("s", id, "x")))
-        };
-        let gate = deliver("gate", format!("g{round}"));
-        entered_rx.recv_timeout(Duration::from_secs(60)).unwrap();
-        let big = deliver("big", format!("b{round}"));
-        let small = deliver("small", format!("s{round}"));
-        std::thread::sleep(Duration::from_millis(500));
-        gate_tx.send(()).unwrap();
-        assert!(gate.join().unwrap().unwrap().should_ack());
-        match big.join().unwrap() {
+        let mut answers = gate
+            .batch(
+                &room,
+                ("gate", format!("g{round}")),
+                vec![("big", format!("b{round}")), ("small", format!("s{round}"))],
+            )
+            .into_iter();
+        let (big, small) = (answers.next().unwrap(), answers.next().unwrap());
+        match big {
             Err(Error::StorageFull { .. }) => {}
             other => panic!("round {round}: the big delivery: {other:?}"),
         }
-        match small.join().unwrap() {
+        match small {
             Ok(o) => assert!(o.should_ack(), "round {round}: {o:?}"),
             other => {
                 panic!("round {round}: the small delivery batched beside the big one: {other:?}")

@@ -454,3 +454,52 @@ impl Drop for Tmpfs {
         }
     }
 }
+
+/// A handler that holds the writer until the test releases it: deliveries
+/// made meanwhile queue behind it, and their jobs share the next batch
+/// (group commit), which is how the full-disk tests put a big and a small
+/// delivery into one transaction.
+pub struct WriterGate {
+    entered: crossbeam_channel::Receiver<()>,
+    release: crossbeam_channel::Sender<()>,
+}
+
+impl WriterGate {
+    /// The gate, and the handler to register as its consumer.
+    pub fn new() -> (WriterGate, impl postroom::Handler) {
+        let (release, held) = crossbeam_channel::bounded::<()>(0);
+        let (entered_tx, entered) = crossbeam_channel::bounded::<()>(1);
+        let handler = postroom::handler_fn(move |_tx, _msg| {
+            let _ = entered_tx.send(());
+            let _ = held.recv_timeout(std::time::Duration::from_secs(60));
+            Ok(())
+        });
+        (WriterGate { entered, release }, handler)
+    }
+
+    /// Delivers `gate_id` to the gate's consumer `gate`, waits until it
+    /// holds the writer, delivers each of `others` (consumer, id) from a
+    /// thread of its own, gives them 500 ms to queue (on a loaded machine
+    /// they may not have: then they run apart and prove less, but pass),
+    /// and releases the gate. Returns the others' answers, in order.
+    pub fn batch(
+        &self,
+        room: &std::sync::Arc<postroom::Postroom>,
+        gate: (&'static str, String),
+        others: Vec<(&'static str, String)>,
+    ) -> Vec<postroom::Result<postroom::Outcome>> {
+        let deliver = |consumer: &'static str, id: String| {
+            let room = std::sync::Arc::clone(room);
+            std::thread::spawn(move || room.deliver(consumer, Message::new("s", id, "x")))
+        };
+        let held = deliver(gate.0, gate.1);
+        self.entered
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("the gate handler to run");
+        let others: Vec<_> = others.into_iter().map(|(c, id)| deliver(c, id)).collect();
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        self.release.send(()).expect("the gate handler waits");
+        assert!(held.join().unwrap().unwrap().should_ack());
+        others.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+}
