@@ -14,6 +14,7 @@ use crate::error::Result;
 use crate::store::inbox::Status;
 use crate::store::schema;
 use crate::store::stats::{self, OutboxCounts, StatusCounts};
+use crate::store::strict;
 use crate::store::watermark::StreamWatermark;
 
 use super::open::locked;
@@ -56,6 +57,16 @@ pub struct ConsumerStatus {
     pub expired_leases: u64,
     /// Rows by attempts made, fewest first.
     pub attempts: Vec<AttemptsBucket>,
+    /// The last engine that opened the file kept strict order for this
+    /// consumer (`Builder::strict_order`): a dead letter holds its key.
+    pub strict_order: bool,
+    /// With strict order, ordering keys held by a dead letter (no later
+    /// message of the key runs until it is redriven or discarded); 0
+    /// without.
+    pub held_keys: u64,
+    /// Age of the oldest dead letter holding a key, since it died, in
+    /// milliseconds.
+    pub oldest_held_age_ms: Option<i64>,
 }
 
 /// The outbox, as [`status`] sees it.
@@ -194,6 +205,9 @@ pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
                     .map(|at| now.saturating_sub(at).max(0)),
                 expired_leases: 0,
                 attempts: Vec::new(),
+                strict_order: false,
+                held_keys: 0,
+                oldest_held_age_ms: None,
             })
             .collect();
         let find = |consumers: &[ConsumerStatus], name: &str| {
@@ -212,6 +226,13 @@ pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
             if let Some(i) = find(&consumers, &name) {
                 consumers[i].expired_leases = count(n);
             }
+        }
+        let strict = strict::recorded(conn).map_err(sql("read strict-order consumers"))?;
+        for c in consumers.iter_mut().filter(|c| strict.contains(&c.consumer)) {
+            let held = strict::held(conn, &c.consumer).map_err(sql("read held keys"))?;
+            c.strict_order = true;
+            c.held_keys = held.keys;
+            c.oldest_held_age_ms = held.oldest_dead_ms.map(|at| now.saturating_sub(at).max(0));
         }
         let buckets = stats::attempts(conn).map_err(sql("read attempts"))?;
         for (name, attempts, n) in buckets {
