@@ -72,7 +72,7 @@ fn failing_handler(
     on: Arc<AtomicBool>,
 ) -> impl Fn(&mut Tx<'_>, &Message) -> Result<(), Failure> + Send + Sync + 'static {
     move |tx: &mut Tx<'_>, msg: &Message| {
-        if on.load(Ordering::SeqCst) && failing.contains(&msg.id()) {
+        if on.load(Ordering::SeqCst) && failing.iter().any(|f| *f == msg.id()) {
             return Err(Failure::retry("the base edit is missing"));
         }
         record(tx, msg)
@@ -89,7 +89,7 @@ impl EffectHandler for FailingEffect {
     type Output = ();
 
     fn effect(&self, _ctx: &EffectContext<'_>, msg: &Message) -> Result<(), Failure> {
-        if self.on.load(Ordering::SeqCst) && self.failing.contains(&msg.id()) {
+        if self.on.load(Ordering::SeqCst) && self.failing.iter().any(|f| *f == msg.id()) {
             return Err(Failure::retry("the base edit is missing"));
         }
         Ok(())

@@ -180,7 +180,9 @@ macro_rules! due_columns {
 /// lease, counting their attempt, for steps that run outside the writer's
 /// transaction (effectful consumers). A row that already used
 /// `max_attempts` (the cap was lowered since) is dead-lettered instead of
-/// claimed.
+/// claimed. Keys in the default order ([`KeyOrder::DeadReleases`]); the
+/// engine's workers use [`claim_in_order`].
+#[cfg_attr(not(any(test, feature = "_sim")), allow(dead_code))] // the model harness
 pub(crate) fn claim(
     conn: &Connection,
     consumer: &str,
