@@ -679,8 +679,11 @@ fn a_version_8_file_gets_the_dead_keys_index_and_its_dead_rows_hold_strict_keys(
             ("k-2", "pending", "k", 0, None),
             ("j-1", "pending", "j", 0, None),
         ] {
-            conn.execute(insert, params![id, status, digest(id), key, attempts, error])
-                .unwrap();
+            conn.execute(
+                insert,
+                params![id, status, digest(id), key, attempts, error],
+            )
+            .unwrap();
         }
         let before = column::<Vec<String>>(&conn, DUMP_INBOX);
         open_once(&db);

@@ -22,8 +22,7 @@ use std::time::Duration;
 
 use common::*;
 use postroom::{
-    admin, handler_fn, EffectContext, EffectHandler, Error, Failure, Message, Outcome, Postroom,
-    Tx,
+    admin, handler_fn, EffectContext, EffectHandler, Error, Failure, Message, Outcome, Postroom, Tx,
 };
 
 const WAIT: u64 = 60;
@@ -185,6 +184,17 @@ fn a_dead_edit_holds_its_documents_later_edits_until_redriven() {
         assert_eq!(c.held_keys, 1, "{c:?}");
         assert!(c.oldest_held_age_ms.is_some(), "{c:?}");
     }
+    let cli = std::process::Command::new(env!("CARGO_BIN_EXE_postroom"))
+        .arg(&db)
+        .arg("status")
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&cli.stdout);
+    assert!(cli.status.success(), "{shown}");
+    for consumer in ["tx", "fx"] {
+        let line = format!("strict order {consumer}: 1 key held by dead letters, oldest ");
+        assert!(shown.contains(&line), "{shown}");
+    }
     on.store(false, Ordering::SeqCst);
     for consumer in ["tx", "fx"] {
         let (id, _) = dead_letters(&room, consumer)[0];
@@ -199,7 +209,10 @@ fn a_dead_edit_holds_its_documents_later_edits_until_redriven() {
         );
     }
     let status = admin::status(&conn, &db).unwrap();
-    assert!(status.consumers.iter().all(|c| c.held_keys == 0), "{status:?}");
+    assert!(
+        status.consumers.iter().all(|c| c.held_keys == 0),
+        "{status:?}"
+    );
     room.shutdown(Duration::from_secs(10)).unwrap();
 }
 
@@ -401,7 +414,10 @@ fn an_inline_delivery_on_a_held_key_is_refused_retryably_and_stores_nothing() {
     create_domain(&room);
     let conn = raw(&db);
     let [e1, e2, e3] = <[Message; 3]>::try_from(edits("doc-1", 1, 3)).unwrap();
-    assert!(matches!(room.deliver("tx", e1).unwrap(), Outcome::Processed { .. }));
+    assert!(matches!(
+        room.deliver("tx", e1).unwrap(),
+        Outcome::Processed { .. }
+    ));
     assert!(matches!(
         room.deliver("tx", e2).unwrap(),
         Outcome::Dead { .. }
@@ -432,7 +448,10 @@ fn an_inline_delivery_on_a_held_key_is_refused_retryably_and_stores_nothing() {
     eventually(WAIT, "the redriven edit applied by the workers", || {
         applied(&conn, "tx", "doc-1/").len() == 2
     });
-    assert!(matches!(room.deliver("tx", e3).unwrap(), Outcome::Processed { .. }));
+    assert!(matches!(
+        room.deliver("tx", e3).unwrap(),
+        Outcome::Processed { .. }
+    ));
     assert_eq!(applied(&conn, "tx", "doc-1/"), ids("doc-1", &[1, 2, 3]));
     room.shutdown(Duration::from_secs(10)).unwrap();
 }
@@ -445,7 +464,13 @@ fn strict_order_for_an_unknown_consumer_is_refused_at_open() {
         .strict_order("nobody")
         .open(dir.path().join("app.db"));
     assert!(
-        matches!(refused, Err(Error::InvalidInput { field: "strict_order", .. })),
+        matches!(
+            refused,
+            Err(Error::InvalidInput {
+                field: "strict_order",
+                ..
+            })
+        ),
         "{refused:?}"
     );
 }

@@ -228,7 +228,10 @@ pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
             }
         }
         let strict = strict::recorded(conn).map_err(sql("read strict-order consumers"))?;
-        for c in consumers.iter_mut().filter(|c| strict.contains(&c.consumer)) {
+        for c in consumers
+            .iter_mut()
+            .filter(|c| strict.contains(&c.consumer))
+        {
             let held = strict::held(conn, &c.consumer).map_err(sql("read held keys"))?;
             c.strict_order = true;
             c.held_keys = held.keys;

@@ -859,8 +859,7 @@ pub(crate) mod tests {
             let (ids, _) = due_ids_in(&mut dead_head_fixture(5), KeyOrder::DeadReleases);
             assert_eq!(ids, released, "by default a dead row releases its key");
             let (few, few_ops) = due_ids_in(&mut dead_head_fixture(1), KeyOrder::DeadHolds);
-            let (many, many_ops) =
-                due_ids_in(&mut dead_head_fixture(100_000), KeyOrder::DeadHolds);
+            let (many, many_ops) = due_ids_in(&mut dead_head_fixture(100_000), KeyOrder::DeadHolds);
             assert_eq!(few, others());
             assert_eq!(many, others());
             assert!(
@@ -887,8 +886,11 @@ pub(crate) mod tests {
                     |r| r.get(0),
                 )
                 .unwrap();
-            conn.execute("UPDATE postroom_inbox SET status = 'completed' WHERE id > ?1", [id])
-                .unwrap();
+            conn.execute(
+                "UPDATE postroom_inbox SET status = 'completed' WHERE id > ?1",
+                [id],
+            )
+            .unwrap();
             assert!(redrive(&conn, id, NOW).unwrap());
             for order in [KeyOrder::DeadHolds, KeyOrder::DeadReleases] {
                 let (ids, _) = due_ids_in(&mut conn, order);
