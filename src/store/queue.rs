@@ -862,6 +862,7 @@ pub(crate) mod tests {
             let (many, many_ops) = due_ids_in(&mut dead_head_fixture(100_000), KeyOrder::DeadHolds);
             assert_eq!(few, others());
             assert_eq!(many, others());
+            println!("strict due query: {few_ops} VM steps at 1 held row, {many_ops} at 100,000");
             assert!(
                 many_ops <= 2 * few_ops + 5_000,
                 "strict due query: {few_ops} VM steps with 1 row held, {many_ops} with 100,000"
