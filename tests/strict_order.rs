@@ -195,6 +195,11 @@ fn a_dead_edit_holds_its_documents_later_edits_until_redriven() {
         let line = format!("strict order {consumer}: 1 key held by dead letters, oldest ");
         assert!(shown.contains(&line), "{shown}");
     }
+    let metrics = admin::prometheus(&status);
+    for consumer in ["tx", "fx"] {
+        let sample = format!("postroom_strict_held_keys{{consumer=\"{consumer}\"}} 1");
+        assert!(metrics.contains(&sample), "{metrics}");
+    }
     on.store(false, Ordering::SeqCst);
     for consumer in ["tx", "fx"] {
         let (id, _) = dead_letters(&room, consumer)[0];

@@ -295,6 +295,7 @@ fn seconds(ms: Option<i64>) -> String {
 /// | `postroom_inbox_messages` | `consumer`, `status` | gauge |
 /// | `postroom_oldest_pending_seconds` | `consumer` | gauge (0 when nothing waits) |
 /// | `postroom_expired_leases` | `consumer` | gauge |
+/// | `postroom_strict_held_keys`, `postroom_strict_oldest_held_seconds` | `consumer` | gauge (strict-order consumers only; absent when there are none) |
 /// | `postroom_inbox_attempts` | `consumer`, `attempts` | gauge (rows per attempts count) |
 /// | `postroom_outbox_messages` | `status` | gauge |
 /// | `postroom_outbox_oldest_pending_seconds` | | gauge |
@@ -356,6 +357,28 @@ fn consumer_families(out: &mut String, report: &StatusReport) {
             .iter()
             .map(|c| (consumer(c), seconds(c.oldest_waiting_for_redelivery_age_ms))),
     );
+    // Strict order: only when some consumer keeps it (a file without one
+    // reads as before).
+    let strict: Vec<&ConsumerStatus> = report.consumers.iter().filter(|c| c.strict_order).collect();
+    if !strict.is_empty() {
+        family(
+            out,
+            "postroom_strict_held_keys",
+            "gauge",
+            "Strict order: ordering keys a dead letter holds (nothing later of the key runs until \
+             it is redriven or discarded).",
+            strict
+                .iter()
+                .map(|c| (consumer(c), c.held_keys.to_string())),
+        );
+        family(
+            out,
+            "postroom_strict_oldest_held_seconds",
+            "gauge",
+            "Strict order: age of the oldest dead letter holding a key, since it died; 0 when none.",
+            strict.iter().map(|c| (consumer(c), seconds(c.oldest_held_age_ms))),
+        );
+    }
     family(
         out,
         "postroom_expired_leases",
