@@ -1,4 +1,4 @@
--- postroom schema, version 8.
+-- postroom schema, version 9.
 --
 -- Applied in one transaction when a database is opened for the first time.
 -- Every statement is `IF NOT EXISTS`: the migration from version 1 renames
@@ -291,6 +291,15 @@ CREATE INDEX IF NOT EXISTS postroom_inbox_done
 CREATE INDEX IF NOT EXISTS postroom_inbox_dead
     ON postroom_inbox (updated_at)
     WHERE status = 'dead';
+
+-- Dead rows with an ordering key, per key in receive order (schema
+-- version 9): under strict order (`Builder::strict_order`) a dead row
+-- holds the rows of its key behind it, and the due query probes here for
+-- each head it considers (one step; dead rows are few, so it costs the
+-- normal path nothing but an entry per keyed dead letter).
+CREATE INDEX IF NOT EXISTS postroom_inbox_dead_keys
+    ON postroom_inbox (consumer, ordering_key, id)
+    WHERE status = 'dead' AND ordering_key IS NOT NULL;
 
 -- Sequenced rows by stream and sequence (schema version 6): a new message
 -- whose sequence a retained row of another id holds is a conflict (a

@@ -52,6 +52,9 @@ pub struct Builder {
     pub(crate) sink: Option<Box<dyn Sink>>,
     pub(crate) handle_signals: bool,
     pub(crate) backlog_limits: Vec<(String, u64)>,
+    /// Consumers named by `strict_order`, checked at `open` and moved into
+    /// the config.
+    pub(crate) strict_order: Vec<String>,
 }
 
 /// The two kinds of handler a consumer can have.
@@ -72,6 +75,7 @@ impl Default for Builder {
             sink: None,
             handle_signals: false,
             backlog_limits: Vec::new(),
+            strict_order: Vec::new(),
         }
     }
 }
@@ -174,6 +178,25 @@ impl Builder {
     /// registered on this builder. Default: none (no bound).
     pub fn backlog_limit(mut self, consumer: impl Into<String>, rows: u64) -> Self {
         self.backlog_limits.push((consumer.into(), rows));
+        self
+    }
+
+    /// Strict order for `consumer`'s ordering keys: a dead letter holds its
+    /// key. By default a message that dies releases its key (the key's
+    /// later messages run, and a redriven one runs after them); with this,
+    /// no later message of its key runs (queued or retried) until an
+    /// operator redrives it (it runs first, then the rest in receive
+    /// order) or discards it (the rest run). For data where each message
+    /// builds on the one before (edits of one document). `deliver` of a
+    /// message whose key is held, or has an earlier message still
+    /// unfinished, runs nothing and stores nothing: it answers the
+    /// retryable [`Error::KeyHeld`](crate::Error::KeyHeld) (the broker
+    /// redelivers later). Messages without a key are not affected.
+    /// `postroom status` shows each strict consumer's held keys and the age
+    /// of the oldest dead letter holding one. A consumer registered on
+    /// this builder. Default: off for every consumer.
+    pub fn strict_order(mut self, consumer: impl Into<String>) -> Self {
+        self.strict_order.push(consumer.into());
         self
     }
 

@@ -1,6 +1,7 @@
 //! The engine's settings (their defaults are documented on the
 //! [`Builder`](crate::Builder)'s methods), durability, and input limits.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -105,6 +106,32 @@ pub(crate) struct Config {
     /// A handler holding the writer longer than this is reported (see
     /// [`Builder::slow_handler`](crate::Builder::slow_handler)).
     pub slow_handler: Duration,
+    /// Consumers whose dead letters hold their ordering key
+    /// ([`Builder::strict_order`](crate::Builder::strict_order)).
+    pub strict_order: BTreeSet<String>,
+}
+
+/// What a dead letter does to the rest of its ordering key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum KeyOrder {
+    /// The key's later rows run past it (the default): order holds among
+    /// the rows that settle by running.
+    #[default]
+    DeadReleases,
+    /// No later row of the key runs while it is dead: until an operator
+    /// redrives it (it runs first) or discards it.
+    DeadHolds,
+}
+
+impl Config {
+    /// `consumer`'s [`KeyOrder`].
+    pub(crate) fn key_order(&self, consumer: &str) -> KeyOrder {
+        if self.strict_order.contains(consumer) {
+            KeyOrder::DeadHolds
+        } else {
+            KeyOrder::DeadReleases
+        }
+    }
 }
 
 impl Default for Config {
@@ -135,6 +162,7 @@ impl Default for Config {
             relay_batch: 100,
             relay_poll: Duration::from_secs(300),
             slow_handler: Duration::from_secs(1),
+            strict_order: BTreeSet::new(),
         }
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use rusqlite::{Connection, ErrorCode};
 
 use crate::clock;
-use crate::config::Config;
+use crate::config::{Config, KeyOrder};
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
@@ -20,6 +20,7 @@ use crate::store::inbox::{self, Record, Status};
 use crate::store::inflight::InflightLog;
 use crate::store::outbox::Cause;
 use crate::store::queue::{self, Claimed};
+use crate::store::strict;
 
 /// What one delivery runs against.
 pub(crate) struct Env<'a> {
@@ -103,6 +104,21 @@ pub(crate) fn deliver(
             }
         },
     };
+    // Strict order: a message must not run past a dead or unfinished
+    // earlier one of its key. Nothing is stored, so the broker keeps it
+    // and redelivers it; the caller hears a retryable error.
+    if let (KeyOrder::DeadHolds, Some(key)) =
+        (env.config.key_order(consumer), msg.ordering_key.as_deref())
+    {
+        if strict::inline_held(conn, consumer, key, row_id)
+            .map_err(|e| Error::sqlite("look up the ordering key's earlier rows", e))?
+        {
+            return Err(Error::KeyHeld {
+                consumer: consumer.to_owned(),
+                ordering_key: key.to_owned(),
+            });
+        }
+    }
     let at = Attempt {
         consumer,
         msg,
@@ -235,14 +251,14 @@ pub(crate) fn process_due(
         if want == 0 || started.elapsed() >= env.config.slow_handler {
             break;
         }
-        let rows = queue::due(
-            env.conn,
+        let due = queue::Due {
             consumer,
-            want,
-            env.now_ms,
-            env.config.max_attempts,
-        )
-        .map_err(|e| Error::sqlite("read due messages", e))?;
+            order: env.config.key_order(consumer),
+            limit: want,
+            now_ms: env.now_ms,
+            max_attempts: env.config.max_attempts,
+        };
+        let rows = queue::due(env.conn, due).map_err(|e| Error::sqlite("read due messages", e))?;
         for row in rows {
             if !done.is_empty() && started.elapsed() >= env.config.slow_handler {
                 break;

@@ -268,6 +268,14 @@ impl Builder {
                 return Err(Error::invalid("backlog_limit", problem));
             }
         }
+        for name in &self.strict_order {
+            if !seen.contains_key(name.as_str()) {
+                return Err(Error::invalid(
+                    "strict_order",
+                    format!("no consumer {name:?} is registered"),
+                ));
+            }
+        }
         Postroom::open_with(self, path.as_ref())
     }
 }
@@ -280,13 +288,15 @@ impl Postroom {
 
     pub(crate) fn open_with(builder: Builder, path: &Path) -> Result<Postroom> {
         let Builder {
-            config,
+            mut config,
             consumers,
             clock,
             sink,
             handle_signals,
             backlog_limits,
+            strict_order,
         } = builder;
+        config.strict_order.extend(strict_order);
         // Before any file is touched: an old system SQLite changes nothing.
         schema::check_sqlite_version(rusqlite::version_number())?;
         let given = path;
@@ -309,6 +319,10 @@ impl Postroom {
             schema::migrate(&mut conn)?;
             // A file this open created gets its identity here too; only an
             // existing file's new id is news to an operator.
+            // For the operator's tools (`postroom status`), which run
+            // without the builder: which consumers keep strict order.
+            crate::store::strict::record(&mut conn, &config.strict_order)
+                .map_err(|e| Error::sqlite("record the strict-order consumers", e))?;
             let minted = schema::claim_identity(&mut conn, path)?;
             if let Some(minted) = minted.filter(|_| !created) {
                 log::info!(

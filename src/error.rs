@@ -97,6 +97,18 @@ pub enum Error {
         /// Its bound.
         limit: u64,
     },
+    /// Strict order (`Builder::strict_order`): an inline `deliver` of a
+    /// message whose ordering key has a dead message, or one still
+    /// unfinished, received before it. Nothing was run or stored.
+    /// Retryable: do not acknowledge it; deliver it again later (the key
+    /// is released once the dead message is redriven and processed, or
+    /// discarded, and the earlier ones are done).
+    KeyHeld {
+        /// The consumer.
+        consumer: String,
+        /// The message's ordering key.
+        ordering_key: String,
+    },
     /// Any other SQLite error.
     Sqlite {
         /// The operation that failed.
@@ -160,6 +172,7 @@ impl Error {
             Error::StorageFull { .. }
             | Error::Busy { .. }
             | Error::Backlogged { .. }
+            | Error::KeyHeld { .. }
             | Error::GroupRolledBack { .. } => true,
             Error::Sqlite { source, .. } => matches!(
                 source.sqlite_error_code(),
@@ -235,6 +248,13 @@ impl Error {
                 consumer: consumer.clone(),
                 backlog: *backlog,
                 limit: *limit,
+            },
+            Error::KeyHeld {
+                consumer,
+                ordering_key,
+            } => Error::KeyHeld {
+                consumer: consumer.clone(),
+                ordering_key: ordering_key.clone(),
             },
             Error::RolledBack { op } => Error::RolledBack { op },
             Error::Sqlite { op, source } => Error::Sqlite {
@@ -318,6 +338,16 @@ impl fmt::Display for Error {
                 "consumer {consumer:?} has {backlog} messages waiting for processing, at its \
                  backlog limit of {limit}: nothing was stored; send again once the workers \
                  have drained some"
+            ),
+            Error::KeyHeld {
+                consumer,
+                ordering_key,
+            } => write!(
+                f,
+                "consumer {consumer:?} keeps strict order, and ordering key {ordering_key:?} \
+                 has a dead or unfinished message before this one: nothing was run or \
+                 stored; deliver it again later (redrive or discard the dead letter to \
+                 release the key)"
             ),
             Error::Sqlite { op, source } => write!(f, "{op}: {source}"),
             Error::RolledBack { op } => write!(

@@ -464,9 +464,10 @@ impl Lander {
             // but a refusal all the same: stored as a dead letter as it
             // came, never acknowledged without being stored.
             Err(e @ Error::InvalidInput { .. }) => self.refuse(again(), &e.to_string(), place),
-            // The consumer's brakes: flow control, not a fault. Held, the
-            // broker keeps it; the intake reads on once the workers drained.
-            Err(e @ Error::Backlogged { .. }) => {
+            // The consumer's brakes, or a key strict order holds: flow
+            // control, not a fault. Held, the broker keeps it; the intake
+            // reads on once the workers drained (the key is released).
+            Err(e @ (Error::Backlogged { .. } | Error::KeyHeld { .. })) => {
                 log::debug!("{}: not acknowledged: {}", self.label, Esc(&e));
                 Landed::Hold {
                     retry_after: ERROR_RETRY,

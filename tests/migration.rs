@@ -1,4 +1,4 @@
-//! Schema migrations: a file written under schema version 1, 2, 3, 5, 6 or 7 (their DDL
+//! Schema migrations: a file written under schema version 1, 2, 3, 5, 6, 7 or 8 (their DDL
 //! kept in `tests/fixtures/`) opens under the current version with every
 //! row intact, gives the same dedupe answers as before, and a process
 //! killed in the middle of the migration leaves the file exactly as it was.
@@ -20,6 +20,7 @@ const SCHEMA_V3: &str = include_str!("fixtures/schema_v3.sql");
 const SCHEMA_V5: &str = include_str!("fixtures/schema_v5.sql");
 const SCHEMA_V6: &str = include_str!("fixtures/schema_v6.sql");
 const SCHEMA_V7: &str = include_str!("fixtures/schema_v7.sql");
+const SCHEMA_V8: &str = include_str!("fixtures/schema_v8.sql");
 
 /// Every column of every inbox row, in id order, as text.
 const DUMP_INBOX: &str = "SELECT id || '|' || consumer || '|' || source || '|' || message_id
@@ -651,6 +652,59 @@ fn a_version_6_file_gets_the_heads_of_its_keys_and_runs_them_in_order() {
             0,
             "every key finished: no heads left"
         );
+        room.shutdown(Duration::from_secs(10)).unwrap();
+        let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Full).unwrap();
+        assert!(report.is_ok(), "{report:?}");
+    }
+}
+
+/// Version 8 to 9: the partial index of dead keyed rows that strict order
+/// probes (`postroom_inbox_dead_keys`) is built from the rows, nothing
+/// else changes; a dead row migrated from version 8 (or 7) holds its key
+/// for a strict consumer while the other keys run, and `check` finds the
+/// file sound.
+#[test]
+fn a_version_8_file_gets_the_dead_keys_index_and_its_dead_rows_hold_strict_keys() {
+    for (ddl, version) in [(SCHEMA_V8, 8), (SCHEMA_V7, 7)] {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("v8.db");
+        write_old(&db, ddl, version, 2);
+        let conn = raw(&db);
+        let insert = "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
+                payload_hash, ordering_key, attempts, last_error, received_at, updated_at,
+                queued)
+            VALUES ('orders', 'shop', ?1, ?2, ?1, ?3, ?4, ?5, ?6, 2000, 2000, 1)";
+        for (id, status, key, attempts, error) in [
+            ("k-1", "dead", "k", 5, Some("gave up")),
+            ("k-2", "pending", "k", 0, None),
+            ("j-1", "pending", "j", 0, None),
+        ] {
+            conn.execute(
+                insert,
+                params![id, status, digest(id), key, attempts, error],
+            )
+            .unwrap();
+        }
+        let before = column::<Vec<String>>(&conn, DUMP_INBOX);
+        open_once(&db);
+        assert_migrated(dir.path(), &conn, &before);
+        assert_eq!(
+            count(
+                &conn,
+                "SELECT count(*) FROM postroom_inbox INDEXED BY postroom_inbox_dead_keys
+                 WHERE status = 'dead' AND ordering_key IS NOT NULL"
+            ),
+            1,
+            "from version {version}"
+        );
+        let room = Postroom::builder()
+            .poll_interval(Duration::from_millis(5))
+            .consumer("orders", handler_fn(apply))
+            .strict_order("orders")
+            .open(&db)
+            .unwrap();
+        eventually(30, "the other key ran", || applied_count(&conn, "j-1") == 1);
+        assert_eq!(applied_count(&conn, "k-2"), 0, "from version {version}");
         room.shutdown(Duration::from_secs(10)).unwrap();
         let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Full).unwrap();
         assert!(report.is_ok(), "{report:?}");

@@ -14,6 +14,7 @@ use crate::error::Result;
 use crate::store::inbox::Status;
 use crate::store::schema;
 use crate::store::stats::{self, OutboxCounts, StatusCounts};
+use crate::store::strict;
 use crate::store::watermark::StreamWatermark;
 
 use super::open::locked;
@@ -56,6 +57,16 @@ pub struct ConsumerStatus {
     pub expired_leases: u64,
     /// Rows by attempts made, fewest first.
     pub attempts: Vec<AttemptsBucket>,
+    /// The last engine that opened the file kept strict order for this
+    /// consumer (`Builder::strict_order`): a dead letter holds its key.
+    pub strict_order: bool,
+    /// With strict order, ordering keys held by a dead letter (no later
+    /// message of the key runs until it is redriven or discarded); 0
+    /// without.
+    pub held_keys: u64,
+    /// Age of the oldest dead letter holding a key, since it died, in
+    /// milliseconds.
+    pub oldest_held_age_ms: Option<i64>,
 }
 
 /// The outbox, as [`status`] sees it.
@@ -194,6 +205,9 @@ pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
                     .map(|at| now.saturating_sub(at).max(0)),
                 expired_leases: 0,
                 attempts: Vec::new(),
+                strict_order: false,
+                held_keys: 0,
+                oldest_held_age_ms: None,
             })
             .collect();
         let find = |consumers: &[ConsumerStatus], name: &str| {
@@ -212,6 +226,16 @@ pub fn status(conn: &Connection, path: &Path) -> Result<StatusReport> {
             if let Some(i) = find(&consumers, &name) {
                 consumers[i].expired_leases = count(n);
             }
+        }
+        let strict = strict::recorded(conn).map_err(sql("read strict-order consumers"))?;
+        for c in consumers
+            .iter_mut()
+            .filter(|c| strict.contains(&c.consumer))
+        {
+            let held = strict::held(conn, &c.consumer).map_err(sql("read held keys"))?;
+            c.strict_order = true;
+            c.held_keys = held.keys;
+            c.oldest_held_age_ms = held.oldest_dead_ms.map(|at| now.saturating_sub(at).max(0));
         }
         let buckets = stats::attempts(conn).map_err(sql("read attempts"))?;
         for (name, attempts, n) in buckets {
@@ -271,6 +295,7 @@ fn seconds(ms: Option<i64>) -> String {
 /// | `postroom_inbox_messages` | `consumer`, `status` | gauge |
 /// | `postroom_oldest_pending_seconds` | `consumer` | gauge (0 when nothing waits) |
 /// | `postroom_expired_leases` | `consumer` | gauge |
+/// | `postroom_strict_held_keys`, `postroom_strict_oldest_held_seconds` | `consumer` | gauge (strict-order consumers only; absent when there are none) |
 /// | `postroom_inbox_attempts` | `consumer`, `attempts` | gauge (rows per attempts count) |
 /// | `postroom_outbox_messages` | `status` | gauge |
 /// | `postroom_outbox_oldest_pending_seconds` | | gauge |
@@ -332,6 +357,28 @@ fn consumer_families(out: &mut String, report: &StatusReport) {
             .iter()
             .map(|c| (consumer(c), seconds(c.oldest_waiting_for_redelivery_age_ms))),
     );
+    // Strict order: only when some consumer keeps it (a file without one
+    // reads as before).
+    let strict: Vec<&ConsumerStatus> = report.consumers.iter().filter(|c| c.strict_order).collect();
+    if !strict.is_empty() {
+        family(
+            out,
+            "postroom_strict_held_keys",
+            "gauge",
+            "Strict order: ordering keys a dead letter holds (nothing later of the key runs until \
+             it is redriven or discarded).",
+            strict
+                .iter()
+                .map(|c| (consumer(c), c.held_keys.to_string())),
+        );
+        family(
+            out,
+            "postroom_strict_oldest_held_seconds",
+            "gauge",
+            "Strict order: age of the oldest dead letter holding a key, since it died; 0 when none.",
+            strict.iter().map(|c| (consumer(c), seconds(c.oldest_held_age_ms))),
+        );
+    }
     family(
         out,
         "postroom_expired_leases",

@@ -297,8 +297,15 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
                     if want == 0 {
                         break;
                     }
+                    let due = queue::Due {
+                        consumer: name,
+                        order: w.config.key_order(name),
+                        limit: want,
+                        now_ms: now,
+                        max_attempts,
+                    };
                     claimed.extend(
-                        queue::claim(w.conn, name, want, now, until, token, max_attempts)
+                        queue::claim_in_order(w.conn, due, until, token)
                             .map_err(|e| Error::sqlite("claim due messages", e))?,
                     );
                 }

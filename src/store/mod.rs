@@ -18,6 +18,7 @@ pub(crate) mod retention;
 pub(crate) mod retired;
 pub(crate) mod schema;
 pub(crate) mod stats;
+pub(crate) mod strict;
 pub(crate) mod text;
 pub(crate) mod watermark;
 

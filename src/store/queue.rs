@@ -9,6 +9,7 @@
 //! * only the holder of the current `lease_token` may complete a row, so a
 //!   worker whose lease was reaped and re-claimed cannot complete it twice.
 
+use crate::config::KeyOrder;
 use crate::escape::Esc;
 use rusqlite::{params, Connection, OptionalExtension};
 
@@ -130,9 +131,25 @@ pub(crate) struct Claimed {
 /// when no row of its key is in progress (`postroom_inbox_busy`; the
 /// `ordering_key IS NOT NULL` lets SQLite prove that partial index
 /// applies).
+///
+/// `due_rows!(strict)` ([`KeyOrder::DeadHolds`]) also skips a head whose
+/// key has a dead row with a lower id: one more step per head, down
+/// `postroom_inbox_dead_keys` (dead keyed rows only). A redriven row is
+/// pending again with its own id, so it is its key's head, and runs first.
 macro_rules! due_rows {
     () => {
-        "SELECT i.id FROM postroom_inbox i
+        due_rows!(@ "")
+    };
+    (strict) => {
+        due_rows!(@ "
+           AND NOT EXISTS (
+               SELECT 1 FROM postroom_inbox d
+               WHERE d.consumer = h.consumer AND d.ordering_key = h.ordering_key
+                 AND d.status = 'dead' AND d.ordering_key IS NOT NULL AND d.id < h.head_id)")
+    };
+    (@ $held:literal) => {
+        concat!(
+            "SELECT i.id FROM postroom_inbox i
          WHERE i.consumer = ?1 AND i.queued = 1 AND i.status IN ('pending', 'failed')
            AND i.ordering_key IS NULL AND coalesce(i.next_attempt_at, 0) <= ?3
          UNION ALL
@@ -142,9 +159,12 @@ macro_rules! due_rows {
            AND NOT EXISTS (
                SELECT 1 FROM postroom_inbox o
                WHERE o.consumer = h.consumer AND o.ordering_key = h.ordering_key
-                 AND o.status = 'processing' AND o.ordering_key IS NOT NULL)
+                 AND o.status = 'processing' AND o.ordering_key IS NOT NULL)",
+            $held,
+            "
          ORDER BY 1
          LIMIT ?2"
+        )
     };
 }
 
@@ -160,7 +180,9 @@ macro_rules! due_columns {
 /// lease, counting their attempt, for steps that run outside the writer's
 /// transaction (effectful consumers). A row that already used
 /// `max_attempts` (the cap was lowered since) is dead-lettered instead of
-/// claimed.
+/// claimed. Keys in the default order ([`KeyOrder::DeadReleases`]); the
+/// engine's workers use [`claim_in_order`].
+#[cfg_attr(not(any(test, feature = "_sim")), allow(dead_code))] // the model harness
 pub(crate) fn claim(
     conn: &Connection,
     consumer: &str,
@@ -170,15 +192,59 @@ pub(crate) fn claim(
     token: i64,
     max_attempts: u32,
 ) -> rusqlite::Result<Vec<Claimed>> {
-    let mut stmt = conn.prepare_cached(concat!(
-        "UPDATE postroom_inbox
+    let due = Due {
+        consumer,
+        order: KeyOrder::DeadReleases,
+        limit,
+        now_ms,
+        max_attempts,
+    };
+    claim_in_order(conn, due, lease_until, token)
+}
+
+/// What [`claim_in_order`] and [`due`] read: up to `limit` due rows of
+/// `consumer` at `now_ms`, its keys ordered by `order`, rows past
+/// `max_attempts` dead-lettered.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Due<'a> {
+    pub consumer: &'a str,
+    pub order: KeyOrder,
+    pub limit: usize,
+    pub now_ms: i64,
+    pub max_attempts: u32,
+}
+
+/// [`claim`], for a consumer whose keys are ordered by `due.order`.
+pub(crate) fn claim_in_order(
+    conn: &Connection,
+    due: Due<'_>,
+    lease_until: i64,
+    token: i64,
+) -> rusqlite::Result<Vec<Claimed>> {
+    macro_rules! claim_sql {
+        ($($order:tt)?) => {
+            concat!(
+                "UPDATE postroom_inbox
          SET status = 'processing', attempts = attempts + 1, lease_until = ?4,
              lease_token = ?5, updated_at = ?3
          WHERE id IN (",
-        due_rows!(),
-        ") RETURNING ",
-        due_columns!()
-    ))?;
+                due_rows!($($order)?),
+                ") RETURNING ",
+                due_columns!()
+            )
+        };
+    }
+    let Due {
+        consumer,
+        order,
+        limit,
+        now_ms,
+        max_attempts,
+    } = due;
+    let mut stmt = conn.prepare_cached(match order {
+        KeyOrder::DeadReleases => claim_sql!(),
+        KeyOrder::DeadHolds => claim_sql!(strict),
+    })?;
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows = stmt.query(params![consumer, limit, now_ms, lease_until, token])?;
     // RETURNING gives the rows in no set order.
@@ -193,20 +259,29 @@ pub(crate) fn claim(
 /// counted by the result the transaction records. Each row's `attempt` is
 /// the one about to run, `token` 0. Rows that must not run are
 /// dead-lettered as [`claim`] does.
-pub(crate) fn due(
-    conn: &Connection,
-    consumer: &str,
-    limit: usize,
-    now_ms: i64,
-    max_attempts: u32,
-) -> rusqlite::Result<Vec<Claimed>> {
-    let mut stmt = conn.prepare_cached(concat!(
-        "SELECT ",
-        due_columns!(),
-        " FROM postroom_inbox WHERE id IN (",
-        due_rows!(),
-        ") ORDER BY id"
-    ))?;
+pub(crate) fn due(conn: &Connection, due: Due<'_>) -> rusqlite::Result<Vec<Claimed>> {
+    macro_rules! due_sql {
+        ($($order:tt)?) => {
+            concat!(
+                "SELECT ",
+                due_columns!(),
+                " FROM postroom_inbox WHERE id IN (",
+                due_rows!($($order)?),
+                ") ORDER BY id"
+            )
+        };
+    }
+    let Due {
+        consumer,
+        order,
+        limit,
+        now_ms,
+        max_attempts,
+    } = due;
+    let mut stmt = conn.prepare_cached(match order {
+        KeyOrder::DeadReleases => due_sql!(),
+        KeyOrder::DeadHolds => due_sql!(strict),
+    })?;
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows = stmt.query(params![consumer, limit, now_ms])?;
     let read = decode(rows, consumer, 0, 1)?;
@@ -743,8 +818,107 @@ pub(crate) mod tests {
     /// Message ids `due` returns, in its order, and the VM instructions it
     /// took.
     fn due_ids(conn: &mut Connection) -> (Vec<String>, u64) {
-        let (rows, ops) = vm_ops(conn, |c| due(c, "c", 256, NOW, 10).unwrap());
+        due_ids_in(conn, KeyOrder::DeadReleases)
+    }
+
+    /// [`due_ids`] for a consumer whose keys are ordered by `order`.
+    fn due_ids_in(conn: &mut Connection, order: KeyOrder) -> (Vec<String>, u64) {
+        let due_now = Due {
+            consumer: "c",
+            order,
+            limit: 256,
+            now_ms: NOW,
+            max_attempts: 10,
+        };
+        let (rows, ops) = vm_ops(conn, |c| due(c, due_now).unwrap());
         (rows.into_iter().map(|r| r.msg.id).collect(), ops)
+    }
+
+    /// [`backlog_fixture`] with the head of `doc-1` dead: the key's next
+    /// row (`b1`) is its head.
+    fn dead_head_fixture(behind: usize) -> Connection {
+        let conn = backlog_rows(behind, false);
+        conn.execute(
+            "UPDATE postroom_inbox SET status = 'dead', last_error = 'gave up'
+             WHERE message_id = 'head'",
+            [],
+        )
+        .unwrap();
+        with_statistics_if_asked(conn)
+    }
+
+    /// Strict order (issue 36): a dead row holds the rows of its key
+    /// behind it, and no other key's, at a cost that does not grow with
+    /// the held backlog; by default the key's next row runs. A redriven
+    /// row runs before the rows behind it, in either order.
+    #[test]
+    fn a_dead_row_holds_its_key_under_strict_order_only() {
+        both_ways(|| {
+            let mut released = vec!["b1".to_owned()];
+            released.extend(others());
+            let (ids, _) = due_ids_in(&mut dead_head_fixture(5), KeyOrder::DeadReleases);
+            assert_eq!(ids, released, "by default a dead row releases its key");
+            let (few, few_ops) = due_ids_in(&mut dead_head_fixture(1), KeyOrder::DeadHolds);
+            let (many, many_ops) = due_ids_in(&mut dead_head_fixture(100_000), KeyOrder::DeadHolds);
+            assert_eq!(few, others());
+            assert_eq!(many, others());
+            println!("strict due query: {few_ops} VM steps at 1 held row, {many_ops} at 100,000");
+            assert!(
+                many_ops <= 2 * few_ops + 5_000,
+                "strict due query: {few_ops} VM steps with 1 row held, {many_ops} with 100,000"
+            );
+            // Claims (effectful consumers) the same.
+            let mut conn = dead_head_fixture(5);
+            let due_now = Due {
+                consumer: "c",
+                order: KeyOrder::DeadHolds,
+                limit: 256,
+                now_ms: NOW,
+                max_attempts: 10,
+            };
+            let claimed = claim_in_order(&conn, due_now, NOW + 60_000, 7).unwrap();
+            let ids: Vec<String> = claimed.into_iter().map(|r| r.msg.id).collect();
+            assert_eq!(ids, others());
+            // Redriven, the dead row is its key's head again, and runs first.
+            let id: i64 = conn
+                .query_row(
+                    "SELECT id FROM postroom_inbox WHERE message_id = 'head'",
+                    [],
+                    |r| r.get(0),
+                )
+                .unwrap();
+            conn.execute(
+                "UPDATE postroom_inbox SET status = 'completed' WHERE id > ?1",
+                [id],
+            )
+            .unwrap();
+            assert!(redrive(&conn, id, NOW).unwrap());
+            for order in [KeyOrder::DeadHolds, KeyOrder::DeadReleases] {
+                let (ids, _) = due_ids_in(&mut conn, order);
+                assert_eq!(ids, ["head"], "{order:?}");
+            }
+        });
+    }
+
+    /// The strict due query's probe for a dead row goes down
+    /// `postroom_inbox_dead_keys`, with or without statistics.
+    #[test]
+    fn the_strict_due_query_probes_the_dead_keys_index() {
+        both_ways(|| {
+            let conn = dead_head_fixture(10);
+            let mut stmt = conn
+                .prepare(concat!("EXPLAIN QUERY PLAN ", due_rows!(strict)))
+                .unwrap();
+            let plan: Vec<String> = stmt
+                .query_map(params!["c", 256, NOW], |r| r.get(3))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            assert!(
+                plan.iter().any(|p| p.contains("postroom_inbox_dead_keys")),
+                "{plan:?}"
+            );
+        });
     }
 
     /// The other keys' rows, and the unkeyed ones, in receive order.

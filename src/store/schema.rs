@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::failpoint;
 
 /// The newest schema version this library knows.
-pub const SCHEMA_VERSION: i64 = 8;
+pub const SCHEMA_VERSION: i64 = 9;
 
 /// The schema, applied in one transaction to a database without one.
 pub const SCHEMA_SQL: &str = include_str!("../../schema.sql");
@@ -328,6 +328,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             migrate_v5(&tx)?;
             migrate_v6(&tx)?;
             migrate_v7(&tx)?;
+            migrate_v8(&tx)?;
         }
         Some(2) => {
             migrate_v2(&tx)?;
@@ -336,6 +337,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             migrate_v5(&tx)?;
             migrate_v6(&tx)?;
             migrate_v7(&tx)?;
+            migrate_v8(&tx)?;
         }
         Some(3) => {
             migrate_v3(&tx)?;
@@ -343,23 +345,31 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             migrate_v5(&tx)?;
             migrate_v6(&tx)?;
             migrate_v7(&tx)?;
+            migrate_v8(&tx)?;
         }
         Some(4) => {
             migrate_v4(&tx)?;
             migrate_v5(&tx)?;
             migrate_v6(&tx)?;
             migrate_v7(&tx)?;
+            migrate_v8(&tx)?;
         }
         Some(5) => {
             migrate_v5(&tx)?;
             migrate_v6(&tx)?;
             migrate_v7(&tx)?;
+            migrate_v8(&tx)?;
         }
         Some(6) => {
             migrate_v6(&tx)?;
             migrate_v7(&tx)?;
+            migrate_v8(&tx)?;
         }
-        Some(7) => migrate_v7(&tx)?,
+        Some(7) => {
+            migrate_v7(&tx)?;
+            migrate_v8(&tx)?;
+        }
+        Some(8) => migrate_v8(&tx)?,
         // Each step above takes the file from `found` to `found + 1`.
         Some(found) => check_version(found)?,
     }
@@ -686,6 +696,15 @@ fn migrate_v7(tx: &Connection) -> Result<()> {
     add_missing(tx, 8)
         .and_then(|()| fill_heads(tx))
         .map_err(|e| Error::sqlite("migrate schema 7 to 8", e))
+}
+
+/// Version 8 to 9: strict order (`Builder::strict_order`) finds a key's
+/// dead rows through a partial index of dead keyed rows
+/// (`postroom_inbox_dead_keys`); added, built from the dead rows. No row
+/// changes.
+fn migrate_v8(tx: &Connection) -> Result<()> {
+    log::info!("postroom: migrating schema 8 to 9");
+    add_missing(tx, 9).map_err(|e| Error::sqlite("migrate schema 8 to 9", e))
 }
 
 /// Gives an outbox of an earlier version the `head` column (schema version

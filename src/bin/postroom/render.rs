@@ -348,6 +348,21 @@ pub fn print_status(out: &mut String, r: &admin::StatusReport) {
             &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
             cells,
         );
+        // Strict order: what dead letters hold (nothing of their keys runs).
+        for c in r.consumers.iter().filter(|c| c.strict_order) {
+            let _ = match c.oldest_held_age_ms {
+                Some(oldest) if c.held_keys > 0 => writeln!(
+                    out,
+                    "strict order {}: {} key{} held by dead letters, oldest {}; redrive or \
+                     discard them to release",
+                    esc(&c.consumer),
+                    c.held_keys,
+                    if c.held_keys == 1 { "" } else { "s" },
+                    age(oldest)
+                ),
+                _ => writeln!(out, "strict order {}: no key held", esc(&c.consumer)),
+            };
+        }
     }
     let _ = writeln!(out);
     table(
