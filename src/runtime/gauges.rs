@@ -41,6 +41,7 @@ pub(crate) struct Gauges {
     /// The last read failed (logged once until one succeeds).
     failing: bool,
     /// Reads made, for the unit tests.
+    #[cfg(test)]
     reads: u64,
 }
 
@@ -53,6 +54,7 @@ impl Gauges {
             wal: crate::store::wal_path(db),
             wal_bytes: None,
             failing: false,
+            #[cfg(test)]
             reads: 0,
         }
     }
@@ -61,7 +63,10 @@ impl Gauges {
     /// data. `now_ms` is the engine's clock. One read transaction, so the
     /// counts are of one snapshot (held for the few index reads only).
     pub fn refresh(&mut self, conn: &Connection, now_ms: i64) {
-        self.reads += 1;
+        #[cfg(test)]
+        {
+            self.reads += 1;
+        }
         self.wal_size();
         let read = conn
             .unchecked_transaction()

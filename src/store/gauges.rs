@@ -54,7 +54,10 @@ pub(crate) struct ConsumerGauges {
 }
 
 /// Reads the gauges of each of `consumers`, in their order.
-pub(crate) fn read(conn: &Connection, consumers: &[String]) -> rusqlite::Result<Vec<ConsumerGauges>> {
+pub(crate) fn read(
+    conn: &Connection,
+    consumers: &[String],
+) -> rusqlite::Result<Vec<ConsumerGauges>> {
     let dead = dead(conn)?;
     consumers
         .iter()
@@ -199,8 +202,10 @@ mod tests {
     #[test]
     fn reads_each_consumers_backlog_retries_dead_letters_and_their_oldest() {
         let conn = db();
-        row(&conn, "c", "p1", "pending", None, 500, None);
-        row(&conn, "c", "f1", "failed", None, 300, None);
+        // Received in id order, as the engine stores them, but for the
+        // keyed row (the oldest).
+        row(&conn, "c", "p1", "pending", None, 300, None);
+        row(&conn, "c", "f1", "failed", None, 500, None);
         row(&conn, "c", "k1", "failed", Some("doc"), 200, None);
         row(&conn, "c", "k2", "pending", Some("doc"), 600, None);
         row(&conn, "c", "done", "completed", None, 100, None);
@@ -231,8 +236,11 @@ mod tests {
 
         // An inline delivery's failed row is no worker's backlog (it
         // waits for its sender's redelivery).
-        conn.execute("UPDATE postroom_inbox SET queued = 0 WHERE message_id = 'k1'", [])
-            .unwrap();
+        conn.execute(
+            "UPDATE postroom_inbox SET queued = 0 WHERE message_id = 'k1'",
+            [],
+        )
+        .unwrap();
         let g = read(&conn, &consumers(&["c"])).unwrap();
         assert_eq!((g[0].backlog, g[0].waiting_for_retry), (3, 1));
         assert_eq!(g[0].oldest_pending_ms, Some(300));
@@ -243,16 +251,27 @@ mod tests {
         let conn = db();
         // 1, 2 and 5 settled, 6 stored and pending: 3 and 4 never came.
         for seq in [1, 2, 5] {
-            row(&conn, "c", &format!("m{seq}"), "completed", None, 0, Some(seq));
+            row(
+                &conn,
+                "c",
+                &format!("m{seq}"),
+                "completed",
+                None,
+                0,
+                Some(seq),
+            );
         }
         row(&conn, "c", "m6", "pending", None, 0, Some(6));
         let g = read(&conn, &consumers(&["c"])).unwrap();
         assert_eq!(g[0].watermark_gaps, 3, "3, 4 and 6 have not settled");
         row(&conn, "c", "m3", "completed", None, 0, Some(3));
         row(&conn, "c", "m4", "dead", None, 0, Some(4));
-        conn.execute("UPDATE postroom_inbox SET status = 'completed', processed_at = 0
-                      WHERE message_id = 'm6'", [])
-            .unwrap();
+        conn.execute(
+            "UPDATE postroom_inbox SET status = 'completed', processed_at = 0
+                      WHERE message_id = 'm6'",
+            [],
+        )
+        .unwrap();
         let g = read(&conn, &consumers(&["c"])).unwrap();
         assert_eq!(g[0].watermark_gaps, 0);
     }
@@ -273,10 +292,8 @@ mod tests {
         for i in 0..20_000 {
             row(&conn, "c", &format!("d{i}"), "dead", None, i, None);
         }
-        conn.execute_batch(
-            "UPDATE postroom_inbox SET payload = zeroblob(300); COMMIT; ANALYZE",
-        )
-        .unwrap();
+        conn.execute_batch("UPDATE postroom_inbox SET payload = zeroblob(300); COMMIT; ANALYZE")
+            .unwrap();
         let names = consumers(&["c"]);
         let started = std::time::Instant::now();
         let runs = 20;
@@ -303,14 +320,18 @@ mod tests {
                 (WATERMARK_GAPS, 1),
             ] {
                 let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+                let step = |r: &rusqlite::Row<'_>| r.get::<_, String>(3);
                 let plan: Vec<String> = if args == 1 {
-                    stmt.query_map(params![10], |r| r.get::<_, String>(3))
+                    stmt.query_map(params![10], step)
+                        .unwrap()
+                        .map(Result::unwrap)
+                        .collect()
                 } else {
-                    stmt.query_map(params!["c", 10], |r| r.get::<_, String>(3))
-                }
-                .unwrap()
-                .map(Result::unwrap)
-                .collect();
+                    stmt.query_map(params!["c", 10], step)
+                        .unwrap()
+                        .map(Result::unwrap)
+                        .collect()
+                };
                 // Tables are aliased in the joins: any `SCAN` but of a
                 // subquery's rows must walk an index.
                 for step in &plan {
