@@ -58,6 +58,10 @@ pub(crate) fn read(
     conn: &Connection,
     consumers: &[String],
 ) -> rusqlite::Result<Vec<ConsumerGauges>> {
+    if consumers.is_empty() {
+        // An outbox-only engine: no dead letter is anyone's gauge.
+        return Ok(Vec::new());
+    }
     let dead = dead(conn)?;
     consumers
         .iter()
