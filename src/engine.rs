@@ -394,6 +394,10 @@ impl Postroom {
             watch: checkpoint::Watch {
                 wake: watched,
                 clock: Arc::clone(&clock),
+                gauges: crate::runtime::gauges::Gauges::new(
+                    consumers.iter().map(|(name, _)| name.clone()).collect(),
+                    path,
+                ),
             },
         };
         let state = WriterState {

@@ -103,6 +103,23 @@
 //! | `postroom_wal_over_cap_total` | counter | | commits that left the WAL past its cap (a reader holds an old snapshot) |
 //! | `postroom_waiting_for_redelivery` | gauge | `consumer` | failed rows no worker retries, waiting for their sender's redelivery (set by [`Postroom::stats`]) |
 //! | `postroom_oldest_waiting_for_redelivery_seconds` | gauge | `consumer` | age of the oldest of those since its last attempt; 0 when none (set by [`Postroom::stats`]) |
+//! | `postroom_backlog` | gauge | `consumer` | live: received (queued) messages not settled: pending, waiting for a retry, being processed (counted up to 100,000 per index) |
+//! | `postroom_oldest_backlog_seconds` | gauge | `consumer` | live: age of the oldest of those since received; 0 when none |
+//! | `postroom_waiting_for_retry` | gauge | `consumer` | live: of the backlog, messages that failed and wait out their backoff (among the first 1,000 in receive order, and of the ordering keys' first 1,000) |
+//! | `postroom_dead_letters` | gauge | `consumer` | live: dead letters (among the oldest 10,000 of all consumers) |
+//! | `postroom_oldest_dead_letter_seconds` | gauge | `consumer` | live: age of the oldest dead letter since it died; 0 when none |
+//! | `postroom_watermark_gaps` | gauge | `consumer` | live: sequences up to each stream's highest that have not settled (never arrived, or not yet processed), summed over the consumer's streams ([`Stats::sequences`] lists them) |
+//! | `postroom_wal_bytes` | gauge | | live: size of the `-wal` file |
+//!
+//! The live gauges are kept by the engine itself, for its registered
+//! consumers: read again through indexes (bounded reads, a count at its
+//! bound reads "at least") at most once every 1.25 s and only after the
+//! database changed (a commit of this engine or of another process), so
+//! an idle engine reads nothing for them; the ages are set again at that
+//! pace from what the last read found, so they keep growing while nothing
+//! changes. Two engines in one process with a consumer of the same name
+//! set the same gauges (the last set wins), as they do
+//! `postroom_wal_bytes`.
 //!
 //! ## Logs
 //!

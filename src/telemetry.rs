@@ -86,3 +86,43 @@ pub(crate) fn waiting_for_redelivery(consumer: &str, rows: u64, oldest_age: Opti
     )
     .set(oldest_age.map_or(0.0, |age| age.as_secs_f64()));
 }
+
+/// One consumer's live counts, set after a change of the data (see
+/// `runtime::gauges`).
+pub(crate) fn consumer_counts(
+    consumer: &str,
+    backlog: u64,
+    waiting_for_retry: u64,
+    dead: u64,
+    watermark_gaps: u64,
+) {
+    for (name, value) in [
+        ("postroom_backlog", backlog),
+        ("postroom_waiting_for_retry", waiting_for_retry),
+        ("postroom_dead_letters", dead),
+        ("postroom_watermark_gaps", watermark_gaps),
+    ] {
+        metrics::gauge!(name, "consumer" => consumer.to_owned()).set(value as f64);
+    }
+}
+
+/// One consumer's oldest pending row's and oldest dead letter's ages; 0
+/// when there is none.
+pub(crate) fn consumer_ages(
+    consumer: &str,
+    oldest_pending: Option<Duration>,
+    oldest_dead: Option<Duration>,
+) {
+    for (name, age) in [
+        ("postroom_oldest_backlog_seconds", oldest_pending),
+        ("postroom_oldest_dead_letter_seconds", oldest_dead),
+    ] {
+        metrics::gauge!(name, "consumer" => consumer.to_owned())
+            .set(age.map_or(0.0, |age| age.as_secs_f64()));
+    }
+}
+
+/// The size of the `-wal` file.
+pub(crate) fn wal_bytes(bytes: u64) {
+    metrics::gauge!("postroom_wal_bytes").set(bytes as f64);
+}

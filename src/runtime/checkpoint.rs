@@ -42,7 +42,9 @@
 //! or a step of the wall clock, which stored due times are read against —
 //! this thread checks at most once a [`WATCH`] (`PRAGMA data_version`, one
 //! read of shared memory) and wakes the dispatcher, the relay and the
-//! reaper when either happened (see [`Watch`]). It ticks every [`TICK`]
+//! reaper when either happened (see [`Watch`]). The same check keeps the
+//! live gauges (`runtime::gauges`): read again only when `data_version`
+//! changed, so never while nothing changes. It ticks every [`TICK`]
 //! while commits go on, a handler runs or a `Normal` commit waits for its
 //! fsync, and every [`WATCH`] otherwise.
 //!
@@ -64,6 +66,7 @@ use rusqlite::{Connection, OpenFlags};
 use crate::clock::{self, Clock};
 use crate::config::{Config, Durability};
 use crate::guard::UserCodeGuard;
+use crate::runtime::gauges::Gauges;
 use crate::runtime::wal::{self, WalBounds};
 use crate::runtime::writer::{Counters, WriterHandle};
 use crate::store::inflight::{SlowHandler, SlowRecord};
@@ -130,6 +133,8 @@ pub(crate) struct Watch {
     pub wake: Vec<Sender<()>>,
     /// The engine's clock, that stored due times are read against.
     pub clock: Arc<dyn Clock>,
+    /// The live gauges, read again when the data changed.
+    pub gauges: Gauges,
 }
 
 /// The watch's state between checks.
@@ -140,11 +145,15 @@ struct Watching {
 }
 
 impl Watch {
-    fn start(&self, conn: &Connection) -> Watching {
+    /// The baseline, and the gauges' first read.
+    fn start(&mut self, conn: &Connection) -> Watching {
+        let version = data_version(conn);
+        let wall_ms = self.clock.now_ms();
+        self.gauges.refresh(conn, wall_ms);
         Watching {
-            version: data_version(conn),
+            version,
             checked: Instant::now(),
-            wall_ms: self.clock.now_ms(),
+            wall_ms,
         }
     }
 
@@ -157,7 +166,8 @@ impl Watch {
 
     /// Checks, if the last check is [`WATCH`] old (less a little, so that
     /// an idle tick of exactly [`WATCH`] finds it due).
-    fn check(&self, conn: &Connection, last: &mut Watching) {
+    /// The gauges are read again only after a change (see `runtime::gauges`).
+    fn check(&mut self, conn: &Connection, last: &mut Watching) {
         let elapsed = last.checked.elapsed();
         if elapsed < WATCH.mul_f64(0.9) {
             return;
@@ -166,8 +176,14 @@ impl Watch {
         let wall_ms = self.clock.now_ms();
         let stepped = wall_ms.saturating_sub(last.wall_ms) > clock::millis(elapsed + CLOCK_STEP);
         // An error reads as a change: waking them is harmless.
-        if version.is_none() || version != last.version || stepped {
+        let changed = version.is_none() || version != last.version;
+        if changed || stepped {
             self.wake_all();
+        }
+        if changed {
+            self.gauges.refresh(conn, wall_ms);
+        } else {
+            self.gauges.tick(wall_ms);
         }
         *last = Watching {
             version,
@@ -182,7 +198,7 @@ impl Watch {
 /// and, until it can read `data_version`, wakes the watched threads (it
 /// cannot tell whether anything changed: as an error in [`Watch::check`],
 /// that reads as a change). Once open, it checks as the checkpointer does.
-fn watch_only(watch: &Watch, stop: &Receiver<()>, db: &Path, config: &Config) {
+fn watch_only(watch: &mut Watch, stop: &Receiver<()>, db: &Path, config: &Config) {
     let mut opened: Option<(Connection, Watching)> = None;
     loop {
         match &mut opened {
@@ -238,13 +254,13 @@ impl Checkpointer {
                 let Checkpointer {
                     wake,
                     stop,
-                    watch,
+                    mut watch,
                     db,
                     config,
                     ..
                 } = self;
                 drop(wake);
-                watch_only(&watch, &stop, &db, &config);
+                watch_only(&mut watch, &stop, &db, &config);
                 return;
             }
         };
@@ -469,4 +485,56 @@ fn open(db: &Path, config: &Config) -> rusqlite::Result<Connection> {
     // TRUNCATE waits this long for the writer at most, and only when idle.
     conn.busy_timeout(Duration::from_millis(20))?;
     Ok(conn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+
+    /// Makes the next check due, as a [`WATCH`] later.
+    fn due(last: &mut Watching) {
+        last.checked = Instant::now().checked_sub(WATCH).unwrap();
+    }
+
+    /// The gauges read the database at start and after a change only, and
+    /// a check reads nothing before its [`WATCH`] is up.
+    #[test]
+    fn the_gauges_are_read_again_only_after_a_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("app.db");
+        let mut writer = Connection::open(&db).unwrap();
+        crate::store::schema::migrate(&mut writer).unwrap();
+        let conn = Connection::open(&db).unwrap();
+        let mut watch = Watch {
+            wake: Vec::new(),
+            clock: Arc::new(ManualClock::new(0)),
+            gauges: Gauges::new(vec!["c".into()], &db),
+        };
+        let mut last = watch.start(&conn);
+        assert_eq!(watch.gauges.reads(), 1, "the first read");
+        for _ in 0..3 {
+            due(&mut last);
+            watch.check(&conn, &mut last);
+        }
+        assert_eq!(watch.gauges.reads(), 1, "nothing changed");
+
+        let write = |n: i64| {
+            writer
+                .execute(
+                    "INSERT OR REPLACE INTO postroom_meta (key, value) VALUES ('gauges', ?1)",
+                    [n.to_string()],
+                )
+                .unwrap();
+        };
+        write(1);
+        watch.check(&conn, &mut last);
+        assert_eq!(watch.gauges.reads(), 1, "the watch is not due yet");
+        due(&mut last);
+        watch.check(&conn, &mut last);
+        assert_eq!(watch.gauges.reads(), 2, "read after the change");
+        due(&mut last);
+        watch.check(&conn, &mut last);
+        assert_eq!(watch.gauges.reads(), 2, "once per change");
+    }
 }

@@ -4,6 +4,7 @@
 //! engine, named, and joined on shutdown against a deadline.
 
 pub(crate) mod checkpoint;
+pub(crate) mod gauges;
 pub(crate) mod reaper;
 pub(crate) mod relay;
 pub(crate) mod wal;

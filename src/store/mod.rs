@@ -8,6 +8,7 @@ pub(crate) mod backlog;
 pub(crate) mod check;
 pub(crate) mod conflicts;
 pub(crate) mod due;
+pub(crate) mod gauges;
 pub(crate) mod inbox;
 pub(crate) mod inflight;
 pub(crate) mod outbox;
