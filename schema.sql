@@ -301,6 +301,15 @@ CREATE INDEX IF NOT EXISTS postroom_inbox_dead_keys
     ON postroom_inbox (consumer, ordering_key, id)
     WHERE status = 'dead' AND ordering_key IS NOT NULL;
 
+-- Rows waiting for a redelivery (schema version 9): failed inline, so no
+-- worker retries them (`queued = 0`); only their sender's redelivery
+-- revives them. Listed so that the live gauges count them without a pass
+-- over the inbox; an inline failure is rare, so the index is small and
+-- the delivery path pays an entry only for those.
+CREATE INDEX IF NOT EXISTS postroom_inbox_redelivery
+    ON postroom_inbox (consumer, updated_at)
+    WHERE status = 'failed' AND queued = 0;
+
 -- Sequenced rows by stream and sequence (schema version 6): a new message
 -- whose sequence a retained row of another id holds is a conflict (a
 -- counter that went back). Partial: rows without a sequence pay nothing.

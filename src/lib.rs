@@ -101,8 +101,8 @@
 //! | `postroom_slow_handlers_total` | counter | `consumer` | handlers that held the writer past `slow_handler` |
 //! | `postroom_checkpoint_blocked_total` | counter | | the writer's WAL copy-backs that a reader (another connection's read transaction) kept from completing |
 //! | `postroom_wal_over_cap_total` | counter | | commits that left the WAL past its cap (a reader holds an old snapshot) |
-//! | `postroom_waiting_for_redelivery` | gauge | `consumer` | failed rows no worker retries, waiting for their sender's redelivery (set by [`Postroom::stats`]) |
-//! | `postroom_oldest_waiting_for_redelivery_seconds` | gauge | `consumer` | age of the oldest of those since its last attempt; 0 when none (set by [`Postroom::stats`]) |
+//! | `postroom_waiting_for_redelivery` | gauge | `consumer` | failed rows no worker retries, waiting for their sender's redelivery (live, and set by [`Postroom::stats`]) |
+//! | `postroom_oldest_waiting_for_redelivery_seconds` | gauge | `consumer` | age of the oldest of those since its last attempt; 0 when none (live, and set by [`Postroom::stats`]) |
 //! | `postroom_backlog` | gauge | `consumer` | live: received (queued) messages not settled: pending, waiting for a retry, being processed (counted up to 100,000 per index) |
 //! | `postroom_oldest_backlog_seconds` | gauge | `consumer` | live: age of the oldest of those since received; 0 when none |
 //! | `postroom_waiting_for_retry` | gauge | `consumer` | live: of the backlog, messages that failed and wait out their backoff (among the first 1,000 in receive order, and of the ordering keys' first 1,000) |

@@ -75,8 +75,9 @@ pub(crate) fn slow_handler(consumer: &str) {
 }
 
 /// Rows waiting for a redelivery (failed, not queued: no worker retries
-/// them) and the age of the oldest, per consumer: gauges, set whenever the
-/// inbox is counted ([`Postroom::stats`](crate::Postroom::stats)).
+/// them) and the age of the oldest, per consumer: gauges, set by the live
+/// gauges' refresh and whenever the inbox is counted
+/// ([`Postroom::stats`](crate::Postroom::stats)).
 pub(crate) fn waiting_for_redelivery(consumer: &str, rows: u64, oldest_age: Option<Duration>) {
     metrics::gauge!("postroom_waiting_for_redelivery", "consumer" => consumer.to_owned())
         .set(rows as f64);

@@ -254,3 +254,52 @@ fn the_wal_bytes_follow_the_file() {
     assert!(bytes >= 4096.0, "{bytes}");
     room.shutdown(Duration::from_secs(10)).unwrap();
 }
+
+#[test]
+fn a_row_failed_inline_waits_for_its_redelivery_in_the_live_gauges() {
+    let (rec, _turn) = recorder();
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(START_MS);
+    let open = Arc::new(AtomicBool::new(false));
+    let gate = Arc::clone(&open);
+    let room = Postroom::builder()
+        .clock(clock.clone())
+        .consumer(
+            "gr",
+            handler_fn(move |_, _| {
+                if gate.load(Ordering::SeqCst) {
+                    Ok(())
+                } else {
+                    Err(Failure::retry("closed"))
+                }
+            }),
+        )
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    let waiting = "postroom_waiting_for_redelivery{consumer=gr}";
+    rec.wait_eq(waiting, 0.0);
+    // Failed inline: no worker retries it; only its redelivery does. Set
+    // live (no stats() call anywhere in this test).
+    let msg = || Message::new("s", "r1", "x");
+    assert!(matches!(
+        room.deliver("gr", msg()).unwrap(),
+        Outcome::Failed { .. }
+    ));
+    rec.wait_eq(waiting, 1.0);
+    clock.advance(Duration::from_secs(45));
+    let age = rec.wait_for(
+        "postroom_oldest_waiting_for_redelivery_seconds{consumer=gr}",
+        "at least 45",
+        |v| v >= 45.0,
+    );
+    assert!(age < 60.0, "{age}");
+    // Its redelivery succeeds: nothing waits any more.
+    open.store(true, Ordering::SeqCst);
+    assert!(room.deliver("gr", msg()).unwrap().should_ack());
+    rec.wait_eq(waiting, 0.0);
+    rec.wait_eq(
+        "postroom_oldest_waiting_for_redelivery_seconds{consumer=gr}",
+        0.0,
+    );
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}

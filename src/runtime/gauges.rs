@@ -1,6 +1,7 @@
 //! The live gauges (crate docs, "Metrics"): each consumer's backlog and
 //! the age of its oldest row, rows waiting for a retry, dead letters and
-//! the oldest's age, the watermarks' gaps, and the WAL's size; kept by the
+//! the oldest's age, rows waiting for a redelivery and the oldest's age,
+//! the watermarks' gaps, and the WAL's size; kept by the
 //! checkpointer thread's watch (`checkpoint::Watch`), which already looks
 //! at `PRAGMA data_version` at most once a `WATCH`.
 //!
@@ -33,9 +34,11 @@ use crate::telemetry;
 pub(crate) struct Gauges {
     /// The registered consumers, in the order `read` answers them.
     consumers: Vec<String>,
-    /// Per consumer: its oldest pending row's `received_at` and its oldest
-    /// dead letter's `updated_at` as last read (unix ms).
-    oldest: Vec<(Option<i64>, Option<i64>)>,
+    /// Per consumer, as last read (unix ms): its oldest pending row's
+    /// `received_at`, its oldest dead letter's `updated_at`, and the last
+    /// attempt of its oldest row waiting for a redelivery, with how many
+    /// wait.
+    oldest: Vec<Oldest>,
     wal: PathBuf,
     wal_bytes: Option<u64>,
     /// The last read failed (logged once until one succeeds).
@@ -49,7 +52,7 @@ impl Gauges {
     /// Gauges for the engine's `consumers` over the database at `db`.
     pub fn new(consumers: Vec<String>, db: &std::path::Path) -> Gauges {
         Gauges {
-            oldest: vec![(None, None); consumers.len()],
+            oldest: vec![Oldest::default(); consumers.len()],
             consumers,
             wal: crate::store::wal_path(db),
             wal_bytes: None,
@@ -95,28 +98,25 @@ impl Gauges {
                 watermark_gaps,
                 oldest_pending_ms,
                 oldest_dead_ms,
+                waiting_for_redelivery,
+                oldest_redelivery_ms,
             } = *g;
             telemetry::consumer_counts(consumer, backlog, waiting_for_retry, dead, watermark_gaps);
-            self.oldest[i] = (oldest_pending_ms, oldest_dead_ms);
-            telemetry::consumer_ages(
-                consumer,
-                oldest_pending_ms.map(|at| age(at, now_ms)),
-                oldest_dead_ms.map(|at| age(at, now_ms)),
-            );
+            self.oldest[i] = Oldest {
+                pending: oldest_pending_ms,
+                dead: oldest_dead_ms,
+                redelivery: oldest_redelivery_ms,
+                waiting_for_redelivery,
+            };
+            self.oldest[i].set(consumer, now_ms, true);
         }
     }
 
     /// At a check that found nothing changed: the ages of what the last
     /// read found, and the WAL's size if it changed. Reads nothing.
     pub fn tick(&mut self, now_ms: i64) {
-        for (consumer, &(pending, dead)) in self.consumers.iter().zip(&self.oldest) {
-            if pending.is_some() || dead.is_some() {
-                telemetry::consumer_ages(
-                    consumer,
-                    pending.map(|at| age(at, now_ms)),
-                    dead.map(|at| age(at, now_ms)),
-                );
-            }
+        for (consumer, oldest) in self.consumers.iter().zip(&self.oldest) {
+            oldest.set(consumer, now_ms, false);
         }
         self.wal_size();
     }
@@ -133,6 +133,37 @@ impl Gauges {
     #[cfg(test)]
     pub fn reads(&self) -> u64 {
         self.reads
+    }
+}
+
+/// One consumer's oldest rows as last read (unix ms), and how many wait
+/// for a redelivery.
+#[derive(Debug, Clone, Copy, Default)]
+struct Oldest {
+    pending: Option<i64>,
+    dead: Option<i64>,
+    redelivery: Option<i64>,
+    waiting_for_redelivery: u64,
+}
+
+impl Oldest {
+    /// Sets the ages against `now_ms`: always after a read (`read`), else
+    /// only those with a row to age.
+    fn set(&self, consumer: &str, now_ms: i64, read: bool) {
+        if read || self.pending.is_some() || self.dead.is_some() {
+            telemetry::consumer_ages(
+                consumer,
+                self.pending.map(|at| age(at, now_ms)),
+                self.dead.map(|at| age(at, now_ms)),
+            );
+        }
+        if read || self.redelivery.is_some() {
+            telemetry::waiting_for_redelivery(
+                consumer,
+                self.waiting_for_redelivery,
+                self.redelivery.map(|at| age(at, now_ms)),
+            );
+        }
     }
 }
 

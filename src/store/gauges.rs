@@ -7,7 +7,8 @@
 //! * every read walks a partial index or a primary key, and each walk
 //!   stops at a bound: one refresh reads, per consumer, at most
 //!   [`COUNT_CAP`] entries of each of the backlog's three indexes,
-//!   [`RETRY_SCAN`] rows of the due index and of the heads, one row for
+//!   [`RETRY_SCAN`] rows of the due index and of the heads, at most
+//!   [`COUNT_CAP`] entries of `postroom_inbox_redelivery`, one row for
 //!   each oldest, and one row per sequence stream (plus, for a stream
 //!   with a gap, its listed settled sequences: at most 4096); and for all
 //!   consumers together at most [`DEAD_CAP`] dead rows;
@@ -43,6 +44,11 @@ pub(crate) struct ConsumerGauges {
     /// Of the backlog, rows that failed and wait for their retry, among
     /// the first [`RETRY_SCAN`] of the due index and of the heads.
     pub waiting_for_retry: u64,
+    /// Rows that failed inline and wait for their sender's redelivery (no
+    /// worker retries them), up to [`COUNT_CAP`].
+    pub waiting_for_redelivery: u64,
+    /// `updated_at` (their last attempt) of the oldest of those, unix ms.
+    pub oldest_redelivery_ms: Option<i64>,
     /// Dead letters, among the oldest [`DEAD_CAP`] of all consumers.
     pub dead: u64,
     /// `updated_at` (when it died) of the oldest dead letter, unix ms.
@@ -78,6 +84,8 @@ pub(crate) fn read(
                 g.dead = n;
                 g.oldest_dead_ms = oldest;
             }
+            (g.waiting_for_redelivery, g.oldest_redelivery_ms) =
+                waiting_for_redelivery(conn, consumer)?;
             g.watermark_gaps = watermark_gaps(conn, consumer)?;
             Ok(g)
         })
@@ -125,6 +133,27 @@ fn waiting_for_retry(conn: &Connection, consumer: &str) -> rusqlite::Result<u64>
         .prepare_cached(WAITING_FOR_RETRY)?
         .query_row(params![consumer, RETRY_SCAN as i64], |r| r.get(0))?;
     Ok(u64::try_from(n).unwrap_or(0))
+}
+
+/// Rows waiting for a redelivery, the oldest first (their last attempt),
+/// up to `?2` of them, through `postroom_inbox_redelivery`: how many, and
+/// the first's `updated_at`.
+const WAITING_FOR_REDELIVERY: &str = "SELECT count(*), min(updated_at) FROM (
+        SELECT updated_at FROM postroom_inbox
+        WHERE consumer = ?1 AND status = 'failed' AND queued = 0
+        ORDER BY updated_at LIMIT ?2)";
+
+fn waiting_for_redelivery(
+    conn: &Connection,
+    consumer: &str,
+) -> rusqlite::Result<(u64, Option<i64>)> {
+    conn.prepare_cached(WAITING_FOR_REDELIVERY)?.query_row(
+        params![consumer, COUNT_CAP as i64],
+        |r| {
+            let n: i64 = r.get(0)?;
+            Ok((u64::try_from(n).unwrap_or(0), r.get(1)?))
+        },
+    )
 }
 
 /// The oldest `?1` dead rows in the order they died (`postroom_inbox_dead`),
@@ -320,6 +349,7 @@ mod tests {
             for (sql, args) in [
                 (OLDEST_PENDING, 1),
                 (WAITING_FOR_RETRY, 2),
+                (WAITING_FOR_REDELIVERY, 2),
                 (DEAD, 1),
                 (WATERMARK_GAPS, 1),
             ] {
