@@ -255,6 +255,8 @@ mod tests {
                 dead: 2,
                 oldest_dead_ms: Some(400),
                 watermark_gaps: 0,
+                waiting_for_redelivery: 0,
+                oldest_redelivery_ms: None,
             }
         );
         assert_eq!(
@@ -277,6 +279,11 @@ mod tests {
         let g = read(&conn, &consumers(&["c"])).unwrap();
         assert_eq!((g[0].backlog, g[0].waiting_for_retry), (3, 1));
         assert_eq!(g[0].oldest_pending_ms, Some(300));
+        // It waits for its redelivery, since its last attempt.
+        assert_eq!(
+            (g[0].waiting_for_redelivery, g[0].oldest_redelivery_ms),
+            (1, Some(200))
+        );
     }
 
     #[test]
