@@ -130,6 +130,27 @@ struct CheckpointInputs {
     watch: checkpoint::Watch,
 }
 
+impl CheckpointInputs {
+    fn new(
+        woken: crossbeam_channel::Receiver<()>,
+        guard: UserCodeGuard,
+        engine_file: &EngineFile,
+        watch: checkpoint::Watch,
+    ) -> Self {
+        // The checkpointer watches for a slow handler (see `checkpoint`).
+        let slow_record = engine_file
+            .slow_record()
+            .map_err(|e| log::warn!("postroom: slow handlers are only logged: {e}"))
+            .ok();
+        CheckpointInputs {
+            woken,
+            guard,
+            slow_record,
+            watch,
+        }
+    }
+}
+
 /// The share of [`Postroom::shutdown`]'s deadline kept for the writer,
 /// whatever the other threads take: it commits what they left queued and
 /// closes the database.
@@ -225,6 +246,21 @@ struct Control {
     threads: Mutex<Threads>,
 }
 
+impl Control {
+    /// An open engine's control, with its writer thread running.
+    fn new(shared: &Arc<Shared>, casualty: Arc<Casualty>, writer: Running) -> Self {
+        Control {
+            shared: Arc::clone(shared),
+            closed: AtomicBool::new(false),
+            casualty,
+            threads: Mutex::new(Threads {
+                writer: Some(writer),
+                ..Threads::default()
+            }),
+        }
+    }
+}
+
 impl std::fmt::Debug for Postroom {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Postroom")
@@ -301,52 +337,7 @@ impl Postroom {
         schema::check_sqlite_version(rusqlite::version_number())?;
         let given = path;
         let path = &schema::resolve(given)?;
-        let named = |e| match e {
-            Error::AlreadyOpen { .. } => Error::AlreadyOpen {
-                path: given.to_path_buf(),
-            },
-            e => e,
-        };
-        let mut engine_file = EngineFile::lock(path).map_err(named)?;
-        // A refusal from here to the recovery changes nothing: it leaves no
-        // file this open created (an engine file, an empty database file).
-        let mut created = false;
-        let opened = (|| {
-            created = schema::create_if_missing(path)?;
-            // Before SQLite opens it: a second engine touches nothing.
-            engine_file.lock_database(path).map_err(named)?;
-            let mut conn = schema::open_writer(path, &config)?;
-            schema::migrate(&mut conn)?;
-            // A file this open created gets its identity here too; only an
-            // existing file's new id is news to an operator.
-            // For the operator's tools (`postroom status`), which run
-            // without the builder: which consumers keep strict order.
-            crate::store::strict::record(&mut conn, &config.strict_order)
-                .map_err(|e| Error::sqlite("record the strict-order consumers", e))?;
-            let minted = schema::claim_identity(&mut conn, path)?;
-            if let Some(minted) = minted.filter(|_| !created) {
-                log::info!(
-                    "postroom: {} is not the file its instance id was given to (a copy, a \
-                     restore, or made by an older build): new instance id {} (was {}); a \
-                     downstream postroom numbers this outbox as a new stream",
-                    path.display(),
-                    minted.new,
-                    minted.old.as_deref().unwrap_or("none"),
-                );
-            }
-            Ok(conn)
-        })();
-        let mut conn = match opened {
-            Ok(conn) => conn,
-            Err(e) => {
-                let empty = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
-                if created && empty {
-                    let _ = std::fs::remove_file(path);
-                }
-                engine_file.discard();
-                return Err(e);
-            }
-        };
+        let (mut conn, mut engine_file) = open_database(path, given, &config)?;
         recovery::recover(&conn, &config, &*clock, &mut engine_file)?;
         let first_token = schema::lease_token_base(&conn)?;
         let wal_bounds = wal::WalBounds::for_database(&conn, path, config.checkpoint_wal_bytes);
@@ -354,31 +345,13 @@ impl Postroom {
         let guard = UserCodeGuard::install(&mut conn)
             .map_err(|e| Error::sqlite("install authorizer", e))?;
 
-        let (alive_tx, writer_alive) = crossbeam_channel::bounded::<()>(0);
         let counters = Arc::new(Counters::default());
-        // Replaces SQLite's automatic checkpoint: see `checkpoint`.
-        conn.wal_hook(Some(writer::note_wal_pages))
-            .map_err(|e| Error::sqlite("install WAL hook", e))?;
-        let outbox_dirty = Arc::new(AtomicBool::new(false));
-        {
-            let dirty = Arc::clone(&outbox_dirty);
-            conn.update_hook(Some(move |action, _: &str, table: &str, _| {
-                if action == Action::SQLITE_INSERT && table == "postroom_outbox" {
-                    dirty.store(true, Ordering::Release);
-                }
-            }))
-            .map_err(|e| Error::sqlite("install update hook", e))?;
-        }
+        let outbox_dirty = install_hooks(&mut conn)?;
         let (relay_wake, relay_woken) = crossbeam_channel::bounded(1);
         let (checkpoint_wake, checkpoint_woken) = crossbeam_channel::bounded(1);
         let worker_slots = (1..=config.workers)
             .map(|n| engine_file.slot(n))
             .collect::<Vec<_>>();
-        // The checkpointer watches for a slow handler (see `checkpoint`).
-        let slow_record = engine_file
-            .slow_record()
-            .map_err(|e| log::warn!("postroom: slow handlers are only logged: {e}"))
-            .ok();
         let (wake_tx, wake_rx) = crossbeam_channel::bounded(1);
         let (reaper_wake_tx, reaper_wake_rx) = crossbeam_channel::bounded(1);
         // The checkpointer wakes these when another process changed the
@@ -387,11 +360,11 @@ impl Postroom {
         if sink.is_some() {
             watched.push(relay_wake.clone());
         }
-        let checkpoint_inputs = CheckpointInputs {
-            woken: checkpoint_woken,
-            guard: guard.clone(),
-            slow_record,
-            watch: checkpoint::Watch {
+        let checkpoint_inputs = CheckpointInputs::new(
+            checkpoint_woken,
+            guard.clone(),
+            &engine_file,
+            checkpoint::Watch {
                 wake: watched,
                 clock: Arc::clone(&clock),
                 gauges: crate::runtime::gauges::Gauges::new(
@@ -399,7 +372,7 @@ impl Postroom {
                     path,
                 ),
             },
-        };
+        );
         let state = WriterState {
             outbox_dirty,
             relay_wake: sink.is_some().then_some(relay_wake),
@@ -415,35 +388,10 @@ impl Postroom {
             guard,
             counters: Arc::clone(&counters),
         };
-        let (writer, writer_thread) = writer::writer(state, writer_alive);
         let casualty = Arc::new(Casualty::default());
-        let writer_running = spawn(WRITER_THREAD.into(), &casualty, move || {
-            let _alive = alive_tx;
-            writer_thread.run();
-        })?;
+        let (writer, writer_running) = start_writer(state, &casualty)?;
 
-        let busy_timeout = config.busy_timeout;
-        let manager = ReadManager {
-            path: path.to_path_buf(),
-            busy_timeout,
-        };
-        // One named thread opens the pool's connections (r2d2's default is
-        // three, unnamed for the engine's purposes), and connections are
-        // kept rather than timed out: r2d2's reaper of idle connections
-        // wakes every 30 s, and an idle engine is asleep (issue 33). At
-        // most `read_pool_size` connections stay open.
-        let pool_thread = scheduled_thread_pool::ScheduledThreadPool::builder()
-            .num_threads(1)
-            .thread_name_pattern("postroom-reads-{}")
-            .build();
-        let readers = r2d2::Pool::builder()
-            .max_size(config.read_pool_size)
-            .min_idle(Some(0))
-            .idle_timeout(None)
-            .max_lifetime(None)
-            .thread_pool(Arc::new(pool_thread))
-            .connection_timeout(config.busy_timeout.max(Duration::from_secs(1)))
-            .build_unchecked(manager);
+        let readers = read_pool(path, &config);
 
         let consumers: HashMap<String, Arc<Consumer>> = consumers
             .into_iter()
@@ -468,15 +416,7 @@ impl Postroom {
         // From here on, a failure drops `room`, which shuts down whatever
         // threads were started.
         let room = Postroom {
-            control: Arc::new(Control {
-                shared: Arc::clone(&shared),
-                closed: AtomicBool::new(false),
-                casualty,
-                threads: Mutex::new(Threads {
-                    writer: Some(writer_running),
-                    ..Threads::default()
-                }),
-            }),
+            control: Arc::new(Control::new(&shared, casualty, writer_running)),
             shared: Arc::clone(&shared),
             readers,
             counters,
@@ -1237,6 +1177,118 @@ impl Drop for Postroom {
 /// A sequenced message is also answered here when its number says it
 /// settled ([`Outcome::DuplicateBySequence`]), and left to the writer when
 /// its number conflicts (quarantining writes).
+/// Creates (if missing), locks, migrates and identifies the database at
+/// `path` (resolved; `given` is what the caller named, for errors), and
+/// returns the writer's connection with the locked engine file. A refusal
+/// changes nothing: it removes what this open created (an engine file, an
+/// empty database file).
+fn open_database(
+    path: &Path,
+    given: &Path,
+    config: &crate::config::Config,
+) -> Result<(Connection, EngineFile)> {
+    let named = |e| match e {
+        Error::AlreadyOpen { .. } => Error::AlreadyOpen {
+            path: given.to_path_buf(),
+        },
+        e => e,
+    };
+    let mut engine_file = EngineFile::lock(path).map_err(named)?;
+    let mut created = false;
+    let opened = (|| {
+        created = schema::create_if_missing(path)?;
+        // Before SQLite opens it: a second engine touches nothing.
+        engine_file.lock_database(path).map_err(named)?;
+        let mut conn = schema::open_writer(path, config)?;
+        schema::migrate(&mut conn)?;
+        // For the operator's tools (`postroom status`), which run without
+        // the builder: which consumers keep strict order.
+        crate::store::strict::record(&mut conn, &config.strict_order)
+            .map_err(|e| Error::sqlite("record the strict-order consumers", e))?;
+        // A file this open created gets its identity here too; only an
+        // existing file's new id is news to an operator.
+        let minted = schema::claim_identity(&mut conn, path)?;
+        if let Some(minted) = minted.filter(|_| !created) {
+            log::info!(
+                "postroom: {} is not the file its instance id was given to (a copy, a \
+                 restore, or made by an older build): new instance id {} (was {}); a \
+                 downstream postroom numbers this outbox as a new stream",
+                path.display(),
+                minted.new,
+                minted.old.as_deref().unwrap_or("none"),
+            );
+        }
+        Ok(conn)
+    })();
+    match opened {
+        Ok(conn) => Ok((conn, engine_file)),
+        Err(e) => {
+            let empty = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
+            if created && empty {
+                let _ = std::fs::remove_file(path);
+            }
+            engine_file.discard();
+            Err(e)
+        }
+    }
+}
+
+/// Starts the writer thread over `state`; the handle other threads send
+/// their work through sees the thread's end (a channel its body holds).
+fn start_writer(
+    state: WriterState,
+    casualty: &Arc<Casualty>,
+) -> Result<(writer::WriterHandle, Running)> {
+    let (alive_tx, writer_alive) = crossbeam_channel::bounded::<()>(0);
+    let (writer, writer_thread) = writer::writer(state, writer_alive);
+    let running = spawn(WRITER_THREAD.into(), casualty, move || {
+        let _alive = alive_tx;
+        writer_thread.run();
+    })?;
+    Ok((writer, running))
+}
+
+/// The writer connection's hooks: the WAL hook that replaces SQLite's
+/// automatic checkpoint (see `checkpoint`), and an update hook that marks
+/// the returned flag when a batch inserted outbox rows (the relay is woken
+/// after its commit).
+fn install_hooks(conn: &mut Connection) -> Result<Arc<AtomicBool>> {
+    conn.wal_hook(Some(writer::note_wal_pages))
+        .map_err(|e| Error::sqlite("install WAL hook", e))?;
+    let outbox_dirty = Arc::new(AtomicBool::new(false));
+    let dirty = Arc::clone(&outbox_dirty);
+    conn.update_hook(Some(move |action, _: &str, table: &str, _| {
+        if action == Action::SQLITE_INSERT && table == "postroom_outbox" {
+            dirty.store(true, Ordering::Release);
+        }
+    }))
+    .map_err(|e| Error::sqlite("install update hook", e))?;
+    Ok(outbox_dirty)
+}
+
+/// The read pool: at most `read_pool_size` connections, opened by one
+/// named thread (r2d2's default is three, unnamed for the engine's
+/// purposes), and kept rather than timed out: r2d2's reaper of idle
+/// connections wakes every 30 s, and an idle engine is asleep (issue 33).
+fn read_pool(path: &Path, config: &crate::config::Config) -> r2d2::Pool<ReadManager> {
+    let manager = ReadManager {
+        path: path.to_path_buf(),
+        busy_timeout: config.busy_timeout,
+    };
+    let pool_thread = scheduled_thread_pool::ScheduledThreadPool::builder()
+        .num_threads(1)
+        .thread_name_pattern("postroom-reads-{}")
+        .build();
+    r2d2::Pool::builder()
+        .max_size(config.read_pool_size)
+        .min_idle(Some(0))
+        .idle_timeout(None)
+        .max_lifetime(None)
+        .thread_pool(Arc::new(pool_thread))
+        .connection_timeout(config.busy_timeout.max(Duration::from_secs(1)))
+        .build_unchecked(manager)
+}
+
 fn answer_if_settled(
     conn: &Connection,
     consumer: &str,
