@@ -209,9 +209,83 @@ const LINGER: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The dispatcher thread's body.
 pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
+    let (mut transactional, mut names) = by_kind(&shared);
+    // Rows whose step failed the last batch; held back by the next one.
+    let held: Arc<Mutex<Vec<Claimed>>> = Arc::default();
+    let mut stalled = Stalled::new(shared.clock.now_ms());
+    while !shared.stopping.load(Ordering::Acquire) {
+        // When the next row comes due, as read by this round's jobs: what
+        // the dispatcher sleeps until when it found nothing to do.
+        let mut round = Round::default();
+        if !transactional.is_empty() {
+            // Rotate so that one busy consumer does not starve the others.
+            transactional.rotate_left(1);
+            match process_round(&shared, &transactional, &held) {
+                Turn::Went(r) => round = r,
+                Turn::Again => continue,
+                Turn::Stop => return,
+            }
+        }
+        let free = shared
+            .config
+            .workers
+            .saturating_sub(shared.in_flight.load(Ordering::Acquire));
+        if free > 0 && !names.is_empty() {
+            // Rotate so that one busy consumer does not starve the others.
+            names.rotate_left(1);
+            match claim_round(&shared, &names, free, &work) {
+                Turn::Went(r) => {
+                    round.next = round.next.min(r.next);
+                    round.claimed_any |= r.claimed_any;
+                }
+                Turn::Again => continue,
+                Turn::Stop => return,
+            }
+        }
+        if !round.claimed_any {
+            // Asleep until the next row comes due, a commit of this engine
+            // or a worker wakes it, or the checkpointer saw another
+            // process change the file (see `checkpoint::Watch`);
+            // `poll_interval` bounds the sleep.
+            let now_ms = shared.clock.now_ms();
+            let wait = round
+                .next
+                .wait(now_ms, shared.config.poll_interval, PARTIAL_RECHECK);
+            let wait = stalled.wait(now_ms, wait, shared.config.poll_interval);
+            let _ = shared.wake_rx.recv_timeout(wait);
+        }
+    }
+}
+
+/// What one of the dispatcher's steps found: whether it claimed (or
+/// processed) anything, so more may be due at once, and when the next row
+/// comes due.
+#[derive(Default)]
+struct Round {
+    claimed_any: bool,
+    next: NextDue,
+}
+
+/// How the dispatcher goes on after a step.
+enum Turn {
+    /// To the next step of this round.
+    Went(Round),
+    /// To the next round at once (a failure already waited, or a row is
+    /// held back).
+    Again,
+    /// The engine is closing.
+    Stop,
+}
+
+/// Transactional consumers with their handlers, by name.
+type Transactional = Vec<(String, Arc<dyn Handler>)>;
+
+/// The engine's consumers in name order: transactional ones with their
+/// handlers, and the names of the effectful ones.
+fn by_kind(shared: &Shared) -> (Transactional, Vec<String>) {
     let mut consumers: Vec<&Arc<Consumer>> = shared.consumers.values().collect();
     consumers.sort_by(|a, b| a.name.cmp(&b.name));
-    let mut transactional: Vec<(String, Arc<dyn Handler>)> = Vec::new();
+    let mut transactional: Transactional = Vec::new();
     let mut names: Vec<String> = Vec::new();
     for consumer in consumers {
         match &consumer.kind {
@@ -221,150 +295,137 @@ pub(crate) fn dispatch(shared: Arc<Shared>, work: Sender<Claimed>) {
             ConsumerKind::Effectful(_) => names.push(consumer.name.clone()),
         }
     }
+    (transactional, names)
+}
+
+/// One batch of the transactional consumers' due rows, processed in one
+/// transaction.
+fn process_round(
+    shared: &Arc<Shared>,
+    transactional: &[(String, Arc<dyn Handler>)],
+    held: &Arc<Mutex<Vec<Claimed>>>,
+) -> Turn {
+    let holding = lock(held).len();
+    match process_batch(shared, transactional.to_vec(), Arc::clone(held)) {
+        // A full batch: more may be due at once.
+        Ok((n, due)) => {
+            lock(held).clear();
+            let mut claimed_any = n >= shared.config.process_batch;
+            if n > 0 && !claimed_any {
+                // Caught up while messages keep arriving: let a batch's
+                // worth gather rather than add one message's pages to
+                // every commit of the callers receiving them.
+                std::thread::sleep(LINGER);
+                while shared.wake_rx.try_recv().is_ok() {}
+                claimed_any = true;
+            }
+            Turn::Went(Round {
+                claimed_any,
+                next: due,
+            })
+        }
+        Err(Error::Closed) => Turn::Stop,
+        // A row to hold back: the next batch goes on without it.
+        Err(e) if lock(held).len() > holding => {
+            log::warn!(
+                "postroom dispatcher: processing a batch failed: {}",
+                Esc(&e)
+            );
+            Turn::Again
+        }
+        Err(e) => {
+            // The storage failed, not a message: nothing was counted. Wait
+            // before the next try, so a failure that lasts does not spin.
+            log::warn!(
+                "postroom dispatcher: processing a batch failed: {}",
+                Esc(&e)
+            );
+            let _ = shared
+                .wake_rx
+                .recv_timeout(shared.config.storage_retry_delay());
+            Turn::Again
+        }
+    }
+}
+
+/// Claims up to `free` due rows of the effectful consumers `names` (in
+/// that order) under one lease token, and hands them to the workers.
+fn claim_round(
+    shared: &Arc<Shared>,
+    names: &[String],
+    free: usize,
+    work: &Sender<Claimed>,
+) -> Turn {
     let lease = shared.config.lease;
     let lease_ms = clock::millis(lease);
-    // Rows whose step failed the last batch; held back by the next one.
-    let held: Arc<Mutex<Vec<Claimed>>> = Arc::default();
-    let mut stalled = Stalled::new(shared.clock.now_ms());
-    while !shared.stopping.load(Ordering::Acquire) {
-        let mut claimed_any = false;
-        // When the next row comes due, as read by this round's jobs: what
-        // the dispatcher sleeps until when it found nothing to do.
+    let order = names.to_vec();
+    let token = shared.next_token.fetch_add(1, Ordering::Relaxed);
+    let started = Instant::now();
+    let result = shared.writer.submit(move |w| {
+        let now = w.clock.now_ms();
+        let until = now.saturating_add(lease_ms);
+        let max_attempts = w.config.max_attempts;
+        let mut claimed = Vec::new();
+        for name in &order {
+            let want = free - claimed.len();
+            if want == 0 {
+                break;
+            }
+            let due = queue::Due {
+                consumer: name,
+                order: w.config.key_order(name),
+                limit: want,
+                now_ms: now,
+                max_attempts,
+            };
+            claimed.extend(
+                queue::claim_in_order(w.conn, due, until, token)
+                    .map_err(|e| Error::sqlite("claim due messages", e))?,
+            );
+        }
+        // Nothing to claim: when to look again. (Only then does the
+        // dispatcher sleep; with every worker busy, the next one to finish
+        // wakes it.)
         let mut next = NextDue::default();
-        if !transactional.is_empty() {
-            // Rotate so that one busy consumer does not starve the others.
-            transactional.rotate_left(1);
-            let holding = lock(&held).len();
-            match process_batch(&shared, transactional.clone(), Arc::clone(&held)) {
-                // A full batch: more may be due at once.
-                Ok((n, due)) => {
-                    next = next.min(due);
-                    lock(&held).clear();
-                    claimed_any = n >= shared.config.process_batch;
-                    if n > 0 && !claimed_any {
-                        // Caught up while messages keep arriving: let a
-                        // batch's worth gather rather than add one
-                        // message's pages to every commit of the callers
-                        // receiving them.
-                        std::thread::sleep(LINGER);
-                        while shared.wake_rx.try_recv().is_ok() {}
-                        claimed_any = true;
-                    }
-                }
-                Err(Error::Closed) => return,
-                // A row to hold back: the next batch goes on without it.
-                Err(e) if lock(&held).len() > holding => {
-                    log::warn!(
-                        "postroom dispatcher: processing a batch failed: {}",
-                        Esc(&e)
-                    );
-                    continue;
-                }
-                Err(e) => {
-                    // The storage failed, not a message: nothing was
-                    // counted. Wait before the next try, so a failure that
-                    // lasts does not spin.
-                    log::warn!(
-                        "postroom dispatcher: processing a batch failed: {}",
-                        Esc(&e)
-                    );
-                    let _ = shared
-                        .wake_rx
-                        .recv_timeout(shared.config.storage_retry_delay());
-                    continue;
-                }
+        if claimed.is_empty() {
+            for name in &order {
+                next = next.min(next_due(w.conn, name, now));
             }
         }
-        let free = shared
-            .config
-            .workers
-            .saturating_sub(shared.in_flight.load(Ordering::Acquire));
-        if free > 0 && !names.is_empty() {
-            // Rotate so that one busy consumer does not starve the others.
-            if !names.is_empty() {
-                names.rotate_left(1);
+        Ok((claimed, next))
+    });
+    // A failure here leaves the rows claimed but unstarted: their leases
+    // expire and the reaper makes them due again.
+    let result = result.and_then(|claims| failpoint::hit("dispatch.after_claim").map(|()| claims));
+    match result {
+        Ok((claims, next)) => {
+            // A lease the reaper's timer may not cover yet.
+            if !claims.is_empty() && !shared.reaper_armed.swap(true, Ordering::SeqCst) {
+                shared.wake_reaper();
             }
-            let order = names.clone();
-            let token = shared.next_token.fetch_add(1, Ordering::Relaxed);
-            let started = Instant::now();
-            let result = shared.writer.submit(move |w| {
-                let now = w.clock.now_ms();
-                let until = now.saturating_add(lease_ms);
-                let max_attempts = w.config.max_attempts;
-                let mut claimed = Vec::new();
-                for name in &order {
-                    let want = free - claimed.len();
-                    if want == 0 {
-                        break;
-                    }
-                    let due = queue::Due {
-                        consumer: name,
-                        order: w.config.key_order(name),
-                        limit: want,
-                        now_ms: now,
-                        max_attempts,
-                    };
-                    claimed.extend(
-                        queue::claim_in_order(w.conn, due, until, token)
-                            .map_err(|e| Error::sqlite("claim due messages", e))?,
-                    );
-                }
-                // Nothing to claim: when to look again. (Only then does
-                // the dispatcher sleep; with every worker busy, the next
-                // one to finish wakes it.)
-                let mut next = NextDue::default();
-                if claimed.is_empty() {
-                    for name in &order {
-                        next = next.min(next_due(w.conn, name, now));
-                    }
-                }
-                Ok((claimed, next))
-            });
-            // A failure here leaves the rows claimed but unstarted: their
-            // leases expire and the reaper makes them due again.
-            let result =
-                result.and_then(|claims| failpoint::hit("dispatch.after_claim").map(|()| claims));
-            match result {
-                Ok((claims, due)) => {
-                    next = next.min(due);
-                    // A lease the reaper's timer may not cover yet.
-                    if !claims.is_empty() && !shared.reaper_armed.swap(true, Ordering::SeqCst) {
-                        shared.wake_reaper();
-                    }
-                    for claim in claims {
-                        claimed_any = true;
-                        shared.leases.insert(claim.row_id, token, started + lease);
-                        shared.in_flight.fetch_add(1, Ordering::AcqRel);
-                        if work.send(claim).is_err() {
-                            return;
-                        }
-                    }
-                }
-                Err(Error::Closed) => return,
-                Err(e) => {
-                    // As for a failed batch: wait before the next try, so
-                    // a failure that lasts does not spin, nor sleeps
-                    // `poll_interval` (no due time was read).
-                    log::warn!("postroom dispatcher: claiming failed: {}", Esc(&e));
-                    // Claims may have committed before the failure: their
-                    // leases are the reaper's to time.
-                    shared.wake_reaper();
-                    let _ = shared
-                        .wake_rx
-                        .recv_timeout(shared.config.storage_retry_delay());
-                    continue;
+            let claimed_any = !claims.is_empty();
+            for claim in claims {
+                shared.leases.insert(claim.row_id, token, started + lease);
+                shared.in_flight.fetch_add(1, Ordering::AcqRel);
+                if work.send(claim).is_err() {
+                    return Turn::Stop;
                 }
             }
+            Turn::Went(Round { claimed_any, next })
         }
-        if !claimed_any {
-            // Asleep until the next row comes due, a commit of this engine
-            // or a worker wakes it, or the checkpointer saw another
-            // process change the file (see `checkpoint::Watch`);
-            // `poll_interval` bounds the sleep.
-            let now_ms = shared.clock.now_ms();
-            let wait = next.wait(now_ms, shared.config.poll_interval, PARTIAL_RECHECK);
-            let wait = stalled.wait(now_ms, wait, shared.config.poll_interval);
-            let _ = shared.wake_rx.recv_timeout(wait);
+        Err(Error::Closed) => Turn::Stop,
+        Err(e) => {
+            // As for a failed batch: wait before the next try, so a failure
+            // that lasts does not spin, nor sleeps `poll_interval` (no due
+            // time was read).
+            log::warn!("postroom dispatcher: claiming failed: {}", Esc(&e));
+            // Claims may have committed before the failure: their leases
+            // are the reaper's to time.
+            shared.wake_reaper();
+            let _ = shared
+                .wake_rx
+                .recv_timeout(shared.config.storage_retry_delay());
+            Turn::Again
         }
     }
 }
