@@ -217,7 +217,8 @@ async fn connected<'l>(
             .build(client);
         *link = Some((js, Instant::now()));
     }
-    link.as_mut().ok_or_else(|| "nats: no connection".to_owned())
+    link.as_mut()
+        .ok_or_else(|| "nats: no connection".to_owned())
 }
 
 /// One `send`'s publishes: those outstanding, oldest first, and what the
@@ -327,7 +328,8 @@ impl<'b> Flight<'b> {
         if let Some(k) = &key {
             // Never two of one key outstanding: this row waits for the one
             // before it.
-            self.answer_while(|f| f.in_flight_keys.contains_key(k)).await;
+            self.answer_while(|f| f.in_flight_keys.contains_key(k))
+                .await;
             if self.outage.is_some() {
                 return false;
             }

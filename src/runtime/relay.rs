@@ -73,7 +73,15 @@ pub(crate) fn relay(
             if stop_at.is_some() {
                 return; // flushed
             }
-            sleep_until_due(&conn, &shared, now, &mut stalled, &wake, &stop, &mut stop_at);
+            sleep_until_due(
+                &conn,
+                &shared,
+                now,
+                &mut stalled,
+                &wake,
+                &stop,
+                &mut stop_at,
+            );
             continue;
         }
         let Some((batch, results)) = hand_over(&shared, &mut *sink, fetched, &wal) else {

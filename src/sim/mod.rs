@@ -60,13 +60,13 @@ mod machine;
 mod model;
 mod ops;
 
-pub use generate::{ops_from_seed, ops_from_bytes, run_seed, run_bytes};
-use generate::{Choices, Bytes, plan, op};
-pub use machine::{Machine};
-use machine::{SimHandler, SimLog, SimClaims};
-pub use model::{RunStats};
-use model::{Entry, Model, SeqAnswer, same_outcome};
-use ops::{deliver, expect_inline, compare_inline, receive, batch, work, cleanup, read_retired, apply_retired, reset_sequence, check};
+pub use generate::{ops_from_bytes, ops_from_seed, run_bytes, run_seed};
+pub use machine::Machine;
+pub use model::RunStats;
+use model::{same_outcome, Model, SeqAnswer};
+use ops::{
+    apply_retired, batch, check, cleanup, deliver, read_retired, receive, reset_sequence, work,
+};
 
 /// What the simulated handler does with a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

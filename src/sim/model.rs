@@ -76,7 +76,12 @@ impl Model {
         (consumer.to_owned(), id.to_string())
     }
 
-    pub(super) fn create(&mut self, key: &(String, String), variant: u8, queued: bool) -> &mut Entry {
+    pub(super) fn create(
+        &mut self,
+        key: &(String, String),
+        variant: u8,
+        queued: bool,
+    ) -> &mut Entry {
         self.created += 1;
         let order = self.created;
         self.entries.insert(
@@ -98,7 +103,12 @@ impl Model {
     /// Applies one attempt's plan to an entry whose attempt count already
     /// includes it. Returns the expected outcome (`None` for a crash, whose
     /// effect on the row is applied at recovery).
-    pub(super) fn attempt(&mut self, key: &(String, String), plan: Plan, now: i64) -> Option<Outcome> {
+    pub(super) fn attempt(
+        &mut self,
+        key: &(String, String),
+        plan: Plan,
+        now: i64,
+    ) -> Option<Outcome> {
         let e = self.entries.get_mut(key).expect("entry");
         let attempts = e.attempts;
         let last = attempts >= MAX_ATTEMPTS;
@@ -245,7 +255,12 @@ pub(super) enum SeqAnswer {
 
 /// Compares a real outcome with the model's, allowing the jittered backoff
 /// of a panic within its bounds. Fills in the model's `next_at` from it.
-pub(super) fn same_outcome(real: &Outcome, expected: &Outcome, model_entry: &mut Entry, now: i64) -> bool {
+pub(super) fn same_outcome(
+    real: &Outcome,
+    expected: &Outcome,
+    model_entry: &mut Entry,
+    now: i64,
+) -> bool {
     match (real, expected) {
         (
             Outcome::Failed {

@@ -363,7 +363,12 @@ pub(super) fn work(
 }
 
 /// A retention pass: the rows the model retires, counted against the deletions.
-pub(super) fn cleanup(m: &mut Machine, model: &mut Model, retention_ms: &u32, keys: &bool) -> SimResult<()> {
+pub(super) fn cleanup(
+    m: &mut Machine,
+    model: &mut Model,
+    retention_ms: &u32,
+    keys: &bool,
+) -> SimResult<()> {
     let now = m.now_ms();
     let cutoff = now - i64::from(*retention_ms);
     let before = model.entries.len();
@@ -407,7 +412,11 @@ pub(super) fn read_retired(m: &mut Machine, model: &mut Model) -> SimResult<()> 
 }
 
 /// The second half of a split drain: the deletions against the model.
-pub(super) fn apply_retired(m: &mut Machine, model: &mut Model, stats: &mut RunStats) -> SimResult<()> {
+pub(super) fn apply_retired(
+    m: &mut Machine,
+    model: &mut Model,
+    stats: &mut RunStats,
+) -> SimResult<()> {
     let real = m.apply_retired()?;
     let mut expected = 0;
     if let Some((keys, last)) = model.read_retired.take() {

@@ -84,15 +84,12 @@ use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, OpenFlags, OptionalExtension};
 
-pub use fault::{Fault, FaultKind, Violation};
-pub use app::{App, Check};
 use app::World;
-use armed::{Armed, Crashable, CrashableEffect, FaultySink, Hold, Mode, SinkLog};
+pub use app::{App, Check};
+use armed::{Armed, Crashable, CrashableEffect, FaultySink, Mode, SinkLog};
+pub use fault::{Fault, FaultKind, Violation};
 pub use report::{Failed, Report};
-use run::{
-    engine, env_u64, fill_disk, is_full, lift_quota, retry, reused, scratch_dir, Applies, Done, Item,
-    Reference, Run, SHIFT_MS,
-};
+use run::{engine, env_u64, scratch_dir, Applies, Done, Reference, Run, SHIFT_MS};
 pub use stand_in::{Downstream, Received, Rng, Service, Timeout};
 
 use crate::{

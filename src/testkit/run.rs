@@ -107,7 +107,10 @@ pub(super) struct Reference(
 );
 
 impl Reference {
-    pub(super) fn get(&mut self, run: impl FnOnce() -> Result<Done, Violation>) -> Result<Done, Violation> {
+    pub(super) fn get(
+        &mut self,
+        run: impl FnOnce() -> Result<Done, Violation>,
+    ) -> Result<Done, Violation> {
         self.0.get_or_insert_with(run).clone()
     }
 
@@ -301,7 +304,11 @@ impl<'s> Run<'s> {
 
     /// Runs the messages through the broker stand-in under `schedule`,
     /// then settles, drains and judges.
-    pub(super) fn execute(&mut self, msgs: &[Message], schedule: &[Fault]) -> Result<Done, Violation> {
+    pub(super) fn execute(
+        &mut self,
+        msgs: &[Message],
+        schedule: &[Fault],
+    ) -> Result<Done, Violation> {
         let mut room = self.open()?;
         self.schema(&room)?;
         let mut queue = self.first_deliveries(msgs.len(), schedule);
@@ -354,7 +361,11 @@ impl<'s> Run<'s> {
 
     /// The broker stand-in's first queue: every message once, in order but
     /// for the schedule's reorder faults.
-    pub(super) fn first_deliveries(&mut self, messages: usize, schedule: &[Fault]) -> VecDeque<Item> {
+    pub(super) fn first_deliveries(
+        &mut self,
+        messages: usize,
+        schedule: &[Fault],
+    ) -> VecDeque<Item> {
         let mut order: Vec<usize> = (0..messages).collect();
         for f in schedule.iter().filter(|f| f.kind == FaultKind::Reorder) {
             if let Some(pos) = order.iter().position(|&m| m == f.step) {
@@ -488,7 +499,12 @@ impl<'s> Run<'s> {
     /// every one acknowledged. A retryable error is no acknowledgement:
     /// the broker redelivers. Under a disk-full fault the quota holds
     /// until a consumer met it (or the last one answered).
-    pub(super) fn deliver(&mut self, room: &Postroom, index: usize, msg: &Message) -> Result<bool, Violation> {
+    pub(super) fn deliver(
+        &mut self,
+        room: &Postroom,
+        index: usize,
+        msg: &Message,
+    ) -> Result<bool, Violation> {
         let mut acked = true;
         let consumers = self.consumers.clone();
         let last = consumers.len().saturating_sub(1);
@@ -591,7 +607,12 @@ impl<'s> Run<'s> {
 
     /// Whether the engine answered for this message and consumer before
     /// and has no row for it now: a retention pass removed it.
-    pub(super) fn gone(&self, index: usize, consumer: &str, msg: &Message) -> Result<bool, Violation> {
+    pub(super) fn gone(
+        &self,
+        index: usize,
+        consumer: &str,
+        msg: &Message,
+    ) -> Result<bool, Violation> {
         if !self.answered.contains(&(index, consumer.to_owned())) {
             return Ok(false);
         }
@@ -652,7 +673,11 @@ impl<'s> Run<'s> {
     /// A count through the run's reader: the waits poll it, and
     /// `Postroom::stats` would open a pool connection (another parse of the
     /// whole schema per process life) and count every status.
-    pub(super) fn count<P: rusqlite::Params>(&self, sql: &str, params: P) -> Result<u64, Violation> {
+    pub(super) fn count<P: rusqlite::Params>(
+        &self,
+        sql: &str,
+        params: P,
+    ) -> Result<u64, Violation> {
         let conn = self.reader()?;
         conn.prepare_cached(sql)
             .and_then(|mut stmt| stmt.query_row(params, |r| r.get::<_, i64>(0)))

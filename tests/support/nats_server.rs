@@ -74,12 +74,17 @@ impl NatsServer {
             .spawn()
             .expect("start nats-server");
         self.child = Some(child);
-        wait_listening(&[self.port], Duration::from_secs(30), || {}, || {
-            format!(
-                "nats-server did not listen within 30 s: {}",
-                std::fs::read_to_string(self.dir.join("nats-server.log")).unwrap_or_default()
-            )
-        });
+        wait_listening(
+            &[self.port],
+            Duration::from_secs(30),
+            || {},
+            || {
+                format!(
+                    "nats-server did not listen within 30 s: {}",
+                    std::fs::read_to_string(self.dir.join("nats-server.log")).unwrap_or_default()
+                )
+            },
+        );
     }
 
     /// SIGKILLs the server and waits for it to be gone.

@@ -323,12 +323,7 @@ struct Chaos {
 }
 
 /// Step 2: a steady stream, with the server restarted and B killed midway.
-fn chaos(
-    a: &Postroom,
-    b: &mut Option<DeviceB>,
-    b_db: &Path,
-    link: &mut Link<'_>,
-) -> Res<Chaos> {
+fn chaos(a: &Postroom, b: &mut Option<DeviceB>, b_db: &Path, link: &mut Link<'_>) -> Res<Chaos> {
     let total = BURST + ORDERS;
     let mut seen = Chaos {
         killed_b: [0; 4],
