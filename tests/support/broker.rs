@@ -1,5 +1,6 @@
 //! A real MQTT broker on a free localhost port, for the MQTT tests and the
-//! mqtt_bridge demo (crates/postroom-demos; included by `#[path]`):
+//! mqtt_bridge demo (crates/postroom-demos; included by `#[path]`, with
+//! support/server.rs at the includer's crate root):
 //! mosquitto when it is on PATH, else rumqttd embedded in this process.
 //!
 //! mosquitto runs as a child process with a generated config (one
@@ -24,10 +25,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
-#[path = "server.rs"]
-mod server;
-pub use server::free_port;
-use server::{installed, wait_listening};
+pub use crate::server::free_port;
+use crate::server::{installed, wait_listening};
 
 /// Which broker a test runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! A real nats-server with JetStream on a free localhost port, for the NATS
 //! tests and the nats_bridge demo (crates/postroom-demos; included by
-//! `#[path]`): the
+//! `#[path]`, with support/server.rs at the includer's crate root): the
 //! `nats-server` binary on PATH (Debian's package installs it in
 //! /usr/sbin), one child process per test, its JetStream store in the
 //! test's temp dir. `kill` stops it with SIGKILL (the store keeps what the
@@ -14,9 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::Duration;
 
-#[path = "server.rs"]
-mod server;
-use server::{free_port, installed, wait_listening};
+use crate::server::{free_port, installed, wait_listening};
 
 pub struct NatsServer {
     pub port: u16,

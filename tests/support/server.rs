@@ -1,7 +1,8 @@
 //! What the test brokers and servers (broker.rs, nats_server.rs) share:
 //! a free localhost port, finding an installed binary, and waiting until a
-//! started server listens. Included by `#[path]` from each of them, so
-//! every includer of a harness gets it without naming it.
+//! started server listens. Each includer of a harness includes this too,
+//! once, at its crate root (`#[path = "support/server.rs"] mod server;`):
+//! the harnesses use it as `crate::server`.
 //!
 //! Every wait here is bounded: a server that never listens fails the test
 //! with its log, it does not hang it.

@@ -16,3 +16,5 @@ pub mod broker;
 
 #[path = "../../../tests/support/nats_server.rs"]
 pub mod nats_server;
+#[path = "../../../tests/support/server.rs"]
+mod server;
