@@ -10,6 +10,8 @@
 #[path = "support/broker.rs"]
 mod broker;
 mod common;
+#[path = "support/server.rs"]
+mod server;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

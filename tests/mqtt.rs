@@ -8,6 +8,8 @@
 #[path = "support/broker.rs"]
 mod broker;
 mod common;
+#[path = "support/server.rs"]
+mod server;
 
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;

@@ -10,6 +10,8 @@
 mod common;
 #[path = "support/nats_server.rs"]
 mod nats_server;
+#[path = "support/server.rs"]
+mod server;
 
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;

@@ -47,26 +47,8 @@ pub(crate) fn relay(
     wake: Receiver<()>,
     stop: Receiver<StopAt>,
 ) {
-    // Keeps trying (out of file descriptors, say): giving up would leave
-    // the outbox unrelayed for the life of the process, with no error
-    // anywhere but the log.
-    let mut pause = Duration::from_millis(100);
-    let conn = loop {
-        let opened = failpoint::hit("relay.open").and_then(|()| {
-            open_reader(&shared.path, shared.config.busy_timeout)
-                .map_err(|e| Error::sqlite("open relay connection", e))
-        });
-        match opened {
-            Ok(conn) => break conn,
-            Err(e) => {
-                log::error!("postroom relay: cannot open the database: {e}; again in {pause:?}");
-                match stop.recv_timeout(pause) {
-                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
-                    _ => return,
-                }
-                pause = (pause * 2).min(Duration::from_secs(5));
-            }
-        }
+    let Some(conn) = open_until_stopped(&shared, &stop) else {
+        return;
     };
     let wal = crate::store::wal_path(&shared.path);
     let mut stop_at: Option<Instant> = None;
@@ -91,55 +73,22 @@ pub(crate) fn relay(
             if stop_at.is_some() {
                 return; // flushed
             }
-            // Asleep until the next row comes due, a commit of this
-            // engine adds one, or the checkpointer saw another process
-            // change the file (see `checkpoint::Watch`); `relay_poll`
-            // bounds the sleep.
-            let next = due::outbox(&conn, now).unwrap_or_else(|e| {
-                log::warn!("postroom relay: reading the next due time: {}", Esc(&e));
-                NextDue {
-                    at: None,
-                    partial: true,
-                }
-            });
-            let wait = next.wait(now, shared.config.relay_poll, PARTIAL_RECHECK);
-            let wait = stalled.wait(now, wait, shared.config.relay_poll);
-            crossbeam_channel::select! {
-                recv(wake) -> _ => {}
-                recv(stop) -> at => stop_at = Some(at.unwrap_or_else(|_| Instant::now())),
-                default(wait) => {}
-            }
+            sleep_until_due(
+                &conn,
+                &shared,
+                now,
+                &mut stalled,
+                &wake,
+                &stop,
+                &mut stop_at,
+            );
             continue;
         }
-        let (batch, results) = match triage(fetched) {
-            Fetched::Undecodable(msg, column) => {
-                let reason = crate::store::text::undecodable(column);
-                log::error!(
-                    "postroom relay: outbox row {}: {}; dead-lettered",
-                    msg.seq,
-                    Esc(&reason)
-                );
-                (vec![msg], vec![SendResult::Dead { reason }])
+        let Some((batch, results)) = hand_over(&shared, &mut *sink, fetched, &wal) else {
+            if !pause_after_failure(&shared, &stop, &mut stop_at) {
+                return;
             }
-            Fetched::Send(batch) => {
-                // The relay is woken at COMMIT: what it read may not be on
-                // disk yet (see `wal::durable_before_handover`).
-                if let Err(e) =
-                    crate::runtime::wal::durable_before_handover(shared.config.durability, &wal)
-                {
-                    log::warn!("postroom relay: WAL fsync failed: {e}; batch held back");
-                    if !pause_after_failure(&shared, &stop, &mut stop_at) {
-                        return;
-                    }
-                    continue;
-                }
-                let results = panic::catch_unwind(AssertUnwindSafe(|| sink.send(&batch)))
-                    .unwrap_or_else(|panic| {
-                        let reason = format!("sink panicked: {}", panic_message(panic.as_ref()));
-                        vec![SendResult::retry(reason); batch.len()]
-                    });
-                (batch, results)
-            }
+            continue;
         };
         // While flushing for shutdown, a batch the sink took none of ends
         // the flush: retrying a dead sink until the deadline would only eat
@@ -169,6 +118,98 @@ pub(crate) fn relay(
             if let Ok(at) = stop.try_recv() {
                 stop_at = Some(at);
             }
+        }
+    }
+}
+
+/// The relay's read connection, opened again and again until it opens
+/// (out of file descriptors, say): giving up would leave the outbox
+/// unrelayed for the life of the process, with no error anywhere but the
+/// log. `None` once the engine stops meanwhile.
+fn open_until_stopped(shared: &Shared, stop: &Receiver<StopAt>) -> Option<Connection> {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let opened = failpoint::hit("relay.open").and_then(|()| {
+            open_reader(&shared.path, shared.config.busy_timeout)
+                .map_err(|e| Error::sqlite("open relay connection", e))
+        });
+        match opened {
+            Ok(conn) => return Some(conn),
+            Err(e) => {
+                log::error!("postroom relay: cannot open the database: {e}; again in {pause:?}");
+                match stop.recv_timeout(pause) {
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+                    _ => return None,
+                }
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+/// Nothing due: asleep until the next row comes due, a commit of this
+/// engine adds one, or the checkpointer saw another process change the
+/// file (see `checkpoint::Watch`); `relay_poll` bounds the sleep. A stop
+/// received meanwhile is noted in `stop_at`.
+fn sleep_until_due(
+    conn: &Connection,
+    shared: &Shared,
+    now: i64,
+    stalled: &mut Stalled,
+    wake: &Receiver<()>,
+    stop: &Receiver<StopAt>,
+    stop_at: &mut Option<Instant>,
+) {
+    let next = due::outbox(conn, now).unwrap_or_else(|e| {
+        log::warn!("postroom relay: reading the next due time: {}", Esc(&e));
+        NextDue {
+            at: None,
+            partial: true,
+        }
+    });
+    let wait = next.wait(now, shared.config.relay_poll, PARTIAL_RECHECK);
+    let wait = stalled.wait(now, wait, shared.config.relay_poll);
+    crossbeam_channel::select! {
+        recv(wake) -> _ => {}
+        recv(stop) -> at => *stop_at = Some(at.unwrap_or_else(|_| Instant::now())),
+        default(wait) => {}
+    }
+}
+
+/// Hands the due rows to the sink (or dead-letters an undecodable one);
+/// the rows and their results to record. `None` (logged) when the WAL
+/// could not be made durable first: nothing handed over, pause and retry.
+fn hand_over(
+    shared: &Shared,
+    sink: &mut dyn Sink,
+    fetched: Vec<(OutboxMessage, Option<&'static str>)>,
+    wal: &Path,
+) -> Option<(Vec<OutboxMessage>, Vec<SendResult>)> {
+    match triage(fetched) {
+        Fetched::Undecodable(msg, column) => {
+            let reason = crate::store::text::undecodable(column);
+            log::error!(
+                "postroom relay: outbox row {}: {}; dead-lettered",
+                msg.seq,
+                Esc(&reason)
+            );
+            Some((vec![msg], vec![SendResult::Dead { reason }]))
+        }
+        Fetched::Send(batch) => {
+            // The relay is woken at COMMIT: what it read may not be on
+            // disk yet (see `wal::durable_before_handover`).
+            if let Err(e) =
+                crate::runtime::wal::durable_before_handover(shared.config.durability, wal)
+            {
+                log::warn!("postroom relay: WAL fsync failed: {e}; batch held back");
+                return None;
+            }
+            let results = panic::catch_unwind(AssertUnwindSafe(|| sink.send(&batch)))
+                .unwrap_or_else(|panic| {
+                    let reason = format!("sink panicked: {}", panic_message(panic.as_ref()));
+                    vec![SendResult::retry(reason); batch.len()]
+                });
+            Some((batch, results))
         }
     }
 }

@@ -1,6 +1,7 @@
 //! A real MQTT broker on a free localhost port, for the MQTT tests and the
-//! mqtt_bridge example (included by `#[path]`): mosquitto when it is on
-//! PATH, else rumqttd embedded in this process.
+//! mqtt_bridge demo (crates/postroom-demos; included by `#[path]`, with
+//! support/server.rs at the includer's crate root):
+//! mosquitto when it is on PATH, else rumqttd embedded in this process.
 //!
 //! mosquitto runs as a child process with a generated config (one
 //! listener, anonymous clients, persistence into the broker's temp dir, no
@@ -23,6 +24,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
+
+pub use crate::server::free_port;
+use crate::server::{installed, wait_listening};
 
 /// Which broker a test runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,18 +54,7 @@ pub fn mosquitto_path() -> Option<PathBuf> {
     if std::env::var("POSTROOM_TEST_BROKER").as_deref() == Ok("embedded") {
         return None;
     }
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|dir| dir.join("mosquitto"))
-        .find(|p| p.is_file())
-}
-
-/// A port nobody listens on right now.
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind a free port")
-        .port()
+    installed("mosquitto", &[])
 }
 
 impl Broker {
@@ -149,21 +142,23 @@ impl Broker {
                 ];
             }
         }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", self.port)).is_err()
-            || TcpStream::connect(("127.0.0.1", self.port_v5)).is_err()
-        {
-            if let Some(child) = self.mosquitto.as_mut() {
+        let (mosquitto, dir) = (&mut self.mosquitto, &self.dir);
+        let exited = || {
+            if let Some(child) = mosquitto.as_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
                     panic!(
                         "mosquitto exited ({status}): {}",
-                        std::fs::read_to_string(self.dir.join("mosquitto.log")).unwrap_or_default()
+                        std::fs::read_to_string(dir.join("mosquitto.log")).unwrap_or_default()
                     );
                 }
             }
-            assert!(Instant::now() < deadline, "the broker never came up");
-            thread::sleep(Duration::from_millis(20));
-        }
+        };
+        wait_listening(
+            &[self.port, self.port_v5],
+            Duration::from_secs(20),
+            exited,
+            || "the broker never came up".to_owned(),
+        );
     }
 
     /// Takes the broker down: mosquitto saves its state and exits; the
@@ -259,13 +254,12 @@ fn embedded_ports() -> (u16, u16) {
                 }
             })
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", port)).is_err()
-            || TcpStream::connect(("127.0.0.1", port_v5)).is_err()
-        {
-            assert!(Instant::now() < deadline, "rumqttd never came up");
-            thread::sleep(Duration::from_millis(20));
-        }
+        wait_listening(
+            &[port, port_v5],
+            Duration::from_secs(20),
+            || {},
+            || "rumqttd never came up".to_owned(),
+        );
         (port, port_v5)
     })
 }

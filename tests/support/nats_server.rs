@@ -1,5 +1,6 @@
 //! A real nats-server with JetStream on a free localhost port, for the NATS
-//! tests and the nats_bridge example (included by `#[path]`): the
+//! tests and the nats_bridge demo (crates/postroom-demos; included by
+//! `#[path]`, with support/server.rs at the includer's crate root): the
 //! `nats-server` binary on PATH (Debian's package installs it in
 //! /usr/sbin), one child process per test, its JetStream store in the
 //! test's temp dir. `kill` stops it with SIGKILL (the store keeps what the
@@ -8,11 +9,12 @@
 
 #![allow(dead_code)]
 
-use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::server::{free_port, installed, wait_listening};
 
 pub struct NatsServer {
     pub port: u16,
@@ -23,18 +25,7 @@ pub struct NatsServer {
 /// The nats-server binary: on PATH, else /usr/sbin (not on a non-root
 /// user's PATH); `None` when it is not installed.
 pub fn nats_server_path() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")])
-        .map(|dir| dir.join("nats-server"))
-        .find(|p| p.is_file())
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind a free port")
-        .port()
+    installed("nats-server", &["/usr/sbin", "/usr/bin"])
 }
 
 impl NatsServer {
@@ -81,15 +72,17 @@ impl NatsServer {
             .spawn()
             .expect("start nats-server");
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "nats-server did not listen within 30 s: {}",
-                std::fs::read_to_string(self.dir.join("nats-server.log")).unwrap_or_default()
-            );
-            thread::sleep(Duration::from_millis(20));
-        }
+        wait_listening(
+            &[self.port],
+            Duration::from_secs(30),
+            || {},
+            || {
+                format!(
+                    "nats-server did not listen within 30 s: {}",
+                    std::fs::read_to_string(self.dir.join("nats-server.log")).unwrap_or_default()
+                )
+            },
+        );
     }
 
     /// SIGKILLs the server and waits for it to be gone.

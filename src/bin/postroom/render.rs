@@ -104,6 +104,46 @@ pub fn table(out: &mut String, headers: &[&str], right: &[usize], rows: Vec<Vec<
     }
 }
 
+/// One column of a listing: its header, whether it is a number
+/// (right-aligned), and its cell, already escaped or clipped.
+pub struct Column<R> {
+    pub header: &'static str,
+    pub number: bool,
+    pub cell: fn(&R) -> String,
+}
+
+impl<R> Column<R> {
+    /// A text column.
+    pub fn text(header: &'static str, cell: fn(&R) -> String) -> Self {
+        Column {
+            header,
+            number: false,
+            cell,
+        }
+    }
+
+    /// A right-aligned number column.
+    pub fn number(header: &'static str, cell: fn(&R) -> String) -> Self {
+        Column {
+            header,
+            number: true,
+            cell,
+        }
+    }
+}
+
+/// The one renderer of the listings (`inbox list`, `outbox list`,
+/// `conflicts list`): `rows` as a [`table`] of `columns`.
+pub fn listing<R>(out: &mut String, columns: &[Column<R>], rows: &[R]) {
+    let headers: Vec<&str> = columns.iter().map(|c| c.header).collect();
+    let right: Vec<usize> = (0..columns.len()).filter(|&i| columns[i].number).collect();
+    let cells = rows
+        .iter()
+        .map(|r| columns.iter().map(|c| (c.cell)(r)).collect())
+        .collect();
+    table(out, &headers, &right, cells);
+}
+
 /// `key  value` lines, keys aligned. Values must already be escaped.
 pub fn key_values(out: &mut String, fields: &[(&str, String)]) {
     let width = fields.iter().map(|(k, _)| k.len()).max().unwrap_or(0);

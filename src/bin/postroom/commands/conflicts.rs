@@ -3,11 +3,25 @@
 
 use std::fmt::Write as _;
 
-use postroom::admin;
+use postroom::admin::{self, ConflictEntry};
 
-use super::{mutation, next_page};
-use crate::render::{self, clip, esc, table, time};
+use super::{detail, mutation, next_page};
+use crate::render::{self, clip, esc, listing, time, Column};
 use crate::{not_found, Ctx, Failed, PageArgs, EXIT_OK};
+
+/// `conflicts list`'s columns.
+fn columns() -> [Column<ConflictEntry>; 8] {
+    [
+        Column::number("ID", |r| r.id.to_string()),
+        Column::text("CONSUMER", |r| esc(&r.consumer)),
+        Column::text("SOURCE", |r| esc(&r.source)),
+        Column::text("MESSAGE ID", |r| clip(&r.message_id, 40)),
+        Column::number("DELIVERIES", |r| r.deliveries.to_string()),
+        Column::number("PAYLOAD", |r| r.payload_bytes.to_string()),
+        Column::text("FIRST SEEN", |r| time(r.first_seen_at)),
+        Column::text("LAST SEEN", |r| time(r.last_seen_at)),
+    ]
+}
 
 /// `conflicts list`: a page of quarantined deliveries.
 pub(crate) fn list(ctx: &mut Ctx<'_>, page: &PageArgs) -> Result<u8, Failed> {
@@ -16,36 +30,7 @@ pub(crate) fn list(ctx: &mut Ctx<'_>, page: &PageArgs) -> Result<u8, Failed> {
     if cli.json {
         ctx.json(&rows);
     } else {
-        let cells = rows
-            .iter()
-            .map(|r| {
-                vec![
-                    r.id.to_string(),
-                    esc(&r.consumer),
-                    esc(&r.source),
-                    clip(&r.message_id, 40),
-                    r.deliveries.to_string(),
-                    r.payload_bytes.to_string(),
-                    time(r.first_seen_at),
-                    time(r.last_seen_at),
-                ]
-            })
-            .collect();
-        table(
-            &mut ctx.out,
-            &[
-                "ID",
-                "CONSUMER",
-                "SOURCE",
-                "MESSAGE ID",
-                "DELIVERIES",
-                "PAYLOAD",
-                "FIRST SEEN",
-                "LAST SEEN",
-            ],
-            &[0, 4, 5],
-            cells,
-        );
+        listing(&mut ctx.out, &columns(), &rows);
         let _ = writeln!(ctx.out, "{} conflict(s)", rows.len());
         next_page(&mut ctx.out, rows.len(), page, rows.last().map(|r| r.id));
     }
@@ -54,15 +39,13 @@ pub(crate) fn list(ctx: &mut Ctx<'_>, page: &PageArgs) -> Result<u8, Failed> {
 
 /// `conflicts show ID`: one conflict beside the stored message.
 pub(crate) fn show(ctx: &mut Ctx<'_>, id: i64) -> Result<u8, Failed> {
-    let cli = ctx.cli;
-    let Some(d) = ctx.read("conflicts show", |c| admin::conflicts_show(c, id))? else {
-        return Err(not_found(format!("no conflict with id {id}")));
-    };
-    if cli.json {
-        ctx.json(&d);
-    } else {
-        render::print_conflict(&mut ctx.out, &d);
-    }
+    let found = ctx.read("conflicts show", |c| admin::conflicts_show(c, id))?;
+    detail(
+        ctx,
+        found,
+        || format!("no conflict with id {id}"),
+        render::print_conflict,
+    )?;
     Ok(EXIT_OK)
 }
 

@@ -1,16 +1,33 @@
 //! `postroom <DB> inbox list | show`: inbox rows, a page at a time, and
 //! one in full.
 
-use postroom::admin;
+use postroom::admin::{self, InboxEntry};
 
-use crate::render::{self, clip, esc, table, time};
-use crate::{not_found, Ctx, Failed, InboxListArgs, EXIT_OK};
+use super::{detail, list_page};
+use crate::render::{self, clip, esc, time, Column};
+use crate::{Ctx, Failed, InboxListArgs, EXIT_OK};
 
-use super::page_footer;
+/// `inbox list`'s columns.
+fn columns() -> [Column<InboxEntry>; 9] {
+    [
+        Column::number("ID", |r| r.id.to_string()),
+        Column::text("CONSUMER", |r| esc(&r.consumer)),
+        Column::text("SOURCE", |r| esc(&r.source)),
+        Column::text("MESSAGE ID", |r| clip(&r.message_id, 40)),
+        Column::text("STATUS", render::inbox_state),
+        Column::number("ATTEMPTS", |r| r.attempts.to_string()),
+        Column::text("RECEIVED", |r| time(r.received_at)),
+        Column::number("PAYLOAD", |r| {
+            r.payload_bytes.map_or("-".into(), |n| n.to_string())
+        }),
+        Column::text("LAST ERROR", |r| {
+            clip(r.last_error.as_deref().unwrap_or(""), 60)
+        }),
+    ]
+}
 
 /// `inbox list`: a page of inbox rows as a table.
 pub(crate) fn list(ctx: &mut Ctx<'_>, args: &InboxListArgs) -> Result<u8, Failed> {
-    let cli = ctx.cli;
     let filter = admin::InboxFilter {
         consumer: args.consumer.clone(),
         status: args.status,
@@ -21,61 +38,18 @@ pub(crate) fn list(ctx: &mut Ctx<'_>, args: &InboxListArgs) -> Result<u8, Failed
         page: args.page.page(),
     };
     let rows = ctx.read("inbox list", |c| admin::inbox_list(c, &filter))?;
-    if cli.json {
-        ctx.json(&rows);
-    } else {
-        let cells = rows
-            .iter()
-            .map(|r| {
-                vec![
-                    r.id.to_string(),
-                    esc(&r.consumer),
-                    esc(&r.source),
-                    clip(&r.message_id, 40),
-                    render::inbox_state(r),
-                    r.attempts.to_string(),
-                    time(r.received_at),
-                    r.payload_bytes.map_or("-".into(), |n| n.to_string()),
-                    clip(r.last_error.as_deref().unwrap_or(""), 60),
-                ]
-            })
-            .collect();
-        table(
-            &mut ctx.out,
-            &[
-                "ID",
-                "CONSUMER",
-                "SOURCE",
-                "MESSAGE ID",
-                "STATUS",
-                "ATTEMPTS",
-                "RECEIVED",
-                "PAYLOAD",
-                "LAST ERROR",
-            ],
-            &[0, 5, 7],
-            cells,
-        );
-        page_footer(
-            &mut ctx.out,
-            rows.len(),
-            &args.page,
-            rows.last().map(|r| r.id),
-        );
-    }
+    list_page(ctx, &rows, &columns(), &args.page, |r| r.id);
     Ok(EXIT_OK)
 }
 
 /// `inbox show ID`: one inbox row in full, payload and headers too.
 pub(crate) fn show(ctx: &mut Ctx<'_>, id: i64) -> Result<u8, Failed> {
-    let cli = ctx.cli;
-    let Some(d) = ctx.read("inbox show", |c| admin::inbox_show(c, id))? else {
-        return Err(not_found(format!("no inbox row with id {id}")));
-    };
-    if cli.json {
-        ctx.json(&d);
-    } else {
-        render::print_inbox_detail(&mut ctx.out, &d);
-    }
+    let found = ctx.read("inbox show", |c| admin::inbox_show(c, id))?;
+    detail(
+        ctx,
+        found,
+        || format!("no inbox row with id {id}"),
+        render::print_inbox_detail,
+    )?;
     Ok(EXIT_OK)
 }

@@ -18,7 +18,8 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::{Ctx, PageArgs};
+use crate::render::{listing, Column};
+use crate::{not_found, Ctx, Failed, PageArgs};
 
 /// What a one-row mutation did, for `--json`.
 #[derive(Serialize)]
@@ -61,4 +62,40 @@ pub(crate) fn next_page(out: &mut String, shown: usize, page: &PageArgs, last: O
     if let Some(last) = last.filter(|_| shown == page.limit) {
         let _ = writeln!(out, "next page: --after {last}");
     }
+}
+
+/// A page of a listing: the rows as JSON with `--json`, else as a table of
+/// `columns` with the page footer (`cursor`: a row's `--after` value).
+pub(crate) fn list_page<R: Serialize>(
+    ctx: &mut Ctx<'_>,
+    rows: &[R],
+    columns: &[Column<R>],
+    page: &PageArgs,
+    cursor: fn(&R) -> i64,
+) {
+    if ctx.cli.json {
+        ctx.json(&rows);
+    } else {
+        listing(&mut ctx.out, columns, rows);
+        page_footer(&mut ctx.out, rows.len(), page, rows.last().map(cursor));
+    }
+}
+
+/// One row in full (`show`): as JSON with `--json`, else through `print`;
+/// `missing` (exit 4) when there is no such row.
+pub(crate) fn detail<D: Serialize>(
+    ctx: &mut Ctx<'_>,
+    found: Option<D>,
+    missing: impl FnOnce() -> String,
+    print: fn(&mut String, &D),
+) -> Result<(), Failed> {
+    let Some(d) = found else {
+        return Err(not_found(missing()));
+    };
+    if ctx.cli.json {
+        ctx.json(&d);
+    } else {
+        print(&mut ctx.out, &d);
+    }
+    Ok(())
 }

@@ -1,16 +1,34 @@
 //! `postroom <DB> outbox list | show`: outbox rows, a page at a time, and
 //! one in full with what holds it back.
 
-use postroom::admin;
+use postroom::admin::{self, OutboxEntry};
 
-use super::page_footer;
-use crate::render::{self, clip, esc, opt_time, table, time};
-use crate::OutboxListArgs;
-use crate::{not_found, Ctx, Failed, EXIT_OK};
+use super::{detail, list_page};
+use crate::render::{self, clip, esc, opt_time, time, Column};
+use crate::{Ctx, Failed, OutboxListArgs, EXIT_OK};
+
+/// `outbox list`'s columns.
+fn columns() -> [Column<OutboxEntry>; 10] {
+    [
+        Column::number("SEQ", |r| r.seq.to_string()),
+        Column::text("TOPIC", |r| esc(&r.topic)),
+        Column::text("KEY", |r| clip(r.key.as_deref().unwrap_or("-"), 24)),
+        Column::text("MESSAGE ID", |r| clip(&r.message_id, 32)),
+        Column::text("STATUS", |r| r.status.to_string()),
+        Column::number("ATTEMPTS", |r| r.attempts.to_string()),
+        Column::text("CREATED", |r| time(r.created_at)),
+        Column::text("NEXT TRY / SENT", |r| {
+            opt_time(r.next_attempt_at.or(r.sent_at))
+        }),
+        Column::number("PAYLOAD", |r| r.payload_bytes.to_string()),
+        Column::text("LAST ERROR", |r| {
+            clip(r.last_error.as_deref().unwrap_or(""), 50)
+        }),
+    ]
+}
 
 /// `outbox list`: a page of outbox rows as a table.
 pub(crate) fn list(ctx: &mut Ctx<'_>, args: &OutboxListArgs) -> Result<u8, Failed> {
-    let cli = ctx.cli;
     let filter = admin::OutboxFilter {
         status: args.status,
         topic: args.topic.clone(),
@@ -20,63 +38,18 @@ pub(crate) fn list(ctx: &mut Ctx<'_>, args: &OutboxListArgs) -> Result<u8, Faile
         page: args.page.page(),
     };
     let rows = ctx.read("outbox list", |c| admin::outbox_list(c, &filter))?;
-    if cli.json {
-        ctx.json(&rows);
-    } else {
-        let cells = rows
-            .iter()
-            .map(|r| {
-                vec![
-                    r.seq.to_string(),
-                    esc(&r.topic),
-                    clip(r.key.as_deref().unwrap_or("-"), 24),
-                    clip(&r.message_id, 32),
-                    r.status.to_string(),
-                    r.attempts.to_string(),
-                    time(r.created_at),
-                    opt_time(r.next_attempt_at.or(r.sent_at)),
-                    r.payload_bytes.to_string(),
-                    clip(r.last_error.as_deref().unwrap_or(""), 50),
-                ]
-            })
-            .collect();
-        table(
-            &mut ctx.out,
-            &[
-                "SEQ",
-                "TOPIC",
-                "KEY",
-                "MESSAGE ID",
-                "STATUS",
-                "ATTEMPTS",
-                "CREATED",
-                "NEXT TRY / SENT",
-                "PAYLOAD",
-                "LAST ERROR",
-            ],
-            &[0, 5, 8],
-            cells,
-        );
-        page_footer(
-            &mut ctx.out,
-            rows.len(),
-            &args.page,
-            rows.last().map(|r| r.seq),
-        );
-    }
+    list_page(ctx, &rows, &columns(), &args.page, |r| r.seq);
     Ok(EXIT_OK)
 }
 
 /// `outbox show SEQ`: one outbox row in full, with what holds it back.
 pub(crate) fn show(ctx: &mut Ctx<'_>, seq: i64) -> Result<u8, Failed> {
-    let cli = ctx.cli;
-    let Some(d) = ctx.read("outbox show", |c| admin::outbox_show(c, seq))? else {
-        return Err(not_found(format!("no outbox row with seq {seq}")));
-    };
-    if cli.json {
-        ctx.json(&d);
-    } else {
-        render::print_outbox_detail(&mut ctx.out, &d);
-    }
+    let found = ctx.read("outbox show", |c| admin::outbox_show(c, seq))?;
+    detail(
+        ctx,
+        found,
+        || format!("no outbox row with seq {seq}"),
+        render::print_outbox_detail,
+    )?;
     Ok(EXIT_OK)
 }

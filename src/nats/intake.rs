@@ -1,0 +1,588 @@
+//! The NATS inbox intake ([`NatsIntake`]): a durable JetStream pull
+//! consumer's messages handed to one consumer of a [`Postroom`] on the
+//! named thread `postroom-nats-intake`.
+//!
+//! Invariants: a message is acknowledged only once it is durably in the
+//! inbox or in the dead letters; one that is not is asked back (NAK with
+//! the outcome's `retry_after`) together with every message pulled behind
+//! it, and nothing above a message awaited (asked back, or left unanswered
+//! by a previous intake: the barrier) is handed on before it, so per-key
+//! order holds. Every wait (pull, flush, shutdown) is bounded.
+
+use std::collections::{BTreeSet, HashSet};
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer, AckKind};
+use futures_util::StreamExt;
+
+use super::{connect, runtime, Backoff, IntakeStats, MAX_WAIT, MSG_ID};
+use crate::delivery::panic_message;
+use crate::engine::Postroom;
+use crate::error::{Error, Result};
+use crate::escape::Esc;
+use crate::hop::{bump, Arrived, IntakeCounters as Counters, Landed, Lander, Mode};
+
+/// Builds a [`NatsIntake`]; see [`NatsIntake::builder`].
+pub struct IntakeBuilder {
+    url: String,
+    room: Arc<Postroom>,
+    consumer: String,
+    stream: String,
+    durable: String,
+    filter: Option<String>,
+    mode: Mode,
+    backoff: Backoff,
+    sequenced: bool,
+    batch: usize,
+    ack_wait: Duration,
+}
+
+impl IntakeBuilder {
+    /// Only the stream's messages on `subject` (wildcards allowed); all of
+    /// them by default. Fixed when the durable consumer is created.
+    pub fn filter_subject(mut self, subject: impl Into<String>) -> Self {
+        self.filter = Some(subject.into());
+        self
+    }
+
+    /// Stores each message with [`receive`](Postroom::receive) (the
+    /// engine's workers process it) instead of delivering it inline; every
+    /// receipt acknowledges.
+    pub fn queued(mut self) -> Self {
+        self.mode = Mode::Receive;
+        self
+    }
+
+    /// Keeps a sequence watermark per sending outbox, as
+    /// the MQTT intake's `sequenced` does (the same contract:
+    /// only for an intake that receives every message of each sending
+    /// outbox; numbers out of range make a dead letter).
+    pub fn sequenced(mut self) -> Self {
+        self.sequenced = true;
+        self
+    }
+
+    /// Messages pulled at once (64 by default, 1 to 10,000).
+    pub fn batch(mut self, n: usize) -> Self {
+        self.batch = n.clamp(1, 10_000);
+        self
+    }
+
+    /// The consumer's ack wait, set when it is created (30 s by default):
+    /// a message pulled and neither acknowledged nor NAKed within it (the
+    /// intake died) is redelivered. Longer than the slowest handler.
+    pub fn ack_wait(mut self, wait: Duration) -> Self {
+        self.ack_wait = wait.clamp(Duration::from_secs(1), MAX_WAIT);
+        self
+    }
+
+    /// The wait between reconnection attempts while the server cannot be
+    /// reached: from `min`, doubled per failure, up to `max` (100 ms to
+    /// 5 s by default).
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.backoff = Backoff::new(min, max);
+        self
+    }
+
+    /// Starts the intake's thread (`postroom-nats-intake`). The durable
+    /// consumer is created on the stream when it does not exist
+    /// (explicit acks, deliver all, the ack wait above, the filter); one
+    /// that exists is used as it is. Refused here: a consumer the engine
+    /// does not have ([`Error::UnknownConsumer`]), an effectful consumer
+    /// without [`queued`](IntakeBuilder::queued), an empty stream or
+    /// durable name ([`Error::InvalidInput`]).
+    pub fn start(self) -> Result<NatsIntake> {
+        if self.stream.is_empty() || self.durable.is_empty() {
+            return Err(Error::invalid(
+                "nats",
+                "an intake needs a stream and a durable consumer name",
+            ));
+        }
+        self.room
+            .check_intake(&self.consumer, self.mode == Mode::Deliver)?;
+        let counters = Arc::new(Counters::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let (done_tx, done) = crossbeam_channel::bounded(1);
+        let worker = Intake {
+            url: self.url,
+            stream: self.stream,
+            durable: self.durable,
+            filter: self.filter,
+            batch: self.batch,
+            ack_wait: self.ack_wait,
+            backoff: self.backoff,
+            lander: Lander {
+                room: self.room,
+                consumer: self.consumer,
+                mode: self.mode,
+                sequenced: self.sequenced.then(HashSet::new),
+                label: "postroom nats intake",
+            },
+            counters: Arc::clone(&counters),
+            stop: Arc::clone(&stop),
+            outstanding: BTreeSet::new(),
+            barrier: None,
+        };
+        let handle = thread::Builder::new()
+            .name("postroom-nats-intake".into())
+            .spawn(move || {
+                let outcome = panic::catch_unwind(AssertUnwindSafe(|| worker.run()))
+                    .map_err(|p| panic_message(p.as_ref()))
+                    .and_then(|r| r);
+                if let Err(reason) = &outcome {
+                    log::error!("postroom nats intake: {}", Esc(&reason));
+                }
+                let _ = done_tx.send(outcome);
+            })
+            .map_err(|e| Error::io("spawn thread", e))?;
+        Ok(NatsIntake {
+            counters,
+            stop,
+            handle: Some(handle),
+            done,
+        })
+    }
+}
+
+/// Feeds a JetStream durable pull consumer's messages to one consumer of a
+/// [`Postroom`]: one named thread, explicit acknowledgements.
+/// Shut it down before the engine.
+///
+/// Each message's inbox id and source come from its hop headers
+/// ([`crate::hop::header`]: id = `postroom-id`, source = `postroom-source`
+/// or else `postroom-topic`), or, from a publisher that does not speak the
+/// contract (nor an [`Envelope`](crate::hop::Envelope) payload), source =
+/// the subject and id = its [`MSG_ID`] when it set one,
+/// else `nats-` + 128 bits of blake3 over subject and payload. Headers of
+/// NATS's own (`Nats-…`) are not kept.
+///
+/// Messages are handed on one at a time in the order pulled, and each is
+/// acknowledged only when [`Outcome::should_ack`](crate::Outcome::should_ack)
+/// (queued: once stored). One that is not (the handler failed and will be
+/// retried, storage failed) is NAKed with its `retry_after`, and so is
+/// every message pulled after it, unhandled; the intake pulls again only
+/// after that wait, when JetStream redelivers them first, in order. A
+/// message the engine refuses is stored as a dead letter with the reason,
+/// then acknowledged.
+pub struct NatsIntake {
+    counters: Arc<Counters>,
+    stop: Arc<AtomicBool>,
+    handle: Option<thread::JoinHandle<()>>,
+    done: crossbeam_channel::Receiver<std::result::Result<(), String>>,
+}
+
+impl NatsIntake {
+    /// An intake into `consumer` of `room`, pulling from the durable
+    /// consumer `durable` of the JetStream stream `stream` through the
+    /// server(s) at `url`. Give each intake a durable name of its own that
+    /// stays the same across restarts: JetStream keeps its position.
+    pub fn builder(
+        url: impl Into<String>,
+        room: Arc<Postroom>,
+        consumer: impl Into<String>,
+        stream: impl Into<String>,
+        durable: impl Into<String>,
+    ) -> IntakeBuilder {
+        IntakeBuilder {
+            url: url.into(),
+            room,
+            consumer: consumer.into(),
+            stream: stream.into(),
+            durable: durable.into(),
+            filter: None,
+            mode: Mode::Deliver,
+            backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
+            sequenced: false,
+            batch: 64,
+            ack_wait: Duration::from_secs(30),
+        }
+    }
+
+    /// What it has seen so far.
+    pub fn stats(&self) -> IntakeStats {
+        self.counters.snapshot()
+    }
+
+    /// Waits until the intake is bound to its durable consumer, at most
+    /// `timeout`; false if it is not.
+    pub fn wait_bound(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while !self.counters.ready.load(Ordering::Acquire) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+        true
+    }
+
+    /// Stops and joins the thread within `deadline`. Messages pulled and
+    /// not acknowledged come again after the consumer's ack wait.
+    /// [`Error::Stopped`] when the thread had panicked or did not stop in
+    /// time.
+    pub fn shutdown(mut self, deadline: Duration) -> Result<()> {
+        self.stop_within(deadline)
+    }
+
+    fn stop_within(&mut self, deadline: Duration) -> Result<()> {
+        self.stop.store(true, Ordering::Release);
+        let Some(handle) = self.handle.take() else {
+            return Ok(());
+        };
+        match self.done.recv_timeout(deadline) {
+            Ok(outcome) => {
+                let _ = handle.join();
+                outcome.map_err(|reason| Error::Stopped {
+                    thread: "postroom-nats-intake".into(),
+                    reason,
+                })
+            }
+            Err(_) => Err(Error::Stopped {
+                thread: "postroom-nats-intake".into(),
+                reason: format!("did not stop within {deadline:?}"),
+            }),
+        }
+    }
+}
+
+impl Drop for NatsIntake {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop_within(Duration::from_secs(5)) {
+            log::warn!("postroom nats intake: {}", Esc(&e));
+        }
+    }
+}
+
+/// The inbox message a JetStream message carries (see [`NatsIntake`]).
+fn inbound(msg: &async_nats::Message) -> Arrived {
+    let mut slots: Vec<(String, String)> = Vec::new();
+    let mut msg_id = None;
+    if let Some(headers) = &msg.headers {
+        for (name, values) in headers.iter() {
+            let name: &str = name.as_ref();
+            if name.eq_ignore_ascii_case(MSG_ID) {
+                msg_id = values.first().map(|v| v.as_str().to_owned());
+            }
+            if name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-") {
+                continue;
+            }
+            if let Some(value) = values.last() {
+                slots.push((name.to_owned(), value.as_str().to_owned()));
+            }
+        }
+    }
+    let subject = msg.subject.as_str();
+    if let Some(came) = Arrived::from_slots(&slots, &msg.payload, subject)
+        .or_else(|| Arrived::from_envelope(&msg.payload))
+    {
+        return came;
+    }
+    match msg_id {
+        Some(id) if !id.is_empty() => {
+            let mut came = Arrived::unwrapped("nats", subject, &msg.payload);
+            came.msg.id = id;
+            came.msg.headers = slots.into_iter().collect();
+            came
+        }
+        _ => {
+            let mut came = Arrived::unwrapped("nats", subject, &msg.payload);
+            came.msg.headers = slots.into_iter().collect();
+            came
+        }
+    }
+}
+
+/// The intake thread's state.
+struct Intake {
+    url: String,
+    stream: String,
+    durable: String,
+    filter: Option<String>,
+    batch: usize,
+    ack_wait: Duration,
+    backoff: Backoff,
+    lander: Lander,
+    counters: Arc<Counters>,
+    stop: Arc<AtomicBool>,
+    /// Stream sequences asked back (NAKed) and not yet handled: nothing
+    /// above the lowest is handed on before it.
+    outstanding: BTreeSet<u64>,
+    /// See [`Intake::bind`].
+    barrier: Option<u64>,
+}
+
+/// The NAK delay of a message held back behind an earlier one.
+const HELD_BACK_DELAY: Duration = Duration::from_millis(200);
+
+/// A bound durable pull consumer.
+type Pull = consumer::Consumer<consumer::pull::Config>;
+
+/// How long one pull waits for messages: the bound on noticing `stop`.
+const PULL_EXPIRES: Duration = Duration::from_secs(1);
+
+impl Intake {
+    fn run(mut self) -> std::result::Result<(), String> {
+        let rt = runtime().map_err(|e| e.to_string())?;
+        let mut bound: Option<(async_nats::Client, Pull)> = None;
+        let mut resume_at: Option<Instant> = None;
+        while !self.stop.load(Ordering::Acquire) {
+            if let Some(at) = resume_at {
+                if Instant::now() < at {
+                    thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+                resume_at = None;
+            }
+            if bound.is_none() {
+                match self.bind_now(&rt) {
+                    Ok(b) => bound = Some(b),
+                    Err(pause) => {
+                        resume_at = Some(Instant::now() + pause);
+                        continue;
+                    }
+                }
+            }
+            let Some((_, c)) = bound.as_ref() else {
+                continue;
+            };
+            let pulled = match self.pull(&rt, c) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.counters.ready.store(false, Ordering::Release);
+                    bound = None;
+                    let pause = self.backoff.fail();
+                    log::warn!(
+                        "postroom nats intake: {}; binding again in {pause:?}",
+                        Esc(&e)
+                    );
+                    resume_at = Some(Instant::now() + pause);
+                    continue;
+                }
+            };
+            let (hold, handled) = self.hand_on(&rt, pulled);
+            if self.waiting() {
+                self.raise_floor(&rt, c);
+            }
+            if let Some(after) = hold {
+                // Pull again only once they are due.
+                resume_at = Some(Instant::now() + after);
+            } else if handled == 0 && self.waiting() {
+                // Waiting for an earlier message to come again: pull
+                // slowly meanwhile.
+                resume_at = Some(Instant::now() + HELD_BACK_DELAY);
+            }
+        }
+        // Flush what was acknowledged before going (bounded).
+        rt.block_on(async {
+            let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                if let Some((client, _)) = bound.as_ref() {
+                    let _ = client.flush().await;
+                }
+            })
+            .await;
+        });
+        Ok(())
+    }
+
+    /// Whether an earlier message is awaited: one a previous intake left
+    /// unanswered (the barrier) or one this intake asked back.
+    fn waiting(&self) -> bool {
+        self.barrier.is_some() || !self.outstanding.is_empty()
+    }
+
+    /// Binds the durable consumer now, counting the connection; on failure
+    /// the backoff's pause before the next try.
+    fn bind_now(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+    ) -> std::result::Result<(async_nats::Client, Pull), Duration> {
+        match rt.block_on(self.bind()) {
+            Ok((client, c, barrier)) => {
+                self.barrier = barrier;
+                bump(&self.counters.connects);
+                self.counters.ready.store(true, Ordering::Release);
+                self.backoff.reset();
+                Ok((client, c))
+            }
+            Err(e) => {
+                let pause = self.backoff.fail();
+                log::warn!(
+                    "postroom nats intake: {}; trying again in {pause:?}",
+                    Esc(&e)
+                );
+                Err(pause)
+            }
+        }
+    }
+
+    /// One pull from the consumer, bounded: a batch (one message while an
+    /// earlier one is awaited: what comes meanwhile is asked back).
+    fn pull(
+        &self,
+        rt: &tokio::runtime::Runtime,
+        c: &Pull,
+    ) -> std::result::Result<Vec<jetstream::Message>, String> {
+        let waiting_batch = if self.waiting() { 1 } else { self.batch };
+        rt.block_on(async {
+            tokio::time::timeout(PULL_EXPIRES * 10, async {
+                let mut batch = c
+                    .fetch()
+                    .max_messages(waiting_batch)
+                    .expires(PULL_EXPIRES)
+                    .messages()
+                    .await
+                    .map_err(|e| format!("nats: pull: {e}"))?;
+                let mut out = Vec::new();
+                while let Some(m) = batch.next().await {
+                    match m {
+                        Ok(m) => out.push(m),
+                        Err(e) => {
+                            if out.is_empty() {
+                                return Err(format!("nats: pull: {e}"));
+                            }
+                            break;
+                        }
+                    }
+                }
+                Ok(out)
+            })
+            .await
+            .unwrap_or_else(|_| Err("nats: a pull did not end within 10 s".to_owned()))
+        })
+    }
+
+    /// Hands the pulled messages on in order, acknowledging what is stored
+    /// and asking back what is not and everything behind it. Returns the
+    /// wait before the next pull when one was asked back, and how many
+    /// were handed on.
+    fn hand_on(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        pulled: Vec<jetstream::Message>,
+    ) -> (Option<Duration>, usize) {
+        let mut hold: Option<Duration> = None;
+        let mut handled = 0usize;
+        for m in pulled {
+            bump(&self.counters.received);
+            let (seq, delivered) = m
+                .info()
+                .map(|i| (i.stream_sequence, i.delivered))
+                .unwrap_or((0, 1));
+            if delivered > 1 {
+                bump(&self.counters.redelivered);
+            }
+            // Behind a message not acknowledged (one this intake asked
+            // back, or one a previous intake pulled and never answered):
+            // handing it on first would break per-key order. Asked back,
+            // to come again after the earlier one.
+            let behind = self.barrier.is_some_and(|b| seq > b)
+                || self.outstanding.range(..seq).next().is_some();
+            if behind || hold.is_some() {
+                bump(&self.counters.held_back);
+                self.outstanding.insert(seq);
+                let after = hold.unwrap_or(HELD_BACK_DELAY);
+                let _ = rt.block_on(m.ack_with(AckKind::Nak(Some(after))));
+                continue;
+            }
+            handled += 1;
+            if let Some(after) = self.land(rt, &m, seq) {
+                hold = Some(after);
+            }
+        }
+        (hold, handled)
+    }
+
+    /// Lands one message in the inbox and answers it: acknowledged once
+    /// stored (or refused into the dead letters), else asked back after
+    /// the outcome's wait, which is returned.
+    fn land(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        m: &jetstream::Message,
+        seq: u64,
+    ) -> Option<Duration> {
+        let came = inbound(&m.message);
+        if !came.wrapped {
+            bump(&self.counters.unwrapped);
+        }
+        let place = m.message.subject.to_string();
+        match self.lander.land(came, &place, || inbound(&m.message).msg) {
+            Landed::Ack { duplicate, refused } => {
+                if duplicate {
+                    bump(&self.counters.duplicates);
+                }
+                if refused {
+                    bump(&self.counters.refused);
+                }
+                self.outstanding.remove(&seq);
+                // A lost ack is harmless: the message comes again after the
+                // ack wait, and the inbox knows it.
+                match rt.block_on(m.ack()) {
+                    Ok(()) => bump(&self.counters.acked),
+                    Err(e) => log::warn!("postroom nats intake: ack: {}", Esc(&e)),
+                }
+                None
+            }
+            Landed::Hold { retry_after } => {
+                bump(&self.counters.not_acked);
+                let after = retry_after.min(MAX_WAIT);
+                self.outstanding.insert(seq);
+                let _ = rt.block_on(m.ack_with(AckKind::Nak(Some(after))));
+                Some(after)
+            }
+        }
+    }
+
+    /// At or below the consumer's ack floor a message is answered or gone
+    /// from the stream (limits, age): the previous intake's messages are
+    /// all answered once the floor reaches the barrier, and a held message
+    /// the stream dropped is awaited no more.
+    fn raise_floor(&mut self, rt: &tokio::runtime::Runtime, c: &Pull) {
+        if let Ok(info) = rt.block_on(c.get_info()) {
+            let floor = info.ack_floor.stream_sequence;
+            if self.barrier.is_some_and(|b| floor >= b) {
+                self.barrier = None;
+            }
+            self.outstanding = self.outstanding.split_off(&(floor + 1));
+        }
+    }
+
+    /// Connects and binds the durable consumer, creating it when absent.
+    /// With the barrier: when the consumer has messages delivered and not
+    /// yet answered (a previous intake died holding them), the highest
+    /// stream sequence delivered so far; nothing above it is handed on
+    /// before they are answered.
+    #[allow(clippy::type_complexity)]
+    async fn bind(&self) -> std::result::Result<(async_nats::Client, Pull, Option<u64>), String> {
+        let client = connect(&self.url, Duration::from_secs(5)).await?;
+        let js = jetstream::new(client.clone());
+        let stream = js
+            .get_stream(&self.stream)
+            .await
+            .map_err(|e| format!("nats: the stream {:?}: {e}", self.stream))?;
+        let consumer = stream
+            .get_or_create_consumer(
+                &self.durable,
+                consumer::pull::Config {
+                    durable_name: Some(self.durable.clone()),
+                    ack_policy: consumer::AckPolicy::Explicit,
+                    deliver_policy: consumer::DeliverPolicy::All,
+                    ack_wait: self.ack_wait,
+                    filter_subject: self.filter.clone().unwrap_or_default(),
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| format!("nats: the consumer {:?}: {e}", self.durable))?;
+        let info = consumer
+            .get_info()
+            .await
+            .map_err(|e| format!("nats: the consumer {:?}: {e}", self.durable))?;
+        let barrier = (info.num_ack_pending > 0).then_some(info.delivered.stream_sequence);
+        Ok((client, consumer, barrier))
+    }
+}
