@@ -46,11 +46,11 @@
 use crate::escape::Esc;
 use std::cell::{Cell, RefCell};
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError};
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use rusqlite::Connection;
 
 use crate::clock::Clock;
@@ -59,8 +59,13 @@ use crate::delivery::exec;
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::guard::UserCodeGuard;
-use crate::runtime::wal::WalBounds;
 use crate::store::inflight::EngineFile;
+
+mod job;
+mod trigger;
+pub(crate) use job::{job, rerunnable_job, Answered, Job};
+use job::{take_queued, ABANDONED, QUEUED};
+pub(crate) use trigger::CheckpointTrigger;
 
 /// What a job can use while it runs.
 pub(crate) struct WriterCtx<'a> {
@@ -83,46 +88,6 @@ impl WriterCtx<'_> {
             guard: self.guard,
         }
     }
-}
-
-/// A job, and how its answer arrives.
-pub(crate) type Answered<T> = (Box<dyn Job>, Answer<T>);
-
-/// Where a job's answer arrives, and the job's claim: a caller that gives
-/// up waiting (see [`WriterHandle::enqueue_job`]) may do so only while the
-/// job has not started, so that an error it answers means nothing of the
-/// job was stored.
-pub(crate) struct Answer<T> {
-    rx: Receiver<Result<T>>,
-    claim: Arc<AtomicU8>,
-}
-
-/// [`Answer::claim`]: queued, not started yet.
-const QUEUED: u8 = 0;
-/// Started (by a batch): its caller waits for the answer.
-const STARTED: u8 = 1;
-/// Its caller gave up before it started: it never runs.
-const ABANDONED: u8 = 2;
-
-/// A unit of work for the writer.
-pub(crate) trait Job: Send {
-    /// Runs inside the batch's transaction (and its own savepoint, unless
-    /// alone in it). An `Err` (a copy of the job's own error) means its
-    /// writes must be rolled back.
-    fn run(&mut self, ctx: &mut WriterCtx<'_>) -> Result<()>;
-    /// Answers the caller, once the batch has committed (`Ok`) or failed.
-    fn finish(self: Box<Self>, batch: std::result::Result<(), &Error>);
-    /// The transaction this job ran in (or was about to) was rolled back
-    /// by some job's user code: true if the job can run again in a fresh
-    /// one, else it answers with `reason` (or the error it met itself).
-    fn rerun(&mut self, reason: &Error) -> bool;
-    /// The storage rolled back the transaction while this job ran (a full
-    /// disk met by its own writes): it answers with `own` and never runs
-    /// again, whatever kind of job it is (run again, it would meet the
-    /// same full disk).
-    fn give_up(&mut self, own: Error);
-    /// True for a job that can run again (see [`rerunnable_job`]).
-    fn rerunnable(&self) -> bool;
 }
 
 /// How long the writer, with nothing else to do, waits for a caller's job
@@ -540,140 +505,6 @@ impl Leader<'_> {
     }
 }
 
-/// A job's closure: run once (`None` once it ran), or as often as its
-/// transaction is rolled back under it.
-enum Work<F, G> {
-    Once(Option<F>),
-    Again(G),
-}
-
-/// `Again`'s type for a job that runs once.
-type NeverAgain<T> = fn(&mut WriterCtx<'_>) -> Result<T>;
-
-struct FnJob<T, F, G = NeverAgain<T>> {
-    work: Work<F, G>,
-    result: Option<Result<T>>,
-    reply: Sender<Result<T>>,
-    /// See [`Answer::claim`].
-    claim: Arc<AtomicU8>,
-}
-
-impl<T, F, G> Job for FnJob<T, F, G>
-where
-    T: Send,
-    F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send,
-    G: FnMut(&mut WriterCtx<'_>) -> Result<T> + Send,
-{
-    fn run(&mut self, ctx: &mut WriterCtx<'_>) -> Result<()> {
-        let abandoned =
-            self.claim
-                .compare_exchange(QUEUED, STARTED, Ordering::AcqRel, Ordering::Acquire)
-                == Err(ABANDONED);
-        let result = match &mut self.work {
-            // Its caller gave up before it started: nobody hears of it, and
-            // nothing of it may be stored.
-            _ if abandoned => Err(Error::Aborted {
-                reason: "its caller stopped waiting".into(),
-            }),
-            Work::Once(work) => match work.take() {
-                Some(work) => work(ctx),
-                None => Err(Error::Aborted {
-                    reason: "job ran twice".into(),
-                }),
-            },
-            Work::Again(work) => work(ctx),
-        };
-        let copy = match &result {
-            Ok(_) => Ok(()),
-            Err(e) => Err(e.duplicate()),
-        };
-        self.result = Some(result);
-        copy
-    }
-
-    fn rerunnable(&self) -> bool {
-        matches!(self.work, Work::Again(_))
-    }
-
-    fn rerun(&mut self, reason: &Error) -> bool {
-        match &mut self.work {
-            Work::Once(Some(_)) => true,
-            Work::Once(None) => {
-                if !matches!(self.result, Some(Err(_))) {
-                    self.result = Some(Err(reason.duplicate()));
-                }
-                false
-            }
-            Work::Again(_) => {
-                self.result = None;
-                true
-            }
-        }
-    }
-
-    fn give_up(&mut self, own: Error) {
-        self.result = Some(Err(own));
-    }
-
-    fn finish(self: Box<Self>, batch: std::result::Result<(), &Error>) {
-        let answer = match (self.result, batch) {
-            (Some(Err(own)), _) => Err(own),
-            (Some(Ok(value)), Ok(())) => Ok(value),
-            (_, Err(batch)) => Err(batch.duplicate()),
-            (None, Ok(())) => Err(Error::Aborted {
-                reason: "job was not run".into(),
-            }),
-        };
-        // The caller may have given up waiting; that is its business.
-        let _ = self.reply.send(answer);
-    }
-}
-
-/// Wraps a closure as a job, with the channel its answer arrives on.
-pub(crate) fn job<T, F>(work: F) -> Answered<T>
-where
-    T: Send + 'static,
-    F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
-{
-    let (reply, rx) = crossbeam_channel::bounded(1);
-    let claim = Arc::new(AtomicU8::new(QUEUED));
-    let job: FnJob<T, F> = FnJob {
-        work: Work::Once(Some(work)),
-        result: None,
-        reply,
-        claim: Arc::clone(&claim),
-    };
-    (Box::new(job), Answer { rx, claim })
-}
-
-/// Like [`job`], for work that can run again when its transaction is
-/// rolled back under it (see the module docs).
-pub(crate) fn rerunnable_job<T, G>(work: G) -> Answered<T>
-where
-    T: Send + 'static,
-    G: FnMut(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
-{
-    let (reply, rx) = crossbeam_channel::bounded(1);
-    let claim = Arc::new(AtomicU8::new(QUEUED));
-    let job: FnJob<T, NeverAgain<T>, G> = FnJob {
-        work: Work::Again(work),
-        result: None,
-        reply,
-        claim: Arc::clone(&claim),
-    };
-    (Box::new(job), Answer { rx, claim })
-}
-
-/// Adds queued jobs to `batch`, up to `max_batch` in all.
-fn take_queued(queue: &Receiver<Box<dyn Job>>, batch: &mut Vec<Box<dyn Job>>, max_batch: usize) {
-    while batch.len() < max_batch {
-        match queue.try_recv() {
-            Ok(job) => batch.push(job),
-            Err(_) => break,
-        }
-    }
-}
-
 /// Counters for [`Stats`](crate::Stats): how many transactions the writer
 /// committed and how many jobs they carried, and who copied the WAL back.
 #[derive(Debug, Default)]
@@ -709,184 +540,6 @@ pub(crate) struct WriterState {
     pub outbox_dirty: Arc<AtomicBool>,
     pub relay_wake: Option<Sender<()>>,
     pub checkpoint: CheckpointTrigger,
-}
-
-/// Who copies the WAL back after a commit: the checkpointer, woken once
-/// per [`WalBounds::wake_pages`] of growth, or the writer itself when the
-/// WAL has grown too far for that (or the checkpointer is gone). And when
-/// the storage was found full: the writer gives the WAL back (copies it
-/// back and truncates it), so that its space, and any freed since, holds
-/// commits again.
-pub(crate) struct CheckpointTrigger {
-    /// `None` once the checkpointer is gone.
-    wake: Option<Sender<()>>,
-    bounds: WalBounds,
-    /// WAL frames at which the checkpointer is woken next.
-    wake_at: c_int,
-    /// WAL frames after the last commit that wrote any.
-    last_pages: c_int,
-    /// A statement or commit of the running batch found the storage full.
-    full: bool,
-    /// The WAL could not be given back when the storage was full (the
-    /// copy-back itself needed space): tried again after each commit, which
-    /// proves some space is free again.
-    owed: bool,
-    /// A reader kept the last `RESTART` copy-back from completing: none is
-    /// tried before this moment, only passive ones (see
-    /// [`WriterState::copy_back_inline`]).
-    retry_at: Option<Instant>,
-    /// The wait after the next blocked copy-back.
-    backoff: Duration,
-    /// WAL frames at which the next "past its cap" warning is logged.
-    warn_at: c_int,
-    /// The `-wal` file, for the warning's size.
-    wal: std::path::PathBuf,
-}
-
-impl CheckpointTrigger {
-    pub fn new(wake: Sender<()>, bounds: WalBounds, wal: std::path::PathBuf) -> Self {
-        CheckpointTrigger {
-            wake: Some(wake),
-            bounds,
-            wake_at: bounds.wake_pages,
-            last_pages: 0,
-            full: false,
-            owed: false,
-            retry_at: None,
-            backoff: BLOCKED_BACKOFF_MIN,
-            warn_at: Self::cap(bounds),
-            wal,
-        }
-    }
-
-    /// The WAL's cap in frames (see [`WAL_CAP_FACTOR`]).
-    fn cap(bounds: WalBounds) -> c_int {
-        bounds.inline_pages.saturating_mul(WAL_CAP_FACTOR)
-    }
-
-    /// A reader kept the copy-back made `now` from completing: the next
-    /// try waits, twice as long as the last time (up to a bound).
-    fn blocked(&mut self, now: Instant) {
-        self.retry_at = Some(now + self.backoff);
-        self.backoff = (self.backoff * 2).min(BLOCKED_BACKOFF_MAX);
-    }
-
-    /// A copy-back completed: the next one is tried as soon as it is due.
-    fn completed(&mut self) {
-        self.retry_at = None;
-        self.backoff = BLOCKED_BACKOFF_MIN;
-    }
-
-    /// Past the WAL's cap (only a reader holding an old snapshot gets it
-    /// there): counted per commit, and logged once per doubling, naming the
-    /// cause and what to do. Said again, at info, once it is back under.
-    fn warn_past_cap(&mut self, pages: c_int) {
-        let cap = Self::cap(self.bounds);
-        if pages == 0 {
-            return;
-        }
-        if pages < cap {
-            if self.warn_at > cap {
-                log::info!("postroom writer: the WAL is back under its cap");
-                self.warn_at = cap;
-            }
-            return;
-        }
-        crate::telemetry::wal_over_cap();
-        if pages >= self.warn_at {
-            let bytes = std::fs::metadata(&self.wal).map_or(0, |m| m.len());
-            log::warn!(
-                "postroom writer: the WAL holds {pages} frames ({} MiB), past its cap of {cap}: \
-                 another connection keeps a read transaction open (a DB browser, a long \
-                 query, a backup), so it cannot be copied back. Commits go on and the WAL is \
-                 copied back once that reader ends; end it, or the WAL grows until the disk \
-                 is full",
-                bytes >> 20
-            );
-            self.warn_at = pages.saturating_mul(2);
-        }
-    }
-
-    /// Notes a job's or a batch's result: a full disk (or `max_page_count`)
-    /// asks for the WAL to be given back once the batch is over.
-    fn note<T>(&mut self, result: &Result<T>) {
-        if let Err(Error::StorageFull { .. }) = result {
-            self.full = true;
-        }
-    }
-
-    /// True (once) when the batch that just ended found the storage full.
-    fn full_now(&mut self) -> bool {
-        std::mem::take(&mut self.full)
-    }
-
-    /// Frames a commit that left `pages` in the WAL appended: the growth
-    /// since the last commit, or all of them when the WAL restarted in
-    /// between (a restart happens only between commits).
-    fn appended(&mut self, pages: c_int) -> u64 {
-        if pages == 0 {
-            return 0;
-        }
-        let grown = if pages > self.last_pages {
-            pages - self.last_pages
-        } else {
-            pages
-        };
-        self.last_pages = pages;
-        u64::try_from(grown).unwrap_or(0)
-    }
-
-    /// After a commit that left `pages` frames in the WAL (0: the commit
-    /// wrote nothing; SQLite calls the hook only for commits that append
-    /// frames, so it says nothing of the WAL). True when the writer must
-    /// copy back itself.
-    fn after_commit(&mut self, pages: c_int) -> bool {
-        if pages == 0 {
-            return false;
-        }
-        let wake_pages = self.bounds.wake_pages;
-        if pages < wake_pages {
-            // Restarted (or still small).
-            self.wake_at = wake_pages;
-            return false;
-        }
-        // Once per wake_pages of growth: a WAL that keeps growing while
-        // the checkpointer waits for a quiet moment must not keep it
-        // copying a few frames at a time.
-        if pages >= self.wake_at {
-            if let Some(wake) = &self.wake {
-                // Full: it is already asked.
-                if let Err(TrySendError::Disconnected(())) = wake.try_send(()) {
-                    self.wake = None;
-                }
-            }
-            self.wake_at = pages + wake_pages;
-        }
-        pages >= self.inline_at()
-    }
-
-    /// True when a copy-back may wait on readers (`RESTART`): the WAL is
-    /// far behind and no reader kept the last such try from completing
-    /// within its back-off.
-    fn may_restart(&self, pages: c_int) -> bool {
-        self.far_behind(pages) && self.retry_at.is_none_or(|at| Instant::now() >= at)
-    }
-
-    /// Frames from which the writer copies back itself.
-    fn inline_at(&self) -> c_int {
-        match self.wake {
-            Some(_) => self.bounds.inline_pages,
-            None => self.bounds.wake_pages,
-        }
-    }
-
-    /// True when the WAL has passed twice the writer's own bound: its
-    /// passive copy-backs are not getting through (the checkpointer's pass
-    /// holds the checkpoint lock, and a passive checkpoint does not wait
-    /// for it), so the next one must wait.
-    fn far_behind(&self, pages: c_int) -> bool {
-        pages >= self.inline_at().saturating_mul(2)
-    }
 }
 
 impl WriterState {
@@ -1546,44 +1199,5 @@ impl WriterThread {
 fn wake_relay(tx: &crossbeam_channel::Sender<()>, dirty: &std::sync::atomic::AtomicBool) {
     if dirty.swap(false, std::sync::atomic::Ordering::AcqRel) {
         let _ = tx.try_send(());
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::runtime::wal::INLINE_CHECKPOINT_PAGES;
-
-    #[test]
-    fn the_checkpointer_is_woken_once_per_growth_and_the_writer_copies_back_when_it_is_gone() {
-        let (wake, woken) = crossbeam_channel::bounded(1);
-        let bounds = WalBounds::new(4 << 20, None, 4096);
-        let mut trigger = CheckpointTrigger::new(wake, bounds, std::path::PathBuf::new());
-        assert!(!trigger.after_commit(999));
-        assert!(woken.try_recv().is_err(), "woken below the threshold");
-        assert!(!trigger.after_commit(1000));
-        assert!(woken.try_recv().is_ok(), "not woken at the threshold");
-        // A commit that wrote nothing (0) does not re-arm the wake.
-        assert!(!trigger.after_commit(0));
-        assert!(!trigger.after_commit(1500));
-        assert!(
-            woken.try_recv().is_err(),
-            "woken again before 1000 more frames"
-        );
-        assert!(!trigger.after_commit(2000));
-        assert!(woken.try_recv().is_ok(), "not woken after 1000 more frames");
-        // Far behind: the writer copies back itself.
-        assert!(trigger.after_commit(INLINE_CHECKPOINT_PAGES));
-        // Restarted: the threshold is back at 1000.
-        assert!(!trigger.after_commit(10));
-        assert!(!trigger.after_commit(1000));
-        assert!(woken.try_recv().is_ok(), "not woken after a restart");
-        // Gone: from then on the writer copies back from 1000 frames.
-        drop(woken);
-        assert!(
-            trigger.after_commit(2000),
-            "the loss is noticed at the next wake, and that commit copies back"
-        );
-        assert!(trigger.after_commit(1001));
     }
 }
