@@ -479,3 +479,28 @@ fn strict_order_for_an_unknown_consumer_is_refused_at_open() {
         "{refused:?}"
     );
 }
+
+/// `dead_retention` deletes dead letters on its own, and a deleted dead
+/// letter releases its key (nothing else holds it): the document's later
+/// edits would apply past the dead one with no operator's say, on a base
+/// it never produced. An engine with strict order refuses it at open.
+#[test]
+fn strict_order_with_dead_retention_is_refused_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let refused = builder()
+        .consumer("tx", handler_fn(record))
+        .strict_order("tx")
+        .dead_retention(Some(Duration::from_secs(30 * 24 * 3600)))
+        .open(dir.path().join("app.db"));
+    assert!(
+        matches!(
+            refused,
+            Err(Error::InvalidInput {
+                field: "strict_order",
+                ..
+            })
+        ),
+        "{:?}",
+        refused.map(|_| "opened")
+    );
+}
