@@ -254,6 +254,8 @@ mod tests {
                 waiting_for_retry: 2,
                 dead: 2,
                 oldest_dead_ms: Some(400),
+                waiting_for_redelivery: 0,
+                oldest_redelivery_ms: None,
                 watermark_gaps: 0,
             }
         );
@@ -277,6 +279,10 @@ mod tests {
         let g = read(&conn, &consumers(&["c"])).unwrap();
         assert_eq!((g[0].backlog, g[0].waiting_for_retry), (3, 1));
         assert_eq!(g[0].oldest_pending_ms, Some(300));
+        assert_eq!(
+            (g[0].waiting_for_redelivery, g[0].oldest_redelivery_ms),
+            (1, Some(200))
+        );
     }
 
     #[test]
