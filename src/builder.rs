@@ -194,7 +194,9 @@ impl Builder {
     /// redelivers later). Messages without a key are not affected.
     /// `postroom status` shows each strict consumer's held keys and the age
     /// of the oldest dead letter holding one. A consumer registered on
-    /// this builder. Default: off for every consumer.
+    /// this builder; refused at `open` together with
+    /// [`dead_retention`](Builder::dead_retention), whose deletion of a
+    /// dead letter would release its key. Default: off for every consumer.
     pub fn strict_order(mut self, consumer: impl Into<String>) -> Self {
         self.strict_order.push(consumer.into());
         self

@@ -312,6 +312,17 @@ impl Builder {
                 ));
             }
         }
+        // A dead letter deleted releases its key (nothing else holds it):
+        // retention would let the key's later messages run past it with no
+        // operator's say.
+        if !self.strict_order.is_empty() && self.config.dead_retention.is_some() {
+            return Err(Error::invalid(
+                "strict_order",
+                "dead_retention deletes dead letters, and a deleted dead letter releases \
+                 the ordering key it holds: leave dead_retention unset (None) on an engine \
+                 with strict_order, and redrive or discard its dead letters",
+            ));
+        }
         Postroom::open_with(self, path.as_ref())
     }
 }

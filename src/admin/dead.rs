@@ -153,6 +153,9 @@ impl DeadLetterAction {
 /// transaction, pausing between full batches like [`cleanup`](crate::admin::cleanup). An id that
 /// is not (or no longer) a dead letter is left as it is and counted as
 /// skipped. `progress` hears the count handled so far after each batch.
+/// The ids are taken in ascending order whatever order they come in, so
+/// that each ordering key's dead letters are redriven earliest first
+/// across transactions too.
 pub fn act_on_dead_letters(
     conn: &Connection,
     action: DeadLetterAction,
@@ -162,6 +165,12 @@ pub fn act_on_dead_letters(
     progress: &mut dyn FnMut(u64),
 ) -> Result<BulkSummary> {
     let mut summary = BulkSummary::default();
+    // A redriven row is its key's head once no earlier row of the key is
+    // unfinished: redriven newest first, a key's later row, redriven in an
+    // earlier transaction, ran (by default order, where the dead row
+    // before it does not hold it) before the earlier one was redriven.
+    let mut ids = ids.to_vec();
+    ids.sort_unstable();
     for batch in ids.chunks(BULK_BATCH) {
         let started = Instant::now();
         let done = write(conn, "act on dead letters", |c| {

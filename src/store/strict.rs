@@ -9,7 +9,8 @@
 //!   which lists dead keyed rows only, so the probe costs one index step
 //!   whatever the inbox holds;
 //! * what releases a key is a change of its dead row's status or the row's
-//!   deletion (redrive, discard, `dead_retention`, a hand edit): nothing
+//!   deletion (redrive, discard, `postroom cleanup`, a hand edit; `open`
+//!   refuses `dead_retention` with strict order): nothing
 //!   here keeps state that could go stale;
 //! * `postroom_meta` lists the strict consumers of the last engine that
 //!   opened the file (`strict_order:<consumer>` keys), for the operator's
