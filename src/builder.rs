@@ -1,6 +1,6 @@
 //! The builder: what an application registers (consumers, a sink, a
 //! clock) and its settings, each with its documented default. Opening is
-//! the engine's (`Builder::open`, in engine.rs).
+//! the engine's (`Builder::open`, in engine/open.rs).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -9,6 +9,7 @@ pub(crate) mod check;
 pub(crate) mod conflicts;
 pub(crate) mod due;
 pub(crate) mod gauges;
+pub(crate) mod identity;
 pub(crate) mod inbox;
 pub(crate) mod inflight;
 pub(crate) mod outbox;
