@@ -234,35 +234,9 @@ fn data_version(conn: &Connection) -> Option<i64> {
 impl Checkpointer {
     /// The thread's body, until `stop` disconnects.
     pub fn run(mut self) {
-        // `checkpoint.open`: a test-only failpoint (not in the crash
-        // matrix), for an open that fails (out of file descriptors, say).
-        let opened = crate::failpoint::hit("checkpoint.open")
-            .map_err(|e| e.to_string())
-            .and_then(|()| open(&self.db, &self.config).map_err(|e| e.to_string()));
-        let conn = match opened {
+        let conn = match self.open_connection() {
             Ok(conn) => conn,
-            Err(e) => {
-                // Dropping the wake's receiver: the writer sees it gone and
-                // copies the WAL back itself. The watch goes on, though:
-                // without it the other threads would sleep to their safety
-                // nets (the reaper has none) whatever another process
-                // commits (see `watch_only`).
-                log::error!(
-                    "postroom checkpointer: cannot open the database: {e}; \
-                     the writer copies the WAL back itself"
-                );
-                let Checkpointer {
-                    wake,
-                    stop,
-                    mut watch,
-                    db,
-                    config,
-                    ..
-                } = self;
-                drop(wake);
-                watch_only(&mut watch, &stop, &db, &config);
-                return;
-            }
+            Err(e) => return self.watch_without_connection(&e),
         };
         let wal = crate::store::wal_path(&self.db);
         let mut last_batches = self.counters.batches.load(Ordering::Relaxed);
@@ -341,6 +315,37 @@ impl Checkpointer {
                 checkpoint(&conn, "TRUNCATE");
             }
         }
+    }
+
+    /// This thread's own connection. `checkpoint.open`: a test-only
+    /// failpoint (not in the crash matrix), for an open that fails (out of
+    /// file descriptors, say).
+    fn open_connection(&self) -> std::result::Result<Connection, String> {
+        crate::failpoint::hit("checkpoint.open")
+            .map_err(|e| e.to_string())
+            .and_then(|()| open(&self.db, &self.config).map_err(|e| e.to_string()))
+    }
+
+    /// Without a connection: dropping the wake's receiver, the writer sees
+    /// it gone and copies the WAL back itself. The watch goes on, though:
+    /// without it the other threads would sleep to their safety nets (the
+    /// reaper has none) whatever another process commits (see
+    /// `watch_only`).
+    fn watch_without_connection(self, e: &str) {
+        log::error!(
+            "postroom checkpointer: cannot open the database: {e}; \
+             the writer copies the WAL back itself"
+        );
+        let Checkpointer {
+            wake,
+            stop,
+            mut watch,
+            db,
+            config,
+            ..
+        } = self;
+        drop(wake);
+        watch_only(&mut watch, &stop, &db, &config);
     }
 
     /// Reports the handler holding the writer once it has held it past
