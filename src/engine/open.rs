@@ -9,7 +9,7 @@
 //! whatever was started.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -101,18 +101,13 @@ impl Postroom {
             strict_order,
         } = builder;
         config.strict_order.extend(strict_order);
-        // Before any file is touched: an old system SQLite changes nothing.
-        schema::check_sqlite_version(rusqlite::version_number())?;
-        let given = path;
-        let path = &schema::resolve(given)?;
-        let (mut conn, mut engine_file) = open_database(path, given, &config)?;
-        recovery::recover(&conn, &config, &*clock, &mut engine_file)?;
+        let (path, mut conn, engine_file) = open_database(path, &config, &*clock)?;
+        let path = &path;
         let first_token = schema::lease_token_base(&conn)?;
         let wal_bounds = wal::WalBounds::for_database(&conn, path, config.checkpoint_wal_bytes);
         checkpoint::at_open(&conn, path, wal_bounds.truncate_bytes, config.busy_timeout);
         let guard = UserCodeGuard::install(&mut conn)
             .map_err(|e| Error::sqlite("install authorizer", e))?;
-
         let counters = Arc::new(Counters::default());
         let outbox_dirty = install_hooks(&mut conn)?;
         let (relay_wake, relay_woken) = crossbeam_channel::bounded(1);
@@ -128,19 +123,10 @@ impl Postroom {
         if sink.is_some() {
             watched.push(relay_wake.clone());
         }
-        let checkpoint_inputs = CheckpointInputs::new(
-            checkpoint_woken,
-            guard.clone(),
-            &engine_file,
-            checkpoint::Watch {
-                wake: watched,
-                clock: Arc::clone(&clock),
-                gauges: crate::runtime::gauges::Gauges::new(
-                    consumers.iter().map(|(name, _)| name.clone()).collect(),
-                    path,
-                ),
-            },
-        );
+        let names = consumers.iter().map(|(name, _)| name.clone()).collect();
+        let watch = checkpoint::Watch::new(watched, Arc::clone(&clock), names, path);
+        let checkpoint_inputs =
+            CheckpointInputs::new(checkpoint_woken, guard.clone(), &engine_file, watch);
         let state = WriterState {
             outbox_dirty,
             relay_wake: sink.is_some().then_some(relay_wake),
@@ -158,9 +144,7 @@ impl Postroom {
         };
         let casualty = Arc::new(Casualty::default());
         let (writer, writer_running) = start_writer(state, &casualty)?;
-
         let readers = read_pool(path, &config);
-
         let consumers: HashMap<String, Arc<Consumer>> = consumers
             .into_iter()
             .map(|(name, kind)| (name.clone(), Arc::new(Consumer { name, kind })))
@@ -240,16 +224,21 @@ impl CheckpointInputs {
     }
 }
 
-/// Creates (if missing), locks, migrates and identifies the database at
-/// `path` (resolved; `given` is what the caller named, for errors), and
-/// returns the writer's connection with the locked engine file. A refusal
-/// changes nothing: it removes what this open created (an engine file, an
-/// empty database file).
+/// Checks the SQLite version and resolves `given` (symlinks) before any
+/// file is touched; then creates (if missing), locks, migrates, identifies
+/// and recovers the database, and returns its resolved path, the writer's
+/// connection and the locked engine file. A refusal changes nothing: it
+/// removes what this open created (an engine file, an empty database
+/// file).
 fn open_database(
-    path: &Path,
     given: &Path,
     config: &crate::config::Config,
-) -> Result<(Connection, EngineFile)> {
+    clock: &dyn crate::clock::Clock,
+) -> Result<(PathBuf, Connection, EngineFile)> {
+    // Before any file is touched: an old system SQLite changes nothing.
+    schema::check_sqlite_version(rusqlite::version_number())?;
+    let resolved = schema::resolve(given)?;
+    let path = resolved.as_path();
     let named = |e| match e {
         Error::AlreadyOpen { .. } => Error::AlreadyOpen {
             path: given.to_path_buf(),
@@ -284,7 +273,10 @@ fn open_database(
         Ok(conn)
     })();
     match opened {
-        Ok(conn) => Ok((conn, engine_file)),
+        Ok(conn) => {
+            recovery::recover(&conn, config, clock, &mut engine_file)?;
+            Ok((resolved, conn, engine_file))
+        }
         Err(e) => {
             let empty = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
             if created && empty {

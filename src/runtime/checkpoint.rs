@@ -137,6 +137,23 @@ pub(crate) struct Watch {
     pub gauges: Gauges,
 }
 
+impl Watch {
+    /// A watch waking `wake`, reading due times against `clock`, with the
+    /// live gauges of `consumers` over the database at `db`.
+    pub fn new(
+        wake: Vec<Sender<()>>,
+        clock: Arc<dyn Clock>,
+        consumers: Vec<String>,
+        db: &std::path::Path,
+    ) -> Self {
+        Watch {
+            wake,
+            clock,
+            gauges: Gauges::new(consumers, db),
+        }
+    }
+}
+
 /// The watch's state between checks.
 struct Watching {
     version: Option<i64>,
