@@ -52,9 +52,6 @@ pub struct Builder {
     pub(crate) sink: Option<Box<dyn Sink>>,
     pub(crate) handle_signals: bool,
     pub(crate) backlog_limits: Vec<(String, u64)>,
-    /// Consumers named by `strict_order`, checked at `open` and moved into
-    /// the config.
-    pub(crate) strict_order: Vec<String>,
 }
 
 /// The two kinds of handler a consumer can have.
@@ -75,7 +72,6 @@ impl Default for Builder {
             sink: None,
             handle_signals: false,
             backlog_limits: Vec::new(),
-            strict_order: Vec::new(),
         }
     }
 }
@@ -198,7 +194,7 @@ impl Builder {
     /// [`dead_retention`](Builder::dead_retention), whose deletion of a
     /// dead letter would release its key. Default: off for every consumer.
     pub fn strict_order(mut self, consumer: impl Into<String>) -> Self {
-        self.strict_order.push(consumer.into());
+        self.config.strict_order.insert(consumer.into());
         self
     }
 

@@ -1022,7 +1022,14 @@ mod tests {
         };
         queue::receive(&conn, "c", &msg, &hash, 0).unwrap();
         let claim = |conn: &Connection, token| {
-            let claimed = queue::claim(conn, "c", 1, 0, 60_000, token, 5).unwrap();
+            let due = queue::Due {
+                consumer: "c",
+                order: crate::config::KeyOrder::DeadReleases,
+                limit: 1,
+                now_ms: 0,
+                max_attempts: 5,
+            };
+            let claimed = queue::claim(conn, due, 60_000, token).unwrap();
             assert_eq!(claimed.len(), 1);
             claimed[0].row_id
         };

@@ -66,7 +66,7 @@ impl Builder {
                 return Err(Error::invalid("backlog_limit", problem));
             }
         }
-        for name in &self.strict_order {
+        for name in &self.config.strict_order {
             if !seen.contains_key(name.as_str()) {
                 return Err(Error::invalid(
                     "strict_order",
@@ -77,7 +77,7 @@ impl Builder {
         // A dead letter deleted releases its key (nothing else holds it):
         // retention would let the key's later messages run past it with no
         // operator's say.
-        if !self.strict_order.is_empty() && self.config.dead_retention.is_some() {
+        if !self.config.strict_order.is_empty() && self.config.dead_retention.is_some() {
             return Err(Error::invalid(
                 "strict_order",
                 "dead_retention deletes dead letters, and a deleted dead letter releases \
@@ -92,15 +92,13 @@ impl Builder {
 impl Postroom {
     pub(crate) fn open_with(builder: Builder, path: &Path) -> Result<Postroom> {
         let Builder {
-            mut config,
+            config,
             consumers,
             clock,
             sink,
             handle_signals,
             backlog_limits,
-            strict_order,
         } = builder;
-        config.strict_order.extend(strict_order);
         let (path, mut conn, engine_file) = open_database(path, &config, &*clock)?;
         let path = &path;
         let first_token = schema::lease_token_base(&conn)?;

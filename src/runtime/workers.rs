@@ -379,7 +379,7 @@ fn claim_round(
                 max_attempts,
             };
             claimed.extend(
-                queue::claim_in_order(w.conn, due, until, token)
+                queue::claim(w.conn, due, until, token)
                     .map_err(|e| Error::sqlite("claim due messages", e))?,
             );
         }

@@ -305,12 +305,15 @@ impl Machine {
                     claims.extend(
                         queue::claim(
                             m.conn(),
-                            consumer,
-                            want,
-                            m.now_ms,
+                            queue::Due {
+                                consumer,
+                                order: crate::config::KeyOrder::DeadReleases,
+                                limit: want,
+                                now_ms: m.now_ms,
+                                max_attempts: MAX_ATTEMPTS,
+                            },
                             m.now_ms + LEASE_MS,
                             token,
-                            MAX_ATTEMPTS,
                         )
                         .map_err(|e| crate::Error::sqlite("claim", e))?,
                     );

@@ -176,33 +176,7 @@ macro_rules! due_columns {
     };
 }
 
-/// Claims up to `limit` due rows of `consumer` (see [`due_rows`]) with a
-/// lease, counting their attempt, for steps that run outside the writer's
-/// transaction (effectful consumers). A row that already used
-/// `max_attempts` (the cap was lowered since) is dead-lettered instead of
-/// claimed. Keys in the default order ([`KeyOrder::DeadReleases`]); the
-/// engine's workers use [`claim_in_order`].
-#[cfg_attr(not(any(test, feature = "_sim")), allow(dead_code))] // the model harness
-pub(crate) fn claim(
-    conn: &Connection,
-    consumer: &str,
-    limit: usize,
-    now_ms: i64,
-    lease_until: i64,
-    token: i64,
-    max_attempts: u32,
-) -> rusqlite::Result<Vec<Claimed>> {
-    let due = Due {
-        consumer,
-        order: KeyOrder::DeadReleases,
-        limit,
-        now_ms,
-        max_attempts,
-    };
-    claim_in_order(conn, due, lease_until, token)
-}
-
-/// What [`claim_in_order`] and [`due`] read: up to `limit` due rows of
+/// What [`claim`] and [`due`] read: up to `limit` due rows of
 /// `consumer` at `now_ms`, its keys ordered by `order`, rows past
 /// `max_attempts` dead-lettered.
 #[derive(Debug, Clone, Copy)]
@@ -214,8 +188,12 @@ pub(crate) struct Due<'a> {
     pub max_attempts: u32,
 }
 
-/// [`claim`], for a consumer whose keys are ordered by `due.order`.
-pub(crate) fn claim_in_order(
+/// Claims up to `limit` due rows of `consumer` (see [`due_rows`]) with a
+/// lease, counting their attempt, for steps that run outside the writer's
+/// transaction (effectful consumers). A row that already used
+/// `max_attempts` (the cap was lowered since) is dead-lettered instead of
+/// claimed. Keys in `due.order`.
+pub(crate) fn claim(
     conn: &Connection,
     due: Due<'_>,
     lease_until: i64,
@@ -876,7 +854,7 @@ pub(crate) mod tests {
                 now_ms: NOW,
                 max_attempts: 10,
             };
-            let claimed = claim_in_order(&conn, due_now, NOW + 60_000, 7).unwrap();
+            let claimed = claim(&conn, due_now, NOW + 60_000, 7).unwrap();
             let ids: Vec<String> = claimed.into_iter().map(|r| r.msg.id).collect();
             assert_eq!(ids, others());
             // Redriven, the dead row is its key's head again, and runs first.
@@ -945,7 +923,14 @@ pub(crate) mod tests {
             let claim_ops = |behind| {
                 let mut conn = backlog_fixture(behind, true);
                 let (rows, ops) = vm_ops(&mut conn, |c| {
-                    claim(c, "c", 256, NOW, NOW + 60_000, 7, 10).unwrap()
+                    let due = Due {
+                        consumer: "c",
+                        order: KeyOrder::DeadReleases,
+                        limit: 256,
+                        now_ms: NOW,
+                        max_attempts: 10,
+                    };
+                    claim(c, due, NOW + 60_000, 7).unwrap()
                 });
                 assert_eq!(
                     rows.into_iter().map(|r| r.msg.id).collect::<Vec<_>>(),
