@@ -357,7 +357,8 @@ fn check_key_table(conn: &Connection, report: &mut CheckReport) -> Result<()> {
     .map_err(sql("check inbox keys"))
 }
 
-/// Each ordering key's head names its lowest unfinished row.
+/// Each ordering key's head names its lowest unfinished row, and an outbox
+/// head marked `alone` is its key's only pending row.
 fn check_key_heads(conn: &Connection, report: &mut CheckReport) -> Result<()> {
     schema::head_mismatches(conn, |table, key, stored, expected| {
         let show = |id: Option<i64>| id.map_or_else(|| "none".to_owned(), |id| id.to_string());
@@ -372,7 +373,18 @@ fn check_key_heads(conn: &Connection, report: &mut CheckReport) -> Result<()> {
             ),
         })
     })
-    .map_err(sql("check key heads"))
+    .map_err(sql("check key heads"))?;
+    schema::alone_mismatches(conn, |key, seq| {
+        report.violation(Finding {
+            kind: FindingKind::HeadTable,
+            table: "postroom_outbox",
+            id: seq,
+            detail: format!(
+                "key {key:?}: row {seq} is marked alone, but it is not the key's only pending row"
+            ),
+        })
+    })
+    .map_err(sql("check lone heads"))
 }
 
 /// Each inbox row: its payload matches its digest, its status has the

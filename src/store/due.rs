@@ -77,19 +77,28 @@ fn earliest(
     })
 }
 
-/// Queued rows of consumer `?3` without an ordering key (`postroom_inbox_due`).
-const INBOX_UNKEYED: &str = "SELECT coalesce(next_attempt_at, 0) AS t FROM postroom_inbox
+/// Queued rows of consumer `?3` without an ordering key (`postroom_inbox_due`,
+/// named: statistics taken while the whole inbox was queued would have
+/// SQLite scan the table through every row completed since; see
+/// `queue::due_rows`).
+const INBOX_UNKEYED: &str = "SELECT coalesce(next_attempt_at, 0) AS t
+     FROM postroom_inbox INDEXED BY postroom_inbox_due
      WHERE consumer = ?3 AND queued = 1 AND status IN ('pending', 'failed')
        AND ordering_key IS NULL";
 /// The heads of consumer `?3`'s ordering keys.
 const INBOX_HEADS: &str = "SELECT coalesce(i.next_attempt_at, 0) AS t
      FROM postroom_inbox_heads h JOIN postroom_inbox i ON i.id = h.head_id
      WHERE h.consumer = ?3 AND i.queued = 1 AND i.status IN ('pending', 'failed')";
-/// The outbox's heads (`postroom_outbox_ready`).
-const OUTBOX_HEADS: &str = "SELECT next_attempt_at AS t FROM postroom_outbox
+/// The outbox's heads (`postroom_outbox_ready`, named: statistics taken
+/// while the whole outbox was pending would have SQLite scan the table
+/// through every row sent since; see `outbox::fetch_due`).
+const OUTBOX_HEADS: &str = "SELECT next_attempt_at AS t
+     FROM postroom_outbox INDEXED BY postroom_outbox_ready
      WHERE status = 'pending' AND head = 1";
-/// Keyed outbox rows waiting out a backoff (`postroom_outbox_waiting`).
-const OUTBOX_WAITING: &str = "SELECT next_attempt_at AS t FROM postroom_outbox
+/// Keyed outbox rows waiting out a backoff (`postroom_outbox_waiting`,
+/// named for the same reason).
+const OUTBOX_WAITING: &str = "SELECT next_attempt_at AS t
+     FROM postroom_outbox INDEXED BY postroom_outbox_waiting
      WHERE status = 'pending' AND key IS NOT NULL AND next_attempt_at > 0";
 
 /// When `consumer`'s queued rows next come due: rows without a key from

@@ -20,7 +20,7 @@ use crate::failpoint;
 pub(crate) use crate::store::identity::{claim_identity, file_identity, FILE_IDENTITY_KEY};
 
 /// The newest schema version this library knows.
-pub const SCHEMA_VERSION: i64 = 9;
+pub const SCHEMA_VERSION: i64 = 10;
 
 /// The schema, applied in one transaction to a database without one.
 pub const SCHEMA_SQL: &str = include_str!("../../schema.sql");
@@ -331,6 +331,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             migrate_v6(&tx)?;
             migrate_v7(&tx)?;
             migrate_v8(&tx)?;
+            migrate_v9(&tx)?;
         }
         Some(2) => {
             migrate_v2(&tx)?;
@@ -340,6 +341,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             migrate_v6(&tx)?;
             migrate_v7(&tx)?;
             migrate_v8(&tx)?;
+            migrate_v9(&tx)?;
         }
         Some(3) => {
             migrate_v3(&tx)?;
@@ -348,6 +350,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             migrate_v6(&tx)?;
             migrate_v7(&tx)?;
             migrate_v8(&tx)?;
+            migrate_v9(&tx)?;
         }
         Some(4) => {
             migrate_v4(&tx)?;
@@ -355,31 +358,76 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             migrate_v6(&tx)?;
             migrate_v7(&tx)?;
             migrate_v8(&tx)?;
+            migrate_v9(&tx)?;
         }
         Some(5) => {
             migrate_v5(&tx)?;
             migrate_v6(&tx)?;
             migrate_v7(&tx)?;
             migrate_v8(&tx)?;
+            migrate_v9(&tx)?;
         }
         Some(6) => {
             migrate_v6(&tx)?;
             migrate_v7(&tx)?;
             migrate_v8(&tx)?;
+            migrate_v9(&tx)?;
         }
         Some(7) => {
             migrate_v7(&tx)?;
             migrate_v8(&tx)?;
+            migrate_v9(&tx)?;
         }
-        Some(8) => migrate_v8(&tx)?,
+        Some(8) => {
+            migrate_v8(&tx)?;
+            migrate_v9(&tx)?;
+        }
+        Some(9) => migrate_v9(&tx)?,
         // Each step above takes the file from `found` to `found + 1`.
         Some(found) => check_version(found)?,
     }
+    forget_statistics(&tx).map_err(|e| Error::sqlite("forget statistics", e))?;
     refuse_missing_triggers(&tx, &[])?;
     refuse_incomplete_schema(&tx)?;
     refuse_altered_triggers(&tx)?;
     failpoint::hit("schema.migrate")?;
     tx.commit().map_err(|e| Error::sqlite("commit schema", e))
+}
+
+/// Deletes the planner's statistics on postroom's tables and indexes
+/// (`sqlite_stat1`, and `sqlite_stat4` where SQLite keeps it), leaving
+/// the application's, and reloads what is left into this connection.
+///
+/// postroom's statements are written for its partial indexes, and every
+/// plan test runs them without statistics. Statistics are a snapshot:
+/// `PRAGMA optimize` (run at shutdown) taken while every outbox row was
+/// pending says the relay's index holds the whole table, and SQLite then
+/// reads the heads by scanning the table from its first row, through every
+/// row sent since, on every batch. So the engine keeps none on its own
+/// tables: at open, and after `PRAGMA optimize` at shutdown. The hottest
+/// statements name their index as well (`INDEXED BY`), against an
+/// `ANALYZE` run by hand while the engine is open.
+pub(crate) fn forget_statistics(conn: &Connection) -> rusqlite::Result<()> {
+    let mut forgot = 0;
+    for table in ["sqlite_stat1", "sqlite_stat4"] {
+        let exists: bool = conn.query_row(
+            "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = ?1",
+            [table],
+            |r| r.get(0),
+        )?;
+        if exists {
+            forgot += conn.execute(
+                &format!("DELETE FROM {table} WHERE tbl GLOB 'postroom_*'"),
+                [],
+            )?;
+        }
+    }
+    if forgot > 0 {
+        // Statistics are read with the schema: without this, this
+        // connection would go on planning with what was just deleted.
+        conn.execute_batch("ANALYZE sqlite_schema")?;
+    }
+    Ok(())
 }
 
 /// The triggers that keep `postroom_inbox_keys` in step with the inbox.
@@ -666,10 +714,12 @@ fn migrate_v6(tx: &Connection) -> Result<()> {
 
 /// Sets the heads from the rows: each key's lowest unfinished inbox id
 /// (per consumer) in the inbox's heads table, and the outbox's `head` on
-/// its pending rows (the lowest of each key, and every one without a key).
+/// its pending rows (the lowest of each key, and every one without a key),
+/// none of them `alone` (the hint's safe value).
 pub(crate) fn fill_heads(tx: &Connection) -> rusqlite::Result<()> {
     tx.execute_batch(
-        "DELETE FROM postroom_inbox_heads;
+        "UPDATE postroom_outbox SET alone = 0 WHERE alone = 1;
+         DELETE FROM postroom_inbox_heads;
          INSERT INTO postroom_inbox_heads (consumer, ordering_key, head_id)
          SELECT consumer, ordering_key, min(id) FROM postroom_inbox
          WHERE ordering_key IS NOT NULL AND status IN ('pending', 'processing', 'failed')
@@ -707,6 +757,38 @@ fn migrate_v7(tx: &Connection) -> Result<()> {
 fn migrate_v8(tx: &Connection) -> Result<()> {
     log::info!("postroom: migrating schema 8 to 9");
     add_missing(tx, 9).map_err(|e| Error::sqlite("migrate schema 8 to 9", e))
+}
+
+/// Version 9 to 10: a keyed outbox head says whether it is its key's only
+/// pending row (schema.sql, `postroom_outbox.alone`), so that the relay
+/// takes it without reading its key's rows. The column is added as 0 on
+/// every row ("read the key's rows", what every earlier version did), and
+/// the outbox's head triggers are made again to keep it: no row changes.
+fn migrate_v9(tx: &Connection) -> Result<()> {
+    log::info!("postroom: migrating schema 9 to 10");
+    add_missing(tx, 10).map_err(|e| Error::sqlite("migrate schema 9 to 10", e))
+}
+
+/// Gives an outbox of an earlier version the `alone` column (schema
+/// version 10) and drops the outbox's head triggers, which the schema then
+/// creates again (every statement `IF NOT EXISTS`) as they keep the column
+/// now. Nothing for a file without an outbox (the schema creates it) or
+/// with the column. Runs after [`add_head_column`]: the two `ALTER`s give
+/// the table the text a new file's `CREATE TABLE` has.
+fn add_alone_column(tx: &Connection) -> rusqlite::Result<()> {
+    let columns: Vec<String> = tx
+        .prepare("SELECT name FROM pragma_table_info('postroom_outbox')")?
+        .query_map([], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    if columns.is_empty() || columns.iter().any(|c| c == "alone") {
+        return Ok(());
+    }
+    tx.execute_batch(
+        "ALTER TABLE postroom_outbox ADD COLUMN alone INTEGER NOT NULL DEFAULT 0 CHECK (alone IN (0, 1));
+         DROP TRIGGER IF EXISTS postroom_outbox_head_insert;
+         DROP TRIGGER IF EXISTS postroom_outbox_head_status;
+         DROP TRIGGER IF EXISTS postroom_outbox_head_rekey;",
+    )
 }
 
 /// Gives an outbox of an earlier version the `head` column (schema version
@@ -801,6 +883,40 @@ pub(crate) fn head_mismatches(
     Ok(())
 }
 
+/// Outbox heads marked `alone` that are not (`postroom check`): a pending
+/// keyed row with the mark that is not its key's head, or has another
+/// pending row of its key; `found(key, seq)` for each. The relay would
+/// hand such a key's rows over one batch at a time (never out of order:
+/// the mark only spares it reading the rows behind a head). Nothing to
+/// compare on a file without the column (before version 10).
+pub(crate) fn alone_mismatches(
+    conn: &Connection,
+    mut found: impl FnMut(String, i64),
+) -> rusqlite::Result<()> {
+    let has_column: bool = conn.query_row(
+        "SELECT count(*) > 0 FROM pragma_table_info('postroom_outbox') WHERE name = 'alone'",
+        [],
+        |r| r.get(0),
+    )?;
+    if !has_column {
+        return Ok(());
+    }
+    let mut stmt = conn.prepare(
+        "SELECT r.key, r.seq FROM postroom_outbox r
+         WHERE r.alone = 1 AND r.status = 'pending' AND r.key IS NOT NULL
+           AND (r.head = 0 OR EXISTS (SELECT 1 FROM postroom_outbox o
+                                      WHERE o.key = r.key AND o.status = 'pending'
+                                        AND o.seq <> r.seq))
+         ORDER BY r.seq",
+    )?;
+    let mut rows = stmt.query([])?;
+    while let Some(r) = rows.next()? {
+        let key = crate::store::text::lossy_text(r, 0)?.unwrap_or_default();
+        found(key, r.get(1)?);
+    }
+    Ok(())
+}
+
 /// Gives the file its instance id (schema version 6): 128 random bits,
 /// naming the stream its outbox `seq` numbers (see
 /// [`OutboxMessage::origin`](crate::OutboxMessage::origin)).
@@ -849,6 +965,7 @@ fn add_seq_columns(tx: &Connection) -> rusqlite::Result<()> {
 fn add_missing(tx: &Connection, version: i64) -> rusqlite::Result<()> {
     add_seq_columns(tx)?;
     add_head_column(tx)?;
+    add_alone_column(tx)?;
     tx.execute_batch(SCHEMA_SQL)?;
     tx.execute(
         "UPDATE postroom_meta SET value = ?1 WHERE key = 'schema_version'",
@@ -939,6 +1056,60 @@ mod tests {
             text.contains("3.24.0") && text.contains("bundled"),
             "{text}"
         );
+    }
+
+    /// `forget_statistics` deletes what `ANALYZE` learnt of postroom's
+    /// tables and keeps the application's, and the connection that ran it
+    /// plans without them at once: the heads are read through their
+    /// index, not by a scan of the table that stale statistics pick.
+    #[test]
+    fn statistics_on_postroom_tables_are_forgotten_and_the_apps_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let conn = Connection::open(dir.path().join("stats.db")).unwrap();
+        conn.execute_batch(SCHEMA_SQL).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE app_orders (id INTEGER PRIMARY KEY, customer TEXT);
+             CREATE INDEX app_orders_customer ON app_orders (customer);
+             INSERT INTO app_orders (customer) VALUES ('a'), ('b'), ('a');
+             WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2000)
+             INSERT INTO postroom_outbox (message_id, topic, key, payload, status, created_at,
+                 next_attempt_at)
+             SELECT 'm' || i, 't', 'k' || i, x'', 'pending', 1, 0 FROM n;
+             ANALYZE;",
+        )
+        .unwrap();
+        let heads = "SELECT seq, key, alone FROM postroom_outbox
+                     WHERE status = 'pending' AND head = 1 AND next_attempt_at <= 5
+                     ORDER BY seq LIMIT 100";
+        let plan = |conn: &Connection| -> String {
+            conn.prepare(&format!("EXPLAIN QUERY PLAN {heads}"))
+                .unwrap()
+                .query_map([], |r| r.get::<_, String>(3))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        assert!(
+            !plan(&conn).contains("postroom_outbox_ready"),
+            "{}",
+            plan(&conn)
+        );
+        forget_statistics(&conn).unwrap();
+        assert!(
+            plan(&conn).contains("postroom_outbox_ready"),
+            "{}",
+            plan(&conn)
+        );
+        let kept: Vec<String> = conn
+            .prepare("SELECT DISTINCT tbl FROM sqlite_stat1 ORDER BY 1")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(kept, ["app_orders"]);
+        forget_statistics(&conn).unwrap(); // nothing left to forget
     }
 
     /// Every mismatch `head_mismatches` reports, as text.

@@ -114,9 +114,10 @@
 //!   sink), then the engine reopened with a `sink_fn` that counts and
 //!   returns `Sent`; timed from the warm-up's count handed over until the
 //!   sink has seen all N and none is left pending, checked against
-//!   `stats().outbox.sent`. Default `relay_batch` (100). Its floor runs the
-//!   relay's own due-rows `SELECT` and one mark-sent `UPDATE` per row, one
-//!   transaction per 100, on the same kind of file.
+//!   `stats().outbox.sent`. Default `relay_batch` (100). Its floor reads
+//!   due rows through the relay's index (`postroom_outbox_ready`, no key
+//!   held back: each row is its key's only one) and runs one mark-sent
+//!   `UPDATE` per row, one transaction per 100, on the same kind of file.
 //! * `relay latency`: one `deliver()` every 2 ms into an engine with a
 //!   `ChannelSink`; each message is timed from `deliver()` being called to
 //!   its outbox row coming out of the channel (the notes add the time from
@@ -1347,18 +1348,19 @@ mod floor {
              payload, payload_hash, headers, ordering_key, attempts, received_at, updated_at,
              next_attempt_at, queued)
          VALUES (?1, ?2, ?3, 'pending', ?4, ?5, NULL, NULL, 0, ?6, ?6, NULL, 1)";
-    // The relay's two statements, as the engine has them: due rows in commit
-    // order (holding back a key behind a row waiting out a backoff), and
-    // marking one row sent.
+    // A relay's two statements at their least: due rows in commit order
+    // through the index of rows that may go now (every row of the drain is
+    // its key's only pending row, so no key needs holding back), and
+    // marking one row sent. Until schema 10 this was the schema-5 relay's
+    // query, holding keys back with a probe per row; from schema 8 on it
+    // had no index of pending rows to read and scanned the table past
+    // every row sent before, which made the floor itself slow down as it
+    // drained.
     const RELAY_DUE: &str = "SELECT seq, message_id, topic, key, payload, headers, attempts,
              created_at, last_error
-         FROM postroom_outbox r
-         WHERE r.status = 'pending' AND r.next_attempt_at <= ?1
-           AND (r.key IS NULL OR NOT EXISTS (
-               SELECT 1 FROM postroom_outbox o
-               WHERE o.key = r.key AND o.seq < r.seq AND o.status = 'pending'
-                 AND o.next_attempt_at > ?1))
-         ORDER BY r.seq LIMIT ?2";
+         FROM postroom_outbox INDEXED BY postroom_outbox_ready
+         WHERE status = 'pending' AND head = 1 AND next_attempt_at <= ?1
+         ORDER BY seq LIMIT ?2";
     const MARK_SENT: &str = "UPDATE postroom_outbox
          SET status = 'sent', sent_at = ?2, attempts = attempts + 1
          WHERE seq = ?1 AND status = 'pending'";

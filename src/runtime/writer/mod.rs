@@ -958,7 +958,17 @@ impl WriterState {
 
     fn close(self) {
         // Best effort: leave a small -wal behind for the next open.
-        if let Err(e) = self.conn.execute_batch("PRAGMA optimize") {
+        // The application's tables keep what `optimize` learns; postroom's
+        // own keep nothing (`forget_statistics` says why), so `optimize`
+        // finds them unanalyzed at every shutdown: `analysis_limit` (what
+        // SQLite's documentation advises beside it) bounds the rows it
+        // reads per index, where a multi-million-row inbox would otherwise
+        // be read whole against the shutdown deadline.
+        if let Err(e) = self
+            .conn
+            .execute_batch("PRAGMA analysis_limit = 400; PRAGMA optimize")
+            .and_then(|()| crate::store::schema::forget_statistics(&self.conn))
+        {
             log::debug!("postroom writer: optimize at shutdown: {e}");
         }
         // Not waiting on readers: another process's open read transaction
