@@ -537,15 +537,16 @@ CREATE INDEX IF NOT EXISTS postroom_outbox_waiting
     ON postroom_outbox (key, seq)
     WHERE status = 'pending' AND key IS NOT NULL AND next_attempt_at > 0;
 
--- A row stored pending without its head mark (by hand: the engine's
--- insert sets `head` itself, so a new head fires nothing): made a head if
--- it is one, and a later head of its key (a row stored by hand with a
--- lower seq) stepped down. The engine's rows take the highest seq, so no
--- later row of their key is ever pending. Either way the key's head has a
--- row besides it now: it is not `alone`.
+-- A row stored pending without its head mark, or a keyed one without its
+-- `alone` mark (by hand: the engine's insert sets both itself, so a new
+-- head fires nothing): made a head if it is one, and a later head of its
+-- key (a row stored by hand with a lower seq) stepped down. The engine's
+-- rows take the highest seq, so no later row of their key is ever
+-- pending. Either way the key's head has a row besides it now: it is not
+-- `alone`.
 CREATE TRIGGER IF NOT EXISTS postroom_outbox_head_insert
 AFTER INSERT ON postroom_outbox
-WHEN NEW.status = 'pending' AND NEW.head = 0
+WHEN NEW.status = 'pending' AND (NEW.head = 0 OR (NEW.key IS NOT NULL AND NEW.alone = 0))
 BEGIN
     UPDATE postroom_outbox SET head = 1, alone = 0
     WHERE seq = NEW.seq AND head = 0
@@ -588,8 +589,9 @@ BEGIN
       AND seq = (SELECT seq FROM postroom_outbox
                  WHERE key = NEW.key AND status = 'pending' ORDER BY seq LIMIT 1);
     -- Out of pending (sent, dead): the key's lowest pending row is its
-    -- head (already, unless this row was).
-    UPDATE postroom_outbox SET head = 1
+    -- head (already, unless this row was), and not `alone` (a mark a hand
+    -- edit left on a row behind a head never comes into force).
+    UPDATE postroom_outbox SET head = 1, alone = 0
     WHERE NEW.status <> 'pending' AND NEW.key IS NOT NULL AND head = 0
       AND seq = (SELECT seq FROM postroom_outbox
                  WHERE key = NEW.key AND status = 'pending' ORDER BY seq LIMIT 1);
@@ -606,7 +608,7 @@ BEGIN
             SELECT 1 FROM postroom_outbox
             WHERE key = NEW.key AND status = 'pending' AND seq < NEW.seq))
     WHERE seq = NEW.seq;
-    UPDATE postroom_outbox SET head = 1
+    UPDATE postroom_outbox SET head = 1, alone = 0
     WHERE head = 0 AND seq = (SELECT seq FROM postroom_outbox
                               WHERE key = OLD.key AND status = 'pending'
                               ORDER BY seq LIMIT 1);
@@ -622,12 +624,12 @@ BEGIN
 END;
 
 -- A pending head deleted (by hand, or an operator's tool): its key's next
--- pending row is the head.
+-- pending row is the head (not `alone`).
 CREATE TRIGGER IF NOT EXISTS postroom_outbox_head_delete
 AFTER DELETE ON postroom_outbox
 WHEN OLD.key IS NOT NULL AND OLD.status = 'pending'
 BEGIN
-    UPDATE postroom_outbox SET head = 1
+    UPDATE postroom_outbox SET head = 1, alone = 0
     WHERE head = 0 AND seq = (SELECT seq FROM postroom_outbox
                               WHERE key = OLD.key AND status = 'pending'
                               ORDER BY seq LIMIT 1);

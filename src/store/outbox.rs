@@ -80,12 +80,17 @@ fn insert_row(
         // trigger and costs no second write of its row. A keyed head is
         // `alone`, having no other pending row of its key; a row behind one
         // is neither, and the insert trigger clears its head's `alone`.
+        // `VALUES`, with the probe written twice (the second finds the
+        // first's page cached): `INSERT … SELECT` into a table with
+        // triggers makes SQLite stage every row in a temporary table.
         "INSERT INTO postroom_outbox (message_id, topic, key, payload, headers, status, attempts,
              created_at, next_attempt_at, cause_consumer, cause_source, cause_message_id, head,
              alone)
-         SELECT ?1, ?2, ?3, ?4, ?5, 'pending', 0, ?6, 0, ?7, ?8, ?9, first, ?3 IS NOT NULL AND first
-         FROM (SELECT ?3 IS NULL OR NOT EXISTS (SELECT 1 FROM postroom_outbox
-                                                WHERE key = ?3 AND status = 'pending') AS first)",
+         VALUES (?1, ?2, ?3, ?4, ?5, 'pending', 0, ?6, 0, ?7, ?8, ?9,
+                 ?3 IS NULL OR NOT EXISTS (SELECT 1 FROM postroom_outbox
+                                           WHERE key = ?3 AND status = 'pending'),
+                 ?3 IS NOT NULL AND NOT EXISTS (SELECT 1 FROM postroom_outbox
+                                                WHERE key = ?3 AND status = 'pending'))",
     )?
     .execute(params![
         id,
@@ -610,6 +615,30 @@ mod tests {
         // Moved behind c1 by hand: c1 is not alone any more.
         assert_eq!(alone(&conn), (vec![], vec![]));
         assert_eq!(all(&mut conn), ["b1", "n1", "c1", "a2", "b2", "d1"]);
+
+        // A mark a hand edit left on a row behind a head never comes into
+        // force: the row is promoted unmarked.
+        publish(&conn, "e1", Some("e"));
+        set(
+            &conn,
+            "UPDATE postroom_outbox SET alone = 0 WHERE message_id = 'e1'",
+        );
+        conn.execute(
+            "INSERT INTO postroom_outbox (message_id, topic, key, payload, status, created_at,
+                 next_attempt_at, alone)
+             VALUES ('e2', 't', 'e', x'', 'pending', 1, 0, 1)",
+            [],
+        )
+        .unwrap();
+        set(
+            &conn,
+            "UPDATE postroom_outbox SET status = 'sent' WHERE message_id = 'e1'",
+        );
+        assert_eq!(alone(&conn).0, Vec::<String>::new());
+        set(
+            &conn,
+            "UPDATE postroom_outbox SET status = 'sent' WHERE message_id = 'e2'",
+        );
 
         // A mark set by hand where it is wrong: `postroom check` names it,
         // and the relay still never hands a row over before its head.

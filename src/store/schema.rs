@@ -408,6 +408,13 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
 /// statements name their index as well (`INDEXED BY`), against an
 /// `ANALYZE` run by hand while the engine is open.
 pub(crate) fn forget_statistics(conn: &Connection) -> rusqlite::Result<()> {
+    // The tables the schema creates, by name: an application table that
+    // happens to share the prefix keeps its statistics.
+    let ours: Vec<String> = schema_objects()
+        .filter(|(kind, _)| kind == "table")
+        .map(|(_, name)| format!("'{name}'"))
+        .collect();
+    let ours = ours.join(", ");
     let mut forgot = 0;
     for table in ["sqlite_stat1", "sqlite_stat4"] {
         let exists: bool = conn.query_row(
@@ -416,15 +423,15 @@ pub(crate) fn forget_statistics(conn: &Connection) -> rusqlite::Result<()> {
             |r| r.get(0),
         )?;
         if exists {
-            forgot += conn.execute(
-                &format!("DELETE FROM {table} WHERE tbl GLOB 'postroom_*'"),
-                [],
-            )?;
+            forgot += conn.execute(&format!("DELETE FROM {table} WHERE tbl IN ({ours})"), [])?;
         }
     }
     if forgot > 0 {
         // Statistics are read with the schema: without this, this
         // connection would go on planning with what was just deleted.
+        // (It is a write: it expires this connection's prepared
+        // statements, which prepare again, and in a STAT4 build may create
+        // `sqlite_stat4`. Both places that call this hold the write lock.)
         conn.execute_batch("ANALYZE sqlite_schema")?;
     }
     Ok(())
@@ -763,7 +770,8 @@ fn migrate_v8(tx: &Connection) -> Result<()> {
 /// pending row (schema.sql, `postroom_outbox.alone`), so that the relay
 /// takes it without reading its key's rows. The column is added as 0 on
 /// every row ("read the key's rows", what every earlier version did), and
-/// the outbox's head triggers are made again to keep it: no row changes.
+/// the outbox's head triggers are made again to keep it: no row changes
+/// (SQLite reads the table once, to check the new column's `CHECK`).
 fn migrate_v9(tx: &Connection) -> Result<()> {
     log::info!("postroom: migrating schema 9 to 10");
     add_missing(tx, 10).map_err(|e| Error::sqlite("migrate schema 9 to 10", e))
@@ -787,7 +795,8 @@ fn add_alone_column(tx: &Connection) -> rusqlite::Result<()> {
         "ALTER TABLE postroom_outbox ADD COLUMN alone INTEGER NOT NULL DEFAULT 0 CHECK (alone IN (0, 1));
          DROP TRIGGER IF EXISTS postroom_outbox_head_insert;
          DROP TRIGGER IF EXISTS postroom_outbox_head_status;
-         DROP TRIGGER IF EXISTS postroom_outbox_head_rekey;",
+         DROP TRIGGER IF EXISTS postroom_outbox_head_rekey;
+         DROP TRIGGER IF EXISTS postroom_outbox_head_delete;",
     )
 }
 
@@ -1059,7 +1068,8 @@ mod tests {
     }
 
     /// `forget_statistics` deletes what `ANALYZE` learnt of postroom's
-    /// tables and keeps the application's, and the connection that ran it
+    /// tables and keeps the application's (one sharing the prefix
+    /// included), and the connection that ran it
     /// plans without them at once: the heads are read through their
     /// index, not by a scan of the table that stale statistics pick.
     #[test]
@@ -1071,6 +1081,9 @@ mod tests {
             "CREATE TABLE app_orders (id INTEGER PRIMARY KEY, customer TEXT);
              CREATE INDEX app_orders_customer ON app_orders (customer);
              INSERT INTO app_orders (customer) VALUES ('a'), ('b'), ('a');
+             CREATE TABLE postroom_app_notes (id INTEGER PRIMARY KEY, note TEXT);
+             CREATE INDEX postroom_app_notes_note ON postroom_app_notes (note);
+             INSERT INTO postroom_app_notes (note) VALUES ('x'), ('y');
              WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2000)
              INSERT INTO postroom_outbox (message_id, topic, key, payload, status, created_at,
                  next_attempt_at)
@@ -1108,7 +1121,7 @@ mod tests {
             .unwrap()
             .map(Result::unwrap)
             .collect();
-        assert_eq!(kept, ["app_orders"]);
+        assert_eq!(kept, ["app_orders", "postroom_app_notes"]);
         forget_statistics(&conn).unwrap(); // nothing left to forget
     }
 

@@ -960,13 +960,14 @@ impl WriterState {
         // Best effort: leave a small -wal behind for the next open.
         // The application's tables keep what `optimize` learns; postroom's
         // own keep nothing (`forget_statistics` says why), so `optimize`
-        // finds them unanalyzed at every shutdown: `analysis_limit` (what
-        // SQLite's documentation advises beside it) bounds the rows it
-        // reads per index, where a multi-million-row inbox would otherwise
-        // be read whole against the shutdown deadline.
+        // may find them unanalyzed at every shutdown. SQLite 3.46 on reads
+        // at most 2,000 rows per index for it (when `analysis_limit` is
+        // unset); set here to the same, so that an older linked SQLite
+        // (3.45.3 is accepted) does not read a multi-million-row inbox
+        // whole against the shutdown deadline.
         if let Err(e) = self
             .conn
-            .execute_batch("PRAGMA analysis_limit = 400; PRAGMA optimize")
+            .execute_batch("PRAGMA analysis_limit = 2000; PRAGMA optimize")
             .and_then(|()| crate::store::schema::forget_statistics(&self.conn))
         {
             log::debug!("postroom writer: optimize at shutdown: {e}");
