@@ -1670,15 +1670,27 @@ mod seeds {
     }
 
     /// Installed as the WAL hook of every connection the floors write
-    /// with (the engine counts its own).
-    pub fn note_frames(_: &mut rusqlite::hooks::Wal, pages: i32) -> rusqlite::Result<()> {
+    /// with (the engine counts its own). A WAL hook replaces SQLite's
+    /// automatic checkpoint, so this one also does what that did: a
+    /// passive checkpoint inside the commit that brought the WAL to 1,000
+    /// frames, errors ignored (`sqlite3WalDefaultHook`). Without it the
+    /// floors never copied their WAL back while timed: their CPU and
+    /// `disk/msg` left out the copy-back every real writer pays, and the
+    /// engine's (whose checkpointer does it) did not.
+    pub fn note_frames(wal: &mut rusqlite::hooks::Wal, pages: i32) -> rusqlite::Result<()> {
         FRAMES.with(|f| {
             let (sum, last) = f.get();
             let grown = if pages > last { pages - last } else { pages };
             f.set((sum + u64::try_from(grown).unwrap_or(0), pages));
         });
+        if pages >= AUTOCHECKPOINT_FRAMES {
+            let _ = wal.checkpoint();
+        }
         Ok(())
     }
+
+    /// SQLite's default `wal_autocheckpoint`.
+    const AUTOCHECKPOINT_FRAMES: i32 = 1000;
 
     /// The articles' three statements for message `i` of `seed`.
     fn write_one(conn: &Connection, seed: u64, i: u64, now: i64) -> Res<()> {
