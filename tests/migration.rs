@@ -21,6 +21,7 @@ const SCHEMA_V5: &str = include_str!("fixtures/schema_v5.sql");
 const SCHEMA_V6: &str = include_str!("fixtures/schema_v6.sql");
 const SCHEMA_V7: &str = include_str!("fixtures/schema_v7.sql");
 const SCHEMA_V8: &str = include_str!("fixtures/schema_v8.sql");
+const SCHEMA_V9: &str = include_str!("fixtures/schema_v9.sql");
 
 /// Every column of every inbox row, in id order, as text.
 const DUMP_INBOX: &str = "SELECT id || '|' || consumer || '|' || source || '|' || message_id
@@ -719,7 +720,6 @@ fn a_version_8_file_gets_the_dead_keys_index_and_its_dead_rows_hold_strict_keys(
 /// statistics on postroom's tables are gone after open and after shutdown.
 #[test]
 fn a_version_9_file_gets_the_lone_head_hint_and_relays_in_key_order() {
-    const SCHEMA_V9: &str = include_str!("fixtures/schema_v9.sql");
     for (ddl, version) in [(SCHEMA_V9, 9), (SCHEMA_V8, 8)] {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("v9.db");

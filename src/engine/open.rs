@@ -99,8 +99,8 @@ impl Postroom {
             handle_signals,
             backlog_limits,
         } = builder;
-        let (path, mut conn, engine_file) = open_database(path, &config, &*clock)?;
-        let path = &path;
+        let (resolved, mut conn, engine_file) = open_database(path, &config, &*clock)?;
+        let path = resolved.as_path();
         let first_token = schema::lease_token_base(&conn)?;
         let wal_bounds = wal::WalBounds::for_database(&conn, path, config.checkpoint_wal_bytes);
         checkpoint::at_open(&conn, path, wal_bounds.truncate_bytes, config.busy_timeout);

@@ -322,68 +322,12 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             .map_err(|e| Error::sqlite("record schema version", e))?;
             add_instance_id(&tx).map_err(|e| Error::sqlite("record instance id", e))?;
         }
-        Some(1) => {
-            migrate_v1(&tx)?;
-            migrate_v2(&tx)?;
-            migrate_v3(&tx)?;
-            migrate_v4(&tx)?;
-            migrate_v5(&tx)?;
-            migrate_v6(&tx)?;
-            migrate_v7(&tx)?;
-            migrate_v8(&tx)?;
-            migrate_v9(&tx)?;
+        // A file at version `found` takes every step from there on.
+        Some(found @ 1..SCHEMA_VERSION) => {
+            for step in &MIGRATIONS[usize::try_from(found - 1).unwrap_or(0)..] {
+                step(&tx)?;
+            }
         }
-        Some(2) => {
-            migrate_v2(&tx)?;
-            migrate_v3(&tx)?;
-            migrate_v4(&tx)?;
-            migrate_v5(&tx)?;
-            migrate_v6(&tx)?;
-            migrate_v7(&tx)?;
-            migrate_v8(&tx)?;
-            migrate_v9(&tx)?;
-        }
-        Some(3) => {
-            migrate_v3(&tx)?;
-            migrate_v4(&tx)?;
-            migrate_v5(&tx)?;
-            migrate_v6(&tx)?;
-            migrate_v7(&tx)?;
-            migrate_v8(&tx)?;
-            migrate_v9(&tx)?;
-        }
-        Some(4) => {
-            migrate_v4(&tx)?;
-            migrate_v5(&tx)?;
-            migrate_v6(&tx)?;
-            migrate_v7(&tx)?;
-            migrate_v8(&tx)?;
-            migrate_v9(&tx)?;
-        }
-        Some(5) => {
-            migrate_v5(&tx)?;
-            migrate_v6(&tx)?;
-            migrate_v7(&tx)?;
-            migrate_v8(&tx)?;
-            migrate_v9(&tx)?;
-        }
-        Some(6) => {
-            migrate_v6(&tx)?;
-            migrate_v7(&tx)?;
-            migrate_v8(&tx)?;
-            migrate_v9(&tx)?;
-        }
-        Some(7) => {
-            migrate_v7(&tx)?;
-            migrate_v8(&tx)?;
-            migrate_v9(&tx)?;
-        }
-        Some(8) => {
-            migrate_v8(&tx)?;
-            migrate_v9(&tx)?;
-        }
-        Some(9) => migrate_v9(&tx)?,
-        // Each step above takes the file from `found` to `found + 1`.
         Some(found) => check_version(found)?,
     }
     forget_statistics(&tx).map_err(|e| Error::sqlite("forget statistics", e))?;
@@ -436,6 +380,15 @@ pub(crate) fn forget_statistics(conn: &Connection) -> rusqlite::Result<()> {
     }
     Ok(())
 }
+
+/// The migration steps: `MIGRATIONS[n - 1]` takes a file from version `n`
+/// to `n + 1`, so a file at version `found` runs `MIGRATIONS[found - 1..]`.
+type Step = fn(&Connection) -> Result<()>;
+const MIGRATIONS: [Step; 9] = [
+    migrate_v1, migrate_v2, migrate_v3, migrate_v4, migrate_v5, migrate_v6, migrate_v7, migrate_v8,
+    migrate_v9,
+];
+const _: () = assert!(MIGRATIONS.len() as i64 == SCHEMA_VERSION - 1);
 
 /// The triggers that keep `postroom_inbox_keys` in step with the inbox.
 pub(crate) const KEY_TRIGGERS: [&str; 5] = [
@@ -784,10 +737,7 @@ fn migrate_v9(tx: &Connection) -> Result<()> {
 /// with the column. Runs after [`add_head_column`]: the two `ALTER`s give
 /// the table the text a new file's `CREATE TABLE` has.
 fn add_alone_column(tx: &Connection) -> rusqlite::Result<()> {
-    let columns: Vec<String> = tx
-        .prepare("SELECT name FROM pragma_table_info('postroom_outbox')")?
-        .query_map([], |r| r.get(0))?
-        .collect::<rusqlite::Result<_>>()?;
+    let columns = columns(tx, "postroom_outbox")?;
     if columns.is_empty() || columns.iter().any(|c| c == "alone") {
         return Ok(());
     }
@@ -807,10 +757,7 @@ fn add_alone_column(tx: &Connection) -> rusqlite::Result<()> {
 /// set by [`fill_heads`] once the schema ran. Nothing for a file without
 /// an outbox (the schema creates it) or with the column.
 fn add_head_column(tx: &Connection) -> rusqlite::Result<()> {
-    let columns: Vec<String> = tx
-        .prepare("SELECT name FROM pragma_table_info('postroom_outbox')")?
-        .query_map([], |r| r.get(0))?
-        .collect::<rusqlite::Result<_>>()?;
+    let columns = columns(tx, "postroom_outbox")?;
     if columns.is_empty() || columns.iter().any(|c| c == "head") {
         return Ok(());
     }
@@ -843,8 +790,9 @@ pub(crate) fn head_mismatches(
     let has = |sql: &str| -> rusqlite::Result<bool> { conn.query_row(sql, [], |r| r.get(0)) };
     let inbox_heads = has("SELECT count(*) > 0 FROM sqlite_master
          WHERE type = 'table' AND name = 'postroom_inbox_heads'")?;
-    let outbox_heads =
-        has("SELECT count(*) > 0 FROM pragma_table_info('postroom_outbox') WHERE name = 'head'")?;
+    let outbox_heads = columns(conn, "postroom_outbox")?
+        .iter()
+        .any(|c| c == "head");
     let mut checks = Vec::new();
     if inbox_heads {
         checks.push((
@@ -902,12 +850,10 @@ pub(crate) fn alone_mismatches(
     conn: &Connection,
     mut found: impl FnMut(String, i64),
 ) -> rusqlite::Result<()> {
-    let has_column: bool = conn.query_row(
-        "SELECT count(*) > 0 FROM pragma_table_info('postroom_outbox') WHERE name = 'alone'",
-        [],
-        |r| r.get(0),
-    )?;
-    if !has_column {
+    if !columns(conn, "postroom_outbox")?
+        .iter()
+        .any(|c| c == "alone")
+    {
         return Ok(());
     }
     let mut stmt = conn.prepare(
@@ -956,10 +902,7 @@ pub(crate) fn lease_token_base(conn: &Connection) -> Result<i64> {
 /// created by any step; an inbox the schema is about to create (a rebuild
 /// renamed the old one away) gets them from its `CREATE TABLE`.
 fn add_seq_columns(tx: &Connection) -> rusqlite::Result<()> {
-    let columns: Vec<String> = tx
-        .prepare("SELECT name FROM pragma_table_info('postroom_inbox')")?
-        .query_map([], |r| r.get(0))?
-        .collect::<rusqlite::Result<_>>()?;
+    let columns = columns(tx, "postroom_inbox")?;
     if columns.is_empty() || columns.iter().any(|c| c == "seq") {
         return Ok(());
     }
@@ -967,6 +910,13 @@ fn add_seq_columns(tx: &Connection) -> rusqlite::Result<()> {
         "ALTER TABLE postroom_inbox ADD COLUMN seq INTEGER CHECK (seq IS NULL OR seq >= 1);
          ALTER TABLE postroom_inbox ADD COLUMN seq_stream TEXT;",
     )
+}
+
+/// The columns of `table`, none when it does not exist.
+fn columns(conn: &Connection, table: &str) -> rusqlite::Result<Vec<String>> {
+    conn.prepare("SELECT name FROM pragma_table_info(?1)")?
+        .query_map([table], |r| r.get(0))?
+        .collect()
 }
 
 /// A step that only adds objects: runs the schema (every statement is
