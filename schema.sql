@@ -1,4 +1,4 @@
--- postroom schema, version 10.
+-- postroom schema, version 11.
 --
 -- Applied in one transaction when a database is opened for the first time.
 -- Every statement is `IF NOT EXISTS`: the migration from version 1 renames
@@ -280,10 +280,11 @@ CREATE INDEX IF NOT EXISTS postroom_inbox_leased
     ON postroom_inbox (lease_until)
     WHERE status = 'processing';
 
--- What retention deletes.
-CREATE INDEX IF NOT EXISTS postroom_inbox_done
-    ON postroom_inbox (processed_at)
-    WHERE status = 'completed';
+-- Completed rows have no index of their own (schema version 11; before,
+-- postroom_inbox_done, by completion time, cost every message an entry):
+-- retention walks the inbox in id order from where its last pass stopped,
+-- kept in postroom_meta (`retention_frontier`, `retention_swept_at`; see
+-- src/store/sweep.rs).
 
 -- What dead_retention deletes (schema version 5): without it each batch
 -- scanned the whole inbox for dead rows, inside the writer. Dead letters

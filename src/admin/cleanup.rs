@@ -14,6 +14,7 @@ use crate::store::outbox;
 use crate::store::queue;
 use crate::store::retention as store_retention;
 use crate::store::retired;
+use crate::store::sweep;
 
 use super::{pause_after, snapshot, sql, write, CLEANUP_BATCH};
 
@@ -120,7 +121,10 @@ pub enum CleanupMode {
 }
 
 /// Applies retention as the engine's reaper does: completed inbox rows
-/// processed, and sent outbox rows sent, before `now_ms - completed`; with
+/// processed, and sent outbox rows sent, before `now_ms - completed` (an
+/// inbox row once every completed row stored before it is too: retention
+/// walks the inbox in id order, and stops at the first completed row too
+/// young to delete); with
 /// [`Retention::dead`] / [`Retention::conflicts`], dead letters and
 /// conflicts too. Pending, failed and processing rows are never touched,
 /// nor the newest row of the inbox or the outbox (so no row id or `seq` is
@@ -163,7 +167,8 @@ pub fn cleanup(
             let expired = |statement, cutoff| {
                 queue::count_expired(conn, statement, cutoff).map_err(sql("count expired rows"))
             };
-            summary.inbox_deleted = expired(queue::DELETE_COMPLETED, cutoffs.completed)?;
+            summary.inbox_deleted =
+                sweep::count(conn, cutoffs.completed).map_err(sql("count expired rows"))?;
             summary.outbox_deleted = expired(outbox::DELETE_SENT, cutoffs.completed)?;
             if let Some(c) = cutoffs.dead {
                 summary.dead_deleted = Some(expired(queue::DELETE_DEAD, c)?);
@@ -207,6 +212,14 @@ impl store_retention::Driver for Cleaner<'_> {
         self.transactions += 1;
         write(self.conn, "delete expired rows", |c| {
             queue::delete_expired(c, statement, cutoff, CLEANUP_BATCH)
+        })
+    }
+
+    fn sweep(&mut self, walk: sweep::Walk) -> Result<(usize, Option<sweep::Walk>)> {
+        self.started = Instant::now();
+        self.transactions += 1;
+        write(self.conn, "delete expired rows", |c| {
+            sweep::step(c, walk, CLEANUP_BATCH)
         })
     }
 

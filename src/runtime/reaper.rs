@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::runtime::workers::{LeaseState, Shared};
 use crate::runtime::{read_connection, ReadManager, Readers};
-use crate::store::{due, queue, retention, retired};
+use crate::store::{due, queue, retention, retired, sweep};
 
 /// What one reaper pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -198,6 +198,13 @@ impl retention::Driver for Reaper<'_> {
         self.shared.writer.submit_background(move |w| {
             queue::delete_expired(w.conn, sql, cutoff, retention::BATCH)
                 .map_err(|e| Error::sqlite("retention", e))
+        })
+    }
+
+    fn sweep(&mut self, walk: sweep::Walk) -> Result<(usize, Option<sweep::Walk>)> {
+        failpoint::hit("reaper.retention")?;
+        self.shared.writer.submit_background(move |w| {
+            sweep::step(w.conn, walk, retention::BATCH).map_err(|e| Error::sqlite("retention", e))
         })
     }
 

@@ -489,10 +489,17 @@ impl Machine {
     /// Returns rows deleted.
     pub fn cleanup(&mut self, retention_ms: u32, keys: bool) -> SimResult<usize> {
         let cutoff = self.now_ms - i64::from(retention_ms);
+        let now = self.now_ms;
         let rows = self
             .in_tx(move |m| {
-                queue::delete_expired(m.conn(), queue::DELETE_COMPLETED, cutoff, usize::MAX)
-                    .map_err(|e| crate::Error::sqlite("cleanup", e))
+                let (mut rows, mut next) = (0, Some(sweep::Walk::new(cutoff, now)));
+                while let Some(walk) = next {
+                    let (n, after) = sweep::step(m.conn(), walk, usize::MAX)
+                        .map_err(|e| crate::Error::sqlite("cleanup", e))?;
+                    rows += n;
+                    next = after;
+                }
+                Ok(rows)
             })?
             .unwrap_or_default();
         if keys {

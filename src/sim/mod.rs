@@ -53,6 +53,7 @@ use crate::store::outbox;
 use crate::store::queue;
 use crate::store::retired;
 use crate::store::schema;
+use crate::store::sweep;
 use crate::testkit::Rng;
 
 mod generate;

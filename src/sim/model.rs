@@ -40,6 +40,11 @@ pub(super) struct Model {
     pub(super) read_retired: Option<(BTreeSet<(String, String)>, u64)>,
     pub(super) applied: BTreeMap<(String, String), u32>,
     pub(super) created: u64,
+    /// Where the last retention pass stopped (an entry's `order`), and
+    /// when the last pass from the first entry ran: a pass whose cutoff
+    /// is no later than that starts at the frontier (`store::sweep`).
+    pub(super) frontier: Option<u64>,
+    pub(super) swept_at: Option<i64>,
     /// Per consumer, every sequence that ever settled (completed or
     /// dead), with the payload variant it settled with: what the
     /// watermark and its listed sequences must stand for.

@@ -372,24 +372,54 @@ pub(super) fn cleanup(
     let now = m.now_ms();
     let cutoff = now - i64::from(*retention_ms);
     let before = model.entries.len();
-    let (retired, notes) = (&mut model.retired, &mut model.notes);
-    let next_note = &mut model.next_note;
-    // Retention keeps the newest row, whatever its age.
+    // A walk in receive order (`store::sweep`): from the first entry, or
+    // from where the last pass stopped while its cutoff is no later than
+    // the last walk from the first; completed entries before the cutoff
+    // go, a younger completed one or the newest (kept, whatever its age)
+    // ends the walk, the rest are stepped over.
+    let whole = match (model.frontier, model.swept_at) {
+        (Some(_), Some(swept_at)) => cutoff > swept_at,
+        _ => true,
+    };
+    let from = if whole {
+        0
+    } else {
+        model.frontier.unwrap_or(0)
+    };
     let newest = model.entries.values().map(|e| e.order).max();
-    model.entries.retain(|key, e| {
-        let expired = e.status == Status::Completed
-            && e.processed_at.is_some_and(|at| at < cutoff)
-            && Some(e.order) != newest;
-        if expired {
-            retired.insert(key.clone(), e.variant);
-            *next_note += 1;
-            notes.push((*next_note, key.clone()));
+    let mut walked: Vec<_> = model
+        .entries
+        .iter()
+        .filter(|(_, e)| e.order >= from && Some(e.order) != newest)
+        .map(|(key, e)| (e.order, key.clone(), e.status, e.processed_at))
+        .collect();
+    walked.sort_by_key(|w| w.0);
+    let mut stop = newest.unwrap_or(from).max(from);
+    let mut expired = Vec::new();
+    for (order, key, status, processed_at) in walked {
+        match (status, processed_at) {
+            (Status::Completed, Some(at)) if at < cutoff => expired.push(key),
+            (Status::Completed, Some(_)) => {
+                stop = order;
+                break;
+            }
+            _ => {}
         }
-        !expired
-    });
+    }
+    model.frontier = Some(stop);
+    if whole {
+        model.swept_at = Some(now);
+    }
+    for key in expired {
+        if let Some(e) = model.entries.remove(&key) {
+            model.retired.insert(key.clone(), e.variant);
+            model.next_note += 1;
+            model.notes.push((model.next_note, key));
+        }
+    }
     if *keys {
-        retired.clear();
-        notes.clear();
+        model.retired.clear();
+        model.notes.clear();
     }
     let n = m.cleanup(*retention_ms, *keys)?;
     if n != before - model.entries.len() {

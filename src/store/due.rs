@@ -22,6 +22,7 @@ use rusqlite::{params, Connection};
 
 use crate::clock;
 use crate::store::retention::Keep;
+use crate::store::sweep;
 
 /// The earliest time something comes due.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -121,12 +122,13 @@ pub(crate) fn outbox(conn: &Connection, now_ms: i64) -> rusqlite::Result<NextDue
     Ok(heads.min(waiting))
 }
 
-/// When retention next has a row to delete: the oldest row of each kind
-/// it deletes, plus how long that kind is kept (one index step each, on
-/// the indexes its deletes use). The newest row of the inbox and of the
-/// outbox is never deleted (see `queue::DELETE_COMPLETED`), so it is left
-/// out here too, or a lone old row would be due forever. Rows a pass
-/// would delete at `now_ms` give a time at or before it.
+/// When retention next has a row to delete: for completed inbox rows
+/// what `sweep::due` reads, otherwise the oldest row of each kind it
+/// deletes (one index step each, on the indexes its deletes use), plus how
+/// long that kind is kept. The newest row of the inbox and of the outbox
+/// is never deleted (see `queue::DELETE_DEAD`), so it is left out here
+/// too, or a lone old row would be due forever. Rows a pass would delete
+/// at `now_ms` give a time at or before it.
 pub(crate) fn retention(conn: &Connection, keep: Keep) -> rusqlite::Result<Option<i64>> {
     let oldest = |sql: &str| -> rusqlite::Result<Option<i64>> {
         conn.prepare_cached(sql)?.query_row([], |r| r.get(0))
@@ -136,13 +138,7 @@ pub(crate) fn retention(conn: &Connection, keep: Keep) -> rusqlite::Result<Optio
         t.map(|t| t.saturating_add(clock::millis(keep)).saturating_add(1))
     };
     let mut times = vec![
-        after(
-            oldest(
-                "SELECT min(processed_at) FROM postroom_inbox
-                 WHERE status = 'completed' AND +id < (SELECT max(id) FROM postroom_inbox)",
-            )?,
-            keep.completed,
-        ),
+        after(sweep::due(conn)?, keep.completed),
         after(
             oldest(
                 "SELECT min(sent_at) FROM postroom_outbox

@@ -21,6 +21,7 @@ pub(crate) mod retired;
 pub(crate) mod schema;
 pub(crate) mod stats;
 pub(crate) mod strict;
+pub(crate) mod sweep;
 pub(crate) mod text;
 pub(crate) mod watermark;
 

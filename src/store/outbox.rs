@@ -369,7 +369,7 @@ pub(crate) fn mark_unavailable(
 }
 
 /// Retention's delete of rows sent before the cutoff, never the newest row
-/// (see `queue::DELETE_COMPLETED`, and for the unary `+`): a `seq` is never
+/// (see `queue::DELETE_DEAD`, and for the unary `+`): a `seq` is never
 /// given out twice by retention.
 pub(crate) const DELETE_SENT: &str = "DELETE FROM postroom_outbox WHERE seq IN (
      SELECT seq FROM postroom_outbox WHERE status = 'sent' AND sent_at < ?1

@@ -475,8 +475,9 @@ pub(crate) fn expire(
     Ok(n == 1)
 }
 
-/// Runs one of retention's batch deletes ([`DELETE_COMPLETED`],
-/// [`DELETE_DEAD`], `outbox::DELETE_SENT`, `inbox::DELETE_CONFLICTS`):
+/// Runs one of retention's batch deletes ([`DELETE_DEAD`],
+/// `outbox::DELETE_SENT`, `inbox::DELETE_CONFLICTS`; completed inbox rows
+/// are `store::sweep`'s):
 /// `sql` takes the cutoff (unix ms) as `?1` and the batch size as `?2`, and
 /// has the shape `DELETE FROM t WHERE k IN (SELECT k FROM t WHERE … LIMIT
 /// ?2)`, which [`count_expired`] relies on.
@@ -504,23 +505,16 @@ pub(crate) fn count_expired(conn: &Connection, sql: &str, cutoff_ms: i64) -> rus
     Ok(u64::try_from(n).unwrap_or(0))
 }
 
-/// Completed rows processed before the cutoff.
+/// Dead rows that died (last updated) before the cutoff
+/// (`dead_retention`), through `postroom_inbox_dead`.
 ///
 /// Retention never deletes the newest row of a table, whatever its age:
 /// SQLite gives a new row the highest id plus one, so deleting the newest
-/// rows would give their ids out again (this and [`DELETE_DEAD`];
-/// `outbox::DELETE_SENT` keeps the newest `seq` the same way). The unary
-/// `+` keeps SQLite from answering `id < max` with a rowid range scan of
-/// the whole table once `PRAGMA optimize` has left statistics: the plan
-/// must stay on `postroom_inbox_done`
-/// (`retention_statements_use_their_indexes_with_statistics`).
-pub(crate) const DELETE_COMPLETED: &str = "DELETE FROM postroom_inbox WHERE id IN (
-     SELECT id FROM postroom_inbox
-     WHERE status = 'completed' AND processed_at < ?1
-       AND +id < (SELECT max(id) FROM postroom_inbox) LIMIT ?2)";
-
-/// Dead rows that died (last updated) before the cutoff
-/// (`dead_retention`), through `postroom_inbox_dead`.
+/// rows would give their ids out again (this, `store::sweep` for completed
+/// rows, and `outbox::DELETE_SENT`, which keeps the newest `seq` the same
+/// way). The unary `+` keeps SQLite from answering `id < max` with a rowid
+/// range scan of the whole table once statistics exist: the plan must stay
+/// on the partial index (`retention_statements_use_their_indexes_with_statistics`).
 pub(crate) const DELETE_DEAD: &str = "DELETE FROM postroom_inbox WHERE id IN (
      SELECT id FROM postroom_inbox
      WHERE status = 'dead' AND updated_at < ?1
@@ -656,7 +650,6 @@ pub(crate) mod tests {
         let conn = retention_fixture();
         conn.execute_batch("ANALYZE").unwrap();
         for (sql, index) in [
-            (DELETE_COMPLETED, "postroom_inbox_done"),
             (DELETE_DEAD, "postroom_inbox_dead"),
             (crate::store::outbox::DELETE_SENT, "postroom_outbox_sent"),
             (
@@ -692,7 +685,6 @@ pub(crate) mod tests {
     fn count_expired_counts_what_the_delete_deletes() {
         let conn = retention_fixture();
         for sql in [
-            DELETE_COMPLETED,
             DELETE_DEAD,
             crate::store::outbox::DELETE_SENT,
             crate::store::inbox::DELETE_CONFLICTS,

@@ -3,8 +3,9 @@
 //! [`BATCH`] rows, each batch a transaction of its own (the driver decides
 //! how it gets the write lock and what it does between batches).
 //!
-//! Order: completed inbox rows, with their key entries following in key
-//! order during and at the end of that step ([`retired::retire`]); sent
+//! Order: completed inbox rows, walked in id order ([`sweep`]), with their
+//! key entries following in key order during and at the end of that step
+//! ([`retired::retire`]); sent
 //! outbox rows; dead letters (when kept for a limited time); conflicts
 //! (likewise). Invariant: pending, failed and processing rows are never
 //! deleted, nor the newest row of the inbox or the outbox (see the
@@ -13,7 +14,7 @@
 use std::time::Duration;
 
 use crate::clock;
-use crate::store::{inbox, outbox, queue, retired};
+use crate::store::{inbox, outbox, queue, retired, sweep};
 
 /// Rows deleted per transaction: a few milliseconds of work, the longest a
 /// delivery waits behind one.
@@ -33,6 +34,8 @@ pub(crate) struct Keep {
 /// The times before which rows are past retention, for a pass at `now_ms`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Cutoffs {
+    /// When the pass runs.
+    pub now: i64,
     pub completed: i64,
     pub dead: Option<i64>,
     pub conflicts: Option<i64>,
@@ -42,6 +45,7 @@ impl Keep {
     pub fn cutoffs(&self, now_ms: i64) -> Cutoffs {
         let cutoff = |keep: Duration| now_ms.saturating_sub(clock::millis(keep));
         Cutoffs {
+            now: now_ms,
             completed: cutoff(self.completed),
             dead: self.dead.map(cutoff),
             conflicts: self.conflicts.map(cutoff),
@@ -67,6 +71,8 @@ pub(crate) trait Driver {
     /// Runs `queue::delete_expired(sql, cutoff, BATCH)` in a transaction
     /// of its own; returns the rows deleted.
     fn delete(&mut self, sql: &'static str, cutoff: i64) -> Result<usize, Self::Error>;
+    /// Runs `sweep::step(walk, BATCH)` in a transaction of its own.
+    fn sweep(&mut self, walk: sweep::Walk) -> Result<(usize, Option<sweep::Walk>), Self::Error>;
     /// Reads the key entries of deleted rows ([`retired::read`]).
     fn read_retired(&mut self) -> Result<Option<retired::Retired>, Self::Error>;
     /// Applies one batch of them in a transaction of its own.
@@ -78,18 +84,12 @@ pub(crate) trait Driver {
 /// Runs one retention pass.
 pub(crate) fn run<D: Driver>(cutoffs: Cutoffs, d: &mut D) -> Result<Deleted, D::Error> {
     let mut deleted = Deleted::default();
+    let mut next = Some(sweep::Walk::new(cutoffs.completed, cutoffs.now));
     (deleted.inbox, deleted.keys) = {
         // Both closures need the driver, one at a time.
         let d = std::cell::RefCell::new(&mut *d);
         retired::retire(
-            |max| {
-                batches(
-                    *d.borrow_mut(),
-                    queue::DELETE_COMPLETED,
-                    cutoffs.completed,
-                    max,
-                )
-            },
+            |max| walk(*d.borrow_mut(), &mut next, max),
             || {
                 retired::drain(
                     || d.borrow_mut().read_retired(),
@@ -107,6 +107,30 @@ pub(crate) fn run<D: Driver>(cutoffs: Cutoffs, d: &mut D) -> Result<Deleted, D::
         deleted.conflicts = Some(all(inbox::DELETE_CONFLICTS, cutoff)?);
     }
     Ok(deleted)
+}
+
+/// Walks the inbox from `next` ([`sweep::step`]), step by step, until the
+/// pass is over (`(deleted, true)`), the driver says stop (likewise), or
+/// at least `max` rows were deleted (`(deleted, false)`, `next` where to
+/// go on).
+fn walk<D: Driver>(
+    d: &mut D,
+    next: &mut Option<sweep::Walk>,
+    max: u64,
+) -> Result<(u64, bool), D::Error> {
+    let mut total = 0u64;
+    while let Some(walk) = next.take() {
+        let (n, after) = d.sweep(walk)?;
+        total += n as u64;
+        *next = after;
+        if next.is_none() || !d.between_batches() {
+            break;
+        }
+        if total >= max {
+            return Ok((total, false));
+        }
+    }
+    Ok((total, true))
 }
 
 /// Deletes what `sql` finds before `cutoff`, batch by batch, until none is

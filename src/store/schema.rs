@@ -20,7 +20,7 @@ use crate::failpoint;
 pub(crate) use crate::store::identity::{claim_identity, file_identity, FILE_IDENTITY_KEY};
 
 /// The newest schema version this library knows.
-pub const SCHEMA_VERSION: i64 = 10;
+pub const SCHEMA_VERSION: i64 = 11;
 
 /// The schema, applied in one transaction to a database without one.
 pub const SCHEMA_SQL: &str = include_str!("../../schema.sql");
@@ -384,9 +384,17 @@ pub(crate) fn forget_statistics(conn: &Connection) -> rusqlite::Result<()> {
 /// The migration steps: `MIGRATIONS[n - 1]` takes a file from version `n`
 /// to `n + 1`, so a file at version `found` runs `MIGRATIONS[found - 1..]`.
 type Step = fn(&Connection) -> Result<()>;
-const MIGRATIONS: [Step; 9] = [
-    migrate_v1, migrate_v2, migrate_v3, migrate_v4, migrate_v5, migrate_v6, migrate_v7, migrate_v8,
+const MIGRATIONS: [Step; 10] = [
+    migrate_v1,
+    migrate_v2,
+    migrate_v3,
+    migrate_v4,
+    migrate_v5,
+    migrate_v6,
+    migrate_v7,
+    migrate_v8,
     migrate_v9,
+    migrate_v10,
 ];
 const _: () = assert!(MIGRATIONS.len() as i64 == SCHEMA_VERSION - 1);
 
@@ -730,6 +738,16 @@ fn migrate_v9(tx: &Connection) -> Result<()> {
     add_missing(tx, 10).map_err(|e| Error::sqlite("migrate schema 9 to 10", e))
 }
 
+/// Version 10 to 11: retention walks the inbox in id order
+/// (`store::sweep`) instead of reading completed rows by completion time
+/// from `postroom_inbox_done`, which is dropped: one index entry fewer per
+/// message. No row changes; the first pass walks from the first row
+/// (nothing in `postroom_meta` says where to start).
+fn migrate_v10(tx: &Connection) -> Result<()> {
+    log::info!("postroom: migrating schema 10 to 11");
+    add_missing(tx, 11).map_err(|e| Error::sqlite("migrate schema 10 to 11", e))
+}
+
 /// Gives an outbox of an earlier version the `alone` column (schema
 /// version 10) and drops the outbox's head triggers, which the schema then
 /// creates again (every statement `IF NOT EXISTS`) as they keep the column
@@ -925,6 +943,8 @@ fn add_missing(tx: &Connection, version: i64) -> rusqlite::Result<()> {
     add_seq_columns(tx)?;
     add_head_column(tx)?;
     add_alone_column(tx)?;
+    // Indexes a later version no longer has (`migrate_v10`).
+    tx.execute_batch("DROP INDEX IF EXISTS postroom_inbox_done")?;
     tx.execute_batch(SCHEMA_SQL)?;
     tx.execute(
         "UPDATE postroom_meta SET value = ?1 WHERE key = 'schema_version'",

@@ -1,0 +1,561 @@
+//! Retention of completed inbox rows as a walk in id order (schema version
+//! 11). Before, an index of completed rows by completion time
+//! (`postroom_inbox_done`) told retention where the old rows were, and
+//! every message paid an entry in it: at one message per commit, a page of
+//! its own per commit (issue 33). Rows complete in about the order they
+//! were stored (inline ones as they are stored, queued ones soon after),
+//! so retention walks the table's own order instead.
+//!
+//! A pass walks from a row id on, deletes every completed row processed
+//! before the cutoff, steps over every other row (pending, processing,
+//! failed, dead), and stops at the first completed row processed at or
+//! after the cutoff, or at the newest row of the inbox, which is never
+//! deleted (SQLite would give its id out again). Each step reads at most
+//! [`READ`] rows and deletes at most the caller's limit, in the caller's
+//! transaction.
+//!
+//! Values in `postroom_meta` let a pass start where the last one stopped
+//! instead of at the table's first row:
+//! * [`FRONTIER`] (F): the row id where the last pass stopped;
+//! * [`SWEPT_AT`] (S): when the last pass that walked from the first row
+//!   began;
+//! * [`STOPPED_AT`]: when the pass that stopped at F began, for the
+//!   reaper's timer only ([`due`]).
+//!
+//! Invariant: every completed row with an id below F was processed at or
+//! after S. A pass from the first row that stops at F saw each row below F
+//! deleted or not yet completed, at S or later, so any of them completes
+//! later than S; a pass from F moves F over rows it saw likewise. So a pass
+//! whose cutoff is at or before S can delete nothing below F and starts
+//! at F; once the cutoff passes S, it starts at the first row again (about
+//! once per retention period, when rows below F are left: a held key's
+//! backlog, a row failed inline waiting for its redelivery).
+//!
+//! What it rests on: every deletion checks the row itself (completed,
+//! processed before the cutoff, not the newest), so neither value can
+//! make retention delete a row early. A wrong or missing value (a hand
+//! edit, a clock set back below S while a row below F completes) can only
+//! make it delete a row later, or walk further. A missing F or S is a
+//! pass from the first row; a missing [`STOPPED_AT`], a pass due at once.
+//!
+//! What the walk order changes: a completed row is deleted once it and
+//! every completed row stored before it are past retention. A row waits at
+//! most as long as the rows before it took to complete (a queued row that
+//! retried for an hour holds the inline rows stored after it for that
+//! hour), and never past a pass after they all aged.
+
+use rusqlite::types::Value;
+use rusqlite::{params, Connection, OptionalExtension};
+
+/// `postroom_meta` key: the row id where the last pass stopped.
+pub(crate) const FRONTIER: &str = "retention_frontier";
+/// `postroom_meta` key: when the last pass from the first row began.
+pub(crate) const SWEPT_AT: &str = "retention_swept_at";
+/// `postroom_meta` key: when the pass that stopped at [`FRONTIER`] began;
+/// missing while a pass cut short moved it (see [`due`]).
+pub(crate) const STOPPED_AT: &str = "retention_stopped_at";
+
+/// Rows a step reads at most: deletions aside, about a millisecond.
+pub(crate) const READ: usize = 1024;
+
+/// Where a pass is, between the steps (each its own transaction).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Walk {
+    /// Rows processed before this are deleted.
+    cutoff: i64,
+    /// When the pass began: [`SWEPT_AT`] once a pass from the first row
+    /// ends.
+    began_at: i64,
+    /// The next row id to look at, and whether the pass walks from the
+    /// first row; `None` before the first step, which reads them from
+    /// [`FRONTIER`] and [`SWEPT_AT`].
+    at: Option<(i64, bool)>,
+}
+
+impl Walk {
+    /// A pass at `now_ms` deleting completed rows processed before
+    /// `cutoff_ms`.
+    pub(crate) fn new(cutoff_ms: i64, now_ms: i64) -> Self {
+        Walk {
+            cutoff: cutoff_ms,
+            began_at: now_ms,
+            at: None,
+        }
+    }
+}
+
+/// [`FRONTIER`] and [`SWEPT_AT`], each `None` when missing or not a
+/// number.
+fn state(conn: &Connection) -> rusqlite::Result<(Option<i64>, Option<i64>)> {
+    Ok((read(conn, FRONTIER)?, read(conn, SWEPT_AT)?))
+}
+
+/// A number in `postroom_meta`; `None` when missing or not a number.
+fn read(conn: &Connection, key: &str) -> rusqlite::Result<Option<i64>> {
+    let value = conn
+        .prepare_cached("SELECT value FROM postroom_meta WHERE key = ?1")?
+        .query_row([key], |r| r.get::<_, Value>(0))
+        .optional()?;
+    Ok(match value {
+        Some(Value::Integer(n)) => Some(n),
+        Some(Value::Text(text)) => text.parse().ok(),
+        _ => None,
+    })
+}
+
+fn note(conn: &Connection, key: &str, value: i64) -> rusqlite::Result<()> {
+    conn.prepare_cached(
+        "INSERT INTO postroom_meta (key, value) VALUES (?1, ?2)
+         ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+    )?
+    .execute(params![key, value.to_string()])
+    .map(drop)
+}
+
+/// Where a pass begins, and whether from the first row (see the module
+/// doc).
+fn start(conn: &Connection, cutoff: i64) -> rusqlite::Result<(i64, bool)> {
+    Ok(match state(conn)? {
+        (Some(frontier), Some(swept_at)) if cutoff <= swept_at => (frontier, false),
+        _ => (i64::MIN, true),
+    })
+}
+
+/// What one step found from `from` on.
+struct Found {
+    /// Rows to delete: every one in `from..end` is completed, processed
+    /// before the cutoff.
+    deletable: usize,
+    end: i64,
+    /// The pass ends at `end` (a row too young, or the newest row), or
+    /// goes on from there.
+    stopped: bool,
+}
+
+/// Reads up to [`READ`] rows from `from` on, below the newest, for at
+/// most `limit` rows to delete. A completed row without a completion time
+/// (only a hand edit makes one) is stepped over: it is never deleted, and
+/// must not hold every row after it.
+fn find(conn: &Connection, from: i64, cutoff: i64, limit: usize) -> rusqlite::Result<Found> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, status = 'completed' AND processed_at IS NOT NULL, processed_at < ?2
+         FROM postroom_inbox
+         WHERE id >= ?1 AND id < (SELECT max(id) FROM postroom_inbox)
+         ORDER BY id LIMIT ?3",
+    )?;
+    let mut rows = stmt.query(params![from, cutoff, READ as i64])?;
+    let (mut read, mut deletable, mut last) = (0, 0, None);
+    while let Some(row) = rows.next()? {
+        let id: i64 = row.get(0)?;
+        if row.get(1)? {
+            if !row.get::<_, bool>(2)? {
+                return Ok(Found {
+                    deletable,
+                    end: id,
+                    stopped: true,
+                });
+            }
+            if deletable == limit {
+                return Ok(Found {
+                    deletable,
+                    end: id,
+                    stopped: false,
+                });
+            }
+            deletable += 1;
+        }
+        read += 1;
+        last = Some(id);
+    }
+    match last {
+        // `last` is below the newest id, so `last + 1` cannot overflow.
+        Some(last) if read == READ => Ok(Found {
+            deletable,
+            end: last + 1,
+            stopped: false,
+        }),
+        // Every row below the newest read: the pass stops at the newest.
+        _ => {
+            let newest: Option<i64> = conn
+                .prepare_cached("SELECT max(id) FROM postroom_inbox")?
+                .query_row([], |r| r.get(0))?;
+            Ok(Found {
+                deletable,
+                end: newest.unwrap_or(from).max(from),
+                stopped: true,
+            })
+        }
+    }
+}
+
+/// One step of a pass, in the caller's transaction: deletes at most
+/// `limit` rows and notes how far it got (see the module doc). Returns
+/// the rows deleted, and the pass's next step (`None`: the pass is over).
+pub(crate) fn step(
+    conn: &Connection,
+    walk: Walk,
+    limit: usize,
+) -> rusqlite::Result<(usize, Option<Walk>)> {
+    let (from, whole) = match walk.at {
+        Some(at) => at,
+        None => start(conn, walk.cutoff)?,
+    };
+    let found = find(conn, from, walk.cutoff, limit)?;
+    let deleted = if found.deletable == 0 {
+        0
+    } else {
+        conn.prepare_cached(
+            "DELETE FROM postroom_inbox
+             WHERE id >= ?1 AND id < ?2 AND status = 'completed' AND processed_at < ?3",
+        )?
+        .execute(params![from, found.end, walk.cutoff])?
+    };
+    if found.stopped {
+        note(conn, FRONTIER, found.end)?;
+        note(conn, STOPPED_AT, walk.began_at)?;
+        if whole {
+            note(conn, SWEPT_AT, walk.began_at)?;
+        }
+        return Ok((deleted, None));
+    }
+    if !whole {
+        // Every row in `F..end` is deleted or was seen not completed: F
+        // may pass them (a pass cut short after this keeps what it did).
+        // The rows from `end` on are not looked at yet: no time for them.
+        note(conn, FRONTIER, found.end)?;
+        conn.prepare_cached("DELETE FROM postroom_meta WHERE key = ?1")?
+            .execute([STOPPED_AT])?;
+    }
+    Ok((
+        deleted,
+        Some(Walk {
+            at: Some((found.end, whole)),
+            ..walk
+        }),
+    ))
+}
+
+/// How many rows a pass at `now_ms` with this cutoff would delete, read
+/// without writing: the same walk as [`step`]'s (`admin::cleanup`'s dry
+/// run).
+pub(crate) fn count(conn: &Connection, cutoff_ms: i64) -> rusqlite::Result<u64> {
+    let (mut from, _) = start(conn, cutoff_ms)?;
+    let mut total = 0u64;
+    loop {
+        let found = find(conn, from, cutoff_ms, usize::MAX)?;
+        total += found.deletable as u64;
+        if found.stopped {
+            return Ok(total);
+        }
+        from = found.end;
+    }
+}
+
+/// The completion time that a pass's cutoff must pass for it to have a
+/// row to delete:
+/// * the first row from F on (below the newest), if it is completed;
+/// * if it is not: when the pass that stopped at F began
+///   ([`STOPPED_AT`]). It stopped at the newest row (or at a completed
+///   one since changed by hand), so every row from F on was stored, or
+///   completes, after that. At once (`i64::MIN`) without one (a pass cut
+///   short moved F over rows, and those after are not looked at yet);
+/// * S, when a row other than a dead one is left below F (it completes
+///   later than S).
+///
+/// `None`: nothing to delete until a row is stored. Reads one row from F,
+/// and from the first row to the first one not dead below F.
+pub(crate) fn due(conn: &Connection) -> rusqlite::Result<Option<i64>> {
+    let (frontier, swept_at) = state(conn)?;
+    let stopped_at = read(conn, STOPPED_AT)?;
+    let frontier = frontier.unwrap_or(i64::MIN);
+    let first: Option<(bool, Option<i64>)> = conn
+        .prepare_cached(
+            "SELECT status = 'completed', processed_at FROM postroom_inbox
+             WHERE id >= ?1 AND id < (SELECT max(id) FROM postroom_inbox)
+             ORDER BY id LIMIT 1",
+        )?
+        .query_row([frontier], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()?;
+    let ahead = first.map(|first| match first {
+        (true, Some(at)) => at,
+        _ => stopped_at.unwrap_or(i64::MIN),
+    });
+    let behind: bool = conn
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM postroom_inbox WHERE id < ?1 AND status <> 'dead')",
+        )?
+        .query_row([frontier], |r| r.get(0))?;
+    let behind = behind.then(|| swept_at.unwrap_or(i64::MIN));
+    Ok(match (ahead, behind) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::queue::tests::vm_ops;
+
+    const CUTOFF: i64 = 10_000;
+
+    fn db() -> Connection {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(crate::store::schema::SCHEMA_SQL)
+            .unwrap();
+        conn
+    }
+
+    /// Stores rows in id order: `(status, processed_at)`.
+    fn rows(conn: &Connection, rows: &[(&str, Option<i64>)]) {
+        for (status, at) in rows {
+            conn.execute(
+                "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
+                     payload_hash, last_error, received_at, updated_at, processed_at,
+                     lease_until, lease_token)
+                 VALUES ('c', 's', lower(hex(randomblob(8))), ?1, x'', zeroblob(32),
+                     iif(?1 IN ('failed', 'dead'), 'e', NULL), 0, 0, ?2, 1, 1)",
+                params![status, at],
+            )
+            .unwrap();
+        }
+    }
+
+    fn ids(conn: &Connection) -> Vec<i64> {
+        conn.prepare("SELECT id FROM postroom_inbox ORDER BY id")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    }
+
+    /// A whole pass at `now`, in steps of `limit`: rows deleted.
+    fn pass(conn: &Connection, now: i64, limit: usize) -> usize {
+        let (mut deleted, mut next) = (0, Some(Walk::new(now - 1000, now)));
+        while let Some(walk) = next {
+            let (n, after) = step(conn, walk, limit).unwrap();
+            deleted += n;
+            next = after;
+        }
+        deleted
+    }
+
+    #[test]
+    fn a_pass_deletes_old_completed_rows_in_id_order_up_to_the_first_young_one() {
+        let conn = db();
+        let old = Some(CUTOFF - 1);
+        rows(
+            &conn,
+            &[
+                ("completed", old),          // 1: deleted
+                ("pending", None),           // 2: stepped over
+                ("dead", None),              // 3: stepped over
+                ("processing", None),        // 4
+                ("failed", None),            // 5
+                ("completed", None),         // 6: a hand edit; stepped over
+                ("completed", old),          // 7: deleted
+                ("completed", Some(CUTOFF)), // 8: too young: the walk stops
+                ("completed", old),          // 9: old, but after 8
+                ("completed", old),          // 10: the newest, kept anyway
+            ],
+        );
+        assert_eq!(count(&conn, CUTOFF).unwrap(), 2);
+        assert_eq!(pass(&conn, CUTOFF + 1000, usize::MAX), 2);
+        assert_eq!(ids(&conn), [2, 3, 4, 5, 6, 8, 9, 10]);
+        assert_eq!(state(&conn).unwrap(), (Some(8), Some(CUTOFF + 1000)));
+        // Row 8 is the one to wait for, and nothing else.
+        assert_eq!(due(&conn).unwrap(), Some(CUTOFF));
+        // Once it ages, 8 and 9 go; the newest stays.
+        assert_eq!(pass(&conn, CUTOFF + 1001, usize::MAX), 2);
+        assert_eq!(ids(&conn), [2, 3, 4, 5, 6, 10]);
+        assert_eq!(state(&conn).unwrap().0, Some(10));
+    }
+
+    /// Steps of any size, reads of [`READ`] rows across a backlog, and one
+    /// step deleting everything delete the same rows, and a dry count
+    /// says so first.
+    #[test]
+    fn steps_of_any_size_delete_what_one_step_deletes() {
+        let layout: Vec<(&str, Option<i64>)> = (0..3 * READ + 7)
+            .map(|i| match i % 5 {
+                0 => ("pending", None),
+                1 => ("dead", None),
+                _ if i > 2 * READ + 3 && i % 7 == 0 => ("completed", Some(CUTOFF + 5)),
+                _ => ("completed", Some(CUTOFF - 1)),
+            })
+            .collect();
+        let mut outcome = None;
+        for limit in [1, 7, 256, usize::MAX] {
+            let conn = db();
+            rows(&conn, &layout);
+            let counted = count(&conn, CUTOFF).unwrap();
+            let deleted = pass(&conn, CUTOFF + 1000, limit);
+            assert_eq!(counted, deleted as u64, "limit {limit}");
+            assert!(deleted > READ, "the fixture deletes across reads");
+            let now = (ids(&conn), state(&conn).unwrap());
+            assert_eq!(
+                *outcome.get_or_insert_with(|| now.clone()),
+                now,
+                "limit {limit}"
+            );
+        }
+    }
+
+    /// While a pass's cutoff is no later than the last walk from the first
+    /// row, rows below the frontier cannot be old enough: a backlog there
+    /// is not read again. Once the cutoff passes it, the rows that
+    /// completed meanwhile are deleted, as if every pass had walked them.
+    #[test]
+    fn a_backlog_below_the_frontier_is_walked_once_per_retention_period() {
+        let mut conn = db();
+        let backlog = 3000;
+        rows(&conn, &vec![("pending", None); backlog]);
+        rows(&conn, &[("completed", Some(CUTOFF - 1)); 10]);
+        // The first pass walks the backlog, deletes the ten but the newest.
+        assert_eq!(pass(&conn, CUTOFF + 1000, usize::MAX), 9);
+        assert_eq!(state(&conn).unwrap(), (Some(3010), Some(CUTOFF + 1000)));
+        rows(&conn, &[("completed", Some(CUTOFF + 2000)); 5]);
+        // The old newest row goes now that it is not the newest.
+        let (deleted, ops) = vm_ops(&mut conn, |c| pass(c, CUTOFF + 2000, usize::MAX));
+        assert_eq!(deleted, 1);
+        let (_, whole) = vm_ops(&mut conn, |c| count(c, i64::MAX).unwrap());
+        assert!(
+            ops * 20 < whole,
+            "{ops} VM steps from the frontier, {whole} for a whole walk"
+        );
+        // Half the backlog completes later; a pass whose cutoff passes
+        // their completion walks from the first row and deletes them.
+        conn.execute(
+            "UPDATE postroom_inbox SET status = 'completed', processed_at = ?1
+             WHERE id <= 1500",
+            [CUTOFF + 3000],
+        )
+        .unwrap();
+        assert_eq!(due(&conn).unwrap(), Some(CUTOFF + 1000));
+        // Rows 1-1500, then 3011-3014 (the newest, 3015, kept).
+        assert_eq!(pass(&conn, CUTOFF + 4001, usize::MAX), 1500 + 4);
+        assert_eq!(ids(&conn)[0], 1501);
+    }
+
+    /// A pass cut short between steps keeps what it did: one from the
+    /// frontier moves the frontier as it goes; any later pass deletes
+    /// exactly what an uncut one would have.
+    #[test]
+    fn a_pass_cut_short_loses_nothing() {
+        let conn = db();
+        rows(&conn, &[("dead", None), ("dead", None)]);
+        // A whole walk at CUTOFF + 1000 stops at the newest, row 2.
+        assert_eq!(pass(&conn, CUTOFF + 1000, usize::MAX), 0);
+        assert_eq!(state(&conn).unwrap(), (Some(2), Some(CUTOFF + 1000)));
+        rows(&conn, &vec![("pending", None); READ + 10]);
+        rows(&conn, &[("completed", Some(CUTOFF - 1)); 3]);
+        // Not yet past the last whole walk: from the frontier.
+        let walk = Walk::new(CUTOFF + 500, CUTOFF + 1500);
+        let (n, next) = step(&conn, walk, usize::MAX).unwrap();
+        assert_eq!(n, 0);
+        assert!(next.is_some(), "more than one read's worth of rows");
+        assert_eq!(state(&conn).unwrap().0, Some(READ as i64 + 2));
+        // Cut short here: the next pass goes on from there, and deletes
+        // the old rows but the newest.
+        assert_eq!(pass(&conn, CUTOFF + 1500, usize::MAX), 2);
+        assert_eq!(pass(&conn, CUTOFF + 2001, usize::MAX), 0);
+        assert_eq!(ids(&conn).len(), 2 + READ + 10 + 1);
+    }
+
+    /// Values in `postroom_meta` that are not numbers (a hand edit) are a
+    /// pass from the first row, never a skipped row; a frontier past
+    /// every row delays, never deletes early.
+    #[test]
+    fn hand_edited_positions_never_delete_early() {
+        for (frontier, swept_at) in [("x", "y"), ("99999", "99999999"), ("-5", "")] {
+            let conn = db();
+            rows(
+                &conn,
+                &[
+                    ("completed", Some(CUTOFF - 1)),
+                    ("completed", Some(CUTOFF)),
+                    ("completed", Some(CUTOFF - 1)),
+                ],
+            );
+            conn.execute(
+                "INSERT INTO postroom_meta (key, value) VALUES (?1, ?2), (?3, ?4)",
+                params![FRONTIER, frontier, SWEPT_AT, swept_at],
+            )
+            .unwrap();
+            let deleted = pass(&conn, CUTOFF + 1000, usize::MAX);
+            assert!(deleted <= 1, "{frontier} {swept_at}: {deleted}");
+            let left = ids(&conn);
+            assert!(
+                left.contains(&2) && left.contains(&3),
+                "{frontier}: {left:?}"
+            );
+        }
+    }
+
+    /// Only dead rows below the frontier wait on nothing: retention is not
+    /// due for them (an idle engine with dead letters stays asleep); a
+    /// row brought back from the dead is.
+    #[test]
+    fn dead_rows_below_the_frontier_are_not_due_a_redriven_one_is() {
+        let conn = db();
+        rows(
+            &conn,
+            &[
+                ("dead", None),
+                ("completed", Some(CUTOFF - 1)),
+                ("pending", None),
+            ],
+        );
+        assert_eq!(pass(&conn, CUTOFF + 1000, usize::MAX), 1);
+        assert_eq!(state(&conn).unwrap().0, Some(3));
+        assert_eq!(due(&conn).unwrap(), None);
+        conn.execute(
+            "UPDATE postroom_inbox SET status = 'pending' WHERE id = 1",
+            [],
+        )
+        .unwrap();
+        assert_eq!(due(&conn).unwrap(), Some(CUTOFF + 1000));
+        rows(&conn, &[("completed", Some(CUTOFF + 7))]);
+        // Row 3, the newest when the pass stopped there, is not completed:
+        // it and every row after it complete after that pass began.
+        assert_eq!(due(&conn).unwrap(), Some(CUTOFF + 1000));
+        conn.execute("DELETE FROM postroom_meta WHERE key = ?1", [STOPPED_AT])
+            .unwrap();
+        assert_eq!(due(&conn).unwrap(), Some(i64::MIN), "not known: at once");
+    }
+
+    /// The walk and its deletes read the table by row id ranges, with or
+    /// without statistics: never a scan of the whole inbox.
+    #[test]
+    fn the_walk_reads_id_ranges() {
+        let conn = db();
+        rows(&conn, &vec![("completed", Some(1)); 50]);
+        for analyzed in [false, true] {
+            if analyzed {
+                conn.execute_batch("ANALYZE").unwrap();
+            }
+            for sql in [
+                "SELECT id, status = 'completed' AND processed_at IS NOT NULL, processed_at < ?2
+                 FROM postroom_inbox
+                 WHERE id >= ?1 AND id < (SELECT max(id) FROM postroom_inbox)
+                 ORDER BY id LIMIT ?3",
+                "DELETE FROM postroom_inbox
+                 WHERE id >= ?1 AND id < ?2 AND status = 'completed' AND processed_at < ?3",
+            ] {
+                let plan: Vec<String> = conn
+                    .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+                    .unwrap()
+                    .query_map([1, 2, 3], |r| r.get(3))
+                    .unwrap()
+                    .map(Result::unwrap)
+                    .collect();
+                let first = &plan[0];
+                assert!(
+                    first.contains("INTEGER PRIMARY KEY (rowid>? AND rowid<?)"),
+                    "{analyzed}: {plan:?}"
+                );
+            }
+        }
+    }
+}
