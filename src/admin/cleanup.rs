@@ -167,8 +167,8 @@ pub fn cleanup(
             let expired = |statement, cutoff| {
                 queue::count_expired(conn, statement, cutoff).map_err(sql("count expired rows"))
             };
-            summary.inbox_deleted =
-                sweep::count(conn, cutoffs.completed).map_err(sql("count expired rows"))?;
+            summary.inbox_deleted = sweep::count(conn, cutoffs.completed, cutoffs.now)
+                .map_err(sql("count expired rows"))?;
             summary.outbox_deleted = expired(outbox::DELETE_SENT, cutoffs.completed)?;
             if let Some(c) = cutoffs.dead {
                 summary.dead_deleted = Some(expired(queue::DELETE_DEAD, c)?);

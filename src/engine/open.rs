@@ -273,6 +273,8 @@ fn open_database(
     match opened {
         Ok(conn) => {
             recovery::recover(&conn, config, clock, &mut engine_file)?;
+            crate::store::sweep::begin_empty(&conn, clock.now_ms())
+                .map_err(|e| Error::sqlite("note retention's first pass", e))?;
             Ok((resolved, conn, engine_file))
         }
         Err(e) => {

@@ -490,18 +490,18 @@ impl Machine {
     pub fn cleanup(&mut self, retention_ms: u32, keys: bool) -> SimResult<usize> {
         let cutoff = self.now_ms - i64::from(retention_ms);
         let now = self.now_ms;
-        let rows = self
-            .in_tx(move |m| {
-                let (mut rows, mut next) = (0, Some(sweep::Walk::new(cutoff, now)));
-                while let Some(walk) = next {
-                    let (n, after) = sweep::step(m.conn(), walk, usize::MAX)
-                        .map_err(|e| crate::Error::sqlite("cleanup", e))?;
-                    rows += n;
-                    next = after;
-                }
-                Ok(rows)
-            })?
-            .unwrap_or_default();
+        // Small steps, each its own transaction, as the reaper's: what a
+        // step notes must hold between them.
+        let (mut rows, mut next) = (0, Some(sweep::Walk::new(cutoff, now)));
+        while let Some(walk) = next {
+            let (n, after) = self
+                .in_tx(move |m| {
+                    sweep::step(m.conn(), walk, 5).map_err(|e| crate::Error::sqlite("cleanup", e))
+                })?
+                .unwrap_or_default();
+            rows += n;
+            next = after;
+        }
         if keys {
             let m = RefCell::new(self);
             retired::drain(

@@ -381,11 +381,8 @@ pub(super) fn cleanup(
         (Some(_), Some(swept_at)) => cutoff > swept_at,
         _ => true,
     };
-    let from = if whole {
-        0
-    } else {
-        model.frontier.unwrap_or(0)
-    };
+    let old_frontier = model.frontier;
+    let from = if whole { 0 } else { old_frontier.unwrap_or(0) };
     let newest = model.entries.values().map(|e| e.order).max();
     let mut walked: Vec<_> = model
         .entries
@@ -395,10 +392,18 @@ pub(super) fn cleanup(
         .collect();
     walked.sort_by_key(|w| w.0);
     let mut stop = newest.unwrap_or(from).max(from);
-    let mut expired = Vec::new();
+    let (mut expired, mut young) = (Vec::new(), None::<i64>);
     for (order, key, status, processed_at) in walked {
         match (status, processed_at) {
             (Status::Completed, Some(at)) if at < cutoff => expired.push(key),
+            // Completed as the pass runs: stepped over.
+            (Status::Completed, Some(at)) if at >= now => {}
+            // Completed after an earlier pass stepped over it: stepped
+            // over, and the next walk from the first entry comes when it
+            // is old enough.
+            (Status::Completed, Some(at)) if whole && old_frontier.is_some_and(|f| order < f) => {
+                young = Some(young.map_or(at, |y| y.min(at)));
+            }
             (Status::Completed, Some(_)) => {
                 stop = order;
                 break;
@@ -408,7 +413,7 @@ pub(super) fn cleanup(
     }
     model.frontier = Some(stop);
     if whole {
-        model.swept_at = Some(now);
+        model.swept_at = Some(young.map_or(now, |y| y.min(now)));
     }
     for key in expired {
         if let Some(e) = model.entries.remove(&key) {

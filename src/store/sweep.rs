@@ -63,13 +63,27 @@ pub(crate) const READ: usize = 1024;
 pub(crate) struct Walk {
     /// Rows processed before this are deleted.
     cutoff: i64,
-    /// When the pass began: [`SWEPT_AT`] once a pass from the first row
-    /// ends.
+    /// When the pass began.
     began_at: i64,
-    /// The next row id to look at, and whether the pass walks from the
-    /// first row; `None` before the first step, which reads them from
-    /// [`FRONTIER`] and [`SWEPT_AT`].
-    at: Option<(i64, bool)>,
+    /// `None` before the first step, which reads it from `postroom_meta`.
+    at: Option<At>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct At {
+    /// The next row id to look at.
+    next: i64,
+    /// The pass walks from the first row (else from F).
+    whole: bool,
+    /// F when the pass began: a young completed row below it completed
+    /// after an earlier pass stepped over it.
+    frontier: i64,
+    /// S when the pass began: a pass from F goes on only while it is
+    /// unchanged (another pass from the first row may have moved F back).
+    swept_at: Option<i64>,
+    /// The earliest completion among the young rows below F that a pass
+    /// from the first row stepped over: S is no later than it.
+    young: Option<i64>,
 }
 
 impl Walk {
@@ -114,16 +128,22 @@ fn note(conn: &Connection, key: &str, value: i64) -> rusqlite::Result<()> {
 
 /// Where a pass begins, and whether from the first row (see the module
 /// doc).
-fn start(conn: &Connection, cutoff: i64) -> rusqlite::Result<(i64, bool)> {
-    Ok(match state(conn)? {
-        (Some(frontier), Some(swept_at)) if cutoff <= swept_at => (frontier, false),
-        _ => (i64::MIN, true),
+fn start(conn: &Connection, cutoff: i64) -> rusqlite::Result<At> {
+    let (frontier, swept_at) = state(conn)?;
+    let whole = !matches!((frontier, swept_at), (Some(_), Some(s)) if cutoff <= s);
+    let frontier = frontier.unwrap_or(i64::MIN);
+    Ok(At {
+        next: if whole { i64::MIN } else { frontier },
+        whole,
+        frontier,
+        swept_at,
+        young: None,
     })
 }
 
-/// What one step found from `from` on.
+/// What one step found from `at.next` on.
 struct Found {
-    /// Rows to delete: every one in `from..end` is completed, processed
+    /// Rows to delete: every one in `at.next..end` is completed, processed
     /// before the cutoff.
     deletable: usize,
     end: i64,
@@ -132,37 +152,62 @@ struct Found {
     stopped: bool,
 }
 
-/// Reads up to [`READ`] rows from `from` on, below the newest, for at
-/// most `limit` rows to delete. A completed row without a completion time
-/// (only a hand edit makes one) is stepped over: it is never deleted, and
-/// must not hold every row after it.
-fn find(conn: &Connection, from: i64, cutoff: i64, limit: usize) -> rusqlite::Result<Found> {
+/// Reads up to [`READ`] rows from `at.next` on, below the newest, for at
+/// most `limit` rows to delete. Stepped over besides the rows not
+/// completed:
+/// * a completed row without a completion time (only a hand edit makes
+///   one): it is never deleted, and must not hold every row after it;
+/// * a row completed at or after the pass began (during the pass, or
+///   stamped by a clock that ran ahead): it cannot hold the rows after it
+///   either, and S is no later than it;
+/// * in a pass from the first row, a young row below F: it completed
+///   after a pass stepped over it (a redriven dead letter, a retry that
+///   took its time); S goes back to its completion time, so the pass
+///   from the first row that can delete it comes when it can.
+///
+/// Only completed rows have their completion time read (`CASE`): the
+/// payload before it is not read for the rows stepped over.
+fn find(
+    conn: &Connection,
+    at: &mut At,
+    cutoff: i64,
+    began_at: i64,
+    limit: usize,
+) -> rusqlite::Result<Found> {
     let mut stmt = conn.prepare_cached(
-        "SELECT id, status = 'completed' AND processed_at IS NOT NULL, processed_at < ?2
+        "SELECT id, CASE WHEN status <> 'completed' OR processed_at IS NULL THEN NULL
+                    ELSE processed_at END
          FROM postroom_inbox
          WHERE id >= ?1 AND id < (SELECT max(id) FROM postroom_inbox)
-         ORDER BY id LIMIT ?3",
+         ORDER BY id LIMIT ?2",
     )?;
-    let mut rows = stmt.query(params![from, cutoff, READ as i64])?;
+    let mut rows = stmt.query(params![at.next, READ as i64])?;
     let (mut read, mut deletable, mut last) = (0, 0, None);
     while let Some(row) = rows.next()? {
         let id: i64 = row.get(0)?;
-        if row.get(1)? {
-            if !row.get::<_, bool>(2)? {
+        match row.get::<_, Option<i64>>(1)? {
+            None => {}
+            Some(done) if done < cutoff => {
+                if deletable == limit {
+                    return Ok(Found {
+                        deletable,
+                        end: id,
+                        stopped: false,
+                    });
+                }
+                deletable += 1;
+            }
+            Some(done) if done >= began_at => {}
+            Some(done) if at.whole && id < at.frontier => {
+                at.young = Some(at.young.map_or(done, |y| y.min(done)));
+            }
+            Some(_) => {
                 return Ok(Found {
                     deletable,
                     end: id,
                     stopped: true,
-                });
+                })
             }
-            if deletable == limit {
-                return Ok(Found {
-                    deletable,
-                    end: id,
-                    stopped: false,
-                });
-            }
-            deletable += 1;
         }
         read += 1;
         last = Some(id);
@@ -181,7 +226,7 @@ fn find(conn: &Connection, from: i64, cutoff: i64, limit: usize) -> rusqlite::Re
                 .query_row([], |r| r.get(0))?;
             Ok(Found {
                 deletable,
-                end: newest.unwrap_or(from).max(from),
+                end: newest.unwrap_or(at.next).max(at.next),
                 stopped: true,
             })
         }
@@ -196,11 +241,18 @@ pub(crate) fn step(
     walk: Walk,
     limit: usize,
 ) -> rusqlite::Result<(usize, Option<Walk>)> {
-    let (from, whole) = match walk.at {
+    let mut at = match walk.at {
         Some(at) => at,
         None => start(conn, walk.cutoff)?,
     };
-    let found = find(conn, from, walk.cutoff, limit)?;
+    if !at.whole && read(conn, SWEPT_AT)? != at.swept_at {
+        // Another pass (`postroom cleanup` beside the reaper) walked from
+        // the first row meanwhile: F and S are its, and this pass's F
+        // would not go with its S.
+        return Ok((0, None));
+    }
+    let from = at.next;
+    let found = find(conn, &mut at, walk.cutoff, walk.began_at, limit)?;
     let deleted = if found.deletable == 0 {
         0
     } else {
@@ -213,23 +265,26 @@ pub(crate) fn step(
     if found.stopped {
         note(conn, FRONTIER, found.end)?;
         note(conn, STOPPED_AT, walk.began_at)?;
-        if whole {
-            note(conn, SWEPT_AT, walk.began_at)?;
+        if at.whole {
+            let swept_at = at.young.map_or(walk.began_at, |y| y.min(walk.began_at));
+            note(conn, SWEPT_AT, swept_at)?;
         }
         return Ok((deleted, None));
     }
-    if !whole {
-        // Every row in `F..end` is deleted or was seen not completed: F
-        // may pass them (a pass cut short after this keeps what it did).
-        // The rows from `end` on are not looked at yet: no time for them.
+    if !at.whole {
+        // Every row in `F..end` is deleted or was seen not completed
+        // (or completed since the pass began): F may pass them, and a
+        // pass cut short after this keeps what it did. The rows from
+        // `end` on are not looked at yet: no time for them.
         note(conn, FRONTIER, found.end)?;
         conn.prepare_cached("DELETE FROM postroom_meta WHERE key = ?1")?
             .execute([STOPPED_AT])?;
     }
+    at.next = found.end;
     Ok((
         deleted,
         Some(Walk {
-            at: Some((found.end, whole)),
+            at: Some(at),
             ..walk
         }),
     ))
@@ -238,17 +293,41 @@ pub(crate) fn step(
 /// How many rows a pass at `now_ms` with this cutoff would delete, read
 /// without writing: the same walk as [`step`]'s (`admin::cleanup`'s dry
 /// run).
-pub(crate) fn count(conn: &Connection, cutoff_ms: i64) -> rusqlite::Result<u64> {
-    let (mut from, _) = start(conn, cutoff_ms)?;
+pub(crate) fn count(conn: &Connection, cutoff_ms: i64, now_ms: i64) -> rusqlite::Result<u64> {
+    let mut at = start(conn, cutoff_ms)?;
     let mut total = 0u64;
     loop {
-        let found = find(conn, from, cutoff_ms, usize::MAX)?;
+        let found = find(conn, &mut at, cutoff_ms, now_ms, usize::MAX)?;
         total += found.deletable as u64;
         if found.stopped {
             return Ok(total);
         }
-        from = found.end;
+        at.next = found.end;
     }
+}
+
+/// A new file's first pass, when its inbox has no rows and no [`FRONTIER`]
+/// yet: it finds nothing and notes when it ran, so that the reaper's
+/// timer ([`due`]) counts the first rows stored from then, instead of a
+/// pass at once to find out where they are.
+pub(crate) fn begin_empty(conn: &Connection, now_ms: i64) -> rusqlite::Result<()> {
+    if read(conn, FRONTIER)?.is_some() {
+        return Ok(());
+    }
+    let empty: bool = conn.query_row(
+        "SELECT NOT EXISTS (SELECT 1 FROM postroom_inbox)",
+        [],
+        |r| r.get(0),
+    )?;
+    if !empty {
+        return Ok(());
+    }
+    let tx = conn.unchecked_transaction()?;
+    let mut next = Some(Walk::new(i64::MIN, now_ms));
+    while let Some(walk) = next {
+        next = step(&tx, walk, usize::MAX)?.1;
+    }
+    tx.commit()
 }
 
 /// The completion time that a pass's cutoff must pass for it to have a
@@ -260,10 +339,10 @@ pub(crate) fn count(conn: &Connection, cutoff_ms: i64) -> rusqlite::Result<u64> 
 ///   completes, after that. At once (`i64::MIN`) without one (a pass cut
 ///   short moved F over rows, and those after are not looked at yet);
 /// * S, when a row other than a dead one is left below F (it completes
-///   later than S).
+///   later than S), or more dead ones than one read looks at.
 ///
 /// `None`: nothing to delete until a row is stored. Reads one row from F,
-/// and from the first row to the first one not dead below F.
+/// and at most [`READ`] from the first row.
 pub(crate) fn due(conn: &Connection) -> rusqlite::Result<Option<i64>> {
     let (frontier, swept_at) = state(conn)?;
     let stopped_at = read(conn, STOPPED_AT)?;
@@ -280,12 +359,18 @@ pub(crate) fn due(conn: &Connection) -> rusqlite::Result<Option<i64>> {
         (true, Some(at)) => at,
         _ => stopped_at.unwrap_or(i64::MIN),
     });
-    let behind: bool = conn
+    // Up to `READ` rows below F, in id order: dead letters kept for good
+    // can number millions; past them, a pass from the first row once per
+    // retention period is cheaper than reading them at every wake.
+    let (below, dead): (i64, i64) = conn
         .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM postroom_inbox WHERE id < ?1 AND status <> 'dead')",
+            "SELECT count(*), count(*) FILTER (WHERE status = 'dead')
+             FROM (SELECT status FROM postroom_inbox WHERE id < ?1 ORDER BY id LIMIT ?2)",
         )?
-        .query_row([frontier], |r| r.get(0))?;
-    let behind = behind.then(|| swept_at.unwrap_or(i64::MIN));
+        .query_row(params![frontier, READ as i64], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })?;
+    let behind = (dead < below || below == READ as i64).then(|| swept_at.unwrap_or(i64::MIN));
     Ok(match (ahead, behind) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
@@ -360,7 +445,7 @@ mod tests {
                 ("completed", old),          // 10: the newest, kept anyway
             ],
         );
-        assert_eq!(count(&conn, CUTOFF).unwrap(), 2);
+        assert_eq!(count(&conn, CUTOFF, CUTOFF + 1000).unwrap(), 2);
         assert_eq!(pass(&conn, CUTOFF + 1000, usize::MAX), 2);
         assert_eq!(ids(&conn), [2, 3, 4, 5, 6, 8, 9, 10]);
         assert_eq!(state(&conn).unwrap(), (Some(8), Some(CUTOFF + 1000)));
@@ -389,7 +474,7 @@ mod tests {
         for limit in [1, 7, 256, usize::MAX] {
             let conn = db();
             rows(&conn, &layout);
-            let counted = count(&conn, CUTOFF).unwrap();
+            let counted = count(&conn, CUTOFF, CUTOFF + 1000).unwrap();
             let deleted = pass(&conn, CUTOFF + 1000, limit);
             assert_eq!(counted, deleted as u64, "limit {limit}");
             assert!(deleted > READ, "the fixture deletes across reads");
@@ -419,7 +504,7 @@ mod tests {
         // The old newest row goes now that it is not the newest.
         let (deleted, ops) = vm_ops(&mut conn, |c| pass(c, CUTOFF + 2000, usize::MAX));
         assert_eq!(deleted, 1);
-        let (_, whole) = vm_ops(&mut conn, |c| count(c, i64::MAX).unwrap());
+        let (_, whole) = vm_ops(&mut conn, |c| count(c, i64::MAX, i64::MAX).unwrap());
         assert!(
             ops * 20 < whole,
             "{ops} VM steps from the frontier, {whole} for a whole walk"
@@ -461,6 +546,113 @@ mod tests {
         assert_eq!(pass(&conn, CUTOFF + 1500, usize::MAX), 2);
         assert_eq!(pass(&conn, CUTOFF + 2001, usize::MAX), 0);
         assert_eq!(ids(&conn).len(), 2 + READ + 10 + 1);
+    }
+
+    /// A dead letter below the frontier, redriven and completed late,
+    /// does not hold the rows after it: a walk from the first row steps
+    /// over it, and S goes back to its completion, so that it goes once
+    /// it is old (each redrive would otherwise stall retention for a
+    /// retention period). Nor does a row stamped by a clock that ran
+    /// ahead hold the rows after it.
+    #[test]
+    fn a_late_or_future_completion_holds_no_other_row() {
+        let conn = db();
+        let day = 1000; // `pass` keeps rows a day
+        rows(&conn, &[("dead", None)]);
+        rows(&conn, &[("completed", Some(CUTOFF - 1)); 5]);
+        assert_eq!(pass(&conn, CUTOFF + day, usize::MAX), 4);
+        assert_eq!(state(&conn).unwrap(), (Some(6), Some(CUTOFF + day)));
+        // Row 1 redriven and completed at day 2.5; rows 7-9 at day 2.2,
+        // one of them by a clock a year ahead.
+        conn.execute(
+            "UPDATE postroom_inbox SET status = 'completed', processed_at = ?1 WHERE id = 1",
+            [CUTOFF + 2500],
+        )
+        .unwrap();
+        rows(
+            &conn,
+            &[
+                ("completed", Some(CUTOFF + 2200)),
+                ("completed", Some(CUTOFF + 365 * day)),
+                ("completed", Some(CUTOFF + 2200)),
+                ("pending", None),
+            ],
+        );
+        // Day 3 (cutoff day 2): a pass from the first row steps over row 1
+        // (young, below F), deletes 6, and stops at 7 (young).
+        assert_eq!(pass(&conn, CUTOFF + 3 * day, usize::MAX), 1);
+        assert_eq!(ids(&conn), [1, 7, 8, 9, 10]);
+        assert_eq!(state(&conn).unwrap(), (Some(7), Some(CUTOFF + 2500)));
+        assert_eq!(due(&conn).unwrap(), Some(CUTOFF + 2200));
+        // Day 3.5: rows 1, 7 and 9 go, 8 (from the future) is stepped
+        // over; 10 is the newest.
+        assert_eq!(pass(&conn, CUTOFF + 3501, usize::MAX), 3);
+        assert_eq!(ids(&conn), [8, 10]);
+    }
+
+    /// A pass from the frontier ends, writing nothing, once another pass
+    /// (an operator's `postroom cleanup` beside the reaper) walked from
+    /// the first row: the frontier it would note goes with the old S.
+    #[test]
+    fn a_pass_from_the_frontier_yields_to_a_walk_from_the_first_row() {
+        let conn = db();
+        rows(&conn, &[("dead", None), ("dead", None)]);
+        assert_eq!(pass(&conn, CUTOFF + 1000, usize::MAX), 0);
+        rows(&conn, &vec![("pending", None); 2 * READ]);
+        rows(&conn, &[("completed", Some(CUTOFF - 1)); 2]);
+        let (_, next) = step(&conn, Walk::new(CUTOFF, CUTOFF + 1500), usize::MAX).unwrap();
+        let frontier = state(&conn).unwrap().0;
+        assert_eq!(frontier, Some(READ as i64 + 2));
+        // The other pass, from the first row.
+        assert_eq!(pass(&conn, CUTOFF + 3000, usize::MAX), 1);
+        let theirs = state(&conn).unwrap();
+        let (n, after) = step(&conn, next.unwrap(), usize::MAX).unwrap();
+        assert_eq!((n, after), (0, None));
+        assert_eq!(state(&conn).unwrap(), theirs);
+    }
+
+    /// Dead letters by the thousand below the frontier: the timer reads
+    /// one read's worth, and then counts on a walk from the first row per
+    /// retention period; a new file's first pass notes an empty inbox, so
+    /// that its first rows are due a retention period after it.
+    #[test]
+    fn the_timer_reads_a_bounded_number_of_rows() {
+        let conn = db();
+        begin_empty(&conn, CUTOFF).unwrap();
+        assert_eq!(due(&conn).unwrap(), None);
+        rows(&conn, &[("pending", None), ("pending", None)]);
+        assert_eq!(
+            due(&conn).unwrap(),
+            Some(CUTOFF),
+            "stored after the empty pass"
+        );
+        // An existing file's inbox is not marked.
+        conn.execute("DELETE FROM postroom_meta WHERE key = ?1", [FRONTIER])
+            .unwrap();
+        begin_empty(&conn, 0).unwrap();
+        assert_eq!(state(&conn).unwrap(), (None, Some(CUTOFF)));
+        // VM steps of the timer's read behind `dead` dead letters.
+        let steps = |dead: usize| {
+            let mut conn = db();
+            rows(&conn, &vec![("dead", None); dead]);
+            rows(&conn, &[("completed", Some(CUTOFF + 10)); 2]);
+            assert_eq!(pass(&conn, CUTOFF + 1000, usize::MAX), 0);
+            let (at, ops) = vm_ops(&mut conn, |c| due(c).unwrap());
+            (at, ops)
+        };
+        let (few, few_ops) = steps(READ / 2);
+        assert_eq!(few, Some(CUTOFF + 10), "dead letters alone are not due");
+        let (many, many_ops) = steps(2 * READ);
+        let (more, more_ops) = steps(8 * READ);
+        assert_eq!(many, Some(CUTOFF + 10), "the next row");
+        assert_eq!(more, many);
+        assert!(
+            more_ops < many_ops + many_ops / 4,
+            "{more_ops} VM steps behind {} dead letters, {many_ops} behind {}",
+            8 * READ,
+            2 * READ
+        );
+        assert!(few_ops < many_ops);
     }
 
     /// Values in `postroom_meta` that are not numbers (a hand edit) are a
