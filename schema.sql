@@ -283,8 +283,8 @@ CREATE INDEX IF NOT EXISTS postroom_inbox_leased
 -- Completed rows have no index of their own (schema version 11; before,
 -- postroom_inbox_done, by completion time, cost every message an entry):
 -- retention walks the inbox in id order from where its last pass stopped,
--- kept in postroom_meta (`retention_frontier`, `retention_swept_at`; see
--- src/store/sweep.rs).
+-- kept in postroom_meta (`retention_frontier`, `retention_swept_at`,
+-- `retention_stopped_at`; see src/store/sweep.rs).
 
 -- What dead_retention deletes (schema version 5): without it each batch
 -- scanned the whole inbox for dead rows, inside the writer. Dead letters

@@ -121,10 +121,9 @@ pub enum CleanupMode {
 }
 
 /// Applies retention as the engine's reaper does: completed inbox rows
-/// processed, and sent outbox rows sent, before `now_ms - completed` (an
-/// inbox row once every completed row stored before it is too: retention
-/// walks the inbox in id order, and stops at the first completed row too
-/// young to delete); with
+/// processed, and sent outbox rows sent, before `now_ms - completed`
+/// (retention walks the inbox in id order: a completed row it reaches
+/// while too young holds the rows stored after it until it ages); with
 /// [`Retention::dead`] / [`Retention::conflicts`], dead letters and
 /// conflicts too. Pending, failed and processing rows are never touched,
 /// nor the newest row of the inbox or the outbox (so no row id or `seq` is

@@ -5,9 +5,8 @@
 //!
 //! Order: completed inbox rows, walked in id order ([`sweep`]), with their
 //! key entries following in key order during and at the end of that step
-//! ([`retired::retire`]); sent
-//! outbox rows; dead letters (when kept for a limited time); conflicts
-//! (likewise). Invariant: pending, failed and processing rows are never
+//! ([`retired::retire`]); sent outbox rows; dead letters (when kept for a
+//! limited time); conflicts (likewise). Invariant: pending, failed and processing rows are never
 //! deleted, nor the newest row of the inbox or the outbox (see the
 //! statements' own comments).
 

@@ -8,41 +8,47 @@
 //!
 //! A pass walks from a row id on, deletes every completed row processed
 //! before the cutoff, steps over every other row (pending, processing,
-//! failed, dead), and stops at the first completed row processed at or
-//! after the cutoff, or at the newest row of the inbox, which is never
-//! deleted (SQLite would give its id out again). Each step reads at most
-//! [`READ`] rows and deletes at most the caller's limit, in the caller's
-//! transaction.
+//! failed, dead, and the completed rows [`find`] lists), and stops at the
+//! first completed row processed at or after the cutoff, or at the newest
+//! row of the inbox, which is never deleted (SQLite would give its id out
+//! again). Each step reads at most [`READ`] rows and deletes at most the
+//! caller's limit, in the caller's transaction.
 //!
 //! Values in `postroom_meta` let a pass start where the last one stopped
 //! instead of at the table's first row:
 //! * [`FRONTIER`] (F): the row id where the last pass stopped;
-//! * [`SWEPT_AT`] (S): when the last pass that walked from the first row
-//!   began;
+//! * [`SWEPT_AT`] (S): a time no later than the completion of any
+//!   completed row below F: when the last pass that walked from the
+//!   first row began, or the earliest completion it stepped over;
 //! * [`STOPPED_AT`]: when the pass that stopped at F began, for the
 //!   reaper's timer only ([`due`]).
 //!
 //! Invariant: every completed row with an id below F was processed at or
 //! after S. A pass from the first row that stops at F saw each row below F
-//! deleted or not yet completed, at S or later, so any of them completes
-//! later than S; a pass from F moves F over rows it saw likewise. So a pass
-//! whose cutoff is at or before S can delete nothing below F and starts
-//! at F; once the cutoff passes S, it starts at the first row again (about
-//! once per retention period, when rows below F are left: a held key's
-//! backlog, a row failed inline waiting for its redelivery).
+//! deleted, not yet completed (it completes later), or completed no
+//! earlier than the S it notes; a pass from F moves F over rows it saw
+//! likewise, and only while S is the one it began with. So a pass whose
+//! cutoff is at or before S can delete nothing below F and starts at F;
+//! once the cutoff passes S, it starts at the first row again (about once
+//! per retention period while rows are left below F: a held key's
+//! backlog, a row failed inline waiting for its redelivery, dead letters).
 //!
 //! What it rests on: every deletion checks the row itself (completed,
-//! processed before the cutoff, not the newest), so neither value can
-//! make retention delete a row early. A wrong or missing value (a hand
-//! edit, a clock set back below S while a row below F completes) can only
-//! make it delete a row later, or walk further. A missing F or S is a
-//! pass from the first row; a missing [`STOPPED_AT`], a pass due at once.
+//! processed before the cutoff, not the newest), so no value can make
+//! retention delete a row early. A wrong or missing value (a hand edit, a
+//! clock set back below S while a row below F completes, an S from a
+//! clock that ran ahead) can only make it delete rows later, or walk
+//! further: an S in the future puts off the rows below F until then. A
+//! missing F or S is a pass from the first row; a missing
+//! [`STOPPED_AT`], a pass due at once.
 //!
-//! What the walk order changes: a completed row is deleted once it and
-//! every completed row stored before it are past retention. A row waits at
-//! most as long as the rows before it took to complete (a queued row that
-//! retried for an hour holds the inline rows stored after it for that
-//! hour), and never past a pass after they all aged.
+//! What the walk order changes: a completed row that a pass reaches while
+//! it is too young holds the rows after it until it ages. Those rows were
+//! stored after it, so each waits at most as long as that row took to
+//! complete (a queued row that retried for an hour holds the inline rows
+//! stored after it for that hour). A row that completed after a pass
+//! stepped over it (a redriven dead letter) or that is stamped later than
+//! the pass began holds nothing.
 
 use rusqlite::types::Value;
 use rusqlite::{params, Connection, OptionalExtension};
