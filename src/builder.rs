@@ -250,8 +250,11 @@ impl Builder {
     /// message redelivered after the reaper pass that deleted its row is
     /// processed again. (During that pass, until its key entry follows the
     /// row, or until the next pass if that one was cut short, a redelivery
-    /// with the same payload is still a duplicate.) Sent outbox rows are
-    /// kept as long. The newest row of each table is kept whatever its age,
+    /// with the same payload is still a duplicate.) Rows are deleted in the
+    /// order they were stored: a completed row still within its retention
+    /// keeps the rows stored after it until it ages, so a row may be kept
+    /// longer by as long as an earlier one took to complete. Sent outbox
+    /// rows are kept as long. The newest row of each table is kept whatever its age,
     /// so no row id or `seq` is ever given out twice. Any duration;
     /// `Duration::MAX` keeps them for ever. Default: 7 days.
     pub fn retention(mut self, retention: Duration) -> Self {
