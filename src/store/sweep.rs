@@ -161,8 +161,9 @@ struct Found {
 /// Reads up to [`READ`] rows from `at.next` on, below the newest, for at
 /// most `limit` rows to delete. Stepped over besides the rows not
 /// completed:
-/// * a completed row without a completion time (only a hand edit makes
-///   one): it is never deleted, and must not hold every row after it;
+/// * a completed row without a completion time, or with one that is not
+///   an integer (only a hand edit makes one): it is never deleted, and
+///   must neither hold every row after it nor fail every pass;
 /// * a row completed at or after the pass began (during the pass, or
 ///   stamped by a clock that ran ahead): it cannot hold the rows after it
 ///   either, and S is no later than it;
@@ -181,8 +182,8 @@ fn find(
     limit: usize,
 ) -> rusqlite::Result<Found> {
     let mut stmt = conn.prepare_cached(
-        "SELECT id, CASE WHEN status <> 'completed' OR processed_at IS NULL THEN NULL
-                    ELSE processed_at END
+        "SELECT id, CASE WHEN status <> 'completed' OR typeof(processed_at) <> 'integer'
+                    THEN NULL ELSE processed_at END
          FROM postroom_inbox
          WHERE id >= ?1 AND id < (SELECT max(id) FROM postroom_inbox)
          ORDER BY id LIMIT ?2",
@@ -264,7 +265,8 @@ pub(crate) fn step(
     } else {
         conn.prepare_cached(
             "DELETE FROM postroom_inbox
-             WHERE id >= ?1 AND id < ?2 AND status = 'completed' AND processed_at < ?3",
+             WHERE id >= ?1 AND id < ?2 AND status = 'completed' AND processed_at < ?3
+               AND typeof(processed_at) = 'integer'",
         )?
         .execute(params![from, found.end, walk.cutoff])?
     };
@@ -355,7 +357,9 @@ pub(crate) fn due(conn: &Connection) -> rusqlite::Result<Option<i64>> {
     let frontier = frontier.unwrap_or(i64::MIN);
     let first: Option<(bool, Option<i64>)> = conn
         .prepare_cached(
-            "SELECT status = 'completed', processed_at FROM postroom_inbox
+            "SELECT status = 'completed',
+                    iif(typeof(processed_at) = 'integer', processed_at, NULL)
+             FROM postroom_inbox
              WHERE id >= ?1 AND id < (SELECT max(id) FROM postroom_inbox)
              ORDER BY id LIMIT 1",
         )?
@@ -661,6 +665,27 @@ mod tests {
         assert!(few_ops < many_ops);
     }
 
+    /// A completion time that is not an integer (a hand edit: text, a
+    /// real) is a row never deleted and stepped over, by the walk, its
+    /// count and the timer alike: no pass fails on it, none stops at it.
+    #[test]
+    fn a_completion_time_of_another_type_fails_nothing() {
+        let conn = db();
+        rows(&conn, &[("completed", Some(CUTOFF - 1)); 6]);
+        conn.execute_batch(
+            "UPDATE postroom_inbox SET processed_at = 'soon' WHERE id = 2;
+             UPDATE postroom_inbox SET processed_at = 1.5 WHERE id = 4;",
+        )
+        .unwrap();
+        assert_eq!(count(&conn, CUTOFF, CUTOFF + 1000).unwrap(), 3);
+        assert_eq!(pass(&conn, CUTOFF + 1000, usize::MAX), 3);
+        assert_eq!(ids(&conn), [2, 4, 6]);
+        // The timer reads row 2 first: a row a pass walks over.
+        conn.execute("DELETE FROM postroom_meta WHERE key = ?1", [FRONTIER])
+            .unwrap();
+        assert_eq!(due(&conn).unwrap(), Some(CUTOFF + 1000));
+    }
+
     /// Values in `postroom_meta` that are not numbers (a hand edit) are a
     /// pass from the first row, never a skipped row; a frontier past
     /// every row delays, never deletes early.
@@ -739,7 +764,8 @@ mod tests {
                  WHERE id >= ?1 AND id < (SELECT max(id) FROM postroom_inbox)
                  ORDER BY id LIMIT ?3",
                 "DELETE FROM postroom_inbox
-                 WHERE id >= ?1 AND id < ?2 AND status = 'completed' AND processed_at < ?3",
+                 WHERE id >= ?1 AND id < ?2 AND status = 'completed' AND processed_at < ?3
+                   AND typeof(processed_at) = 'integer'",
             ] {
                 let plan: Vec<String> = conn
                     .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
