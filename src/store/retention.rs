@@ -6,9 +6,9 @@
 //! Order: completed inbox rows, walked in id order ([`sweep`]), with their
 //! key entries following in key order during and at the end of that step
 //! ([`retired::retire`]); sent outbox rows; dead letters (when kept for a
-//! limited time); conflicts (likewise). Invariant: pending, failed and processing rows are never
-//! deleted, nor the newest row of the inbox or the outbox (see the
-//! statements' own comments).
+//! limited time); conflicts (likewise). Invariant: pending, failed and
+//! processing rows are never deleted, nor the newest row of the inbox or
+//! the outbox (see the statements' own comments).
 
 use std::time::Duration;
 
@@ -97,7 +97,13 @@ pub(crate) fn run<D: Driver>(cutoffs: Cutoffs, d: &mut D) -> Result<Deleted, D::
             },
         )?
     };
-    let mut all = |sql, cutoff| batches(d, sql, cutoff, u64::MAX).map(|(n, _)| n);
+    // A batch short of `BATCH` was the last.
+    let mut all = |sql, cutoff| {
+        batches(d, u64::MAX, |d| {
+            d.delete(sql, cutoff).map(|n| (n, n == BATCH))
+        })
+        .map(|(n, _)| n)
+    };
     deleted.outbox = all(outbox::DELETE_SENT, cutoffs.completed)?;
     if let Some(cutoff) = cutoffs.dead {
         deleted.dead = Some(all(queue::DELETE_DEAD, cutoff)?);
@@ -108,44 +114,36 @@ pub(crate) fn run<D: Driver>(cutoffs: Cutoffs, d: &mut D) -> Result<Deleted, D::
     Ok(deleted)
 }
 
-/// Walks the inbox from `next` ([`sweep::step`]), step by step, until the
-/// pass is over (`(deleted, true)`), the driver says stop (likewise), or
-/// at least `max` rows were deleted (`(deleted, false)`, `next` where to
-/// go on).
+/// Walks the inbox from `next` ([`sweep::step`]), as [`batches`] says;
+/// `next` is where to go on when it stops at `max`.
 fn walk<D: Driver>(
     d: &mut D,
     next: &mut Option<sweep::Walk>,
     max: u64,
 ) -> Result<(u64, bool), D::Error> {
-    let mut total = 0u64;
-    while let Some(walk) = next.take() {
+    batches(d, max, |d| {
+        let Some(walk) = next.take() else {
+            return Ok((0, false));
+        };
         let (n, after) = d.sweep(walk)?;
-        total += n as u64;
         *next = after;
-        if next.is_none() || !d.between_batches() {
-            break;
-        }
-        if total >= max {
-            return Ok((total, false));
-        }
-    }
-    Ok((total, true))
+        Ok((n, next.is_some()))
+    })
 }
 
-/// Deletes what `sql` finds before `cutoff`, batch by batch, until none is
-/// left (`(deleted, true)`), the driver says stop (likewise), or at least
-/// `max` rows were deleted (`(deleted, false)`).
+/// Runs `step` (one transaction: rows deleted, and whether any may be
+/// left) until none is left (`(deleted, true)`), the driver says stop
+/// (likewise), or at least `max` rows were deleted (`(deleted, false)`).
 fn batches<D: Driver>(
     d: &mut D,
-    sql: &'static str,
-    cutoff: i64,
     max: u64,
+    mut step: impl FnMut(&mut D) -> Result<(usize, bool), D::Error>,
 ) -> Result<(u64, bool), D::Error> {
     let mut total = 0u64;
     loop {
-        let n = d.delete(sql, cutoff)?;
+        let (n, more) = step(d)?;
         total += n as u64;
-        if n < BATCH || !d.between_batches() {
+        if !more || !d.between_batches() {
             return Ok((total, true));
         }
         if total >= max {

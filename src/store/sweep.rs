@@ -330,11 +330,9 @@ pub(crate) fn begin_empty(conn: &Connection, now_ms: i64) -> rusqlite::Result<()
     if !empty {
         return Ok(());
     }
+    // One step over no rows: it stops, and notes F, S and the stop time.
     let tx = conn.unchecked_transaction()?;
-    let mut next = Some(Walk::new(i64::MIN, now_ms));
-    while let Some(walk) = next {
-        next = step(&tx, walk, usize::MAX)?.1;
-    }
+    step(&tx, Walk::new(i64::MIN, now_ms), usize::MAX)?;
     tx.commit()
 }
 
