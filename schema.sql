@@ -1,4 +1,4 @@
--- postroom schema, version 11.
+-- postroom schema, version 12.
 --
 -- Applied in one transaction when a database is opened for the first time.
 -- Every statement is `IF NOT EXISTS`: the migration from version 1 renames
@@ -501,9 +501,19 @@ END;
 -- towards 0: 0 means "read the key's rows" and is always safe; set by the
 -- engine's insert, cleared by the triggers below, checked by `postroom
 -- check`. Meaningless on a row that is not pending.
+--
+-- `named` (schema version 12): 1 when the application named the message's
+-- id (`Outgoing::with_id`, or a row stored by hand), 0 when the engine
+-- derived it (a handler's publish: from the inbox row that caused it) or
+-- generated it (outside a handler). Only named ids are checked for
+-- uniqueness, by postroom_outbox_named. Derived ids are unique by
+-- construction: each hashes its inbox row's id, which is never given out
+-- twice, and the publish's place in the handler (src/store/outbox.rs).
+-- Before version 12 every id had a UNIQUE index entry, on a random leaf
+-- (ids are hashes): a page written per message at one per commit.
 CREATE TABLE IF NOT EXISTS postroom_outbox (
     seq              INTEGER PRIMARY KEY,
-    message_id       TEXT    NOT NULL UNIQUE,
+    message_id       TEXT    NOT NULL,
     topic            TEXT    NOT NULL,
     key              TEXT,
     payload          BLOB    NOT NULL,
@@ -516,8 +526,17 @@ CREATE TABLE IF NOT EXISTS postroom_outbox (
     sent_at          INTEGER,
     cause_consumer   TEXT,
     cause_source     TEXT,
-    cause_message_id TEXT
-, head INTEGER NOT NULL DEFAULT 0 CHECK (head IN (0, 1)), alone INTEGER NOT NULL DEFAULT 0 CHECK (alone IN (0, 1)));
+    cause_message_id TEXT,
+    head             INTEGER NOT NULL DEFAULT 0 CHECK (head IN (0, 1)),
+    alone            INTEGER NOT NULL DEFAULT 0 CHECK (alone IN (0, 1)),
+    named            INTEGER NOT NULL DEFAULT 1 CHECK (named IN (0, 1))
+);
+
+-- Ids the application named are unique among themselves (schema version
+-- 12): a second publish of one fails. Few rows, none for derived ids.
+CREATE UNIQUE INDEX IF NOT EXISTS postroom_outbox_named
+    ON postroom_outbox (message_id)
+    WHERE named = 1;
 
 -- What the relay reads (schema version 8): the heads, in commit order.
 -- The lowest pending seq is always a head, so this also gives it.

@@ -16,7 +16,7 @@ use crate::guard::UserCodeGuard;
 use crate::handler::{Handler, Tx};
 use crate::message::{Failure, Message, Outcome};
 use crate::store::admission::{self, Admission};
-use crate::store::inbox::{self, Record, Status};
+use crate::store::inbox::{self, Record, Status, Target};
 use crate::store::inflight::InflightLog;
 use crate::store::outbox::Cause;
 use crate::store::queue::{self, Claimed};
@@ -119,13 +119,15 @@ pub(crate) fn deliver(
             });
         }
     }
+    let row = Target::of(conn, row_id)
+        .map_err(|e| Error::sqlite("choose the new inbox row's id", e))?;
     let at = Attempt {
         consumer,
         msg,
         hash,
         attempt: prior_attempts.saturating_add(1),
         received_at,
-        row_id,
+        row,
     };
     attempt(env, step, at)
 }
@@ -315,7 +317,7 @@ pub(crate) fn attempt_of(row: &Claimed) -> Attempt<'_> {
         hash: &row.hash,
         attempt: row.attempt,
         received_at: row.received_at,
-        row_id: Some(row.row_id),
+        row: Target::Stored(row.row_id),
     }
 }
 
@@ -329,8 +331,8 @@ pub(crate) struct Attempt<'a> {
     pub attempt: u32,
     /// The inbox row's `received_at` (see [`Cause`]).
     pub received_at: i64,
-    /// The inbox row's id; `None` when this attempt's result inserts it.
-    pub row_id: Option<i64>,
+    /// The inbox row, stored or to be inserted by this attempt's result.
+    pub row: Target,
 }
 
 /// Runs user code for `at` in its own savepoint, guarded and with panics
@@ -350,6 +352,7 @@ pub(crate) fn run_user_step(
             msg: at.msg,
             attempt: at.attempt,
             received_at: at.received_at,
+            inbox_id: at.row.id(),
         };
         let mut tx = Tx::new(conn, env.config, env.guard, env.now_ms, Some(cause));
         let guard = env.guard;
@@ -458,7 +461,7 @@ fn record(
     };
     inbox::record(
         env.conn,
-        at.row_id,
+        at.row,
         at.consumer,
         at.msg,
         at.hash,

@@ -170,9 +170,11 @@ pub(crate) fn recover_inflight(
         next_attempt_at: None,
         keep_payload: true,
     };
+    let row = inbox::Target::of(conn, row_id)
+        .map_err(|e| Error::sqlite("choose the new inbox row's id", e))?;
     inbox::record(
         conn,
-        row_id,
+        row,
         &inflight.consumer,
         msg,
         &inflight.hash,

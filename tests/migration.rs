@@ -23,6 +23,7 @@ const SCHEMA_V7: &str = include_str!("fixtures/schema_v7.sql");
 const SCHEMA_V8: &str = include_str!("fixtures/schema_v8.sql");
 const SCHEMA_V9: &str = include_str!("fixtures/schema_v9.sql");
 const SCHEMA_V10: &str = include_str!("fixtures/schema_v10.sql");
+const SCHEMA_V11: &str = include_str!("fixtures/schema_v11.sql");
 
 /// Every column of every inbox row, in id order, as text.
 const DUMP_INBOX: &str = "SELECT id || '|' || consumer || '|' || source || '|' || message_id
@@ -830,6 +831,122 @@ fn a_version_10_file_loses_the_completed_index_and_retention_walks_it() {
             column::<Vec<String>>(&conn, "SELECT message_id FROM postroom_inbox ORDER BY id"),
             ["failed", "queued", "dead"],
             "from version {version}"
+        );
+        let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Full).unwrap();
+        assert!(report.is_ok(), "{report:?}");
+    }
+}
+
+/// Schema 12 checks only the outbox ids the application names: SQLite
+/// cannot drop a column's UNIQUE, so the outbox is rebuilt. Every row
+/// keeps its columns, its seq and its head marks, and is kept `named` (its
+/// id was checked when stored, so a later named id must not repeat it);
+/// the old UNIQUE index is gone; the migrated rows go out in key order
+/// before a new one; a handler's derived publish is not `named`; a new
+/// named id repeating an old one fails; `check` finds the file sound.
+#[test]
+fn a_version_11_file_loses_the_unique_outbox_id_and_keeps_every_row() {
+    const DUMP_OUTBOX: &str = "SELECT seq || '|' || message_id || '|' || topic || '|'
+            || quote(key) || '|' || hex(payload) || '|' || quote(headers) || '|' || status
+            || '|' || attempts || '|' || quote(last_error) || '|' || created_at || '|'
+            || next_attempt_at || '|' || quote(sent_at) || '|' || quote(cause_consumer)
+            || '|' || quote(cause_source) || '|' || quote(cause_message_id)
+        FROM postroom_outbox ORDER BY seq";
+    // The marks a version 10 or 11 file has (earlier ones get them set).
+    const DUMP_MARKS: &str = "SELECT seq || '|' || head || '|' || alone
+        FROM postroom_outbox ORDER BY seq";
+    for (ddl, version) in [(SCHEMA_V11, 11), (SCHEMA_V9, 9), (SCHEMA_V6, 6)] {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("v11.db");
+        write_old(&db, ddl, version, 2);
+        let conn = raw(&db);
+        conn.execute_batch(
+            "INSERT INTO postroom_outbox (message_id, topic, key, payload, headers, status,
+                 attempts, last_error, created_at, next_attempt_at, sent_at, cause_consumer,
+                 cause_source, cause_message_id)
+             VALUES ('o-1', 't', 'o', x'01', NULL, 'sent', 1, NULL, 1, 1, 5, 'orders', 'shop',
+                     'done-0'),
+                    ('o-2', 't', 'o', x'02', '{\"h\":\"v\"}', 'pending', 0, NULL, 2, 0, NULL,
+                     NULL, NULL, NULL),
+                    ('p-1', 't', 'p', x'03', NULL, 'pending', 2, 'refused', 3, 0, NULL, NULL,
+                     NULL, NULL),
+                    ('o-3', 't', 'o', x'04', NULL, 'pending', 0, NULL, 4, 0, NULL, NULL, NULL,
+                     NULL),
+                    ('d-1', 't', NULL, x'05', NULL, 'dead', 9, 'gone', 5, 0, NULL, NULL, NULL,
+                     NULL),
+                    ('n-1', 't', NULL, x'06', NULL, 'pending', 0, NULL, 6, 0, NULL, NULL, NULL,
+                     NULL);",
+        )
+        .unwrap();
+        let before = column::<Vec<String>>(&conn, DUMP_INBOX);
+        let outbox_before = column::<Vec<String>>(&conn, DUMP_OUTBOX);
+        let marks_before = (version >= 10).then(|| column::<Vec<String>>(&conn, DUMP_MARKS));
+        open_once(&db);
+        assert_migrated(dir.path(), &conn, &before);
+        assert_eq!(
+            column::<Vec<String>>(&conn, DUMP_OUTBOX),
+            outbox_before,
+            "from version {version}"
+        );
+        if let Some(marks) = marks_before {
+            assert_eq!(column::<Vec<String>>(&conn, DUMP_MARKS), marks);
+        }
+        assert_eq!(
+            count(&conn, "SELECT count(*) FROM postroom_outbox WHERE named = 1"),
+            6,
+            "from version {version}: every migrated id stays checked"
+        );
+        assert_eq!(
+            count(
+                &conn,
+                "SELECT count(*) FROM sqlite_master
+                 WHERE tbl_name LIKE 'postroom_outbox%' AND name LIKE 'sqlite_autoindex%'"
+            ),
+            0,
+            "from version {version}: the UNIQUE id index is gone"
+        );
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let room = Postroom::builder()
+            .sink(postroom::ChannelSink::new(tx))
+            .consumer(
+                "orders",
+                handler_fn(|tx, msg: &Message| -> Result<(), Failure> {
+                    tx.publish(postroom::Outgoing::new("t", msg.payload().to_vec()))?;
+                    Ok(())
+                }),
+            )
+            .open(&db)
+            .unwrap();
+        let repeated = room.transaction(|tx| {
+            tx.publish(postroom::Outgoing::new("t", b"x".to_vec()).with_id("p-1"))
+        });
+        assert!(
+            repeated.is_err(),
+            "from version {version}: a named id repeating a migrated one: {repeated:?}"
+        );
+        room.deliver("orders", Message::new("shop", "fresh", "f"))
+            .unwrap();
+        let mut sent = Vec::new();
+        while sent.len() < 5 {
+            let m = rx
+                .recv_timeout(Duration::from_secs(30))
+                .unwrap_or_else(|e| panic!("from version {version}: {e}; sent {sent:?}"));
+            sent.push(m.id);
+        }
+        room.shutdown(Duration::from_secs(10)).unwrap();
+        assert_eq!(
+            sent[..4],
+            ["o-2", "p-1", "o-3", "n-1"],
+            "from version {version}"
+        );
+        assert_eq!(
+            column::<Vec<String>>(
+                &conn,
+                "SELECT message_id || ':' || named FROM postroom_outbox
+                 WHERE cause_message_id = 'fresh'"
+            ),
+            [format!("{}:0", sent[4])],
+            "from version {version}: a derived id is not named"
         );
         let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Full).unwrap();
         assert!(report.is_ok(), "{report:?}");

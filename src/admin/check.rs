@@ -64,6 +64,12 @@ pub enum FindingKind {
     /// of this kind (a dead letter redriven after its number settled; else
     /// the watermark passed a message that never settled).
     Watermark,
+    /// Two outbox rows share a message id: a downstream inbox would take
+    /// the second for a redelivery of the first and drop it. Ids the
+    /// engine derives or generates are unique by construction and only
+    /// named ids have a UNIQUE index (schema version 12), so this is a
+    /// named id equal to a derived one, or a hand edit.
+    DuplicateId,
     /// The file is not the one its instance id was given to (a copy, a
     /// restore into a new file, or made by an older build): a warning.
     /// The next engine open gives it a new instance id, and a downstream
@@ -84,6 +90,7 @@ impl fmt::Display for FindingKind {
             FindingKind::WalDamage => "wal_damage",
             FindingKind::Trigger => "trigger",
             FindingKind::Watermark => "watermark",
+            FindingKind::DuplicateId => "duplicate_id",
             FindingKind::Identity => "identity",
         })
     }
@@ -325,6 +332,7 @@ fn check_invariants(conn: &Connection, now: i64, report: &mut CheckReport) -> Re
     check_inbox_rows(conn, now, report)?;
     check_conflict_digests(conn, report)?;
     check_outbox_rows(conn, report)?;
+    check_outbox_ids(conn, report)?;
     if let Some(db) = conn.path().filter(|p| !p.is_empty()) {
         check_identity(conn, Path::new(db), report)?;
     }
@@ -481,6 +489,19 @@ fn check_conflict_digests(conn: &Connection, report: &mut CheckReport) -> Result
 
 /// Each outbox row has the fields its status needs, and the inbox row
 /// whose handler published it (while stored) is completed.
+/// No two outbox rows share a message id.
+fn check_outbox_ids(conn: &Connection, report: &mut CheckReport) -> Result<()> {
+    rows::duplicate_outbox_ids(conn, |seq, first| {
+        report.violation(Finding {
+            kind: FindingKind::DuplicateId,
+            table: "postroom_outbox",
+            id: seq,
+            detail: format!("its message id is row {first}'s too"),
+        })
+    })
+    .map_err(sql("check outbox ids"))
+}
+
 fn check_outbox_rows(conn: &Connection, report: &mut CheckReport) -> Result<()> {
     rows::outbox_rows(conn, |row| {
         report.outbox_rows += 1;

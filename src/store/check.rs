@@ -227,6 +227,26 @@ pub(crate) fn outbox_rows(conn: &Connection, mut f: impl FnMut(OutboxRow)) -> ru
     Ok(())
 }
 
+/// Calls `f(seq, first)` for every outbox row whose message id an earlier
+/// row (`first`, the lowest `seq` with it) holds too. Sorts every id: a
+/// check's cost, never the engine's.
+pub(crate) fn duplicate_outbox_ids(
+    conn: &Connection,
+    mut f: impl FnMut(i64, i64),
+) -> rusqlite::Result<()> {
+    let mut stmt = conn.prepare(
+        "SELECT seq, first FROM (
+             SELECT seq, min(seq) OVER (PARTITION BY message_id) AS first
+             FROM postroom_outbox)
+         WHERE seq > first ORDER BY seq",
+    )?;
+    let mut rows = stmt.query([])?;
+    while let Some(r) = rows.next()? {
+        f(r.get(0)?, r.get(1)?);
+    }
+    Ok(())
+}
+
 /// The tables postroom's schema creates; a file without all of them is not
 /// a postroom database.
 const TABLES: [&str; 6] = [

@@ -292,12 +292,94 @@ pub(crate) struct Record<'a> {
     pub keep_payload: bool,
 }
 
+/// The inbox row an attempt's result is written to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Target {
+    /// A stored row, updated.
+    Stored(i64),
+    /// A row seen for the first time, inserted with this id ([`next_id`]).
+    New(i64),
+}
+
+impl Target {
+    /// Row `stored` if there is one, else a new row with [`next_id`].
+    pub(crate) fn of(conn: &Connection, stored: Option<i64>) -> rusqlite::Result<Target> {
+        match stored {
+            Some(id) => Ok(Target::Stored(id)),
+            None => next_id(conn).map(Target::New),
+        }
+    }
+
+    /// The row's id, stored or to be.
+    pub(crate) fn id(self) -> i64 {
+        match self {
+            Target::Stored(id) | Target::New(id) => id,
+        }
+    }
+}
+
+/// The id a new inbox row takes: one past the highest. SQLite would
+/// choose the same, but the row is inserted with it explicitly, because
+/// the handler's publishes derive their ids from it before the row exists
+/// (`outbox::insert`). Ids are never given out twice: retention keeps the
+/// newest row. A highest id of `i64::MAX` (only a hand edit puts one
+/// there) leaves none to give: `SQLITE_FULL`, as SQLite says when it runs
+/// out of row ids.
+fn next_id(conn: &Connection) -> rusqlite::Result<i64> {
+    let max: Option<i64> = conn
+        .prepare_cached("SELECT max(id) FROM postroom_inbox")?
+        .query_row([], |r| r.get(0))?;
+    max.unwrap_or(0).checked_add(1).ok_or_else(|| {
+        rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
+            Some(format!(
+                "postroom_inbox holds a row with id {}: no higher id is left for a new row; \
+                 renumber or delete that row (it was put there by hand)",
+                i64::MAX
+            )),
+        )
+    })
+}
+
 /// Writes the result of an attempt: inserts the row on first sight
-/// (`row_id` is `None`), or updates row `row_id`. Clears any lease. The
+/// ([`Target::New`]), or updates a stored one. Clears any lease. The
 /// payload digest and `received_at` of an existing row are never changed.
 pub(crate) fn record(
     conn: &Connection,
-    row_id: Option<i64>,
+    row: Target,
+    consumer: &str,
+    msg: &Message,
+    hash: &[u8; 32],
+    rec: Record<'_>,
+    now_ms: i64,
+) -> rusqlite::Result<()> {
+    let id = match row {
+        Target::Stored(id) => id,
+        Target::New(id) => return insert(conn, id, consumer, msg, hash, rec, now_ms),
+    };
+    conn.prepare_cached(
+        "UPDATE postroom_inbox SET status = ?2, payload = ?3, attempts = ?4,
+             last_error = ?5, updated_at = ?6, next_attempt_at = ?7, processed_at = ?8,
+             lease_until = NULL, lease_token = NULL
+         WHERE id = ?1",
+    )?
+    .execute(params![
+        id,
+        rec.status,
+        rec.keep_payload.then_some(msg.payload.as_slice()),
+        rec.attempts,
+        rec.last_error,
+        now_ms,
+        rec.next_attempt_at,
+        (rec.status == Status::Completed).then_some(now_ms),
+    ])?;
+    Ok(())
+}
+
+/// [`record`]'s first sight of a message: its row, inserted as `id`.
+fn insert(
+    conn: &Connection,
+    id: i64,
     consumer: &str,
     msg: &Message,
     hash: &[u8; 32],
@@ -306,30 +388,11 @@ pub(crate) fn record(
 ) -> rusqlite::Result<()> {
     let payload = rec.keep_payload.then_some(msg.payload.as_slice());
     let processed_at = (rec.status == Status::Completed).then_some(now_ms);
-    if let Some(id) = row_id {
-        conn.prepare_cached(
-            "UPDATE postroom_inbox SET status = ?2, payload = ?3, attempts = ?4,
-                 last_error = ?5, updated_at = ?6, next_attempt_at = ?7, processed_at = ?8,
-                 lease_until = NULL, lease_token = NULL
-             WHERE id = ?1",
-        )?
-        .execute(params![
-            id,
-            rec.status,
-            payload,
-            rec.attempts,
-            rec.last_error,
-            now_ms,
-            rec.next_attempt_at,
-            processed_at,
-        ])?;
-        return Ok(());
-    }
     conn.prepare_cached(
-        "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload, payload_hash,
-             headers, ordering_key, attempts, last_error, received_at, updated_at,
+        "INSERT INTO postroom_inbox (id, consumer, source, message_id, status, payload,
+             payload_hash, headers, ordering_key, attempts, last_error, received_at, updated_at,
              next_attempt_at, processed_at, seq, seq_stream)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14, ?15)",
+         VALUES (?16, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14, ?15)",
     )?
     .execute(params![
         consumer,
@@ -347,6 +410,7 @@ pub(crate) fn record(
         processed_at,
         msg.sequence.map(|seq| seq as i64),
         msg.sequence_stream(),
+        id,
     ])?;
     Ok(())
 }

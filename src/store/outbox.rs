@@ -20,23 +20,28 @@ pub(crate) struct Cause<'a> {
     pub consumer: &'a str,
     pub msg: &'a Message,
     pub attempt: u32,
-    /// `received_at` of the inbox row: the same on every attempt, different
-    /// for a message received again after retention forgot it.
+    /// `received_at` of the inbox row: the same on every attempt.
     pub received_at: i64,
+    /// The inbox row's id: the same on every attempt, and another for a
+    /// message received again after retention forgot it (ids are never
+    /// given out twice: retention keeps the newest row). For a message
+    /// seen for the first time, the id its row will be inserted with.
+    pub inbox_id: i64,
 }
 
 /// Inserts one pending outbox row and returns its message id.
 ///
 /// Without an explicit id, a message published while handling an inbox
-/// message gets `blake3(consumer, source, id, received_at, n)` for the
-/// handler's `n`-th publish: the same on every attempt of that inbox row,
-/// unique across messages. `received_at` tells apart a message received
-/// again after retention deleted its row: it is processed again, and its
-/// outbox rows must not collide with the first processing's, which may
-/// still be waiting to be sent. A clock set back can give the second
-/// receipt the first one's `received_at` to the millisecond: a derived id
-/// already taken can only be such an earlier receipt's (only one attempt
-/// of a receipt commits), so the next derivation is tried instead.
+/// message gets `blake3(consumer, source, id, received_at, inbox row id,
+/// n)` for the handler's `n`-th publish: the same on every attempt of that
+/// inbox row, and unique by construction, since no two inbox rows share an
+/// id, so no index checks it. A message received again after retention
+/// deleted its row is processed again under a new row, and its outbox rows
+/// do not collide with the first processing's, which may still be waiting
+/// to be sent. Outside a handler the id is generated (see [`random_id`]),
+/// also unchecked. Only an id the application names
+/// ([`Outgoing::with_id`]) is checked against the other named ones
+/// (`postroom_outbox_named`): a duplicate fails this insert.
 pub(crate) fn insert(
     conn: &Connection,
     out: &Outgoing,
@@ -44,37 +49,11 @@ pub(crate) fn insert(
     index: u32,
     now_ms: i64,
 ) -> rusqlite::Result<String> {
-    let Some(c) = cause.filter(|_| out.id.is_none()) else {
-        let id = out.id.clone().unwrap_or_else(random_id);
-        insert_row(conn, &id, out, cause, now_ms)?;
-        return Ok(id);
+    let id = match (&out.id, cause) {
+        (Some(id), _) => id.clone(),
+        (None, Some(c)) => derived_id(c, index),
+        (None, None) => random_id(),
     };
-    let mut receipt = 0;
-    loop {
-        let id = derived_id(c, index, receipt);
-        match insert_row(conn, &id, out, cause, now_ms) {
-            Err(rusqlite::Error::SqliteFailure(e, _))
-                if e.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_UNIQUE
-                    && receipt < MAX_RECEIPTS =>
-            {
-                receipt += 1
-            }
-            result => return result.map(|()| id),
-        }
-    }
-}
-
-/// Earlier receipts of one message with the same `received_at` that
-/// [`insert`] steps past before giving the constraint error up.
-const MAX_RECEIPTS: u32 = 64;
-
-fn insert_row(
-    conn: &Connection,
-    id: &str,
-    out: &Outgoing,
-    cause: Option<Cause<'_>>,
-    now_ms: i64,
-) -> rusqlite::Result<()> {
     conn.prepare_cached(
         // `head` and `alone` set here (schema.sql): a new head fires no
         // trigger and costs no second write of its row. A keyed head is
@@ -85,12 +64,13 @@ fn insert_row(
         // triggers makes SQLite stage every row in a temporary table.
         "INSERT INTO postroom_outbox (message_id, topic, key, payload, headers, status, attempts,
              created_at, next_attempt_at, cause_consumer, cause_source, cause_message_id, head,
-             alone)
+             alone, named)
          VALUES (?1, ?2, ?3, ?4, ?5, 'pending', 0, ?6, 0, ?7, ?8, ?9,
                  ?3 IS NULL OR NOT EXISTS (SELECT 1 FROM postroom_outbox
                                            WHERE key = ?3 AND status = 'pending'),
                  ?3 IS NOT NULL AND NOT EXISTS (SELECT 1 FROM postroom_outbox
-                                                WHERE key = ?3 AND status = 'pending'))",
+                                                WHERE key = ?3 AND status = 'pending'),
+                 ?10)",
     )?
     .execute(params![
         id,
@@ -102,8 +82,9 @@ fn insert_row(
         cause.map(|c| c.consumer),
         cause.map(|c| c.msg.source.as_str()),
         cause.map(|c| c.msg.id.as_str()),
+        out.id.is_some(),
     ])?;
-    Ok(())
+    Ok(id)
 }
 
 /// Adds the headers linking an outgoing message to the inbox message that
@@ -120,19 +101,19 @@ pub(crate) fn add_causation(headers: &mut Headers, cause: Option<Cause<'_>>) {
         .or_insert_with(|| correlation.to_owned());
 }
 
-/// The id of the `index`-th publish of `receipt`: 0 for the first receipt
-/// with this `received_at` (the bytes every earlier release derived), 1,
-/// 2, … for later ones (see [`insert`]).
-fn derived_id(c: Cause<'_>, index: u32, receipt: u32) -> String {
-    let mut extra = [0u8; 16];
+/// The id of the `index`-th publish of the inbox row `c` names. The
+/// bytes after the key are 20 long (`received_at`, the row id, `index`),
+/// where releases before schema 12 hashed 12 or 16 (without the row id):
+/// no id derived now can equal one derived then.
+fn derived_id(c: Cause<'_>, index: u32) -> String {
+    let mut extra = [0u8; 20];
     extra[..8].copy_from_slice(&c.received_at.to_le_bytes());
-    extra[8..12].copy_from_slice(&index.to_le_bytes());
-    extra[12..].copy_from_slice(&receipt.to_le_bytes());
-    let len = if receipt == 0 { 12 } else { 16 };
+    extra[8..16].copy_from_slice(&c.inbox_id.to_le_bytes());
+    extra[16..].copy_from_slice(&index.to_le_bytes());
     digest_hex(
         b"postroom-outbox\0",
         &[c.consumer, &c.msg.source, &c.msg.id],
-        &extra[..len],
+        &extra,
     )
 }
 
@@ -149,6 +130,12 @@ pub(crate) fn digest_hex(domain: &[u8], parts: &[&str], extra: &[u8]) -> String 
     hex32(h.finalize().as_bytes())
 }
 
+/// An id for a message published outside a handler: 128 bits of blake3
+/// over the process id, the time in nanoseconds and a counter of this
+/// process. Two ids of one process differ in the counter; two processes
+/// never write one file at once (the engine's lock), and one after the
+/// other differ in the time unless the clock went back to the same
+/// nanosecond under the same process id.
 fn random_id() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let mut h = blake3::Hasher::new();

@@ -20,7 +20,7 @@ use crate::failpoint;
 pub(crate) use crate::store::identity::{claim_identity, file_identity, FILE_IDENTITY_KEY};
 
 /// The newest schema version this library knows.
-pub const SCHEMA_VERSION: i64 = 11;
+pub const SCHEMA_VERSION: i64 = 12;
 
 /// The schema, applied in one transaction to a database without one.
 pub const SCHEMA_SQL: &str = include_str!("../../schema.sql");
@@ -384,7 +384,7 @@ pub(crate) fn forget_statistics(conn: &Connection) -> rusqlite::Result<()> {
 /// The migration steps: `MIGRATIONS[n - 1]` takes a file from version `n`
 /// to `n + 1`, so a file at version `found` runs `MIGRATIONS[found - 1..]`.
 type Step = fn(&Connection) -> Result<()>;
-const MIGRATIONS: [Step; 10] = [
+const MIGRATIONS: [Step; 11] = [
     migrate_v1,
     migrate_v2,
     migrate_v3,
@@ -395,6 +395,7 @@ const MIGRATIONS: [Step; 10] = [
     migrate_v8,
     migrate_v9,
     migrate_v10,
+    migrate_v11,
 ];
 const _: () = assert!(MIGRATIONS.len() as i64 == SCHEMA_VERSION - 1);
 
@@ -519,7 +520,8 @@ pub(crate) fn audit_triggers(conn: &Connection) -> rusqlite::Result<Vec<TriggerF
 /// `(type, name)` with the type as `sqlite_master` spells it.
 pub(crate) fn schema_objects() -> impl Iterator<Item = (String, &'static str)> {
     SCHEMA_SQL.lines().filter_map(|line| {
-        let (kind, rest) = line.trim().strip_prefix("CREATE ")?.split_once(' ')?;
+        let line = line.trim().strip_prefix("CREATE ")?;
+        let (kind, rest) = line.strip_prefix("UNIQUE ").unwrap_or(line).split_once(' ')?;
         let name = rest
             .strip_prefix("IF NOT EXISTS ")?
             .split_whitespace()
@@ -586,7 +588,7 @@ fn migrate_v1(tx: &Connection) -> Result<()> {
 /// Rebuilds `table` as the schema has it now, for a change SQLite cannot
 /// make in place: renamed away (its `indexes` dropped, the schema reuses
 /// their names), created anew by the schema (every statement
-/// `IF NOT EXISTS`), refilled with `columns` in id order, the old table
+/// `IF NOT EXISTS`), refilled with `columns` in row id order, the old table
 /// dropped; the file is then at `version`. The rename is the legacy one:
 /// the application's views, triggers and foreign keys that name `table`
 /// keep naming it (the new table), instead of being rewritten to the old
@@ -609,7 +611,7 @@ fn rebuild(
     }
     add_missing(tx, version)?;
     tx.execute_batch(&format!(
-        "INSERT INTO {table} ({columns}) SELECT {columns} FROM {old} ORDER BY id;
+        "INSERT INTO {table} ({columns}) SELECT {columns} FROM {old} ORDER BY rowid;
          DROP TABLE {old};"
     ))
 }
@@ -746,6 +748,65 @@ fn migrate_v9(tx: &Connection) -> Result<()> {
 fn migrate_v10(tx: &Connection) -> Result<()> {
     log::info!("postroom: migrating schema 10 to 11");
     add_missing(tx, 11).map_err(|e| Error::sqlite("migrate schema 10 to 11", e))
+}
+
+/// Version 11 to 12: an outbox id has no UNIQUE index entry unless the
+/// application named it (schema.sql, `postroom_outbox.named`): derived
+/// ids are unique by construction. SQLite cannot drop a column's UNIQUE
+/// constraint, so the outbox is rebuilt ([`rebuild`]), its triggers and
+/// indexes made anew by the schema. Every row it holds is kept `named`
+/// (the column's default, given by [`add_named_column`]): their ids were
+/// checked when stored, and a later named id is checked against them.
+/// Takes time in proportion to the outbox, once.
+fn migrate_v11(tx: &Connection) -> Result<()> {
+    let rows: i64 = tx
+        .query_row("SELECT count(*) FROM postroom_outbox", [], |r| r.get(0))
+        .map_err(|e| Error::sqlite("migrate schema 11 to 12", e))?;
+    log::info!("postroom: migrating schema 11 to 12 ({rows} outbox rows)");
+    add_named_column(tx)
+        .and_then(|()| {
+            // Dropped with the old table, but their names would keep the
+            // schema from making the new table's.
+            tx.execute_batch(
+                "DROP TRIGGER IF EXISTS postroom_outbox_head_insert;
+                 DROP TRIGGER IF EXISTS postroom_outbox_head_status;
+                 DROP TRIGGER IF EXISTS postroom_outbox_head_rekey;
+                 DROP TRIGGER IF EXISTS postroom_outbox_head_delete;",
+            )
+        })
+        .and_then(|()| {
+            rebuild(
+                tx,
+                "postroom_outbox",
+                &[
+                    "postroom_outbox_ready",
+                    "postroom_outbox_key",
+                    "postroom_outbox_waiting",
+                    "postroom_outbox_sent",
+                    "postroom_outbox_dead",
+                    "postroom_outbox_named",
+                ],
+                "seq, message_id, topic, key, payload, headers, status, attempts, last_error,
+                 created_at, next_attempt_at, sent_at, cause_consumer, cause_source,
+                 cause_message_id, head, alone, named",
+                12,
+            )
+        })
+        .map_err(|e| Error::sqlite("migrate schema 11 to 12", e))
+}
+
+/// Gives an outbox of an earlier version the `named` column (schema
+/// version 12), 1 on every row, so that the schema's index of named ids
+/// can be made on it before [`migrate_v11`] rebuilds it. Nothing for a
+/// file without an outbox (the schema creates it) or with the column.
+fn add_named_column(tx: &Connection) -> rusqlite::Result<()> {
+    let columns = columns(tx, "postroom_outbox")?;
+    if columns.is_empty() || columns.iter().any(|c| c == "named") {
+        return Ok(());
+    }
+    tx.execute_batch(
+        "ALTER TABLE postroom_outbox ADD COLUMN named INTEGER NOT NULL DEFAULT 1 CHECK (named IN (0, 1));",
+    )
 }
 
 /// Gives an outbox of an earlier version the `alone` column (schema
@@ -943,6 +1004,7 @@ fn add_missing(tx: &Connection, version: i64) -> rusqlite::Result<()> {
     add_seq_columns(tx)?;
     add_head_column(tx)?;
     add_alone_column(tx)?;
+    add_named_column(tx)?;
     // Indexes a later version no longer has (`migrate_v10`).
     tx.execute_batch("DROP INDEX IF EXISTS postroom_inbox_done")?;
     tx.execute_batch(SCHEMA_SQL)?;
@@ -1013,6 +1075,7 @@ mod tests {
         assert_eq!(objects.len(), creates, "{objects:?}");
         assert!(objects.contains(&("table".into(), "postroom_conflicts")));
         assert!(objects.contains(&("index".into(), "postroom_outbox_dead")));
+        assert!(objects.contains(&("index".into(), "postroom_outbox_named")));
         assert!(objects.contains(&("trigger".into(), "postroom_inbox_key_fixed")));
     }
 
