@@ -119,8 +119,7 @@ pub(crate) fn deliver(
             });
         }
     }
-    let row = Target::of(conn, row_id)
-        .map_err(|e| Error::sqlite("choose the new inbox row's id", e))?;
+    let row = Target::of(conn, row_id)?;
     let at = Attempt {
         consumer,
         msg,

@@ -170,8 +170,7 @@ pub(crate) fn recover_inflight(
         next_attempt_at: None,
         keep_payload: true,
     };
-    let row = inbox::Target::of(conn, row_id)
-        .map_err(|e| Error::sqlite("choose the new inbox row's id", e))?;
+    let row = inbox::Target::of(conn, row_id)?;
     inbox::record(
         conn,
         row,

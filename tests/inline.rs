@@ -1086,17 +1086,18 @@ fn a_handler_that_locks_itself_is_counted_not_retried_forever() {
 }
 
 /// Issue 33 (flash): what one inline delivery writes is what the job needs.
-/// A delivery whose handler publishes one keyed message adds 6 B-tree
-/// entries: the inbox row and its key; the outbox row, its unique id, its
-/// key's entry and its entry among the rows the relay may send now (a
-/// key's head). Schema 7 added 9 (a separate pending index, and a heads
-/// table with an index of its own), schema 10 added 7 (an index of
-/// completed rows, retention's order before it walked the inbox in id
-/// order), each a page written to the WAL per commit. Sent, the row leaves
-/// every pending index. Counted with `dbstat` (entries on leaf pages of
-/// each B-tree).
+/// A delivery whose handler publishes one keyed message adds 5 B-tree
+/// entries: the inbox row and its key; the outbox row, its key's entry and
+/// its entry among the rows the relay may send now (a key's head). Schema
+/// 7 added 9 (a separate pending index, and a heads table with an index of
+/// its own), schema 10 added 7 (an index of completed rows, retention's
+/// order before it walked the inbox in id order), schema 11 added 6 (a
+/// UNIQUE index of every outbox id; schema 12 indexes only the ids the
+/// application names), each a page written to the WAL per commit. Sent,
+/// the row leaves every pending index. Counted with `dbstat` (entries on
+/// leaf pages of each B-tree).
 #[test]
-fn an_inline_delivery_publishing_a_keyed_message_adds_six_b_tree_entries() {
+fn an_inline_delivery_publishing_a_keyed_message_adds_five_b_tree_entries() {
     let dir = tempfile::tempdir().unwrap();
     let room = open(
         &dir,
@@ -1143,5 +1144,45 @@ fn an_inline_delivery_publishing_a_keyed_message_adds_six_b_tree_entries() {
     assert_eq!(outcome, Outcome::Processed { attempts: 1 });
     let added = added(&before);
     let total: i64 = added.iter().map(|(_, n)| n).sum();
-    assert_eq!(total, 6, "entries added per delivery: {added:?}");
+    assert_eq!(total, 5, "entries added per delivery: {added:?}");
+}
+
+/// A new inbox row takes the id one past the highest, chosen before its
+/// handler runs (the handler's publishes derive their ids from it). A row
+/// stored by hand with the highest id there is leaves none to choose: the
+/// delivery is an error naming the cause, nothing of it is stored, and
+/// the engine goes on answering what it has.
+#[test]
+fn an_inbox_holding_the_highest_row_id_refuses_new_rows_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let room = open(
+        &dir,
+        Postroom::builder().consumer(
+            "orders",
+            handler_fn(|tx, msg| {
+                tx.publish(Outgoing::new("t", "payload").with_key(msg.id()))?;
+                Ok(())
+            }),
+        ),
+    );
+    let m0 = Message::new("shop", "m-0", "p");
+    assert_eq!(
+        room.deliver("orders", m0.clone()).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    let conn = raw(&dir.path().join("app.db"));
+    conn.execute_batch(
+        "INSERT INTO postroom_inbox (id, consumer, source, message_id, status, payload_hash,
+             received_at, updated_at, processed_at)
+         VALUES (9223372036854775807, 'other', 'shop', 'by-hand', 'completed', zeroblob(32),
+                 1, 1, 1)",
+    )
+    .unwrap();
+    let err = room
+        .deliver("orders", Message::new("shop", "m-1", "p"))
+        .unwrap_err();
+    assert!(err.to_string().contains("no higher id is left"), "{err}");
+    assert_eq!(count(&conn, "SELECT count(*) FROM postroom_inbox"), 2);
+    assert_eq!(count(&conn, "SELECT count(*) FROM postroom_outbox"), 1);
+    assert_eq!(room.deliver("orders", m0).unwrap(), Outcome::Duplicate);
 }

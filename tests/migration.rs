@@ -892,7 +892,10 @@ fn a_version_11_file_loses_the_unique_outbox_id_and_keeps_every_row() {
             assert_eq!(column::<Vec<String>>(&conn, DUMP_MARKS), marks);
         }
         assert_eq!(
-            count(&conn, "SELECT count(*) FROM postroom_outbox WHERE named = 1"),
+            count(
+                &conn,
+                "SELECT count(*) FROM postroom_outbox WHERE named = 1"
+            ),
             6,
             "from version {version}: every migrated id stays checked"
         );

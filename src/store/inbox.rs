@@ -9,6 +9,7 @@ use std::str::FromStr;
 use rusqlite::types::{FromSql, FromSqlError, FromSqlResult, ToSql, ToSqlOutput, ValueRef};
 use rusqlite::{params, Connection, OptionalExtension};
 
+use crate::error::{Error, Result};
 use crate::message::{Headers, Message};
 use crate::store::page::{limit_param, Page};
 use crate::store::payload::{hex, Payload};
@@ -297,16 +298,35 @@ pub(crate) struct Record<'a> {
 pub(crate) enum Target {
     /// A stored row, updated.
     Stored(i64),
-    /// A row seen for the first time, inserted with this id ([`next_id`]).
+    /// A row seen for the first time, inserted with this id ([`Target::of`]).
     New(i64),
 }
 
 impl Target {
-    /// Row `stored` if there is one, else a new row with [`next_id`].
-    pub(crate) fn of(conn: &Connection, stored: Option<i64>) -> rusqlite::Result<Target> {
-        match stored {
-            Some(id) => Ok(Target::Stored(id)),
-            None => next_id(conn).map(Target::New),
+    /// Row `stored` if there is one, else a new row, with the id one past
+    /// the highest. SQLite would choose the same, but the row is inserted
+    /// with it explicitly, because the handler's publishes derive their ids
+    /// from it before the row exists (`outbox::insert`). Ids are never
+    /// given out twice: retention keeps the newest row. A highest id of
+    /// `i64::MAX` (only a hand edit puts one there) leaves none to give.
+    pub(crate) fn of(conn: &Connection, stored: Option<i64>) -> Result<Target> {
+        if let Some(id) = stored {
+            return Ok(Target::Stored(id));
+        }
+        let max: Option<i64> = conn
+            .prepare_cached("SELECT max(id) FROM postroom_inbox")
+            .and_then(|mut s| s.query_row([], |r| r.get(0)))
+            .map_err(|e| Error::sqlite("choose the new inbox row's id", e))?;
+        match max.unwrap_or(0).checked_add(1) {
+            Some(id) => Ok(Target::New(id)),
+            None => Err(Error::invalid(
+                "database",
+                format!(
+                    "postroom_inbox holds a row with id {}, put there by hand: no higher id is \
+                     left for a new row; give that row a lower id, or delete it",
+                    i64::MAX
+                ),
+            )),
         }
     }
 
@@ -316,29 +336,6 @@ impl Target {
             Target::Stored(id) | Target::New(id) => id,
         }
     }
-}
-
-/// The id a new inbox row takes: one past the highest. SQLite would
-/// choose the same, but the row is inserted with it explicitly, because
-/// the handler's publishes derive their ids from it before the row exists
-/// (`outbox::insert`). Ids are never given out twice: retention keeps the
-/// newest row. A highest id of `i64::MAX` (only a hand edit puts one
-/// there) leaves none to give: `SQLITE_FULL`, as SQLite says when it runs
-/// out of row ids.
-fn next_id(conn: &Connection) -> rusqlite::Result<i64> {
-    let max: Option<i64> = conn
-        .prepare_cached("SELECT max(id) FROM postroom_inbox")?
-        .query_row([], |r| r.get(0))?;
-    max.unwrap_or(0).checked_add(1).ok_or_else(|| {
-        rusqlite::Error::SqliteFailure(
-            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
-            Some(format!(
-                "postroom_inbox holds a row with id {}: no higher id is left for a new row; \
-                 renumber or delete that row (it was put there by hand)",
-                i64::MAX
-            )),
-        )
-    })
 }
 
 /// Writes the result of an attempt: inserts the row on first sight

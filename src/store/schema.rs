@@ -521,7 +521,10 @@ pub(crate) fn audit_triggers(conn: &Connection) -> rusqlite::Result<Vec<TriggerF
 pub(crate) fn schema_objects() -> impl Iterator<Item = (String, &'static str)> {
     SCHEMA_SQL.lines().filter_map(|line| {
         let line = line.trim().strip_prefix("CREATE ")?;
-        let (kind, rest) = line.strip_prefix("UNIQUE ").unwrap_or(line).split_once(' ')?;
+        let (kind, rest) = line
+            .strip_prefix("UNIQUE ")
+            .unwrap_or(line)
+            .split_once(' ')?;
         let name = rest
             .strip_prefix("IF NOT EXISTS ")?
             .split_whitespace()
