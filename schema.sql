@@ -503,7 +503,8 @@ END;
 -- check`. Meaningless on a row that is not pending.
 --
 -- `named` (schema version 12): 1 when the application named the message's
--- id (`Outgoing::with_id`, or a row stored by hand), 0 when the engine
+-- id (`Outgoing::with_id`, or a row stored by hand; and every row a file
+-- held when it was migrated to version 12), 0 when the engine
 -- derived it (a handler's publish: from the inbox row that caused it) or
 -- generated it (outside a handler). Only named ids are checked for
 -- uniqueness, by postroom_outbox_named. Derived ids are unique by
@@ -533,7 +534,8 @@ CREATE TABLE IF NOT EXISTS postroom_outbox (
 );
 
 -- Ids the application named are unique among themselves (schema version
--- 12): a second publish of one fails. Few rows, none for derived ids.
+-- 12): a second publish of one fails. No entry for a derived or generated
+-- id; a migrated file's rows until retention deletes them.
 CREATE UNIQUE INDEX IF NOT EXISTS postroom_outbox_named
     ON postroom_outbox (message_id)
     WHERE named = 1;

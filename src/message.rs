@@ -196,8 +196,12 @@ impl Outgoing {
     }
 
     /// Sets the message id. By default it is derived from the incoming
-    /// message that caused it (so a re-run after a rolled-back attempt
-    /// publishes the same id), or random outside a handler.
+    /// message that caused it (the same on every attempt of a stored
+    /// message, so a retry publishes the same id), or random outside a
+    /// handler; both are unique by construction. A named id is checked
+    /// against the other named ids: publishing one twice fails the second
+    /// publish. It is not checked against the derived and random ids
+    /// (`postroom check` reports a copy of one).
     pub fn with_id(mut self, id: impl Into<String>) -> Self {
         self.id = Some(id.into());
         self

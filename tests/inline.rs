@@ -1182,7 +1182,74 @@ fn an_inbox_holding_the_highest_row_id_refuses_new_rows_and_changes_nothing() {
         .deliver("orders", Message::new("shop", "m-1", "p"))
         .unwrap_err();
     assert!(err.to_string().contains("no higher id is left"), "{err}");
+    assert!(matches!(err, postroom::Error::Corrupt { .. }), "{err:?}");
+    // Received for the workers, the same: SQLite would have chosen an id
+    // at random, perhaps one given out before.
+    let err = room
+        .receive("orders", Message::new("shop", "m-2", "p"))
+        .unwrap_err();
+    assert!(err.to_string().contains("no higher id is left"), "{err}");
     assert_eq!(count(&conn, "SELECT count(*) FROM postroom_inbox"), 2);
     assert_eq!(count(&conn, "SELECT count(*) FROM postroom_outbox"), 1);
     assert_eq!(room.deliver("orders", m0).unwrap(), Outcome::Duplicate);
+}
+
+/// Only ids the application names are checked at publish (schema 12): a
+/// second publish of a named id fails, and the handler's attempt with it.
+/// A named id that copies one the engine derived is stored (no index
+/// holds derived ids), and `postroom check` reports the two rows.
+#[test]
+fn a_repeated_named_id_fails_its_publish_and_check_reports_one_copying_a_derived_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let copy = Arc::new(std::sync::Mutex::new(None::<String>));
+    let seen = Arc::clone(&copy);
+    let room = open(
+        &dir,
+        Postroom::builder().consumer(
+            "orders",
+            handler_fn(move |tx, msg| {
+                let id = seen.lock().unwrap().clone();
+                match id {
+                    Some(id) if msg.id() == "copy" => {
+                        tx.publish(Outgoing::new("t", "again").with_id(id))?;
+                    }
+                    _ => {
+                        let id = tx.publish(Outgoing::new("t", "first"))?;
+                        // m-0's (m-1's attempt rolls back).
+                        seen.lock().unwrap().get_or_insert(id);
+                        tx.publish(Outgoing::new("t", "named").with_id("order-1"))?;
+                    }
+                }
+                Ok(())
+            }),
+        ),
+    );
+    assert_eq!(
+        room.deliver("orders", Message::new("shop", "m-0", "p"))
+            .unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    // "order-1" again: refused, nothing of the attempt stored.
+    assert!(matches!(
+        room.deliver("orders", Message::new("shop", "m-1", "p"))
+            .unwrap(),
+        Outcome::Failed { .. }
+    ));
+    let conn = raw(&dir.path().join("app.db"));
+    assert_eq!(count(&conn, "SELECT count(*) FROM postroom_outbox"), 2);
+    let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Quick).unwrap();
+    assert!(report.is_ok(), "{report:?}");
+    // m-0's derived id, named by another handler: stored, and reported.
+    assert_eq!(
+        room.deliver("orders", Message::new("shop", "copy", "p"))
+            .unwrap(),
+        Outcome::Processed { attempts: 1 }
+    );
+    let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Quick).unwrap();
+    let kinds: Vec<_> = report.violations.iter().map(|f| (f.kind, f.id)).collect();
+    assert_eq!(
+        kinds,
+        [(postroom::admin::FindingKind::DuplicateId, 3)],
+        "{report:?}"
+    );
 }

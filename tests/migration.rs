@@ -878,6 +878,15 @@ fn a_version_11_file_loses_the_unique_outbox_id_and_keeps_every_row() {
                      NULL);",
         )
         .unwrap();
+        // The application's own index and trigger on the outbox, which
+        // must survive the rebuild.
+        conn.execute_batch(
+            "CREATE INDEX app_outbox_topic ON postroom_outbox (topic);
+             CREATE TABLE app_sent (seq INTEGER);
+             CREATE TRIGGER app_outbox_sent AFTER UPDATE OF status ON postroom_outbox
+             WHEN NEW.status = 'sent' BEGIN INSERT INTO app_sent VALUES (NEW.seq); END;",
+        )
+        .unwrap();
         let before = column::<Vec<String>>(&conn, DUMP_INBOX);
         let outbox_before = column::<Vec<String>>(&conn, DUMP_OUTBOX);
         let marks_before = (version >= 10).then(|| column::<Vec<String>>(&conn, DUMP_MARKS));
@@ -929,8 +938,10 @@ fn a_version_11_file_loses_the_unique_outbox_id_and_keeps_every_row() {
         );
         room.deliver("orders", Message::new("shop", "fresh", "f"))
             .unwrap();
+        // The four migrated pending rows, then what "fresh" (inline) and
+        // "queued" (the fixture's, processed by the workers) publish.
         let mut sent = Vec::new();
-        while sent.len() < 5 {
+        while sent.len() < 6 {
             let m = rx
                 .recv_timeout(Duration::from_secs(30))
                 .unwrap_or_else(|e| panic!("from version {version}: {e}; sent {sent:?}"));
@@ -942,14 +953,31 @@ fn a_version_11_file_loses_the_unique_outbox_id_and_keeps_every_row() {
             ["o-2", "p-1", "o-3", "n-1"],
             "from version {version}"
         );
+        let mut published = column::<Vec<String>>(
+            &conn,
+            "SELECT message_id || ':' || named FROM postroom_outbox
+             WHERE cause_message_id IN ('fresh', 'queued')",
+        );
+        published.sort();
+        let mut derived: Vec<String> = sent[4..].iter().map(|id| format!("{id}:0")).collect();
+        derived.sort();
+        assert_eq!(
+            published, derived,
+            "from version {version}: derived ids are not named"
+        );
         assert_eq!(
             column::<Vec<String>>(
                 &conn,
-                "SELECT message_id || ':' || named FROM postroom_outbox
-                 WHERE cause_message_id = 'fresh'"
+                "SELECT name FROM sqlite_master WHERE tbl_name = 'postroom_outbox'
+                   AND name LIKE 'app%' ORDER BY name"
             ),
-            [format!("{}:0", sent[4])],
-            "from version {version}: a derived id is not named"
+            ["app_outbox_sent", "app_outbox_topic"],
+            "from version {version}: the application's index and trigger are kept"
+        );
+        assert_eq!(
+            count(&conn, "SELECT count(*) FROM app_sent"),
+            6,
+            "from version {version}: and the trigger fires on the new table"
         );
         let report = postroom::admin::check(&conn, postroom::admin::CheckDepth::Full).unwrap();
         assert!(report.is_ok(), "{report:?}");

@@ -633,8 +633,8 @@ fn a_message_redelivered_after_retention_is_processed_again_without_outbox_colli
 /// Found by the model with clock steps: the same, but the clock set back
 /// so the second receipt has the first one's `received_at` to the
 /// millisecond, on which the derived outbox ids were keyed. Both
-/// processings' rows must still get ids of their own, not fail the
-/// delivery for good on the outbox's unique id.
+/// processings' rows must still get ids of their own (since schema 12 the
+/// inbox row's id is hashed too, and no index checks derived ids).
 #[test]
 fn a_message_received_again_at_the_same_instant_after_retention_publishes_anew() {
     received_again_after_retention(true);

@@ -64,11 +64,12 @@ pub enum FindingKind {
     /// of this kind (a dead letter redriven after its number settled; else
     /// the watermark passed a message that never settled).
     Watermark,
-    /// Two outbox rows share a message id: a downstream inbox would take
-    /// the second for a redelivery of the first and drop it. Ids the
-    /// engine derives or generates are unique by construction and only
-    /// named ids have a UNIQUE index (schema version 12), so this is a
-    /// named id equal to a derived one, or a hand edit.
+    /// Two outbox rows share a message id: a downstream inbox takes the
+    /// second for a redelivery of the first (dropped as a duplicate, or
+    /// quarantined as a conflict when the payloads differ). Ids the engine
+    /// derives or generates are unique by construction and only named ids
+    /// have a UNIQUE index (schema version 12), so this is a named id
+    /// equal to a derived one, or a hand edit.
     DuplicateId,
     /// The file is not the one its instance id was given to (a copy, a
     /// restore into a new file, or made by an older build): a warning.
@@ -487,8 +488,6 @@ fn check_conflict_digests(conn: &Connection, report: &mut CheckReport) -> Result
     .map_err(sql("check conflicts"))
 }
 
-/// Each outbox row has the fields its status needs, and the inbox row
-/// whose handler published it (while stored) is completed.
 /// No two outbox rows share a message id.
 fn check_outbox_ids(conn: &Connection, report: &mut CheckReport) -> Result<()> {
     rows::duplicate_outbox_ids(conn, |seq, first| {
@@ -502,6 +501,8 @@ fn check_outbox_ids(conn: &Connection, report: &mut CheckReport) -> Result<()> {
     .map_err(sql("check outbox ids"))
 }
 
+/// Each outbox row has the fields its status needs, and the inbox row
+/// whose handler published it (while stored) is completed.
 fn check_outbox_rows(conn: &Connection, report: &mut CheckReport) -> Result<()> {
     rows::outbox_rows(conn, |row| {
         report.outbox_rows += 1;

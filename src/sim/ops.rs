@@ -569,5 +569,14 @@ pub(super) fn check(m: &Machine, model: &Model) -> SimResult<()> {
     if published != expected {
         return Err(format!("outbox rows {published:?}, model {expected:?}"));
     }
+    // Derived ids are unique by construction, with no index to say so.
+    let mut repeated = Vec::new();
+    crate::store::check::duplicate_outbox_ids(m.conn(), |seq, first| repeated.push((seq, first)))
+        .map_err(|e| e.to_string())?;
+    if !repeated.is_empty() {
+        return Err(format!(
+            "outbox rows (seq, first with its id): {repeated:?}"
+        ));
+    }
     Ok(())
 }

@@ -298,35 +298,18 @@ pub(crate) struct Record<'a> {
 pub(crate) enum Target {
     /// A stored row, updated.
     Stored(i64),
-    /// A row seen for the first time, inserted with this id ([`Target::of`]).
+    /// A row seen for the first time, inserted with this id ([`next_id`]).
     New(i64),
 }
 
 impl Target {
-    /// Row `stored` if there is one, else a new row, with the id one past
-    /// the highest. SQLite would choose the same, but the row is inserted
-    /// with it explicitly, because the handler's publishes derive their ids
-    /// from it before the row exists (`outbox::insert`). Ids are never
-    /// given out twice: retention keeps the newest row. A highest id of
-    /// `i64::MAX` (only a hand edit puts one there) leaves none to give.
+    /// Row `stored` if there is one, else a new row with [`next_id`].
     pub(crate) fn of(conn: &Connection, stored: Option<i64>) -> Result<Target> {
-        if let Some(id) = stored {
-            return Ok(Target::Stored(id));
-        }
-        let max: Option<i64> = conn
-            .prepare_cached("SELECT max(id) FROM postroom_inbox")
-            .and_then(|mut s| s.query_row([], |r| r.get(0)))
-            .map_err(|e| Error::sqlite("choose the new inbox row's id", e))?;
-        match max.unwrap_or(0).checked_add(1) {
-            Some(id) => Ok(Target::New(id)),
-            None => Err(Error::invalid(
-                "database",
-                format!(
-                    "postroom_inbox holds a row with id {}, put there by hand: no higher id is \
-                     left for a new row; give that row a lower id, or delete it",
-                    i64::MAX
-                ),
-            )),
+        match stored {
+            Some(id) => Ok(Target::Stored(id)),
+            None => next_id(conn)
+                .map(Target::New)
+                .map_err(|e| Error::sqlite("choose the new inbox row's id", e)),
         }
     }
 
@@ -336,6 +319,30 @@ impl Target {
             Target::Stored(id) | Target::New(id) => id,
         }
     }
+}
+
+/// The id a new inbox row is inserted with, explicitly, by every insert
+/// of the engine: one past the highest. SQLite would choose the same, but
+/// the handler's publishes derive their ids from it before the row exists
+/// (`outbox::insert`), and past `i64::MAX` SQLite would choose an unused
+/// id at random, perhaps one given out before. Ids are never given out
+/// twice: retention keeps the newest row. A highest id of `i64::MAX` (only
+/// a hand edit puts one there) leaves none to give: `SQLITE_CORRUPT`
+/// (`Error::Corrupt`) naming it.
+pub(crate) fn next_id(conn: &Connection) -> rusqlite::Result<i64> {
+    let max: Option<i64> = conn
+        .prepare_cached("SELECT max(id) FROM postroom_inbox")?
+        .query_row([], |r| r.get(0))?;
+    max.unwrap_or(0).checked_add(1).ok_or_else(|| {
+        rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CORRUPT),
+            Some(format!(
+                "postroom_inbox holds a row with id {}, put there by hand: no higher id is left \
+                 for a new row; give that row a lower id, or delete it",
+                i64::MAX
+            )),
+        )
+    })
 }
 
 /// Writes the result of an attempt: inserts the row on first sight

@@ -131,15 +131,23 @@ pub(crate) fn digest_hex(domain: &[u8], parts: &[&str], extra: &[u8]) -> String 
 }
 
 /// An id for a message published outside a handler: 128 bits of blake3
-/// over the process id, the time in nanoseconds and a counter of this
-/// process. Two ids of one process differ in the counter; two processes
-/// never write one file at once (the engine's lock), and one after the
-/// other differ in the time unless the clock went back to the same
-/// nanosecond under the same process id.
+/// over 64 random bits drawn once per process (std's `RandomState`, seeded
+/// by the OS), the process id, the time in nanoseconds and a counter of
+/// this process. Two ids of one process differ in the counter; two
+/// processes never write one file at once (the engine's lock), and differ
+/// in their random bits besides the time.
 fn random_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
+    static PROCESS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let process = *PROCESS.get_or_init(|| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.finish()
+    });
     let mut h = blake3::Hasher::new();
     h.update(b"postroom-outbox-random\0");
+    h.update(&process.to_le_bytes());
     h.update(&std::process::id().to_le_bytes());
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

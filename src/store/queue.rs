@@ -66,13 +66,15 @@ fn store(
         Admission::Conflict(conflict_id) => return Ok(Receipt::Conflict { conflict_id }),
         Admission::Stored { id, .. } => id,
         Admission::New => {
+            // With its id chosen as every engine insert does (`next_id`).
+            let id = inbox::next_id(conn)?;
             conn.prepare_cached(
                 "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload,
                      payload_hash, headers, ordering_key, attempts, received_at, updated_at,
-                     next_attempt_at, queued, seq, seq_stream, last_error)
+                     next_attempt_at, queued, seq, seq_stream, last_error, id)
                  VALUES (?1, ?2, ?3, CASE WHEN ?11 IS NULL THEN 'pending' ELSE 'dead' END, ?4, ?5,
                      ?6, ?7, 0,
-                     ?8, ?8, NULL, 1, ?9, ?10, ?11)",
+                     ?8, ?8, NULL, 1, ?9, ?10, ?11, ?12)",
             )?
             .execute(params![
                 consumer,
@@ -86,6 +88,7 @@ fn store(
                 msg.sequence.map(|seq| seq as i64),
                 msg.sequence_stream(),
                 dead,
+                id,
             ])?;
             return Ok(Receipt::Accepted);
         }

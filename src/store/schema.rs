@@ -593,9 +593,13 @@ fn migrate_v1(tx: &Connection) -> Result<()> {
 /// their names), created anew by the schema (every statement
 /// `IF NOT EXISTS`), refilled with `columns` in row id order, the old table
 /// dropped; the file is then at `version`. The rename is the legacy one:
-/// the application's views, triggers and foreign keys that name `table`
-/// keep naming it (the new table), instead of being rewritten to the old
-/// table about to be dropped.
+/// the application's views, and triggers and foreign keys on other tables,
+/// that name `table` keep naming it (the new table), instead of being
+/// rewritten to the old table about to be dropped. The application's own
+/// indexes and triggers on `table` would go with the old table: they are
+/// made again, from their SQL, on the new one once it is filled (an error
+/// there, e.g. an index on a column the table no longer has, fails the
+/// migration, which changes nothing).
 fn rebuild(
     tx: &Connection,
     table: &str,
@@ -603,6 +607,22 @@ fn rebuild(
     columns: &str,
     version: i64,
 ) -> rusqlite::Result<()> {
+    let ours: Vec<&str> = schema_objects().map(|(_, name)| name).collect();
+    let theirs: Vec<String> = tx
+        .prepare(
+            "SELECT name, sql FROM sqlite_master
+             WHERE tbl_name = ?1 AND type IN ('index', 'trigger') AND sql IS NOT NULL",
+        )?
+        .query_map([table], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
+        })?
+        .filter(|row| {
+            row.as_ref().map_or(true, |(name, _)| {
+                !ours.contains(&name.as_str()) && !indexes.contains(&name.as_str())
+            })
+        })
+        .map(|row| row.map(|(_, sql)| sql))
+        .collect::<rusqlite::Result<_>>()?;
     let old = format!("{table}_v{}", version - 1);
     tx.execute_batch(&format!(
         "PRAGMA legacy_alter_table = ON;
@@ -616,7 +636,11 @@ fn rebuild(
     tx.execute_batch(&format!(
         "INSERT INTO {table} ({columns}) SELECT {columns} FROM {old} ORDER BY rowid;
          DROP TABLE {old};"
-    ))
+    ))?;
+    for sql in theirs {
+        tx.execute_batch(&sql)?;
+    }
+    Ok(())
 }
 
 /// Version 2 to 3: deleting a completed row no longer deletes its key entry

@@ -1339,10 +1339,13 @@ mod floor {
              payload, payload_hash, headers, ordering_key, attempts, last_error, received_at,
              updated_at, next_attempt_at, processed_at)
          VALUES (?1, ?2, ?3, 'completed', NULL, ?4, NULL, NULL, 1, NULL, ?5, ?5, NULL, ?5)";
+    // `named = 0`: the id is derived, as a handler's publish stores it
+    // (schema 12; the column's default, 1, puts it in the index of named
+    // ids).
     const OUTBOX_INSERT: &str = "INSERT INTO postroom_outbox (message_id, topic, key, payload,
              headers, status, attempts, created_at, next_attempt_at, cause_consumer,
-             cause_source, cause_message_id)
-         VALUES (?1, ?2, ?3, ?4, ?5, 'pending', 0, ?6, 0, ?7, ?8, ?9)";
+             cause_source, cause_message_id, named)
+         VALUES (?1, ?2, ?3, ?4, ?5, 'pending', 0, ?6, 0, ?7, ?8, ?9, 0)";
     // A received message, as the engine's `receive` stores it.
     const RECEIVE_INSERT: &str = "INSERT INTO postroom_inbox (consumer, source, message_id, status,
              payload, payload_hash, headers, ordering_key, attempts, received_at, updated_at,
