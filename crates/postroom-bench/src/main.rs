@@ -52,6 +52,10 @@
 //!   columns are blank.
 //! * `deliver …` rows drive the engine (`Postroom::deliver` from 1 or 8
 //!   threads; the handler runs one domain `UPDATE` and one `publish`).
+//!   `deliver 1 caller NORMAL, unkeyed publish` is the one-caller NORMAL
+//!   row with the handler publishing without an ordering key, as the seeds
+//!   floor does (every other engine row's handler publishes with the
+//!   message id as its key, which costs the key's index entry).
 //!   `deliver 1 caller FULL, sequenced` is the one-caller row with each
 //!   message carrying a sequence number (`Message::with_sequence_in`, in
 //!   order, so the watermark moves up by one per message), compared with
@@ -399,8 +403,9 @@ impl SyncMode {
 
 #[derive(Debug, Clone, Copy)]
 enum Work {
-    /// Engine: fresh messages from `callers` threads calling `deliver`.
-    Deliver { callers: usize },
+    /// Engine: fresh messages from `callers` threads calling `deliver`;
+    /// the handler publishes with an ordering key unless `keyed` is false.
+    Deliver { callers: usize, keyed: bool },
     /// Engine: as `Deliver`, each message carrying a sequence number (in
     /// order, one stream per pass) so that the watermark advances with it.
     DeliverSequenced,
@@ -600,6 +605,7 @@ fn seeds_name(batch: usize, sync: SyncMode) -> String {
 }
 
 const DELIVER_SEQUENCED: &str = "deliver 1 caller FULL, sequenced";
+const DELIVER_UNKEYED: &str = "deliver 1 caller NORMAL, unkeyed publish";
 const RECEIVE_ONE: &str = "receive 1 by 1 FULL";
 const RECEIVE_PROCESS: &str = "receive 1 by 1 + processing FULL";
 const DUPLICATE_STORM: &str = "duplicate storm (1 caller)";
@@ -670,7 +676,10 @@ fn pair(
         },
         Scenario {
             name: deliver_name(callers, sync, retained),
-            work: Work::Deliver { callers },
+            work: Work::Deliver {
+                callers,
+                keyed: true,
+            },
             sync,
             rows: retained,
             prefill: Prefill::Retained,
@@ -709,6 +718,19 @@ fn scenarios(plan: &Plan) -> Vec<Vec<Scenario>> {
     groups.push(one);
     let mut one: Vec<Scenario> = pair(1, 1, SyncMode::Normal, 0, plan.one_normal).into();
     one.insert(0, seeds(1, SyncMode::Normal, plan.one_normal));
+    // The seeds floor publishes without a key: the same job, like for like.
+    let mut unkeyed = Scenario::new(
+        DELIVER_UNKEYED,
+        Work::Deliver {
+            callers: 1,
+            keyed: false,
+        },
+        plan.one_normal,
+    )
+    .vs(&deliver_name(1, SyncMode::Normal, 0))
+    .seeds(seeds_name(1, SyncMode::Normal));
+    unkeyed.sync = SyncMode::Normal;
+    one.push(unkeyed);
     groups.push(one);
     // (2) Eight callers sharing group commits, against a floor at 100/txn,
     // and for context the floor at the 8/txn that eight blocking callers
@@ -1769,11 +1791,24 @@ mod engine {
         })
     }
 
+    /// The `…, unkeyed publish` row's handler: the same work, the message
+    /// published without an ordering key, as the seeds floor publishes it.
+    pub fn unkeyed_handler() -> impl Handler {
+        handler_fn(|tx, msg| {
+            tx.execute(DOMAIN_UPDATE, [account_of(msg.id())])?;
+            tx.publish(Outgoing::new(OUT_TOPIC, OUT_PAYLOAD))?;
+            Ok(())
+        })
+    }
+
     /// Default settings but the durability, with the bench consumer.
     pub fn builder(sync: SyncMode) -> Builder {
-        Postroom::builder()
-            .durability(sync.engine())
-            .consumer(CONSUMER, handler())
+        base(sync).consumer(CONSUMER, handler())
+    }
+
+    /// Default settings but the durability, no consumer.
+    pub fn base(sync: SyncMode) -> Builder {
+        Postroom::builder().durability(sync.engine())
     }
 
     pub fn open(path: &Path, sync: SyncMode) -> Res<(Postroom, Duration)> {
@@ -2569,8 +2604,13 @@ fn run(s: &Scenario, plan: &Plan, cache: &Cache, count: u64, cap: Duration) -> R
             m.run = floor::dedupe_loop(&conn, dup_of(seed), count, cap)?;
             m.footprint = floor::wal_since(frames);
         }
-        Work::Deliver { callers } => {
-            let (room, opened) = engine::open(&path, s.sync)?;
+        Work::Deliver { callers, keyed } => {
+            let builder = if keyed {
+                engine::builder(s.sync)
+            } else {
+                engine::base(s.sync).consumer(CONSUMER, engine::unkeyed_handler())
+            };
+            let (room, opened) = engine::open_with(builder, &path)?;
             if s.rows > 0 {
                 m.notes.push(format!(
                     "open (with quick_check) took {:.1} s",
@@ -3223,7 +3263,7 @@ fn row_of(s: &Scenario, mut m: Measured, peak: Option<u64>, delta: Option<i64>) 
     let [r50, r99, rmax] = spread(&mut m.after_return);
     let secs = m.run.elapsed.as_secs_f64();
     let (kind, callers, workers, batch) = match s.work {
-        Work::Deliver { callers } => ("engine", Some(callers), None, None),
+        Work::Deliver { callers, .. } => ("engine", Some(callers), None, None),
         Work::DuplicateStorm
         | Work::DeliverSequenced
         | Work::RelayLatency
