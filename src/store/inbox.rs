@@ -357,65 +357,53 @@ pub(crate) fn record(
     rec: Record<'_>,
     now_ms: i64,
 ) -> rusqlite::Result<()> {
-    let id = match row {
-        Target::Stored(id) => id,
-        Target::New(id) => return insert(conn, id, consumer, msg, hash, rec, now_ms),
-    };
-    conn.prepare_cached(
-        "UPDATE postroom_inbox SET status = ?2, payload = ?3, attempts = ?4,
-             last_error = ?5, updated_at = ?6, next_attempt_at = ?7, processed_at = ?8,
-             lease_until = NULL, lease_token = NULL
-         WHERE id = ?1",
-    )?
-    .execute(params![
-        id,
-        rec.status,
-        rec.keep_payload.then_some(msg.payload.as_slice()),
-        rec.attempts,
-        rec.last_error,
-        now_ms,
-        rec.next_attempt_at,
-        (rec.status == Status::Completed).then_some(now_ms),
-    ])?;
-    Ok(())
-}
-
-/// [`record`]'s first sight of a message: its row, inserted as `id`.
-fn insert(
-    conn: &Connection,
-    id: i64,
-    consumer: &str,
-    msg: &Message,
-    hash: &[u8; 32],
-    rec: Record<'_>,
-    now_ms: i64,
-) -> rusqlite::Result<()> {
     let payload = rec.keep_payload.then_some(msg.payload.as_slice());
     let processed_at = (rec.status == Status::Completed).then_some(now_ms);
-    conn.prepare_cached(
-        "INSERT INTO postroom_inbox (id, consumer, source, message_id, status, payload,
-             payload_hash, headers, ordering_key, attempts, last_error, received_at, updated_at,
-             next_attempt_at, processed_at, seq, seq_stream)
-         VALUES (?16, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14, ?15)",
-    )?
-    .execute(params![
-        consumer,
-        msg.source,
-        msg.id,
-        rec.status,
-        payload,
-        hash.as_slice(),
-        headers_json(&msg.headers),
-        msg.ordering_key,
-        rec.attempts,
-        rec.last_error,
-        now_ms,
-        rec.next_attempt_at,
-        processed_at,
-        msg.sequence.map(|seq| seq as i64),
-        msg.sequence_stream(),
-        id,
-    ])?;
+    match row {
+        Target::Stored(id) => conn
+            .prepare_cached(
+                "UPDATE postroom_inbox SET status = ?2, payload = ?3, attempts = ?4,
+                     last_error = ?5, updated_at = ?6, next_attempt_at = ?7, processed_at = ?8,
+                     lease_until = NULL, lease_token = NULL
+                 WHERE id = ?1",
+            )?
+            .execute(params![
+                id,
+                rec.status,
+                payload,
+                rec.attempts,
+                rec.last_error,
+                now_ms,
+                rec.next_attempt_at,
+                processed_at,
+            ])?,
+        Target::New(id) => conn
+            .prepare_cached(
+                "INSERT INTO postroom_inbox (id, consumer, source, message_id, status, payload,
+                     payload_hash, headers, ordering_key, attempts, last_error, received_at,
+                     updated_at, next_attempt_at, processed_at, seq, seq_stream)
+                 VALUES (?16, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14,
+                         ?15)",
+            )?
+            .execute(params![
+                consumer,
+                msg.source,
+                msg.id,
+                rec.status,
+                payload,
+                hash.as_slice(),
+                headers_json(&msg.headers),
+                msg.ordering_key,
+                rec.attempts,
+                rec.last_error,
+                now_ms,
+                rec.next_attempt_at,
+                processed_at,
+                msg.sequence.map(|seq| seq as i64),
+                msg.sequence_stream(),
+                id,
+            ])?,
+    };
     Ok(())
 }
 
