@@ -360,7 +360,8 @@ fn catches_a_handler_that_depends_on_arrival_order() {
 #[test]
 fn catches_a_sink_that_answers_sent_before_its_ack() {
     // Bug 4: the sink buffers and answers Sent at once; a crash loses the
-    // buffer (no destructor runs in a killed process), the relay has
+    // buffer (no destructor runs in a killed process), and a flush the
+    // downstream times out drops what it held; either way the relay has
     // marked the rows sent: downstream messages lost.
     let failed = Scenario::new(|app| {
         app.consumer("billing", handler_fn(mark_paid));
@@ -381,7 +382,15 @@ fn catches_a_sink_that_answers_sent_before_its_ack() {
         matches!(failed.violation, Violation::LostDownstream { .. }),
         "{failed}"
     );
-    assert!(failed.shrunk.iter().any(|f| f.kind.is_crash()), "{failed}");
+    // Which of the two the shrinker keeps depends on the seed (seed 4:
+    // one sink timeout alone); one of them must be there.
+    assert!(
+        failed
+            .shrunk
+            .iter()
+            .any(|f| f.kind.is_crash() || f.kind == FaultKind::SinkTimeout),
+        "{failed}"
+    );
 }
 
 #[test]
