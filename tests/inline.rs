@@ -1085,6 +1085,21 @@ fn a_handler_that_locks_itself_is_counted_not_retried_forever() {
     ));
 }
 
+/// An engine in `dir` whose consumer "orders" publishes one keyed message
+/// per message, keyed by its id.
+fn keyed_publisher(dir: &tempfile::TempDir) -> Postroom {
+    open(
+        dir,
+        Postroom::builder().consumer(
+            "orders",
+            handler_fn(|tx, msg| {
+                tx.publish(Outgoing::new("t", "payload").with_key(msg.id()))?;
+                Ok(())
+            }),
+        ),
+    )
+}
+
 /// Issue 33 (flash): what one inline delivery writes is what the job needs.
 /// A delivery whose handler publishes one keyed message adds 5 B-tree
 /// entries: the inbox row and its key; the outbox row, its key's entry and
@@ -1099,16 +1114,7 @@ fn a_handler_that_locks_itself_is_counted_not_retried_forever() {
 #[test]
 fn an_inline_delivery_publishing_a_keyed_message_adds_five_b_tree_entries() {
     let dir = tempfile::tempdir().unwrap();
-    let room = open(
-        &dir,
-        Postroom::builder().consumer(
-            "orders",
-            handler_fn(|tx, msg| {
-                tx.publish(Outgoing::new("t", "payload").with_key(msg.id()))?;
-                Ok(())
-            }),
-        ),
-    );
+    let room = keyed_publisher(&dir);
     let conn = raw(&dir.path().join("app.db"));
     let entries = || -> std::collections::BTreeMap<String, i64> {
         let mut stmt = conn
@@ -1155,16 +1161,7 @@ fn an_inline_delivery_publishing_a_keyed_message_adds_five_b_tree_entries() {
 #[test]
 fn an_inbox_holding_the_highest_row_id_refuses_new_rows_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let room = open(
-        &dir,
-        Postroom::builder().consumer(
-            "orders",
-            handler_fn(|tx, msg| {
-                tx.publish(Outgoing::new("t", "payload").with_key(msg.id()))?;
-                Ok(())
-            }),
-        ),
-    );
+    let room = keyed_publisher(&dir);
     let m0 = Message::new("shop", "m-0", "p");
     assert_eq!(
         room.deliver("orders", m0.clone()).unwrap(),

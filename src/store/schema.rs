@@ -827,8 +827,7 @@ fn migrate_v11(tx: &Connection) -> Result<()> {
 /// can be made on it before [`migrate_v11`] rebuilds it. Nothing for a
 /// file without an outbox (the schema creates it) or with the column.
 fn add_named_column(tx: &Connection) -> rusqlite::Result<()> {
-    let columns = columns(tx, "postroom_outbox")?;
-    if columns.is_empty() || columns.iter().any(|c| c == "named") {
+    if !lacks_column(tx, "postroom_outbox", "named")? {
         return Ok(());
     }
     tx.execute_batch(
@@ -843,8 +842,7 @@ fn add_named_column(tx: &Connection) -> rusqlite::Result<()> {
 /// with the column. Runs after [`add_head_column`]: the two `ALTER`s give
 /// the table the text a new file's `CREATE TABLE` has.
 fn add_alone_column(tx: &Connection) -> rusqlite::Result<()> {
-    let columns = columns(tx, "postroom_outbox")?;
-    if columns.is_empty() || columns.iter().any(|c| c == "alone") {
+    if !lacks_column(tx, "postroom_outbox", "alone")? {
         return Ok(());
     }
     tx.execute_batch(
@@ -863,8 +861,7 @@ fn add_alone_column(tx: &Connection) -> rusqlite::Result<()> {
 /// set by [`fill_heads`] once the schema ran. Nothing for a file without
 /// an outbox (the schema creates it) or with the column.
 fn add_head_column(tx: &Connection) -> rusqlite::Result<()> {
-    let columns = columns(tx, "postroom_outbox")?;
-    if columns.is_empty() || columns.iter().any(|c| c == "head") {
+    if !lacks_column(tx, "postroom_outbox", "head")? {
         return Ok(());
     }
     tx.execute_batch(
@@ -1008,8 +1005,7 @@ pub(crate) fn lease_token_base(conn: &Connection) -> Result<i64> {
 /// created by any step; an inbox the schema is about to create (a rebuild
 /// renamed the old one away) gets them from its `CREATE TABLE`.
 fn add_seq_columns(tx: &Connection) -> rusqlite::Result<()> {
-    let columns = columns(tx, "postroom_inbox")?;
-    if columns.is_empty() || columns.iter().any(|c| c == "seq") {
+    if !lacks_column(tx, "postroom_inbox", "seq")? {
         return Ok(());
     }
     tx.execute_batch(
@@ -1023,6 +1019,14 @@ fn columns(conn: &Connection, table: &str) -> rusqlite::Result<Vec<String>> {
     conn.prepare("SELECT name FROM pragma_table_info(?1)")?
         .query_map([table], |r| r.get(0))?
         .collect()
+}
+
+/// Whether `table` exists without `column`: an earlier version's table,
+/// which a migration step gives the column. False for a table the schema
+/// is about to create (none yet, or a rebuild renamed the old one away).
+fn lacks_column(conn: &Connection, table: &str, column: &str) -> rusqlite::Result<bool> {
+    let columns = columns(conn, table)?;
+    Ok(!columns.is_empty() && !columns.iter().any(|c| c == column))
 }
 
 /// A step that only adds objects: runs the schema (every statement is
