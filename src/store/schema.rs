@@ -574,12 +574,8 @@ fn migrate_v1(tx: &Connection) -> Result<()> {
     rebuild(
         tx,
         "postroom_inbox",
-        &[
-            "postroom_inbox_due",
-            "postroom_inbox_ordering",
-            "postroom_inbox_leased",
-            "postroom_inbox_done",
-        ],
+        // Schema 11 dropped it; the rest of version 1's are the schema's.
+        &["postroom_inbox_done"],
         "id, consumer, source, message_id, status, payload, payload_hash, headers, ordering_key,
          attempts, last_error, received_at, updated_at, next_attempt_at, lease_until,
          lease_token, processed_at, queued",
@@ -589,49 +585,47 @@ fn migrate_v1(tx: &Connection) -> Result<()> {
 }
 
 /// Rebuilds `table` as the schema has it now, for a change SQLite cannot
-/// make in place: renamed away (its `indexes` dropped, the schema reuses
-/// their names), created anew by the schema (every statement
-/// `IF NOT EXISTS`), refilled with `columns` in row id order, the old table
-/// dropped; the file is then at `version`. The rename is the legacy one:
-/// the application's views, and triggers and foreign keys on other tables,
-/// that name `table` keep naming it (the new table), instead of being
-/// rewritten to the old table about to be dropped. The application's own
-/// indexes and triggers on `table` would go with the old table: they are
-/// made again, from their SQL, on the new one once it is filled (an error
-/// there, e.g. an index on a column the table no longer has, fails the
-/// migration, which changes nothing).
+/// make in place: its indexes and triggers of postroom's (the schema's, and
+/// `retired`: names of earlier versions') dropped, so that the schema can
+/// make them again under their names; renamed away; created anew by the
+/// schema (every statement `IF NOT EXISTS`), refilled with `columns` in row
+/// id order, the old table dropped; the file is then at `version`. The
+/// rename is the legacy one: the application's views, and triggers and
+/// foreign keys on other tables, that name `table` keep naming it (the new
+/// table), instead of being rewritten to the old table about to be
+/// dropped. The application's own indexes and triggers on `table` would go
+/// with the old table: they are made again, from their SQL, on the new one
+/// once it is filled (an error there, e.g. an index on a column the table
+/// no longer has, fails the migration, which changes nothing).
 fn rebuild(
     tx: &Connection,
     table: &str,
-    indexes: &[&str],
+    retired: &[&str],
     columns: &str,
     version: i64,
 ) -> rusqlite::Result<()> {
     let ours: Vec<&str> = schema_objects().map(|(_, name)| name).collect();
-    let theirs: Vec<String> = tx
+    let objects: Vec<(String, String, String)> = tx
         .prepare(
-            "SELECT name, sql FROM sqlite_master
+            "SELECT type, name, sql FROM sqlite_master
              WHERE tbl_name = ?1 AND type IN ('index', 'trigger') AND sql IS NOT NULL",
         )?
-        .query_map([table], |r| {
-            Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
-        })?
-        .filter(|row| {
-            row.as_ref().map_or(true, |(name, _)| {
-                !ours.contains(&name.as_str()) && !indexes.contains(&name.as_str())
-            })
-        })
-        .map(|row| row.map(|(_, sql)| sql))
+        .query_map([table], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
         .collect::<rusqlite::Result<_>>()?;
+    let mut theirs = Vec::new();
+    for (kind, name, sql) in objects {
+        if ours.contains(&name.as_str()) || retired.contains(&name.as_str()) {
+            tx.execute_batch(&format!("DROP {kind} {name};"))?;
+        } else {
+            theirs.push(sql);
+        }
+    }
     let old = format!("{table}_v{}", version - 1);
     tx.execute_batch(&format!(
         "PRAGMA legacy_alter_table = ON;
          ALTER TABLE {table} RENAME TO {old};
          PRAGMA legacy_alter_table = OFF;"
     ))?;
-    for index in indexes {
-        tx.execute_batch(&format!("DROP INDEX IF EXISTS {index};"))?;
-    }
     add_missing(tx, version)?;
     tx.execute_batch(&format!(
         "INSERT INTO {table} ({columns}) SELECT {columns} FROM {old} ORDER BY rowid;
@@ -661,13 +655,13 @@ fn migrate_v2(tx: &Connection) -> Result<()> {
 /// handful of rows) is rebuilt ([`rebuild`]); copying its rows with their
 /// ids starts the sequence past the largest. (From version 1 or 2 the
 /// earlier steps' run of the schema already put the new index on the old
-/// table: it is dropped with it, by name, first.)
+/// table: `rebuild` drops it first, as every index of the schema's.)
 fn migrate_v3(tx: &Connection) -> Result<()> {
     log::info!("postroom: migrating schema 3 to 4");
     rebuild(
         tx,
         "postroom_conflicts",
-        &["postroom_conflicts_seen"],
+        &[],
         "id, consumer, source, message_id, stored_hash, payload_hash, payload, headers,
          first_seen_at, last_seen_at, deliveries",
         4,
@@ -792,27 +786,10 @@ fn migrate_v11(tx: &Connection) -> Result<()> {
     log::info!("postroom: migrating schema 11 to 12 ({rows} outbox rows)");
     add_named_column(tx)
         .and_then(|()| {
-            // Dropped with the old table, but their names would keep the
-            // schema from making the new table's.
-            tx.execute_batch(
-                "DROP TRIGGER IF EXISTS postroom_outbox_head_insert;
-                 DROP TRIGGER IF EXISTS postroom_outbox_head_status;
-                 DROP TRIGGER IF EXISTS postroom_outbox_head_rekey;
-                 DROP TRIGGER IF EXISTS postroom_outbox_head_delete;",
-            )
-        })
-        .and_then(|()| {
             rebuild(
                 tx,
                 "postroom_outbox",
-                &[
-                    "postroom_outbox_ready",
-                    "postroom_outbox_key",
-                    "postroom_outbox_waiting",
-                    "postroom_outbox_sent",
-                    "postroom_outbox_dead",
-                    "postroom_outbox_named",
-                ],
+                &[],
                 "seq, message_id, topic, key, payload, headers, status, attempts, last_error,
                  created_at, next_attempt_at, sent_at, cause_consumer, cause_source,
                  cause_message_id, head, alone, named",
