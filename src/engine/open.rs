@@ -139,6 +139,7 @@ impl Postroom {
             engine_file,
             guard,
             counters: Arc::clone(&counters),
+            last_commit: std::time::Duration::ZERO,
         };
         let casualty = Arc::new(Casualty::default());
         let (writer, writer_running) = start_writer(state, &casualty)?;

@@ -6,8 +6,10 @@
 //! other callers have queued (up to `max_batch`), runs the batch on its own
 //! thread and answers everyone. A caller that finds it taken queues its job;
 //! the writer thread picks queued jobs up, takes the lock once the leader is
-//! done, and runs them as the next batch. A lone caller thus never waits on
-//! a thread hand-off, and concurrent callers still share one commit.
+//! done, and runs them as the next batch. Either first waits, at most as
+//! long as the last `COMMIT` took, for the callers the last batch answered
+//! to hand in their next jobs ([`gather`]). A lone caller thus never waits
+//! on a thread hand-off, and concurrent callers share one commit.
 //!
 //! Each batch runs in one `BEGIN IMMEDIATE … COMMIT`, each job in its own
 //! savepoint (a lone job in the transaction itself), and callers hear back
@@ -175,7 +177,38 @@ pub(crate) struct Core {
     rider: Mutex<Option<Box<dyn Job>>>,
     /// Callers between handing their job in and hearing back (see
     /// [`WriterHandle::caller`]): how many jobs the next batch can expect.
-    callers: AtomicUsize,
+    callers: CallerCount,
+}
+
+/// Callers inside `submit` (between handing their job in and hearing
+/// back), and the most there were at once since the last batch began.
+#[derive(Debug, Default)]
+struct CallerCount {
+    inside: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl CallerCount {
+    fn enter(&self) {
+        let inside = self.inside.fetch_add(1, Ordering::AcqRel) + 1;
+        self.peak.fetch_max(inside, Ordering::AcqRel);
+    }
+
+    fn leave(&self) {
+        self.inside.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// How many jobs a batch beginning now can expect: the callers inside
+    /// now, or, if more, the most there were at once since the last batch
+    /// began. Callers that the last batch answered have left `submit`, but
+    /// a caller looping on `deliver` is back within microseconds; counting
+    /// only those inside would make concurrent callers alternate in two
+    /// half-batches. The peak starts again from the callers inside now, so
+    /// a caller that stopped is expected by one batch at most.
+    fn expected_jobs(&self) -> usize {
+        let inside = self.inside.load(Ordering::Acquire);
+        self.peak.swap(inside, Ordering::AcqRel).max(inside)
+    }
 }
 
 impl Core {
@@ -186,7 +219,7 @@ impl Core {
             callers_last_batch: AtomicU64::new(0),
             epoch: Instant::now(),
             rider: Mutex::new(None),
-            callers: AtomicUsize::new(0),
+            callers: CallerCount::default(),
         })
     }
 
@@ -331,7 +364,7 @@ impl WriterHandle {
     /// Counts the calling thread among the callers whose jobs the next
     /// batch can wait for, until the guard is dropped.
     pub fn caller(&self) -> CallerGuard<'_> {
-        self.core.callers.fetch_add(1, Ordering::AcqRel);
+        self.core.callers.enter();
         CallerGuard(&self.core)
     }
 
@@ -475,7 +508,7 @@ pub(crate) struct CallerGuard<'a>(&'a Core);
 
 impl Drop for CallerGuard<'_> {
     fn drop(&mut self) {
-        self.0.callers.fetch_sub(1, Ordering::AcqRel);
+        self.0.callers.leave();
     }
 }
 
@@ -492,7 +525,7 @@ impl Leader<'_> {
         let mut batch = vec![own];
         let core = self.held.core;
         let state = self.held.state();
-        take_queued(self.queued, &mut batch, state.config.max_batch);
+        gather(core, self.queued, &mut batch, state);
         core.run_callers_batch(state, &mut batch);
         drop(self.held);
         answer.rx.try_recv().map_err(|_| Error::Closed)?
@@ -540,6 +573,9 @@ pub(crate) struct WriterState {
     pub outbox_dirty: Arc<AtomicBool>,
     pub relay_wake: Option<Sender<()>>,
     pub checkpoint: CheckpointTrigger,
+    /// How long the last `COMMIT` took: the most a batch waits for more
+    /// callers' jobs (see [`gather`]).
+    pub last_commit: Duration,
 }
 
 impl WriterState {
@@ -802,8 +838,9 @@ impl WriterState {
             }
         }
         failpoint::hit("writer.before_commit")?;
+        let committing = Instant::now();
         match exec(&self.conn, "COMMIT") {
-            Ok(()) => {}
+            Ok(()) => self.last_commit = committing.elapsed(),
             // A filesystem that fills is met here, when the pages are
             // written to the WAL, after every job ran: whose writes did
             // not fit is unknown (a lone job's are its own: its error).
@@ -1079,8 +1116,7 @@ impl WriterThread {
                 Turn::Job(job) => {
                     batch.push(job);
                     let mut held = self.core.lock_as_writer();
-                    take_queued(&self.commands, &mut batch, self.max_batch);
-                    self.gather(&mut batch);
+                    gather(&self.core, &self.commands, &mut batch, held.state());
                     self.core.run_callers_batch(held.state(), &mut batch);
                 }
                 Turn::Rider => {
@@ -1121,21 +1157,6 @@ impl WriterThread {
         self.deferred = None;
         if let Some(state) = held.guard.take() {
             state.close();
-        }
-    }
-
-    /// Waits (up to [`GATHER`]) for the jobs of callers that are between
-    /// batches — answered by the last one, about to hand in the next — so
-    /// that concurrent callers share one commit rather than alternating in
-    /// two halves. Runs with the lock held: callers arriving meanwhile queue.
-    fn gather(&self, batch: &mut Vec<Box<dyn Job>>) {
-        let until = Instant::now() + GATHER;
-        while batch.len() < self.max_batch
-            && batch.len() < self.core.callers.load(Ordering::Acquire)
-            && Instant::now() < until
-        {
-            std::thread::yield_now();
-            take_queued(&self.commands, batch, self.max_batch);
         }
     }
 
@@ -1206,9 +1227,63 @@ impl WriterThread {
     }
 }
 
+/// Adds what is queued to `batch`, then waits for the jobs of callers that
+/// are between batches — answered by the last one, about to hand in the
+/// next ([`CallerCount::expected_jobs`]) — so that concurrent callers share one
+/// commit rather than alternating in two halves. It waits at most as long
+/// as the last `COMMIT` took (and [`GATHER`]): a job that comes later
+/// costs less in a commit of its own than the batch waiting for it. Runs
+/// with the lock held, by the writer thread or a leading caller: callers
+/// arriving meanwhile queue. A lone caller expects only its own job and
+/// never waits.
+fn gather(
+    core: &Core,
+    queued: &Receiver<Box<dyn Job>>,
+    batch: &mut Vec<Box<dyn Job>>,
+    state: &WriterState,
+) {
+    let max_batch = state.config.max_batch;
+    take_queued(queued, batch, max_batch);
+    let expected = core.callers.expected_jobs().min(max_batch);
+    let until = Instant::now() + state.last_commit.min(GATHER);
+    while batch.len() < expected && Instant::now() < until {
+        std::thread::yield_now();
+        take_queued(queued, batch, max_batch);
+    }
+}
+
 /// Wakes the relay after a commit that added outbox rows.
 fn wake_relay(tx: &crossbeam_channel::Sender<()>, dirty: &std::sync::atomic::AtomicBool) {
     if dirty.swap(false, std::sync::atomic::Ordering::AcqRel) {
         let _ = tx.try_send(());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CallerCount;
+
+    #[test]
+    fn a_batch_expects_the_callers_that_were_inside_since_the_last_one_began() {
+        let count = CallerCount::default();
+        assert_eq!(count.expected_jobs(), 0);
+        // Alone: a lone caller's batch expects its own job only.
+        count.enter();
+        assert_eq!(count.expected_jobs(), 1);
+        // Three more come in and two of them leave (answered) before the
+        // next batch begins: it expects all four, the answered ones being
+        // about to come back.
+        for _ in 0..3 {
+            count.enter();
+        }
+        count.leave();
+        count.leave();
+        assert_eq!(count.expected_jobs(), 4);
+        // Those two stopped: the batch after expects only the two inside.
+        assert_eq!(count.expected_jobs(), 2);
+        count.leave();
+        count.leave();
+        assert_eq!(count.expected_jobs(), 2);
+        assert_eq!(count.expected_jobs(), 0);
     }
 }
