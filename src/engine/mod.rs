@@ -420,7 +420,6 @@ impl Postroom {
         // up again inside the batch (the operator's CLI may have changed
         // the row in between): one index probe, against a write transaction
         // and its locks for every duplicate.
-        let _caller = self.shared.writer.caller();
         let mut leader = self.shared.writer.lead();
         let known = match &mut leader {
             Some(leader) => answer_if_settled(leader.conn(), &consumer.name, &msg, &hash),
@@ -432,6 +431,9 @@ impl Postroom {
         if let Some(outcome) = known {
             return Ok(outcome);
         }
+        // Counted from here, with a job to hand in: a batch waits for the
+        // callers it counts (a redelivery answered above hands in none).
+        let _caller = self.shared.writer.caller();
         // Runs again, in a fresh transaction, when one job's SQL rolled the
         // shared one back: a delivery whose handler did so records it as a
         // failed attempt.

@@ -240,7 +240,7 @@ impl Reaper<'_> {
 fn expire_leases(shared: &Shared) -> Result<u64> {
     let leases = Arc::clone(&shared.leases);
     let max_attempts = shared.config.max_attempts;
-    shared.writer.submit(move |w| {
+    shared.writer.submit_uncounted(move |w| {
         let now = w.clock.now_ms();
         let instant = Instant::now();
         let mut expired = 0;

@@ -260,7 +260,7 @@ fn pause_after_failure(
 /// Marks a batch's results through the writer, in one job; once that has
 /// committed, reports them to the metrics recorder.
 fn record(shared: &Shared, batch: Vec<OutboxMessage>, results: Vec<SendResult>) -> Result<()> {
-    let marked = shared.writer.submit(move |w| {
+    let marked = shared.writer.submit_uncounted(move |w| {
         let now = w.clock.now_ms();
         record_results(w.conn, w.config, now, &batch, &results)
     })?;

@@ -361,7 +361,7 @@ fn claim_round(
     let order = names.to_vec();
     let token = shared.next_token.fetch_add(1, Ordering::Relaxed);
     let started = Instant::now();
-    let result = shared.writer.submit(move |w| {
+    let result = shared.writer.submit_uncounted(move |w| {
         let now = w.clock.now_ms();
         let until = now.saturating_add(lease_ms);
         let max_attempts = w.config.max_attempts;
@@ -571,7 +571,7 @@ fn run(shared: &Shared, claim: Claimed, slot: &mut ClaimSlot) -> bool {
 
 /// Hands a claim back uncounted, due as it was (its step never started).
 fn release(shared: &Shared, row_id: i64, token: i64) -> Result<()> {
-    shared.writer.submit(move |w| {
+    shared.writer.submit_uncounted(move |w| {
         queue::release(w.conn, row_id, token)
             .map(drop)
             .map_err(|e| Error::sqlite("release claim", e))
@@ -608,7 +608,7 @@ fn process(
             slot.finished()
                 .map_err(|e| Error::io("mark claim finished", e))?;
             let handler = Arc::clone(handler);
-            shared.writer.submit(move |w| match output {
+            shared.writer.submit_uncounted(move |w| match output {
                 Ok(output) => complete(w, &claim, |tx| handler.apply(tx, &claim.msg, output)),
                 Err(failure) => record_failure(w, &claim, failure),
             })

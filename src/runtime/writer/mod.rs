@@ -6,10 +6,10 @@
 //! other callers have queued (up to `max_batch`), runs the batch on its own
 //! thread and answers everyone. A caller that finds it taken queues its job;
 //! the writer thread picks queued jobs up, takes the lock once the leader is
-//! done, and runs them as the next batch. Either first waits, at most as
-//! long as the last `COMMIT` took, for the callers the last batch answered
-//! to hand in their next jobs ([`gather`]). A lone caller thus never waits
-//! on a thread hand-off, and concurrent callers share one commit.
+//! done, and runs them as the next batch. A lone caller thus never waits
+//! on a thread hand-off. Concurrent callers share one commit: either
+//! leader first waits, at most as long as the last `COMMIT` took, for the
+//! callers the last batch answered to hand in their next jobs ([`gather`]).
 //!
 //! Each batch runs in one `BEGIN IMMEDIATE … COMMIT`, each job in its own
 //! savepoint (a lone job in the transaction itself), and callers hear back
@@ -97,8 +97,9 @@ impl WriterCtx<'_> {
 const BACKGROUND_GRACE: Duration = Duration::from_millis(1);
 /// The longest background work is put off when callers keep the writer busy.
 const BACKGROUND_MAX_DEFER: Duration = Duration::from_millis(25);
-/// The longest the writer thread waits, before a batch, for callers it
-/// knows are about to hand in a job (those the last batch just answered).
+/// The longest a batch's leader (the writer thread or a leading caller)
+/// waits, before the batch, for callers it expects to hand in a job (see
+/// [`gather`]).
 const GATHER: Duration = Duration::from_micros(200);
 
 /// [`Core::callers_last_batch`] while a callers' batch runs.
@@ -176,7 +177,8 @@ pub(crate) struct Core {
     /// The rider waiting for a batch to join (at most one).
     rider: Mutex<Option<Box<dyn Job>>>,
     /// Callers between handing their job in and hearing back (see
-    /// [`WriterHandle::caller`]): how many jobs the next batch can expect.
+    /// [`WriterHandle::caller`]), and their peak since the last batch
+    /// began: how many jobs the next batch can expect.
     callers: CallerCount,
 }
 
@@ -349,6 +351,22 @@ impl WriterHandle {
         F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
     {
         self.submit_job(job(work))
+    }
+
+    /// [`submit`](Self::submit) for the engine's own threads (relay,
+    /// dispatcher, workers, reaper): not counted among the callers a batch
+    /// waits for. They come back on their own schedule (the next sink
+    /// answer, the next external step), not microseconds after their
+    /// answer, so a batch waiting for them would wait its whole window.
+    pub fn submit_uncounted<T, F>(&self, work: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
+    {
+        match self.lead() {
+            Some(leader) => leader.run_job(job(work)),
+            None => self.enqueue_job(job(work)),
+        }
     }
 
     /// [`submit`](Self::submit) for a job made by [`job`] or
@@ -1246,7 +1264,13 @@ fn gather(
     take_queued(queued, batch, max_batch);
     let expected = core.callers.expected_jobs().min(max_batch);
     let until = Instant::now() + state.last_commit.min(GATHER);
-    while batch.len() < expected && Instant::now() < until {
+    // A thread waiting for the lock (the writer thread holding a queued
+    // job it took, the checkpointer) holds what this batch waits for, or
+    // waits for this batch: stop waiting.
+    while batch.len() < expected
+        && Instant::now() < until
+        && core.writer_waiting.load(Ordering::Acquire) == 0
+    {
         std::thread::yield_now();
         take_queued(queued, batch, max_batch);
     }
@@ -1267,7 +1291,10 @@ mod tests {
     fn a_batch_expects_the_callers_that_were_inside_since_the_last_one_began() {
         let count = CallerCount::default();
         assert_eq!(count.expected_jobs(), 0);
-        // Alone: a lone caller's batch expects its own job only.
+        // Alone, looping: a lone caller's batch expects its own job only.
+        count.enter();
+        assert_eq!(count.expected_jobs(), 1);
+        count.leave();
         count.enter();
         assert_eq!(count.expected_jobs(), 1);
         // Three more come in and two of them leave (answered) before the
@@ -1281,6 +1308,8 @@ mod tests {
         assert_eq!(count.expected_jobs(), 4);
         // Those two stopped: the batch after expects only the two inside.
         assert_eq!(count.expected_jobs(), 2);
+        // The last two leave for good: they are expected by one more
+        // batch (they were inside since the last began), then never.
         count.leave();
         count.leave();
         assert_eq!(count.expected_jobs(), 2);
