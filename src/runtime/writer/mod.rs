@@ -363,16 +363,17 @@ impl WriterHandle {
         T: Send + 'static,
         F: FnOnce(&mut WriterCtx<'_>) -> Result<T> + Send + 'static,
     {
-        match self.lead() {
-            Some(leader) => leader.run_job(job(work)),
-            None => self.enqueue_job(job(work)),
-        }
+        self.lead_or_enqueue(job(work))
     }
 
     /// [`submit`](Self::submit) for a job made by [`job`] or
     /// [`rerunnable_job`].
     pub fn submit_job<T>(&self, job: Answered<T>) -> Result<T> {
         let _caller = self.caller();
+        self.lead_or_enqueue(job)
+    }
+
+    fn lead_or_enqueue<T>(&self, job: Answered<T>) -> Result<T> {
         match self.lead() {
             Some(leader) => leader.run_job(job),
             None => self.enqueue_job(job),
