@@ -23,7 +23,7 @@ SRC = os.path.join(ROOT, "src")
 
 # Lowest first. A module not listed is an error: every new file gets a floor.
 LAYERS = [
-    ("base", ["message", "error", "escape", "clock", "failpoint", "guard", "config", "telemetry"]),
+    ("base", ["platform", "message", "error", "escape", "clock", "failpoint", "guard", "config", "telemetry"]),
     ("store", ["store"]),
     ("user code", ["handler", "sink"]),
     ("builder", ["builder"]),

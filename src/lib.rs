@@ -195,6 +195,7 @@ mod escape;
 pub mod failpoint;
 mod guard;
 mod message;
+mod platform;
 mod telemetry;
 // store: SQL as plain functions over a connection, `now` passed in.
 mod store;

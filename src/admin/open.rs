@@ -7,7 +7,6 @@
 //! file that is not a complete postroom database of a version this library
 //! reads is refused before any statement on its tables.
 
-use std::fmt::Write as _;
 use std::io;
 use std::path::Path;
 use std::time::{Duration, SystemTime};
@@ -81,8 +80,7 @@ pub fn open_with_timeout(
     for target in [path.as_path(), schema::parent_dir(&path)] {
         // `access` says yes to root for anything but a read-only mount;
         // the mode's write bits say what the owner meant.
-        let protected = std::fs::metadata(target).map_or(true, |m| m.permissions().readonly());
-        if protected || rustix::fs::access(target, rustix::fs::Access::WRITE_OK).is_err() {
+        if !crate::platform::may_write(target) {
             return Err(Error::ReadOnly {
                 path: target.to_path_buf(),
             });
@@ -209,17 +207,8 @@ pub fn open_read(path: impl AsRef<Path>, busy_timeout: Duration) -> Result<(Conn
     let mut view = ReadView {
         // The engine file's lock, or the database file's own (which holds
         // when the engine file was deleted; SQLite's locks there are POSIX).
-        engine_running: match (
-            locked(&crate::store::beside(&path, "-postroom"), |kind| {
-                kind == "FLOCK"
-            }),
-            locked(&path, |kind| kind == "FLOCK"),
-        ) {
-            (Some(true), _) | (_, Some(true)) => Some(true),
-            (Some(false), Some(false)) => Some(false),
-            _ => None,
-        },
-        shm_in_use: locked(&crate::store::beside(&path, "-shm"), |_| true),
+        engine_running: crate::platform::engine_running(&path),
+        shm_in_use: crate::platform::shm_in_use(&crate::store::beside(&path, "-shm")),
         path,
         immutable: !(has_wal && has_shm) || empty,
         wal_bytes,
@@ -272,7 +261,7 @@ pub fn open_read(path: impl AsRef<Path>, busy_timeout: Duration) -> Result<(Conn
 /// a postroom database.
 fn connect(path: &Path, query: &str, busy_timeout: Duration) -> Result<Connection> {
     let conn = Connection::open_with_flags(
-        uri(path, query),
+        uri(path, query)?,
         OpenFlags::SQLITE_OPEN_READ_ONLY
             | OpenFlags::SQLITE_OPEN_URI
             | OpenFlags::SQLITE_OPEN_NO_MUTEX,
@@ -412,50 +401,11 @@ fn files_state(path: &Path) -> (Option<(u64, Option<SystemTime>)>, Option<u64>) 
     (db, wal)
 }
 
-/// `file:` URI with `query` for an absolute path. Every byte outside a
-/// plain set is percent-encoded, so `?`, `#`, `%` and bytes that are not
-/// UTF-8 stay part of the path.
-fn uri(path: &Path, query: &str) -> String {
-    use std::os::unix::ffi::OsStrExt;
-    let mut uri = String::from("file:");
-    for &b in path.as_os_str().as_bytes() {
-        if b.is_ascii_alphanumeric() || b"/._-~+,=@".contains(&b) {
-            uri.push(char::from(b));
-        } else {
-            let _ = write!(uri, "%{b:02X}");
-        }
-    }
-    uri.push('?');
-    uri.push_str(query);
-    uri
-}
-
-/// Whether a lock is held on `file`, whose `/proc/locks` kind (`FLOCK`,
-/// `POSIX`, `OFDLCK`) passes `kind`: read from the kernel's table, never by
-/// taking a lock (taking even a shared one for a moment could make an
-/// engine that opens just then fail). `Some(false)` when the file does not
-/// exist; `None` when it cannot be told.
-pub(super) fn locked(file: &Path, kind: impl Fn(&str) -> bool) -> Option<bool> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = match std::fs::metadata(file) {
-        Ok(m) => m,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Some(false),
-        Err(_) => return None,
-    };
-    let locks = std::fs::read_to_string("/proc/locks").ok()?;
-    let dev = meta.dev();
-    let id = format!(
-        "{:02x}:{:02x}:{}",
-        rustix::fs::major(dev),
-        rustix::fs::minor(dev),
-        meta.ino()
-    );
-    // `1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF`; blocked waiters
-    // (`->`) hold nothing.
-    Some(locks.lines().any(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        fields.get(1).is_some_and(|k| kind(k)) && fields.contains(&id.as_str())
-    }))
+/// `file:` URI with `query` for an absolute path (see
+/// [`crate::platform::uri_path`]).
+fn uri(path: &Path, query: &str) -> Result<String> {
+    let path = crate::platform::uri_path(path).map_err(|e| Error::io("open database", e))?;
+    Ok(format!("file:{path}?{query}"))
 }
 
 /// Checks the linked SQLite (as the engine's open does), the busy timeout

@@ -17,8 +17,6 @@ use crate::store::stats::{self, OutboxCounts, StatusCounts};
 use crate::store::strict;
 use crate::store::watermark::StreamWatermark;
 
-use super::open::locked;
-
 use super::open::now_ms;
 use super::{count, snapshot, sql};
 
@@ -496,9 +494,7 @@ pub struct SlowHandler {
 /// it) or the record cannot be read.
 pub fn slow_handler(path: &Path) -> Option<SlowHandler> {
     let path = schema::resolve(path).ok()?;
-    let running = locked(&crate::store::beside(&path, "-postroom"), |kind| {
-        kind == "FLOCK"
-    });
+    let running = crate::platform::engine_running(&path);
     if running == Some(false) {
         return None;
     }

@@ -165,7 +165,7 @@ struct Threads {
     timers_stop: Option<Sender<()>>,
     relay: Option<Running>,
     relay_stop: Option<Sender<relay::StopAt>>,
-    signals: Option<(Running, signal_hook::iterator::Handle)>,
+    signals: Option<(Running, crate::platform::signals::Closer)>,
     writer: Option<Running>,
 }
 
@@ -243,17 +243,17 @@ impl Postroom {
     }
 
     fn start_signal_thread(&self) -> Result<()> {
-        use signal_hook::consts::{SIGINT, SIGTERM};
-        let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
-            .map_err(|e| Error::io("install signal handlers", e))?;
-        let handle = signals.handle();
+        use crate::platform::signals;
+        let mut listener =
+            signals::Listener::new().map_err(|e| Error::io("install signal handlers", e))?;
+        let handle = listener.closer();
         let control = Arc::downgrade(&self.control);
         let running = spawn(
             "postroom-signals".into(),
             &self.control.casualty,
             move || {
-                if let Some(signal) = signals.forever().next() {
-                    log::info!("postroom: signal {signal}: shutting down");
+                if let Some(request) = listener.wait() {
+                    log::info!("postroom: {request}: shutting down");
                     if let Some(control) = control.upgrade() {
                         let deadline = control.shared.config.drop_deadline;
                         match control.shutdown(deadline) {
@@ -264,7 +264,7 @@ impl Postroom {
                         }
                     }
                     // Then do what the signal would have done.
-                    let _ = signal_hook::low_level::emulate_default_handler(signal);
+                    signals::after_shutdown(request);
                 }
             },
         )?;

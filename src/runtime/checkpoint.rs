@@ -503,7 +503,7 @@ fn open(db: &Path, config: &Config) -> rusqlite::Result<Connection> {
         OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )?;
     // A checkpoint syncs (or not) as the connection running it is told.
-    conn.pragma_update(None, "synchronous", config.durability.pragma())?;
+    crate::store::schema::set_durability(&conn, config.durability)?;
     // TRUNCATE waits this long for the writer at most, and only when idle.
     conn.busy_timeout(Duration::from_millis(20))?;
     Ok(conn)

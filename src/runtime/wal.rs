@@ -90,22 +90,14 @@ impl WalBounds {
             .ok()
             .and_then(|size| u64::try_from(size).ok())
             .unwrap_or(4096);
-        let bounds = WalBounds::new(checkpoint_wal_bytes, filesystem_bytes(db), page_size);
+        let bounds = WalBounds::new(
+            checkpoint_wal_bytes,
+            crate::platform::filesystem_bytes(db),
+            page_size,
+        );
         log::debug!("postroom: WAL bounds for {}: {bounds:?}", db.display());
         bounds
     }
-}
-
-/// The size of the filesystem `path` is on; `None` when it cannot be told.
-#[cfg(unix)]
-fn filesystem_bytes(path: &Path) -> Option<u64> {
-    let fs = rustix::fs::statvfs(path).ok()?;
-    fs.f_blocks.checked_mul(fs.f_frsize).filter(|&b| b > 0)
-}
-
-#[cfg(not(unix))]
-fn filesystem_bytes(_path: &Path) -> Option<u64> {
-    None
 }
 
 /// Makes every commit so far durable before its rows leave the database

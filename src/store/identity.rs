@@ -10,7 +10,6 @@
 //! transaction that records the new identity.
 
 use std::io;
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use rusqlite::{Connection, TransactionBehavior};
@@ -33,9 +32,9 @@ pub(crate) fn file_identity(db: &Path) -> io::Result<String> {
     let meta = std::fs::metadata(db)?;
     let mut h = blake3::Hasher::new();
     h.update(b"postroom-file-identity\0");
-    if inode_numbers_are_stable(db) {
+    if let Some(number) = crate::platform::stable_file_number(db) {
         h.update(b"ino");
-        h.update(&meta.ino().to_le_bytes());
+        h.update(&number.to_le_bytes());
     }
     if let Some(born) = meta
         .created()
@@ -46,29 +45,11 @@ pub(crate) fn file_identity(db: &Path) -> io::Result<String> {
         h.update(&born.as_secs().to_le_bytes());
         h.update(&born.subsec_nanos().to_le_bytes());
     }
-    if let Some(id) = machine_id() {
+    if let Some(id) = crate::platform::machine_id() {
         h.update(b"machine");
         h.update(id.as_bytes());
     }
     Ok(h.finalize().to_hex()[..32].to_owned())
-}
-
-fn machine_id() -> Option<String> {
-    ["/etc/machine-id", "/var/lib/dbus/machine-id"]
-        .iter()
-        .find_map(|p| std::fs::read_to_string(p).ok())
-        .map(|id| id.trim().to_owned())
-        .filter(|id| !id.is_empty())
-}
-
-/// False on FAT and exFAT: their inode numbers change from mount to mount.
-fn inode_numbers_are_stable(db: &Path) -> bool {
-    const MSDOS: u32 = 0x4d44;
-    const EXFAT: u32 = 0x2011_BAB0;
-    // The field's width and sign differ by architecture; magic numbers are
-    // 32 bits.
-    #[allow(clippy::unnecessary_cast)]
-    rustix::fs::statfs(db).map_or(true, |fs| !matches!(fs.f_type as u32, MSDOS | EXFAT))
 }
 
 /// A new instance id, when the file is not the one its id was given to.

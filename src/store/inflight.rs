@@ -66,12 +66,12 @@
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{Error, Result};
 use crate::message::Message;
+use crate::platform::{self, FileId};
 use crate::store::text::headers_json;
 
 /// Version 2 added the batch's clock; a version-1 marker left by an older
@@ -218,11 +218,9 @@ impl EngineFile {
                 }
                 Err(TryLockError::Error(e)) => return Err(Error::io("lock engine file", e)),
             }
-            let locked = file
-                .metadata()
-                .map_err(|e| Error::io("lock engine file", e))?;
-            match std::fs::metadata(&path) {
-                Ok(now) if (now.dev(), now.ino()) == (locked.dev(), locked.ino()) => {}
+            let locked = platform::file_id(&file).map_err(|e| Error::io("lock engine file", e))?;
+            match platform::path_id(&path) {
+                Ok(now) if now == locked => {}
                 // Unlinked by a refused open after we opened it: again.
                 _ => continue,
             }
@@ -235,7 +233,8 @@ impl EngineFile {
                 path,
                 created,
             };
-            engine_file.take_database_owner(db, &locked)?;
+            platform::give_database_owner(&engine_file.held.file, db)
+                .map_err(|e| Error::io("give the engine file the database's owner", e))?;
             return Ok(engine_file);
         }
         Err(Error::io(
@@ -261,27 +260,18 @@ impl EngineFile {
         Ok(())
     }
 
-    fn take_database_owner(&self, db: &Path, mine: &std::fs::Metadata) -> Result<()> {
-        let Ok(owner) = std::fs::metadata(db) else {
-            return Ok(());
-        };
-        if mine.uid() != 0 || owner.uid() == 0 {
-            return Ok(());
-        }
-        match std::os::unix::fs::fchown(&self.held.file, Some(owner.uid()), Some(owner.gid())) {
-            Ok(()) => Ok(()),
-            // Not root after all (a root-owned file left writable).
-            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Ok(()),
-            Err(e) => Err(Error::io("give the engine file the database's owner", e)),
-        }
-    }
-
     /// Gives up the engine file after a refused open: one this open
     /// created is unlinked (still locked, see [`Self::lock`]), so a refusal
     /// leaves no file behind.
     pub fn discard(self) {
-        if self.created {
-            let _ = std::fs::remove_file(&self.path);
+        if self.created && std::fs::remove_file(&self.path).is_err() {
+            // Windows refuses to delete a file open without shared delete,
+            // as the engine file is: let go of it first. Another engine
+            // that opened it meanwhile holds it the same way, so then the
+            // removal fails and its file stays.
+            let path = self.path.clone();
+            drop(self);
+            let _ = std::fs::remove_file(path);
         }
     }
 
@@ -295,23 +285,21 @@ impl EngineFile {
         // The head first: only a marker's own bytes are read, not whatever
         // an older build left past a cleared one (see `KEEP_BYTES`).
         let mut head = vec![0; head_len];
-        self.held.file.read_exact_at(&mut head, RECORD_OFFSET)?;
+        platform::read_exact_at(&self.held.file, &mut head, RECORD_OFFSET)?;
         let body_len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
         let record = (head_len + 32) as u64 + u64::from(body_len);
         if &head[..MAGIC.len()] != MAGIC || record > len - RECORD_OFFSET {
             return Ok(None);
         }
         let mut bytes = vec![0; record as usize]; // at most MAX_RECORD
-        self.held.file.read_exact_at(&mut bytes, RECORD_OFFSET)?;
+        platform::read_exact_at(&self.held.file, &mut bytes, RECORD_OFFSET)?;
         Ok(decode(&bytes))
     }
 
     /// Invalidates the marker and every claim slot, durably: one fsync per
     /// engine open, so a power cut cannot bring back what recovery dealt with.
     pub fn clear(&mut self) -> io::Result<()> {
-        self.held
-            .file
-            .write_all_at(&[0u8; CLEARED_LEN as usize], 0)?;
+        platform::write_all_at(&self.held.file, &[0u8; CLEARED_LEN as usize], 0)?;
         // What a large marker (this build's, cut short by a crash, or an
         // older build's, never cut) left past the slots.
         self.held.file.set_len(CLEARED_LEN)?;
@@ -325,7 +313,7 @@ impl EngineFile {
         // The slots only: the slow-handler record after them holds user
         // bytes (ids), which must never read as a claim.
         let mut table = vec![0u8; SLOW_OFFSET.min(len) as usize];
-        self.held.file.read_exact_at(&mut table, 0)?;
+        platform::read_exact_at(&self.held.file, &mut table, 0)?;
         Ok(table
             .chunks_exact(SLOT_BYTES as usize)
             .filter_map(decode_slot)
@@ -360,11 +348,11 @@ impl InflightLog for EngineFile {
         at_ms: i64,
     ) -> io::Result<()> {
         encode(&mut self.buf, consumer, msg, hash, prior_attempts, at_ms);
-        self.held.file.write_all_at(&self.buf, RECORD_OFFSET)
+        platform::write_all_at(&self.held.file, &self.buf, RECORD_OFFSET)
     }
 
     fn end(&mut self) -> io::Result<()> {
-        self.held.file.write_all_at(&[0u8; 8], RECORD_OFFSET)?;
+        platform::write_all_at(&self.held.file, &[0u8; 8], RECORD_OFFSET)?;
         if self.buf.capacity() > KEEP_BYTES {
             self.buf = Vec::new();
             self.held.file.set_len(CLEARED_LEN)?;
@@ -373,8 +361,8 @@ impl InflightLog for EngineFile {
     }
 }
 
-/// A database file's identity on this machine: `(st_dev, st_ino)`.
-type FileKey = (u64, u64);
+/// A database file's identity on this machine.
+type FileKey = FileId;
 
 /// A descriptor on a database file, kept for the life of the process, and
 /// whether an engine of this process holds its lock.
@@ -398,10 +386,6 @@ fn registry() -> std::sync::MutexGuard<'static, HashMap<FileKey, Registered>> {
         .unwrap_or_else(|p| p.into_inner())
 }
 
-fn key_of(meta: &std::fs::Metadata) -> FileKey {
-    (meta.dev(), meta.ino())
-}
-
 /// The `flock` on the database file itself: one engine per database even
 /// when every file beside it was deleted (see the module docs). Dropping
 /// it releases the lock (`LOCK_UN`); the descriptor stays open.
@@ -418,7 +402,7 @@ impl DatabaseLock {
     pub fn acquire(db: &Path) -> Result<Option<DatabaseLock>> {
         let err = |e| Error::io("lock database file", e);
         for _ in 0..100 {
-            let key = key_of(&std::fs::metadata(db).map_err(err)?);
+            let key = platform::path_id(db).map_err(err)?;
             let mut registry = registry();
             let file = match registry.get(&key) {
                 Some(found) if found.held => {
@@ -429,7 +413,7 @@ impl DatabaseLock {
                 Some(found) => Arc::clone(&found.file),
                 None => {
                     let file = Arc::new(File::open(db).map_err(err)?);
-                    let opened = key_of(&file.metadata().map_err(err)?);
+                    let opened = platform::file_id(&file).map_err(err)?;
                     // Kept even when it is not the file `key` names (replaced
                     // in between): it may not be closed either.
                     match registry.entry(opened) {
@@ -455,7 +439,7 @@ impl DatabaseLock {
                     file
                 }
             };
-            if on_network_filesystem(&file) {
+            if !platform::may_lock_database_file(&file) {
                 return Ok(None);
             }
             match file.try_lock() {
@@ -468,7 +452,7 @@ impl DatabaseLock {
                 Err(TryLockError::Error(e)) => return Err(err(e)),
             }
             // Still the file at the path (not replaced after the `stat`)?
-            if std::fs::metadata(db).is_ok_and(|now| key_of(&now) == key) {
+            if platform::path_id(db).is_ok_and(|now| now == key) {
                 if let Some(entry) = registry.get_mut(&key) {
                     entry.held = true;
                 }
@@ -494,25 +478,12 @@ impl Drop for DatabaseLock {
     }
 }
 
-/// NFS, SMB/CIFS: there the kernel emulates `flock` with a whole-file
-/// `fcntl` lock, which would meet SQLite's own byte-range locks.
-fn on_network_filesystem(file: &File) -> bool {
-    const NFS: u32 = 0x6969;
-    const SMB: u32 = 0x517B;
-    const CIFS: u32 = 0xFF53_4D42;
-    const SMB2: u32 = 0xFE53_4D42;
-    // The field's width and sign differ by architecture; the magic numbers
-    // are 32 bits.
-    #[allow(clippy::unnecessary_cast)]
-    rustix::fs::fstatfs(file).is_ok_and(|fs| matches!(fs.f_type as u32, NFS | SMB | CIFS | SMB2))
-}
-
 /// Opens the engine file at `path`, creating it (mode 0600) if missing:
 /// the file and whether this call created it, or `None` when it vanished
 /// between the two attempts.
 fn open_engine_file(path: &Path) -> Result<Option<(File, bool)>> {
     let mut options = OpenOptions::new();
-    options.read(true).write(true).mode(0o600);
+    platform::engine_file(options.read(true).write(true));
     match options.clone().create_new(true).open(path) {
         Ok(file) => return Ok(Some((file, true))),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
@@ -527,6 +498,12 @@ fn open_engine_file(path: &Path) -> Result<Option<(File, bool)>> {
     match options.open(path) {
         Ok(file) => Ok(Some((file, false))),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        // A sharing probe (`postroom status` asking whether an engine
+        // runs) has it open for a moment: the caller tries again.
+        Err(e) if platform::is_sharing_violation(&e) => {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            Ok(None)
+        }
         Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Err(Error::ReadOnly {
             path: path.to_path_buf(),
         }),
@@ -549,10 +526,10 @@ pub(crate) trait ClaimMarks {
 /// Slot 0, the writer's: queued transactional steps.
 impl ClaimMarks for EngineFile {
     fn started(&mut self, row_id: i64, token: i64) -> io::Result<()> {
-        self.held.file.write_all_at(&encode_slot(row_id, token), 0)
+        platform::write_all_at(&self.held.file, &encode_slot(row_id, token), 0)
     }
     fn finished(&mut self) -> io::Result<()> {
-        self.held.file.write_all_at(&[0u8; SLOT_BYTES as usize], 0)
+        platform::write_all_at(&self.held.file, &[0u8; SLOT_BYTES as usize], 0)
     }
 }
 
@@ -567,11 +544,11 @@ pub(crate) struct ClaimSlot {
 impl ClaimMarks for ClaimSlot {
     fn started(&mut self, row_id: i64, token: i64) -> io::Result<()> {
         let at = self.index as u64 * SLOT_BYTES;
-        self.held.file.write_all_at(&encode_slot(row_id, token), at)
+        platform::write_all_at(&self.held.file, &encode_slot(row_id, token), at)
     }
     fn finished(&mut self) -> io::Result<()> {
         let at = self.index as u64 * SLOT_BYTES;
-        self.held.file.write_all_at(&[0u8; SLOT_BYTES as usize], at)
+        platform::write_all_at(&self.held.file, &[0u8; SLOT_BYTES as usize], at)
     }
 }
 
@@ -610,12 +587,12 @@ impl SlowRecord {
         record.extend_from_slice(SLOW_MAGIC);
         record.extend_from_slice(&body);
         record.extend_from_slice(blake3::hash(&body).as_bytes());
-        self.file.write_all_at(&record, SLOW_OFFSET)
+        platform::write_all_at(&self.file, &record, SLOW_OFFSET)
     }
 
     /// The handler has returned.
     pub fn clear(&mut self) -> io::Result<()> {
-        self.file.write_all_at(&[0u8; 8], SLOW_OFFSET)
+        platform::write_all_at(&self.file, &[0u8; 8], SLOW_OFFSET)
     }
 }
 
@@ -630,7 +607,7 @@ pub fn read_slow_handler(db: &Path) -> io::Result<Option<SlowHandler>> {
     let mut bytes = vec![0u8; SLOW_BYTES];
     let mut read = 0;
     while read < bytes.len() {
-        match file.read_at(&mut bytes[read..], SLOW_OFFSET + read as u64)? {
+        match platform::read_at(&file, &mut bytes[read..], SLOW_OFFSET + read as u64)? {
             0 => break,
             n => read += n,
         }
@@ -824,12 +801,9 @@ mod tests {
         assert!(back.message_id.len() > 1000 && back.message_id.len() < SLOW_BYTES);
         // User bytes that happen to form a valid claim slot, in the
         // record's room: recovery never reads them as a claim.
-        file.held
-            .file
-            .write_all_at(&encode_slot(7, 9), SLOW_OFFSET + 64)
-            .unwrap();
+        platform::write_all_at(&file.held.file, &encode_slot(7, 9), SLOW_OFFSET + 64).unwrap();
         assert_eq!(file.started_claims().unwrap(), vec![]);
-        file.held.file.write_all_at(&encode_slot(7, 9), 0).unwrap();
+        platform::write_all_at(&file.held.file, &encode_slot(7, 9), 0).unwrap();
         assert_eq!(file.started_claims().unwrap().len(), 1);
         record.clear().unwrap();
         assert_eq!(read_slow_handler(&db).unwrap(), None);
@@ -933,7 +907,7 @@ mod tests {
         assert!(len(&file) > 4 * KEEP_BYTES as u64);
         // Trailing bytes past a valid marker change nothing.
         let end = len(&file);
-        file.held.file.write_all_at(&[1u8; 100], end).unwrap();
+        platform::write_all_at(&file.held.file, &[1u8; 100], end).unwrap();
         assert_eq!(file.read().unwrap().unwrap().msg, msg);
         file.clear().unwrap();
         assert_eq!(len(&file), CLEARED_LEN);
@@ -982,7 +956,7 @@ mod tests {
         let again = DatabaseLock::acquire(&db).unwrap().unwrap();
         drop(again);
         // One descriptor for the file, however often it was locked.
-        let key = key_of(&std::fs::metadata(&db).unwrap());
+        let key = platform::path_id(&db).unwrap();
         assert!(registry().get(&key).is_some_and(|r| !r.held));
     }
 

@@ -8,12 +8,11 @@
 
 use std::fs::OpenOptions;
 use std::io;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
 
-use crate::config::Config;
+use crate::config::{Config, Durability};
 use crate::error::{Error, Result};
 use crate::failpoint;
 
@@ -64,12 +63,7 @@ pub(crate) fn create_private(path: &Path) -> Result<()> {
 /// [`create_private`], telling whether this call created the file; a
 /// refusal names the file or its directory.
 pub(crate) fn create_if_missing(path: &Path) -> Result<bool> {
-    match OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-    {
+    match crate::platform::private(OpenOptions::new().write(true).create_new(true)).open(path) {
         Ok(_) => Ok(true),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
         Err(e) => Err(cannot_create(path, "create database file", e)),
@@ -173,12 +167,13 @@ pub(crate) fn resolve(path: &Path) -> Result<PathBuf> {
                      of a database file"
                 )));
             }
-            if meta.nlink() > 1 {
+            let links = crate::platform::link_count(path).unwrap_or(1);
+            if links > 1 {
                 return Err(refuse(format!(
                     "{shown} has {} hard links: SQLite names its -wal and -shm files after the \
                      path, so each name would get a log of its own and one could undo the \
                      other's commits; remove the other links and open it by one name",
-                    meta.nlink()
+                    links
                 )));
             }
             std::fs::canonicalize(path).map_err(|e| Error::Io {
@@ -227,14 +222,27 @@ pub(crate) fn open_writer(path: &Path, config: &Config) -> Result<Connection> {
             ),
         ));
     }
-    conn.pragma_update(None, "synchronous", config.durability.pragma())
-        .map_err(|e| open_error(path, "set synchronous", e))?;
+    set_durability(&conn, config.durability).map_err(|e| open_error(path, "set synchronous", e))?;
     conn.pragma_update(None, "foreign_keys", true)
         .map_err(|e| open_error(path, "set foreign_keys", e))?;
     // The engine's statements, the guard's 7 pragma reads after every
     // handler, and the handlers' own (keyed apart: see `guard`).
     conn.set_prepared_statement_cache_capacity(80);
     Ok(conn)
+}
+
+/// Sets `synchronous` for `durability`, and `fullfsync` and
+/// `checkpoint_fullfsync` on. Those two matter on Apple systems only
+/// (elsewhere SQLite ignores them): there `fsync` leaves the data in the
+/// drive's cache, and only `F_FULLFSYNC` makes a commit survive power loss.
+/// At `Full` every commit pays it (docs/DESIGN.md, "Platforms"); at
+/// `Normal` commits do not sync at all, and checkpoints still flush the
+/// drive, so a power cut loses the last commits but never orders the
+/// database file's pages against the WAL's.
+pub(crate) fn set_durability(conn: &Connection, durability: Durability) -> rusqlite::Result<()> {
+    conn.pragma_update(None, "synchronous", durability.pragma())?;
+    conn.pragma_update(None, "fullfsync", true)?;
+    conn.pragma_update(None, "checkpoint_fullfsync", true)
 }
 
 /// [`open_error`], and: the database opened writable, but its `-wal` or

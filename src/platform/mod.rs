@@ -1,0 +1,181 @@
+//! Every fact and call that differs between operating systems, in one
+//! place: the rest of the crate has no `cfg(unix)` or `cfg(windows)`.
+//!
+//! What lives here, with a unix side ([`unix`]: Linux, macOS, the BSDs)
+//! and a windows side:
+//! * a file's identity ([`FileId`]: `(st_dev, st_ino)`, or the volume
+//!   serial number and file index) and its link count;
+//! * positioned reads and writes of the engine file (`pread`/`pwrite`, or
+//!   `ReadFile`/`WriteFile` at an offset);
+//! * how the engine file and the database file are opened and locked: a
+//!   private mode and the database's owner on unix; on Windows a share
+//!   mode without delete, so nothing can delete or rename the engine file
+//!   while an engine holds it;
+//! * whether the database file itself may be locked beside SQLite (on
+//!   unix, `flock` and SQLite's `fcntl` locks are independent on local
+//!   filesystems; on Windows every lock is a mandatory byte-range lock that
+//!   would block SQLite's own I/O, so it never is);
+//! * whether an engine runs on a database, or anything has its `-shm`
+//!   open, told without taking a lock (`/proc/locks`, or a sharing probe);
+//! * the size of the filesystem, the machine's id, whether a path may be
+//!   written, the path as a SQLite `file:` URI;
+//! * shutdown signals ([`signals`]: SIGINT and SIGTERM, or the console's
+//!   Ctrl-C, Ctrl-Break and close events).
+//!
+//! Invariants: no `unsafe` here either (the crate forbids it); where std
+//! has no stable API, a well-kept crate made for it does the call
+//! (`rustix` on unix; `winapi-util`, `fs4`, `windows-registry` and
+//! `ctrlc` on Windows). A function that cannot tell says so (`None`)
+//! rather than guessing.
+
+#[cfg(unix)]
+mod unix;
+#[cfg(unix)]
+use unix as imp;
+
+#[cfg(windows)]
+mod windows;
+#[cfg(windows)]
+use windows as imp;
+
+pub(crate) mod signals;
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::path::Path;
+
+/// A file's identity on this machine while it exists: two paths or handles
+/// with the same `FileId` are the same file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct FileId {
+    /// `st_dev`, or the volume serial number.
+    pub volume: u64,
+    /// `st_ino`, or the file index.
+    pub number: u64,
+}
+
+/// The identity of an open file.
+pub(crate) fn file_id(file: &File) -> io::Result<FileId> {
+    imp::file_id(file)
+}
+
+/// The identity of the file at `path` (links followed).
+pub(crate) fn path_id(path: &Path) -> io::Result<FileId> {
+    imp::path_id(path)
+}
+
+/// How many names (hard links) the file at `path` has.
+pub(crate) fn link_count(path: &Path) -> io::Result<u64> {
+    imp::link_count(path)
+}
+
+/// The file's number on its filesystem where it is kept stable across
+/// mounts (not on FAT and exFAT, which make them up at each mount), for
+/// the database file's identity; `None` where it is not.
+pub(crate) fn stable_file_number(path: &Path) -> Option<u64> {
+    imp::stable_file_number(path)
+}
+
+/// The machine's id (`/etc/machine-id`, or Windows' `MachineGuid`): what
+/// tells two clones of one disk image apart. `None` where there is none.
+pub(crate) fn machine_id() -> Option<String> {
+    imp::machine_id().filter(|id| !id.is_empty())
+}
+
+/// Makes a file `options` creates private to its owner (mode 0600 on
+/// unix; on Windows the directory's ACL applies, as for SQLite's files).
+pub(crate) fn private(options: &mut OpenOptions) -> &mut OpenOptions {
+    imp::private(options)
+}
+
+/// [`private`], and on Windows a share mode without delete: while an
+/// engine holds its engine file, nothing can delete, rename or replace it
+/// (a second engine would then lock a new file).
+pub(crate) fn engine_file(options: &mut OpenOptions) -> &mut OpenOptions {
+    imp::engine_file(options)
+}
+
+/// Whether `error`, from opening the engine file, means another process
+/// has it open for a moment (a sharing probe, see [`engine_running`]) and
+/// the open should be tried again shortly. Never on unix.
+pub(crate) fn is_sharing_violation(error: &io::Error) -> bool {
+    imp::is_sharing_violation(error)
+}
+
+/// Run as root on unix, gives the engine file `file` the owner of the
+/// database file at `db` when another user owns it (as SQLite does with
+/// `-wal` and `-shm`), so one run as root does not lock the application
+/// out. Nothing to do on Windows.
+pub(crate) fn give_database_owner(file: &File, db: &Path) -> io::Result<()> {
+    imp::give_database_owner(file, db)
+}
+
+/// Reads exactly `buf.len()` bytes at `offset`, without a file position
+/// shared with other threads.
+pub(crate) fn read_exact_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    imp::read_exact_at(file, buf, offset)
+}
+
+/// Reads up to `buf.len()` bytes at `offset`; 0 at the end of the file.
+pub(crate) fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    imp::read_at(file, buf, offset)
+}
+
+/// Writes all of `buf` at `offset` (one `pwrite` where it fits).
+pub(crate) fn write_all_at(file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
+    imp::write_all_at(file, buf, offset)
+}
+
+/// Whether the engine may take an exclusive lock on the database file
+/// itself, beside SQLite's own locks: on local unix filesystems yes; on
+/// NFS or SMB (where the kernel emulates `flock` with `fcntl`, meeting
+/// SQLite's byte-range locks) and on Windows (whose locks are mandatory
+/// and would block SQLite's reads and writes) no.
+pub(crate) fn may_lock_database_file(file: &File) -> bool {
+    imp::may_lock_database_file(file)
+}
+
+/// Whether an engine runs on the database at `db` (its lock held), read
+/// without taking a lock; `None` when it cannot be told.
+pub(crate) fn engine_running(db: &Path) -> Option<bool> {
+    imp::engine_running(db)
+}
+
+/// Whether any connection has the `-shm` file at `shm` open (as SQLite
+/// keeps it while a database is open); `None` when it cannot be told.
+pub(crate) fn shm_in_use(shm: &Path) -> Option<bool> {
+    imp::shm_in_use(shm)
+}
+
+/// The size of the filesystem `path` is on; `None` when it cannot be told.
+pub(crate) fn filesystem_bytes(path: &Path) -> Option<u64> {
+    imp::filesystem_bytes(path).filter(|&b| b > 0)
+}
+
+/// Whether this process may write to `path` (a file or a directory) as
+/// far as its mode says: the write bits and `access(2)` on unix (root is
+/// told yes for anything but a read-only mount, so the bits say what the
+/// owner meant); on Windows the read-only attribute of a file (a
+/// directory's is ignored there, as Windows ignores it).
+pub(crate) fn may_write(path: &Path) -> bool {
+    imp::may_write(path)
+}
+
+/// An absolute path as the path of a SQLite `file:` URI, every byte
+/// outside a plain set percent-encoded (so `?`, `#`, `%` and non-ASCII
+/// stay part of the path). On Windows `C:\dir\a.db` (or `\\?\C:\…`) is
+/// `/C:/dir/a.db`, as SQLite's Windows VFS reads URIs; a path that is not
+/// Unicode is refused.
+pub(crate) fn uri_path(path: &Path) -> io::Result<String> {
+    use std::fmt::Write as _;
+    let bytes = imp::uri_bytes(path)?;
+    let mut uri = String::with_capacity(bytes.len());
+    for &b in bytes.iter() {
+        if b.is_ascii_alphanumeric() || b"/._-~+,=@".contains(&b) {
+            uri.push(char::from(b));
+        } else {
+            let _ = write!(uri, "%{b:02X}");
+        }
+    }
+    Ok(uri)
+}
