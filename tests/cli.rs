@@ -1498,6 +1498,8 @@ fn read_commands_leave_a_killed_engines_files_byte_for_byte() {
 /// On a write-protected database with no WAL (an engine shut down
 /// cleanly), reads create no `-wal` or `-shm`; and a user who may not
 /// write the file or its directory can read it.
+// Unix modes and symbolic links.
+#[cfg(unix)]
 #[test]
 fn read_commands_create_no_file_and_work_for_a_user_without_write_access() {
     use std::os::unix::fs::PermissionsExt;
@@ -1597,6 +1599,8 @@ fn write_commands_refuse_a_damaged_database_and_change_nothing() {
 /// write it: the mode says what the owner meant) and a read-only
 /// filesystem (EROFS) are exit code 3 for a write command, changing
 /// nothing.
+// Unix modes and symbolic links.
+#[cfg(unix)]
 #[test]
 fn a_read_only_database_is_exit_code_3_for_write_commands() {
     use std::os::unix::fs::PermissionsExt;
@@ -1642,6 +1646,8 @@ fn a_read_only_database_is_exit_code_3_for_write_commands() {
 
 /// A symbolic link loop is a bad database path (3), not an operational
 /// error; under `--json` even usage errors are the documented JSON object.
+// Unix modes and symbolic links.
+#[cfg(unix)]
 #[test]
 fn a_symlink_loop_is_exit_code_3_and_json_usage_errors_are_json() {
     let dir = tempfile::tempdir().unwrap();

@@ -239,6 +239,8 @@ fn a_reopen_right_after_shutdown_is_never_refused_while_the_app_spawns_processes
 /// the process holds on it, so an engine that closed its own would take
 /// away the read lock of the app's connection on the same file (SQLite
 /// then believes it holds a lock it does not).
+// Reads /proc/locks: Linux only.
+#[cfg(target_os = "linux")]
 #[test]
 fn an_engine_never_drops_the_apps_own_sqlite_locks_on_the_database() {
     use std::os::unix::fs::MetadataExt;

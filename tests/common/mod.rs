@@ -503,3 +503,32 @@ impl WriterGate {
         others.into_iter().map(|t| t.join().unwrap()).collect()
     }
 }
+
+/// Whether `status` is a child's that `Child::kill` ended: SIGKILL on
+/// unix; on Windows `TerminateProcess`, which std calls with exit code 1.
+pub fn was_killed(status: &std::process::ExitStatus) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        status.signal() == Some(9)
+    }
+    #[cfg(windows)]
+    {
+        status.code() == Some(1)
+    }
+}
+
+/// Whether `status` is a child's that `std::process::abort` ended: SIGABRT
+/// on unix; on Windows the fast-fail status (`STATUS_STACK_BUFFER_OVERRUN`,
+/// what Rust's abort raises there) or the C runtime's abort code 3.
+pub fn was_aborted(status: &std::process::ExitStatus) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        status.signal() == Some(6)
+    }
+    #[cfg(windows)]
+    {
+        matches!(status.code(), Some(3) | Some(-1_073_740_791))
+    }
+}
