@@ -69,11 +69,28 @@ pub(crate) fn link_count(path: &Path) -> io::Result<u64> {
     imp::link_count(path)
 }
 
-/// The file's number on its filesystem where it is kept stable across
-/// mounts (not on FAT and exFAT, which make them up at each mount), for
-/// the database file's identity; `None` where it is not.
-pub(crate) fn stable_file_number(path: &Path) -> Option<u64> {
-    imp::stable_file_number(path)
+/// What a copy of a file changes and a rename in place or a reboot does
+/// not, for the database file's identity (each `None` where it is not
+/// such a fact on this platform or filesystem).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CopyFacts {
+    /// The inode number or file index, where kept stable across mounts
+    /// (not on FAT and exFAT on unix, which make them up at each mount).
+    pub number: Option<u64>,
+    /// The volume, where its id is stable: Windows' volume serial number
+    /// (set at format). Never on unix: `st_dev` changes across reboots for
+    /// removable disks, LVM or btrfs.
+    pub volume: Option<u64>,
+    /// The birth time, where the filesystem keeps a real one: on unix.
+    /// Not on Windows, where the creation time is an attribute that copy
+    /// and backup tools restore (robocopy, `SetFileTime`) and that wine
+    /// emulates from the change time.
+    pub born: Option<std::time::Duration>,
+}
+
+/// [`CopyFacts`] of the file at `path`.
+pub(crate) fn copy_facts(path: &Path) -> io::Result<CopyFacts> {
+    imp::copy_facts(path)
 }
 
 /// The machine's id (`/etc/machine-id`, or Windows' `MachineGuid`): what

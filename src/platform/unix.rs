@@ -76,12 +76,21 @@ fn kind(fs: &rustix::fs::StatFs) -> Kind {
     }
 }
 
-pub(super) fn stable_file_number(path: &Path) -> Option<u64> {
-    let meta = std::fs::metadata(path).ok()?;
-    match rustix::fs::statfs(path) {
+pub(super) fn copy_facts(path: &Path) -> io::Result<super::CopyFacts> {
+    let meta = std::fs::metadata(path)?;
+    let number = match rustix::fs::statfs(path) {
         Ok(fs) if kind(&fs) == Kind::Fat => None,
         _ => Some(meta.ino()),
-    }
+    };
+    let born = meta
+        .created()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+    Ok(super::CopyFacts {
+        number,
+        volume: None,
+        born,
+    })
 }
 
 pub(super) fn machine_id() -> Option<String> {

@@ -63,12 +63,17 @@ pub(super) fn link_count(path: &Path) -> io::Result<u64> {
 }
 
 /// NTFS and ReFS keep a file's index for its life; on FAT and exFAT it is
-/// its directory entry's place, which a rename in another directory
-/// changes. The volume's filesystem cannot be asked without `unsafe`, so
-/// the index is used everywhere: on FAT a move between directories
-/// re-mints the instance id, the safe direction (docs/DESIGN.md).
-pub(super) fn stable_file_number(path: &Path) -> Option<u64> {
-    path_id(path).ok().map(|id| id.number)
+/// its directory entry's place, which a move to another directory changes.
+/// The volume's filesystem cannot be asked without `unsafe`, so the index
+/// is used everywhere: on FAT such a move re-mints the instance id, the
+/// safe direction (docs/DESIGN.md, "Platforms").
+pub(super) fn copy_facts(path: &Path) -> io::Result<super::CopyFacts> {
+    let id = path_id(path)?;
+    Ok(super::CopyFacts {
+        number: Some(id.number),
+        volume: Some(id.volume),
+        born: None,
+    })
 }
 
 pub(super) fn machine_id() -> Option<String> {

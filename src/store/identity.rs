@@ -20,27 +20,26 @@ use crate::error::{Error, Result};
 pub(crate) const FILE_IDENTITY_KEY: &str = "instance_file";
 
 /// The identity of the database file on this machine, as the instance id
-/// relies on it: a blake3 of its inode number, its birth time (where the
-/// filesystem records one) and the machine's `/etc/machine-id` (where
-/// readable). A copy of the file (another path, another device, a restore
-/// from a backup into a new file) differs in at least one of them; the
-/// file renamed in place, or the machine rebooted, does not. `st_dev` is
-/// left out: it is not stable across reboots for removable disks, LVM or
-/// btrfs. On FAT and exFAT, whose inode numbers are made up at each mount,
-/// the inode number is left out too. See docs/DESIGN.md "Files and schema".
+/// relies on it: a blake3 of what [`crate::platform::copy_facts`] gives
+/// (the file's number on its filesystem where it is stable, its birth time
+/// where it means one, the volume where its serial is stable) and the
+/// machine's id (where there is one). A copy of the file (another path,
+/// another device, a restore from a backup into a new file) differs in at
+/// least one of them; the file renamed in place, or the machine rebooted,
+/// does not. See docs/DESIGN.md "Files and schema".
 pub(crate) fn file_identity(db: &Path) -> io::Result<String> {
-    let meta = std::fs::metadata(db)?;
+    let facts = crate::platform::copy_facts(db)?;
     let mut h = blake3::Hasher::new();
     h.update(b"postroom-file-identity\0");
-    if let Some(number) = crate::platform::stable_file_number(db) {
+    if let Some(number) = facts.number {
         h.update(b"ino");
         h.update(&number.to_le_bytes());
     }
-    if let Some(born) = meta
-        .created()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-    {
+    if let Some(volume) = facts.volume {
+        h.update(b"volume");
+        h.update(&volume.to_le_bytes());
+    }
+    if let Some(born) = facts.born {
         h.update(b"btime");
         h.update(&born.as_secs().to_le_bytes());
         h.update(&born.subsec_nanos().to_le_bytes());
