@@ -66,6 +66,15 @@ pub enum Error {
         /// engine file beside it.
         path: PathBuf,
     },
+    /// Another process has the database file (or the engine file beside
+    /// it) open without sharing it: on Windows, an antivirus scanner, a
+    /// backup or sync tool, or a program that opened it exclusively. It was
+    /// waited for up to the busy timeout; nothing was changed. Retryable:
+    /// try again once that process lets go of the file.
+    FileInUse {
+        /// The file held.
+        path: PathBuf,
+    },
     /// Another engine (in this or another process) has this database open.
     AlreadyOpen {
         /// The database file.
@@ -171,6 +180,7 @@ impl Error {
         match self {
             Error::StorageFull { .. }
             | Error::Busy { .. }
+            | Error::FileInUse { .. }
             | Error::Backlogged { .. }
             | Error::KeyHeld { .. }
             | Error::GroupRolledBack { .. } => true,
@@ -238,6 +248,7 @@ impl Error {
             },
             Error::AlreadyOpen { path } => Error::AlreadyOpen { path: path.clone() },
             Error::ReadOnly { path } => Error::ReadOnly { path: path.clone() },
+            Error::FileInUse { path } => Error::FileInUse { path: path.clone() },
             Error::StorageFull { op } => Error::StorageFull { op },
             Error::Busy { op } => Error::Busy { op },
             Error::Backlogged {
@@ -315,6 +326,12 @@ impl fmt::Display for Error {
             Error::ReadOnly { path } => write!(
                 f,
                 "{} is read-only; postroom needs to write it",
+                path.display()
+            ),
+            Error::FileInUse { path } => write!(
+                f,
+                "{} is held open, unshared, by another process (an antivirus scanner, a backup \
+                 or sync tool?); try again once it lets go of the file",
                 path.display()
             ),
             Error::AlreadyOpen { path } => write!(

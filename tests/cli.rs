@@ -1670,6 +1670,8 @@ fn a_symlink_loop_is_exit_code_3_and_json_usage_errors_are_json() {
 
 /// Output that cannot be written (a full disk) is exit code 1 with the
 /// reason, not a silent success.
+// /dev/full: Linux.
+#[cfg(target_os = "linux")]
 #[test]
 fn a_failed_output_write_is_exit_code_1() {
     let dir = tempfile::tempdir().unwrap();

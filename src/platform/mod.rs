@@ -119,6 +119,14 @@ pub(crate) fn is_sharing_violation(error: &io::Error) -> bool {
     imp::is_sharing_violation(error)
 }
 
+/// Whether another process holds the file at `path` open without sharing
+/// reading and writing (on Windows: an antivirus scanner, a backup tool,
+/// an exclusive open), so SQLite could not open it. Told by opening it as
+/// SQLite does, closed at once. Never on unix, whose opens do not exclude.
+pub(crate) fn held_unshared(path: &Path) -> bool {
+    imp::held_unshared(path)
+}
+
 /// Run as root on unix, gives the engine file `file` the owner of the
 /// database file at `db` when another user owns it (as SQLite does with
 /// `-wal` and `-shm`), so one run as root does not lock the application
@@ -148,8 +156,8 @@ pub(crate) fn write_all_at(file: &File, buf: &[u8], offset: u64) -> io::Result<(
 /// NFS or SMB (where the kernel emulates `flock` with `fcntl`, meeting
 /// SQLite's byte-range locks) and on Windows (whose locks are mandatory
 /// and would block SQLite's reads and writes) no.
-pub(crate) fn may_lock_database_file(file: &File) -> bool {
-    imp::may_lock_database_file(file)
+pub(crate) fn may_lock_database_file(path: &Path) -> bool {
+    imp::may_lock_database_file(path)
 }
 
 /// Whether an engine runs on the database at `db` (its lock held), read

@@ -139,8 +139,12 @@ pub(super) fn write_all_at(file: &File, buf: &[u8], offset: u64) -> io::Result<(
     file.write_all_at(buf, offset)
 }
 
-pub(super) fn may_lock_database_file(file: &File) -> bool {
-    !rustix::fs::fstatfs(file).is_ok_and(|fs| kind(&fs) == Kind::Network)
+pub(super) fn may_lock_database_file(path: &Path) -> bool {
+    !rustix::fs::statfs(path).is_ok_and(|fs| kind(&fs) == Kind::Network)
+}
+
+pub(super) fn held_unshared(_path: &Path) -> bool {
+    false
 }
 
 pub(super) fn engine_running(db: &Path) -> Option<bool> {

@@ -152,8 +152,17 @@ pub(super) fn write_all_at(file: &File, mut buf: &[u8], mut offset: u64) -> io::
     Ok(())
 }
 
-pub(super) fn may_lock_database_file(_file: &File) -> bool {
+pub(super) fn may_lock_database_file(_path: &Path) -> bool {
     false
+}
+
+pub(super) fn held_unshared(path: &Path) -> bool {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .share_mode(FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE)
+        .open(path)
+        .is_err_and(|e| is_sharing_violation(&e))
 }
 
 /// Whether some handle that does not share delete has `path` open.

@@ -205,9 +205,19 @@ impl EngineFile {
     /// run as root would lock the application out.
     pub fn lock(db: &Path) -> Result<EngineFile> {
         let path = Self::path_for(db);
+        let mut in_use = None;
         for _ in 0..100 {
-            let Some((file, created)) = open_engine_file(&path)? else {
-                continue;
+            let (file, created) = match open_engine_file(&path) {
+                Ok(Some(opened)) => opened,
+                Ok(None) => continue,
+                // Held for a moment (see `platform::engine_running`): again
+                // shortly, for about a second in all.
+                Err(e @ Error::FileInUse { .. }) => {
+                    in_use = Some(e);
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                    continue;
+                }
+                Err(e) => return Err(e),
             };
             match file.try_lock() {
                 Ok(()) => {}
@@ -236,6 +246,9 @@ impl EngineFile {
             platform::give_database_owner(&engine_file.held.file, db)
                 .map_err(|e| Error::io("give the engine file the database's owner", e))?;
             return Ok(engine_file);
+        }
+        if let Some(in_use) = in_use {
+            return Err(in_use);
         }
         Err(Error::io(
             "lock engine file",
@@ -401,6 +414,9 @@ impl DatabaseLock {
     /// engine of this process or another holds it.
     pub fn acquire(db: &Path) -> Result<Option<DatabaseLock>> {
         let err = |e| Error::io("lock database file", e);
+        if !platform::may_lock_database_file(db) {
+            return Ok(None);
+        }
         for _ in 0..100 {
             let key = platform::path_id(db).map_err(err)?;
             let mut registry = registry();
@@ -439,9 +455,6 @@ impl DatabaseLock {
                     file
                 }
             };
-            if !platform::may_lock_database_file(&file) {
-                return Ok(None);
-            }
             match file.try_lock() {
                 Ok(()) => {}
                 Err(TryLockError::WouldBlock) => {
@@ -498,12 +511,11 @@ fn open_engine_file(path: &Path) -> Result<Option<(File, bool)>> {
     match options.open(path) {
         Ok(file) => Ok(Some((file, false))),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        // A sharing probe (`postroom status` asking whether an engine
-        // runs) has it open for a moment: the caller tries again.
-        Err(e) if platform::is_sharing_violation(&e) => {
-            std::thread::sleep(std::time::Duration::from_millis(10));
-            Ok(None)
-        }
+        // Windows: another process has it open unshared (a sharing probe
+        // of `postroom status` for a moment, or an antivirus scan).
+        Err(e) if platform::is_sharing_violation(&e) => Err(Error::FileInUse {
+            path: path.to_path_buf(),
+        }),
         Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Err(Error::ReadOnly {
             path: path.to_path_buf(),
         }),

@@ -189,6 +189,7 @@ pub(crate) fn resolve(path: &Path) -> Result<PathBuf> {
 /// is written), WAL, synchronous per durability, foreign keys.
 pub(crate) fn open_writer(path: &Path, config: &Config) -> Result<Connection> {
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    wait_until_shared(path, config.busy_timeout)?;
     let conn = Connection::open_with_flags(path, flags)
         .map_err(|e| open_error(path, "open database", e))?;
     conn.busy_timeout(config.busy_timeout)
@@ -229,6 +230,23 @@ pub(crate) fn open_writer(path: &Path, config: &Config) -> Result<Connection> {
     // handler, and the handlers' own (keyed apart: see `guard`).
     conn.set_prepared_statement_cache_capacity(80);
     Ok(conn)
+}
+
+/// Waits, up to `busy_timeout`, while another process holds the database
+/// file open unshared (a scan by an antivirus takes a moment): then
+/// [`Error::FileInUse`], typed and retryable, where SQLite would answer a
+/// plain "unable to open database file".
+pub(crate) fn wait_until_shared(path: &Path, busy_timeout: std::time::Duration) -> Result<()> {
+    let deadline = std::time::Instant::now() + busy_timeout;
+    while crate::platform::held_unshared(path) {
+        if std::time::Instant::now() >= deadline {
+            return Err(Error::FileInUse {
+                path: path.to_path_buf(),
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(25));
+    }
+    Ok(())
 }
 
 /// Sets `synchronous` for `durability`, and `fullfsync` and
