@@ -35,7 +35,6 @@
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,7 +47,6 @@ use serde::{Deserialize, Serialize};
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 const CONSUMER: &str = "order-service";
-const SIGKILL: i32 = 9;
 /// Consumer threads, in the child and in the parent alike.
 const CALLERS: usize = 4;
 
@@ -348,7 +346,7 @@ fn main() -> Res<()> {
     ));
     child.kill()?; // SIGKILL
     let status = child.wait()?;
-    let killed = status.signal() == Some(SIGKILL);
+    let killed = was_killed(&status);
 
     // The broker recovers from its journal.
     let crash_text = std::fs::read_to_string(&journal)?;
@@ -611,5 +609,19 @@ fn consume(room: &Postroom, broker: &Broker) -> std::io::Result<()> {
             };
             broker.requeue(tag, after);
         }
+    }
+}
+
+/// Whether `Child::kill` ended the child: SIGKILL on unix; on Windows
+/// `TerminateProcess`, which std calls with exit code 1.
+fn was_killed(status: &std::process::ExitStatus) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        status.signal() == Some(9)
+    }
+    #[cfg(not(unix))]
+    {
+        status.code() == Some(1)
     }
 }

@@ -198,6 +198,8 @@ pub struct Postroom {
     control: Arc<Control>,
     shared: Arc<Shared>,
     readers: Readers,
+    /// Set once `shutdown` has closed the read connections.
+    readers_closed: Arc<AtomicBool>,
     counters: Arc<Counters>,
     /// Consumers with a backlog bound (`Builder::backlog_limit`).
     brakes: HashMap<String, Brake>,
@@ -850,7 +852,10 @@ impl Postroom {
     /// is taken; one past what the clock can count (`Duration::MAX`) waits
     /// as long as the threads take.
     pub fn shutdown(&self, deadline: Duration) -> Result<ShutdownReport> {
-        self.control.shutdown(deadline)
+        let report = self.control.shutdown(deadline)?;
+        // Nothing of the engine keeps the database open once this returns.
+        crate::runtime::close_readers(&self.readers, &self.readers_closed);
+        Ok(report)
     }
 
     fn reader(&self) -> Result<r2d2::PooledConnection<ReadManager>> {

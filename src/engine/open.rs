@@ -143,7 +143,8 @@ impl Postroom {
         };
         let casualty = Arc::new(Casualty::default());
         let (writer, writer_running) = start_writer(state, &casualty)?;
-        let readers = read_pool(path, &config);
+        let readers_closed = Arc::new(AtomicBool::new(false));
+        let readers = read_pool(path, &config, &readers_closed);
         let consumers: HashMap<String, Arc<Consumer>> = consumers
             .into_iter()
             .map(|(name, kind)| (name.clone(), Arc::new(Consumer { name, kind })))
@@ -170,6 +171,7 @@ impl Postroom {
             control: Arc::new(Control::new(&shared, casualty, writer_running)),
             shared: Arc::clone(&shared),
             readers,
+            readers_closed,
             counters,
             brakes: backlog_limits
                 .into_iter()
@@ -326,10 +328,15 @@ fn install_hooks(conn: &mut Connection) -> Result<Arc<AtomicBool>> {
 /// named thread (r2d2's default is three, unnamed for the engine's
 /// purposes), and kept rather than timed out: r2d2's reaper of idle
 /// connections wakes every 30 s, and an idle engine is asleep (issue 33).
-fn read_pool(path: &Path, config: &crate::config::Config) -> r2d2::Pool<ReadManager> {
+fn read_pool(
+    path: &Path,
+    config: &crate::config::Config,
+    closed: &Arc<AtomicBool>,
+) -> r2d2::Pool<ReadManager> {
     let manager = ReadManager {
         path: path.to_path_buf(),
         busy_timeout: config.busy_timeout,
+        closed: Arc::clone(closed),
     };
     let pool_thread = scheduled_thread_pool::ScheduledThreadPool::builder()
         .num_threads(1)

@@ -28,6 +28,8 @@ pub(crate) type Readers = r2d2::Pool<ReadManager>;
 pub(crate) struct ReadManager {
     pub(crate) path: std::path::PathBuf,
     pub(crate) busy_timeout: Duration,
+    /// Set by [`close_readers`]: no connection is opened or kept after it.
+    pub(crate) closed: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl r2d2::ManageConnection for ReadManager {
@@ -35,6 +37,9 @@ impl r2d2::ManageConnection for ReadManager {
     type Error = rusqlite::Error;
 
     fn connect(&self) -> std::result::Result<Connection, rusqlite::Error> {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(rusqlite::Error::InvalidPath(self.path.clone()));
+        }
         let conn = Connection::open_with_flags(
             &self.path,
             OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
@@ -49,7 +54,19 @@ impl r2d2::ManageConnection for ReadManager {
     }
 
     fn has_broken(&self, _: &mut Connection) -> bool {
-        false
+        self.closed.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// Closes every read connection the pool keeps, now, and each one still
+/// checked out as it comes back: after `shutdown` the engine holds no
+/// handle on the database (Windows refuses to delete or move a file that
+/// is open, and an app removes its data directory right after shutdown).
+pub(crate) fn close_readers(readers: &Readers, closed: &std::sync::atomic::AtomicBool) {
+    closed.store(true, std::sync::atomic::Ordering::Release);
+    // Each idle connection taken is dropped as it goes back: `has_broken`.
+    while let Some(conn) = readers.try_get() {
+        drop(conn);
     }
 }
 
