@@ -118,15 +118,19 @@ mod imp {
     use crossbeam_channel::{Receiver, Sender};
 
     /// The console delivers no kind through `ctrlc`: every event is a stop.
-    pub(super) type Raw = ();
+    #[derive(Debug, Clone, Copy)]
+    pub(super) struct Raw;
 
     pub(super) fn describe(_raw: Raw, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("console Ctrl-C, Ctrl-Break or close event")
     }
 
     /// Every open listener's sender; the console handler tells each.
-    fn listeners() -> std::sync::MutexGuard<'static, Vec<(u64, Sender<()>)>> {
-        static LISTENERS: OnceLock<Mutex<Vec<(u64, Sender<()>)>>> = OnceLock::new();
+    /// Each open listener's id and sender.
+    type Registered = Vec<(u64, Sender<()>)>;
+
+    fn listeners() -> std::sync::MutexGuard<'static, Registered> {
+        static LISTENERS: OnceLock<Mutex<Registered>> = OnceLock::new();
         LISTENERS
             .get_or_init(Default::default)
             .lock()
@@ -185,7 +189,7 @@ mod imp {
         }
         pub(super) fn wait(&mut self) -> Option<Raw> {
             crossbeam_channel::select! {
-                recv(self.events) -> got => got.ok(),
+                recv(self.events) -> got => got.ok().map(|()| Raw),
                 recv(self.closed) -> _ => None,
             }
         }
