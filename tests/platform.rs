@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use postroom::{handler_fn, Message, Outcome, Postroom};
@@ -88,6 +88,7 @@ fn a_database_held_unshared_by_another_process_is_a_retryable_typed_error() {
     room.deliver("c", Message::new("s", "m-1", "x")).unwrap();
     room.shutdown(Duration::from_secs(10)).unwrap();
 
+    use std::time::Instant;
     let scanner = std::fs::OpenOptions::new()
         .read(true)
         .share_mode(0)

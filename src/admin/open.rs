@@ -207,7 +207,10 @@ pub fn open_read(path: impl AsRef<Path>, busy_timeout: Duration) -> Result<(Conn
     let mut view = ReadView {
         // The engine file's lock, or the database file's own (which holds
         // when the engine file was deleted; SQLite's locks there are POSIX).
-        engine_running: crate::platform::engine_running(&path),
+        engine_running: crate::platform::engine_running(
+            &path,
+            &crate::store::beside(&path, "-postroom"),
+        ),
         shm_in_use: crate::platform::shm_in_use(&crate::store::beside(&path, "-shm")),
         path,
         immutable: !(has_wal && has_shm) || empty,

@@ -494,7 +494,7 @@ pub struct SlowHandler {
 /// it) or the record cannot be read.
 pub fn slow_handler(path: &Path) -> Option<SlowHandler> {
     let path = schema::resolve(path).ok()?;
-    let running = crate::platform::engine_running(&path);
+    let running = crate::platform::engine_running(&path, &crate::store::beside(&path, "-postroom"));
     if running == Some(false) {
         return None;
     }

@@ -160,10 +160,11 @@ pub(crate) fn may_lock_database_file(path: &Path) -> bool {
     imp::may_lock_database_file(path)
 }
 
-/// Whether an engine runs on the database at `db` (its lock held), read
-/// without taking a lock; `None` when it cannot be told.
-pub(crate) fn engine_running(db: &Path) -> Option<bool> {
-    imp::engine_running(db)
+/// Whether an engine runs on the database at `db`, whose engine file is
+/// `engine_file` (its lock held), read without taking a lock; `None` when
+/// it cannot be told.
+pub(crate) fn engine_running(db: &Path, engine_file: &Path) -> Option<bool> {
+    imp::engine_running(db, engine_file)
 }
 
 /// Whether any connection has the `-shm` file at `shm` open (as SQLite

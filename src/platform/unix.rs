@@ -147,14 +147,11 @@ pub(super) fn held_unshared(_path: &Path) -> bool {
     false
 }
 
-pub(super) fn engine_running(db: &Path) -> Option<bool> {
+pub(super) fn engine_running(db: &Path, engine_file: &Path) -> Option<bool> {
     // The engine file's lock, or the database file's own (which holds when
     // the engine file was deleted; SQLite's locks there are POSIX).
     let flock = |kind: &str| kind == "FLOCK";
-    match (
-        locked(&crate::store::beside(db, "-postroom"), flock),
-        locked(db, flock),
-    ) {
+    match (locked(engine_file, flock), locked(db, flock)) {
         (Some(true), _) | (_, Some(true)) => Some(true),
         (Some(false), Some(false)) => Some(false),
         _ => None,

@@ -179,11 +179,11 @@ fn held_open(path: &Path) -> Option<bool> {
     }
 }
 
-pub(super) fn engine_running(db: &Path) -> Option<bool> {
+pub(super) fn engine_running(_db: &Path, engine_file: &Path) -> Option<bool> {
     // Only an engine opens the engine file without sharing delete (the
     // CLI's reads of it share everything), and while one does, the file
     // cannot be deleted: its being held open is the engine's lock.
-    held_open(&crate::store::beside(db, "-postroom"))
+    held_open(engine_file)
 }
 
 pub(super) fn shm_in_use(shm: &Path) -> Option<bool> {
