@@ -51,6 +51,9 @@ POSTROOM_CRASH_KILLS="${POSTROOM_WINE_KILLS:-500}" \
   cargo test "${win[@]}" --features cli --lib "${tests[@]}"
 
 step "windows (gnu): the README program, and an app that depends on postroom by path"
+# Wine reuses small process ids, and both programs name their directory
+# after theirs: a run that failed before would leave one behind.
+rm -rf "$WINEPREFIX"/drive_c/users/*/Temp/postroom-*
 cargo run "${win[@]}" --example readme
 CARGO_TARGET_DIR=target/compat cargo run --locked --target x86_64-pc-windows-gnu \
   --manifest-path tests/compat/Cargo.toml

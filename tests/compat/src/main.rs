@@ -50,6 +50,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "an app on rusqlite 0.43 with postroom: one SQLite {}, one note",
         rusqlite::version()
     );
+    // Closed first: Windows refuses to remove a file that is open.
+    drop(app);
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
