@@ -11,12 +11,16 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export WINEPREFIX="${WINEPREFIX:-${TMPDIR:-/tmp}/postroom-wine}"
 export WINEDEBUG="${WINEDEBUG:--all}"
+# A headless first boot would otherwise try to install Mono and Gecko.
+export WINEDLLOVERRIDES="${WINEDLLOVERRIDES:-mscoree,mshtml=}"
 WINE="$(command -v wine64 || true)"
 [ -n "$WINE" ] || WINE=/usr/lib/wine/wine64
 export WINE
 if [ ! -f "$WINEPREFIX/drive_c/windows/system32/bcryptprimitives.dll" ]; then
   "$WINE" wineboot -i >/dev/null 2>&1 || true
-  "${WINE%64}server" -w 2>/dev/null || wineserver -w 2>/dev/null || true
+  "$(dirname "$WINE")/wineserver" -w 2>/dev/null || true
+  [ -d "$WINEPREFIX/drive_c/windows/system32" ] \
+    || { echo "wineboot made no prefix at $WINEPREFIX"; exit 1; }
   x86_64-w64-mingw32-gcc -shared -O2 -o "$WINEPREFIX/drive_c/windows/system32/bcryptprimitives.dll" \
     "$here/bcryptprimitives.c" "$here/bcryptprimitives.def" -ladvapi32
 fi

@@ -852,10 +852,14 @@ impl Postroom {
     /// is taken; one past what the clock can count (`Duration::MAX`) waits
     /// as long as the threads take.
     pub fn shutdown(&self, deadline: Duration) -> Result<ShutdownReport> {
-        let report = self.control.shutdown(deadline)?;
-        // Nothing of the engine keeps the database open once this returns.
-        crate::runtime::close_readers(&self.readers, &self.readers_closed);
-        Ok(report)
+        let report = self.control.shutdown(deadline);
+        // Nothing of the engine keeps the database open once this returns:
+        // also when the signal thread shut it down first (`Closed`). Not
+        // from inside a handler, whose batch still runs.
+        if !self.shared.writer.held_here() {
+            crate::runtime::close_readers(&self.readers, &self.readers_closed);
+        }
+        report
     }
 
     fn reader(&self) -> Result<r2d2::PooledConnection<ReadManager>> {

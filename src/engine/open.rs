@@ -336,6 +336,7 @@ fn read_pool(
     let manager = ReadManager {
         path: path.to_path_buf(),
         busy_timeout: config.busy_timeout,
+        durability: config.durability,
         closed: Arc::clone(closed),
     };
     let pool_thread = scheduled_thread_pool::ScheduledThreadPool::builder()

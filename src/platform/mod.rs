@@ -12,9 +12,10 @@
 //!   mode without delete, so nothing can delete or rename the engine file
 //!   while an engine holds it;
 //! * whether the database file itself may be locked beside SQLite (on
-//!   unix, `flock` and SQLite's `fcntl` locks are independent on local
-//!   filesystems; on Windows every lock is a mandatory byte-range lock that
-//!   would block SQLite's own I/O, so it never is);
+//!   Linux, `flock` and SQLite's `fcntl` locks are independent on local
+//!   filesystems; macOS and the BSDs keep both in one list, and on Windows
+//!   every lock is a mandatory byte-range lock that would block SQLite's
+//!   own I/O, so there it never is);
 //! * whether an engine runs on a database, or anything has its `-shm`
 //!   open, told without taking a lock (`/proc/locks`, or a sharing probe);
 //! * the size of the filesystem, the machine's id, whether a path may be
@@ -152,10 +153,11 @@ pub(crate) fn write_all_at(file: &File, buf: &[u8], offset: u64) -> io::Result<(
 }
 
 /// Whether the engine may take an exclusive lock on the database file
-/// itself, beside SQLite's own locks: on local unix filesystems yes; on
+/// itself, beside SQLite's own locks: on local Linux filesystems yes; on
 /// NFS or SMB (where the kernel emulates `flock` with `fcntl`, meeting
-/// SQLite's byte-range locks) and on Windows (whose locks are mandatory
-/// and would block SQLite's reads and writes) no.
+/// SQLite's byte-range locks), on macOS and the BSDs (one lock list for
+/// both kinds) and on Windows (whose locks are mandatory and would block
+/// SQLite's reads and writes) no.
 pub(crate) fn may_lock_database_file(path: &Path) -> bool {
     imp::may_lock_database_file(path)
 }
@@ -189,9 +191,9 @@ pub(crate) fn may_write(path: &Path) -> bool {
 
 /// An absolute path as the path of a SQLite `file:` URI, every byte
 /// outside a plain set percent-encoded (so `?`, `#`, `%` and non-ASCII
-/// stay part of the path). On Windows `C:\dir\a.db` (or `\\?\C:\…`) is
-/// `/C:/dir/a.db`, as SQLite's Windows VFS reads URIs; a path that is not
-/// Unicode is refused.
+/// stay part of the path). On Windows the path follows a `/` as it is
+/// (`/\\?\C:\dir\a.db`, encoded), as SQLite's Windows VFS reads URIs; a
+/// path that is not Unicode is refused.
 pub(crate) fn uri_path(path: &Path) -> io::Result<String> {
     use std::fmt::Write as _;
     let bytes = imp::uri_bytes(path)?;

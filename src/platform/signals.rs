@@ -1,7 +1,7 @@
 //! Shutdown requests from outside the process, for `handle_signals`: SIGINT
 //! and SIGTERM on unix (`signal-hook`'s iterator), the console's Ctrl-C,
-//! Ctrl-Break and close events on Windows (`ctrlc`, whose `termination`
-//! feature adds the close, logoff and shutdown events).
+//! Ctrl-Break, close, logoff and shutdown events on Windows (`ctrlc`, whose
+//! console handler takes every event).
 //!
 //! Invariants: [`Listener::wait`] blocks until a request comes or the
 //! listener's [`Closer`] closes it (then `None`); [`after_shutdown`] then

@@ -139,8 +139,18 @@ pub(super) fn write_all_at(file: &File, buf: &[u8], offset: u64) -> io::Result<(
     file.write_all_at(buf, offset)
 }
 
+/// Linux keeps `flock` and `fcntl` locks apart on local filesystems; the
+/// BSDs and macOS keep both in one list per file, where an `flock` (owned
+/// by the open file) would meet SQLite's `fcntl` locks (owned by the
+/// process), the engine's own included: there it is never taken.
+#[cfg(any(target_os = "linux", target_os = "android"))]
 pub(super) fn may_lock_database_file(path: &Path) -> bool {
     !rustix::fs::statfs(path).is_ok_and(|fs| kind(&fs) == Kind::Network)
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+pub(super) fn may_lock_database_file(_path: &Path) -> bool {
+    false
 }
 
 pub(super) fn held_unshared(_path: &Path) -> bool {

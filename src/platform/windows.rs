@@ -9,12 +9,15 @@
 //!   handle, so a child spawned meanwhile keeps nothing.
 //! * The database file itself is never locked by postroom: a Windows lock
 //!   is mandatory and would block SQLite's own reads and writes.
-//! * Whether a file is held open is told by a *sharing probe*: opening it
-//!   for delete access, which fails with a sharing violation while any
-//!   handle that does not share delete is open (SQLite opens its files
-//!   that way, and the engine its engine file). The probe takes no lock and
-//!   is closed at once; an open that meets it retries (SQLite's own VFS
-//!   does, and so does [`super::engine_file`]'s caller).
+//! * Whether a file is held open is told by a *sharing probe*: a read that
+//!   shares only reading, which fails with a sharing violation while any
+//!   handle has the file open for writing (an engine its engine file,
+//!   SQLite a `-shm`). The probe takes no lock and is closed at once; an
+//!   open that meets it retries (SQLite's own VFS does, and so does
+//!   [`super::engine_file`]'s caller).
+//! * The engine file's lock (`LockFileEx` over the whole file) is
+//!   mandatory: another process cannot read the file while an engine holds
+//!   it, so `postroom status` cannot show the slow-handler record there.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -28,7 +31,6 @@ const FILE_SHARE_WRITE: u32 = 0x2;
 const FILE_SHARE_DELETE: u32 = 0x4;
 /// Opens a directory too (needed for a handle on one).
 const FILE_FLAG_BACKUP_SEMANTICS: u32 = 0x0200_0000;
-const DELETE: u32 = 0x0001_0000;
 /// `ERROR_SHARING_VIOLATION` and `ERROR_LOCK_VIOLATION`.
 const SHARING_VIOLATION: i32 = 32;
 const LOCK_VIOLATION: i32 = 33;
@@ -124,12 +126,8 @@ pub(super) fn read_exact_at(file: &File, mut buf: &mut [u8], mut offset: u64) ->
 }
 
 pub(super) fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    match file.seek_read(buf, offset) {
-        // Reading at or past the end answers `ERROR_HANDLE_EOF` on some
-        // handles rather than 0 bytes.
-        Err(e) if e.raw_os_error() == Some(38) => Ok(0),
-        other => other,
-    }
+    // std answers 0 bytes for `ERROR_HANDLE_EOF`.
+    file.seek_read(buf, offset)
 }
 
 pub(super) fn write_all_at(file: &File, mut buf: &[u8], mut offset: u64) -> io::Result<()> {
@@ -165,11 +163,14 @@ pub(super) fn held_unshared(path: &Path) -> bool {
         .is_err_and(|e| is_sharing_violation(&e))
 }
 
-/// Whether some handle that does not share delete has `path` open.
+/// Whether some handle has `path` open for writing (an engine its engine
+/// file, SQLite a `-shm`): a read that shares only reading is refused
+/// then. Needs only read permission; the CLI's own reads share everything,
+/// so they never count.
 fn held_open(path: &Path) -> Option<bool> {
     match OpenOptions::new()
-        .access_mode(DELETE)
-        .share_mode(FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE)
+        .read(true)
+        .share_mode(FILE_SHARE_READ)
         .open(path)
     {
         Ok(_) => Some(false),
@@ -207,22 +208,9 @@ pub(super) fn uri_bytes(path: &Path) -> io::Result<Vec<u8>> {
             format!("{}: the path is not valid Unicode", path.display()),
         )
     })?;
-    // `\\?\C:\…` is `C:\…`; `\\?\UNC\server\share\…` is `\\server\share\…`.
-    let text = match text.strip_prefix(r"\\?\") {
-        Some(rest) => match rest.strip_prefix(r"UNC\") {
-            Some(unc) => format!(r"\\{unc}"),
-            None => rest.to_owned(),
-        },
-        None => text.to_owned(),
-    };
-    let slashed = text.replace('\\', "/");
-    // A drive path is `/C:/…`; a share `//server/share/…`, which SQLite
-    // reads as the authority `server` and refuses: shares get the
-    // four-slash form `////server/share/…` after `file:`.
-    let out = if slashed.starts_with("//") {
-        format!("//{slashed}")
-    } else {
-        format!("/{slashed}")
-    };
-    Ok(out.into_bytes())
+    // Kept as it is, backslashes and a `\\?\` prefix included (which lifts
+    // the 260-character limit): SQLite's Windows VFS drops the `/` before
+    // `X:` or `\\?\` (winFullPathname), and the caller percent-encodes the
+    // rest, so `\\?\UNC\server\…` needs no authority either.
+    Ok(format!("/{text}").into_bytes())
 }

@@ -28,6 +28,10 @@ pub(crate) type Readers = r2d2::Pool<ReadManager>;
 pub(crate) struct ReadManager {
     pub(crate) path: std::path::PathBuf,
     pub(crate) busy_timeout: Duration,
+    /// The engine's: a reader can be the last connection to close, and
+    /// then runs SQLite's checkpoint-on-close, which must sync as the
+    /// writer's would (`fullfsync` on Apple systems).
+    pub(crate) durability: crate::config::Durability,
     /// Set by [`close_readers`]: no connection is opened or kept after it.
     pub(crate) closed: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
@@ -38,13 +42,17 @@ impl r2d2::ManageConnection for ReadManager {
 
     fn connect(&self) -> std::result::Result<Connection, rusqlite::Error> {
         if self.closed.load(std::sync::atomic::Ordering::Acquire) {
-            return Err(rusqlite::Error::InvalidPath(self.path.clone()));
+            // Closed: a connection to no file, which `has_broken` drops as
+            // it comes back (an error would have r2d2 retry, and log, for
+            // as long as the pool lives).
+            return Connection::open_in_memory();
         }
         let conn = Connection::open_with_flags(
             &self.path,
             OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
         )?;
         conn.busy_timeout(self.busy_timeout)?;
+        crate::store::schema::set_durability(&conn, self.durability)?;
         conn.pragma_update(None, "query_only", true)?;
         Ok(conn)
     }

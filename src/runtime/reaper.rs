@@ -60,6 +60,7 @@ pub(crate) fn reap(shared: Arc<Shared>, readers: Readers, stop: Receiver<()>) {
     let own = ReadManager {
         path: shared.path.clone(),
         busy_timeout: shared.config.busy_timeout,
+        durability: shared.config.durability,
         closed: Arc::default(),
     }
     .connect()

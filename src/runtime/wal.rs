@@ -119,9 +119,10 @@ pub(crate) fn durable_before_handover(durability: Durability, wal: &Path) -> std
 /// file, so opening and closing one disturbs nothing. No WAL file: every
 /// commit is in the database, synced by the checkpoint that copied it.
 pub(crate) fn sync_wal(wal: &Path) -> std::io::Result<()> {
-    // Opened for writing: Windows flushes only a handle with write access
-    // (`FlushFileBuffers`); elsewhere any descriptor would do.
+    // Opened for writing too: Windows flushes only a handle with write
+    // access (`FlushFileBuffers`); elsewhere any descriptor would do.
     match std::fs::OpenOptions::new()
+        .read(true)
         .write(true)
         .open(wal)
         .and_then(|file| file.sync_data())

@@ -277,14 +277,20 @@ impl EngineFile {
     /// created is unlinked (still locked, see [`Self::lock`]), so a refusal
     /// leaves no file behind.
     pub fn discard(self) {
-        if self.created && std::fs::remove_file(&self.path).is_err() {
+        if !self.created {
+            return;
+        }
+        match std::fs::remove_file(&self.path) {
             // Windows refuses to delete a file open without shared delete,
             // as the engine file is: let go of it first. Another engine
             // that opened it meanwhile holds it the same way, so then the
             // removal fails and its file stays.
-            let path = self.path.clone();
-            drop(self);
-            let _ = std::fs::remove_file(path);
+            Err(e) if platform::is_sharing_violation(&e) => {
+                let path = self.path.clone();
+                drop(self);
+                let _ = std::fs::remove_file(path);
+            }
+            _ => {}
         }
     }
 

@@ -167,7 +167,10 @@ pub(crate) fn resolve(path: &Path) -> Result<PathBuf> {
                      of a database file"
                 )));
             }
-            let links = crate::platform::link_count(path).unwrap_or(1);
+            let links = crate::platform::link_count(path).map_err(|e| Error::Io {
+                op: "open database",
+                source: io::Error::new(e.kind(), format!("{shown}: {e}")),
+            })?;
             if links > 1 {
                 return Err(refuse(format!(
                     "{shown} has {} hard links: SQLite names its -wal and -shm files after the \

@@ -75,12 +75,13 @@ pub(crate) fn run(
     iterations: Option<u64>,
 ) -> Result<(), Failed> {
     let interval = interval.max(TOP_MIN_INTERVAL);
-    // A terminal that takes the escapes that redraw in place: asking turns
-    // them on in a Windows console (VT processing); one that cannot gets
-    // frame after frame.
-    let tty = io::stdout().is_terminal()
-        && !ctx.cli.json
-        && console::Term::stdout().features().colors_supported();
+    let tty = io::stdout().is_terminal() && !ctx.cli.json;
+    if tty {
+        // Asked for its side effect: in a Windows console it turns on VT
+        // processing, which the redraw's escapes need; elsewhere it reads
+        // the environment only.
+        let _ = console::Term::stdout().features().colors_supported();
+    }
     let mut previous: Option<Totals> = None;
     let mut frame = 0u64;
     loop {
