@@ -69,8 +69,9 @@ pub enum Error {
     /// Another process has the database file (or the engine file beside
     /// it) open without sharing it: on Windows, an antivirus scanner, a
     /// backup or sync tool, or a program that opened it exclusively. It was
-    /// waited for up to the busy timeout; nothing was changed. Retryable:
-    /// try again once that process lets go of the file.
+    /// waited for (the database file up to the busy timeout, the engine
+    /// file about a second); nothing was changed. Retryable: try again once
+    /// that process lets go of the file.
     FileInUse {
         /// The file held.
         path: PathBuf,
