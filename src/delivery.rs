@@ -20,6 +20,7 @@ use crate::store::inbox::{self, Record, Status, Target};
 use crate::store::inflight::InflightLog;
 use crate::store::outbox::Cause;
 use crate::store::queue::{self, Claimed};
+use crate::store::schema;
 use crate::store::strict;
 
 /// What one delivery runs against.
@@ -359,23 +360,23 @@ pub(crate) fn run_user_step(
             guard.run_handler(at.consumer, &at.msg.id, || body(&mut tx))
         }))
     };
-    if conn.is_autocommit() {
+    if env.guard.transaction_lost(conn) {
         // The guard keeps user code from ending the transaction, so SQLite
-        // rolled it back by itself (a full disk, an I/O error). Nothing of
-        // this batch was stored; not the message's fault.
+        // rolled it back by itself: a full disk, an I/O error, or the
+        // handler's `OR ROLLBACK`. Nothing of this batch was stored. A
+        // transaction the connection is in now was begun by the handler's
+        // own `SAVEPOINT` after that: its writes are not the engine's to
+        // commit.
+        drop_transaction(conn)?;
         return Err(rolled_back("handler", result.ok().and_then(Result::err)));
     }
     // Before anything is recorded: the state dedupe and the engine's writes
-    // rest on (see `guard`). Changed, it is restored and the attempt fails
-    // for good: the handler would do it again.
-    let changed = env
-        .guard
-        .verify(conn)
-        .map_err(|e| Error::sqlite("verify connection state", e))?;
+    // rest on, and what the group's COMMIT will check (see `guard`).
+    let broken = check_left_state(conn, env.guard)?;
     let failure = match result {
-        _ if changed.is_some() => changed.map(Failure::reject),
+        _ if broken.is_some() => broken,
         Ok(Ok(())) => None,
-        Ok(Err(failure)) => Some(failure),
+        Ok(Err(failure)) => Some(name_the_rule(env.guard, failure)),
         Err(panic) => Some(Failure::retry(format_args!(
             "handler panicked: {}",
             panic_message(panic.as_ref())
@@ -386,6 +387,96 @@ pub(crate) fn run_user_step(
     }
     exec(conn, "RELEASE postroom_handler")?;
     Ok(failure)
+}
+
+/// Rolls back a transaction user code began after SQLite rolled the
+/// engine's back (see [`UserCodeGuard::transaction_lost`]).
+pub(crate) fn drop_transaction(conn: &Connection) -> Result<()> {
+    if conn.is_autocommit() {
+        return Ok(());
+    }
+    exec(conn, "ROLLBACK")
+}
+
+/// Checks, after user code returned with its transaction intact, the state
+/// the engine relies on before it records or commits anything, and returns
+/// the failure of this attempt when any is off (see `guard`):
+/// * the connection's settings are as configured ([`UserCodeGuard::verify`]
+///   restores them): rejected, the code would do it again;
+/// * no statement user code prepared is still running (those found are
+///   reset): rejected, a leak is a bug of the handler's;
+/// * no deferred foreign-key violation is pending: retried with backoff
+///   (an out-of-order child whose parent has not arrived yet), dead after
+///   `max_attempts`. Left in, it would fail the whole group's `COMMIT`;
+/// * after a schema change only: no object of the application's names a
+///   postroom table ([`schema::reaching_engine_tables`]), and the TEMP
+///   schema is empty: rejected.
+///
+/// The caller rolls this attempt's writes back on a failure (the handler's
+/// savepoint, or the job's), which undoes the violation, the object, and
+/// restores the schema.
+pub(crate) fn check_left_state(
+    conn: &Connection,
+    guard: &UserCodeGuard,
+) -> Result<Option<Failure>> {
+    if let Some(changed) = guard
+        .verify(conn)
+        .map_err(|e| Error::sqlite("verify connection state", e))?
+    {
+        return Ok(Some(Failure::reject(changed)));
+    }
+    let left = guard.leftovers(conn);
+    if left.statements_reset > 0 || left.engine_statement_busy {
+        return Ok(Some(Failure::reject(format_args!(
+            "a handler must not leave a statement running: {} statement(s) it prepared were \
+             still stepping when it returned (leaked, with mem::forget or a cycle?); postroom \
+             reset them and failed this attempt",
+            left.statements_reset.max(1)
+        ))));
+    }
+    if left.deferred_fk_violations > 0 {
+        return Ok(Some(Failure::retry(format_args!(
+            "the handler's writes leave {} deferred foreign-key constraint(s) unmet (a row \
+             whose parent has not arrived yet?): its transaction could not commit; retried \
+             with backoff",
+            left.deferred_fk_violations
+        ))));
+    }
+    if left.schema_changed {
+        let reaching = schema::reaching_engine_tables(conn)
+            .map_err(|e| Error::sqlite("check the schema after user code", e))?;
+        if let Some(object) = reaching.first() {
+            return Ok(Some(Failure::reject(format_args!(
+                "a handler may not create {object}: its SQL names a postroom table, and an \
+                 object of the application's must not reference, read, write or fire on \
+                 postroom_* tables (whichever connection runs it later)"
+            ))));
+        }
+        let temp = schema::temp_objects(conn)
+            .map_err(|e| Error::sqlite("check the TEMP schema after user code", e))?;
+        if let Some(object) = temp.first() {
+            return Ok(Some(Failure::reject(format_args!(
+                "a handler may not leave TEMP objects behind ({object}): they would outlive \
+                 its message on the shared connection; drop them before returning"
+            ))));
+        }
+    }
+    Ok(None)
+}
+
+/// A handler's failure after the allowlist refused one of its statements
+/// (`not authorized`): rejected, with the rule that refused it. Retrying
+/// runs the same SQL, refused the same way; the handler is to be fixed,
+/// and the message replayed from the dead letters.
+pub(crate) fn name_the_rule(guard: &UserCodeGuard, failure: Failure) -> Failure {
+    match (&failure, guard.refused()) {
+        (Failure::Sqlite(e), Some(rule))
+            if e.sqlite_error_code() == Some(ErrorCode::AuthorizationForStatementDenied) =>
+        {
+            Failure::reject(format_args!("{rule} (sqlite: {e})"))
+        }
+        _ => failure,
+    }
 }
 
 /// Records the result of an attempt: completed, or failed with backoff, or

@@ -343,6 +343,141 @@ fn set_during<T>(flag: &AtomicBool, value: bool, f: impl FnOnce() -> T) -> T {
     f()
 }
 
+/// The rule an action the allowlist refuses breaks, for the error user
+/// code's failure is answered with.
+fn refusal(action: &AuthAction<'_>) -> String {
+    match *action {
+        AuthAction::Pragma {
+            pragma_name,
+            pragma_value: Some(value),
+        } => format!(
+            "a handler may not change the connection: PRAGMA {pragma_name} = {value} \
+             (the write connection is shared by every later message)"
+        ),
+        AuthAction::Pragma { pragma_name, .. } => format!(
+            "a handler may not run PRAGMA {pragma_name}: it acts on or changes the shared \
+             connection (only reporting pragmas, user_version and application_id are allowed)"
+        ),
+        AuthAction::Transaction { operation } => format!(
+            "a handler may not end or control the transaction ({operation:?}): the engine \
+             commits when it returns Ok; return Err to roll its writes back, or use \
+             Tx::savepoint"
+        ),
+        AuthAction::Savepoint { savepoint_name, .. } => format!(
+            "a handler may not use the savepoint {savepoint_name:?}: names starting \
+             postroom_ are the engine's"
+        ),
+        AuthAction::Insert { table_name }
+        | AuthAction::Delete { table_name }
+        | AuthAction::Update { table_name, .. } => format!(
+            "a handler may not write the table {table_name}: postroom's tables (and \
+             SQLite's own) are written only by the engine; use Tx::publish for the outbox"
+        ),
+        AuthAction::Attach { .. } | AuthAction::Detach { .. } => {
+            "a handler may not ATTACH or DETACH a database: the attachment would outlive \
+             the message on the shared connection"
+                .to_owned()
+        }
+        ref other if schema_change_allowed(other).is_some() => format!(
+            "a handler may not change postroom's schema ({other:?}): objects named \
+             postroom_*, and indexes, triggers and renames on them or in the TEMP schema, \
+             are the engine's"
+        ),
+        ref other => format!(
+            "a handler may not run this statement ({other:?}): it is not on postroom's SQL \
+             allowlist"
+        ),
+    }
+}
+
+/// What [`UserCodeGuard::leftovers`] found.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct Leftovers {
+    /// User code's statements found still running, and reset.
+    pub statements_reset: usize,
+    /// A statement not of user code's still runs after the reset: the
+    /// connection cannot take a savepoint or commit.
+    pub engine_statement_busy: bool,
+    /// Deferred foreign-key violations pending in the transaction.
+    pub deferred_fk_violations: i32,
+    /// User code prepared a schema change: the schema is to be checked.
+    pub schema_changed: bool,
+}
+
+/// The two facts of the connection that only SQLite's C API gives: the
+/// deferred foreign-key violations pending (`sqlite3_db_status`), and the
+/// statements still running (`sqlite3_next_stmt`, `sqlite3_stmt_busy`),
+/// with the reset of those user code leaked. rusqlite offers neither; no
+/// SQL reads them.
+///
+/// Why `unsafe` here, and why it is sound (the crate denies `unsafe`
+/// everywhere else):
+/// * the handle is the live connection `conn` borrows, used on the thread
+///   that holds `conn`, for calls SQLite documents as safe on an open
+///   connection;
+/// * a statement is reset only when its SQL carries user code's tag and it
+///   is still running after user code returned. User code's statements
+///   borrow the `Tx`, so once it returned no Rust value can use one: a
+///   running one was leaked (`mem::forget`, `Box::leak`, a cycle) and will
+///   never be stepped, reset or finalized by its owner. Resetting it frees
+///   nothing (it stays allocated, as leaked), it only ends its run and its
+///   hold on the transaction. Statements of the engine (untagged) are never
+///   touched.
+#[allow(unsafe_code)]
+mod raw {
+    use std::ffi::CStr;
+    use std::ptr;
+
+    use rusqlite::{ffi, Connection};
+
+    /// `SQLITE_DBSTATUS_DEFERRED_FKS`: non-zero while the transaction has
+    /// a deferred foreign-key violation that `COMMIT` would fail on.
+    pub(super) fn deferred_fk_violations(conn: &Connection) -> i32 {
+        let (mut current, mut highwater) = (0, 0);
+        // SAFETY: see the module doc; the out-pointers are live locals.
+        let rc = unsafe {
+            ffi::sqlite3_db_status(
+                conn.handle(),
+                ffi::SQLITE_DBSTATUS_DEFERRED_FKS,
+                &mut current,
+                &mut highwater,
+                0,
+            )
+        };
+        if rc == ffi::SQLITE_OK {
+            current
+        } else {
+            0
+        }
+    }
+
+    /// Resets every running statement whose SQL starts with `tag`;
+    /// returns how many.
+    pub(super) fn reset_user_statements(conn: &Connection, tag: &str) -> usize {
+        let mut reset = 0;
+        // SAFETY: see the module doc. The list is walked on the thread that
+        // holds the connection; a reset does not unlink a statement.
+        unsafe {
+            let db = conn.handle();
+            let mut stmt = ffi::sqlite3_next_stmt(db, ptr::null_mut());
+            while !stmt.is_null() {
+                if ffi::sqlite3_stmt_busy(stmt) != 0 {
+                    let sql = ffi::sqlite3_sql(stmt);
+                    if !sql.is_null() && CStr::from_ptr(sql).to_bytes().starts_with(tag.as_bytes())
+                    {
+                        // Its error is the statement's last one, already
+                        // met by whoever stepped it.
+                        ffi::sqlite3_reset(stmt);
+                        reset += 1;
+                    }
+                }
+                stmt = ffi::sqlite3_next_stmt(db, stmt);
+            }
+        }
+        reset
+    }
+}
+
 /// The connection state [`UserCodeGuard::verify`] holds user code to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Expected {
@@ -417,6 +552,18 @@ pub(crate) struct UserCodeGuard {
     /// User code prepared a `PRAGMA` (or a pragma table function) since
     /// the last `verify`: only then can pragma-only state have changed.
     pragma_seen: Arc<AtomicBool>,
+    /// User code prepared a schema change since the last
+    /// [`leftovers`](UserCodeGuard::leftovers): only then can the schema
+    /// hold something new to check.
+    schema_touched: Arc<AtomicBool>,
+    /// Set by the rollback hook: a transaction was rolled back whole since
+    /// user code began (SQLite's own rollback after `OR ROLLBACK` or a
+    /// `RAISE(ROLLBACK)`, or a vetoed commit). A `SAVEPOINT` run after it
+    /// starts a new transaction, so `is_autocommit` alone cannot tell.
+    rolled_back: Arc<AtomicBool>,
+    /// The first statement the allowlist refused since user code began, as
+    /// the rule that refused it.
+    refused: Arc<Mutex<Option<String>>>,
     expected: Arc<Mutex<Expected>>,
     /// The handler running on the write connection, if one does.
     running: Arc<Mutex<RunningHandler>>,
@@ -442,12 +589,17 @@ impl UserCodeGuard {
             in_user_code: Arc::default(),
             engine_inside: Arc::default(),
             pragma_seen: Arc::default(),
+            schema_touched: Arc::default(),
+            rolled_back: Arc::default(),
+            refused: Arc::default(),
             expected: Arc::new(Mutex::new(Expected::read(conn)?)),
             running: Arc::default(),
         };
         let in_user_code = Arc::clone(&guard.in_user_code);
         let engine_inside = Arc::clone(&guard.engine_inside);
         let pragma_seen = Arc::clone(&guard.pragma_seen);
+        let schema_touched = Arc::clone(&guard.schema_touched);
+        let refused = Arc::clone(&guard.refused);
         conn.authorizer(Some(move |ctx: AuthContext<'_>| {
             if !in_user_code.load(Ordering::Relaxed) || engine_inside.load(Ordering::Relaxed) {
                 return Authorization::Allow;
@@ -455,16 +607,26 @@ impl UserCodeGuard {
             if matches!(ctx.action, AuthAction::Pragma { .. }) {
                 pragma_seen.store(true, Ordering::Relaxed);
             }
+            if schema_change_allowed(&ctx.action).is_some() {
+                schema_touched.store(true, Ordering::Relaxed);
+            }
             if user_code_may(&ctx.action) {
                 Authorization::Allow
             } else {
                 // The statement fails `not authorized`; this says why.
-                log::debug!("postroom: user code may not run {:?}", ctx.action);
+                let rule = refusal(&ctx.action);
+                log::debug!("postroom: {rule}");
+                refused
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get_or_insert(rule);
                 Authorization::Deny
             }
         }))?;
         let in_user_code = Arc::clone(&guard.in_user_code);
         conn.commit_hook(Some(move || in_user_code.load(Ordering::Relaxed)))?;
+        let rolled_back = Arc::clone(&guard.rolled_back);
+        conn.rollback_hook(Some(move || rolled_back.store(true, Ordering::Relaxed)))?;
         Ok(guard)
     }
 
@@ -497,9 +659,61 @@ impl UserCodeGuard {
         running.since.is_some().then(|| running.clone())
     }
 
-    /// Runs `f` with the allowlist applied and commits vetoed.
+    /// Runs `f` with the allowlist applied and commits vetoed. What `f`
+    /// leaves is for [`transaction_lost`](Self::transaction_lost),
+    /// [`refused`](Self::refused), [`verify`](Self::verify) and
+    /// [`leftovers`](Self::leftovers) to find.
     pub fn run<T>(&self, f: impl FnOnce() -> T) -> T {
+        self.rolled_back.store(false, Ordering::Relaxed);
+        self.refused
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
         set_during(&self.in_user_code, true, f)
+    }
+
+    /// True when the transaction user code ran in is gone: SQLite rolled it
+    /// back (the connection may be in a new one, begun by a `SAVEPOINT`
+    /// user code ran afterwards: that one is user code's alone).
+    pub fn transaction_lost(&self, conn: &Connection) -> bool {
+        conn.is_autocommit() || self.rolled_back.load(Ordering::Relaxed)
+    }
+
+    /// The rule that refused the first statement user code prepared in its
+    /// last run, if one was refused.
+    pub fn refused(&self) -> Option<String> {
+        self.refused
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// What user code's last run left on `conn` that the engine must not
+    /// build on, checked after [`verify`](Self::verify):
+    /// * a statement it prepared still running (stepped, never reset:
+    ///   leaked with `mem::forget`, say), which would keep every later
+    ///   `SAVEPOINT` and `COMMIT` busy; such statements are reset here;
+    /// * a deferred foreign-key violation, which would fail the batch's
+    ///   `COMMIT` for every job in it;
+    /// * a schema change, for the caller to check the schema
+    ///   ([`Leftovers::schema_changed`]).
+    ///
+    /// Costs two C calls (no SQL) and an atomic unless user code prepared
+    /// a schema change. When it did, the statement cache is flushed, so no
+    /// schema change prepared in this run can later run from the cache
+    /// without meeting the authorizer again.
+    pub fn leftovers(&self, conn: &Connection) -> Leftovers {
+        let mut left = Leftovers::default();
+        if conn.is_busy() {
+            left.statements_reset = raw::reset_user_statements(conn, USER_SQL_TAG);
+            left.engine_statement_busy = conn.is_busy();
+        }
+        left.deferred_fk_violations = raw::deferred_fk_violations(conn);
+        if self.schema_touched.swap(false, Ordering::Relaxed) {
+            conn.flush_prepared_statement_cache();
+            left.schema_changed = true;
+        }
+        left
     }
 
     /// Runs engine code `f` from inside user code (a `Tx` method that

@@ -315,7 +315,9 @@ impl<'c> Tx<'c> {
     /// runs the SQL it was prepared with and nothing else; it lives no
     /// longer than this borrow of the transaction.
     pub fn prepare(&self, sql: &str) -> rusqlite::Result<rusqlite::Statement<'_>> {
-        self.conn.prepare(sql)
+        // Tagged as user code's, as cached ones are: a statement left
+        // running after the handler returned is found by its tag.
+        self.conn.prepare(&guard::user_sql(sql))
     }
 
     /// Prepares a statement through the connection's statement cache, as

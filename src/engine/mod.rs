@@ -577,20 +577,22 @@ impl Postroom {
             let guard = w.guard;
             let mut tx = Tx::new(w.conn, w.config, guard, w.clock.now_ms(), None);
             let result = panic::catch_unwind(AssertUnwindSafe(|| guard.run(|| f(&mut tx))));
-            if w.conn.is_autocommit() {
-                // SQLite rolled back by itself (see `guard`).
+            if guard.transaction_lost(w.conn) {
+                // SQLite rolled back by itself (see `guard`); a transaction
+                // open now is one `f` began after that.
+                delivery::drop_transaction(w.conn)?;
                 return Err(delivery::rolled_back(
                     "transaction",
                     result.ok().and_then(Result::err),
                 ));
             }
             // As after a handler (see `delivery::run_user_step`).
-            if let Some(reason) = guard
-                .verify(w.conn)
-                .map_err(|e| Error::sqlite("verify connection state", e))?
-            {
-                return Err(Error::Aborted { reason });
+            if let Some(failure) = delivery::check_left_state(w.conn, guard)? {
+                return Err(Error::Aborted {
+                    reason: failure.to_string(),
+                });
             }
+            let result = result.map(|r| r.map_err(|f| delivery::name_the_rule(guard, f)));
             match result {
                 Ok(Ok(value)) => Ok(value),
                 Ok(Err(Failure::Sqlite(e))) => Err(Error::sqlite("transaction", e)),

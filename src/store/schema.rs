@@ -363,6 +363,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
     refuse_missing_triggers(&tx, &[])?;
     refuse_incomplete_schema(&tx)?;
     refuse_altered_triggers(&tx)?;
+    refuse_reaching_objects(&tx)?;
     failpoint::hit("schema.migrate")?;
     tx.commit().map_err(|e| Error::sqlite("commit schema", e))
 }
@@ -543,6 +544,85 @@ pub(crate) fn audit_triggers(conn: &Connection) -> rusqlite::Result<Vec<TriggerF
         }
     }
     Ok(found)
+}
+
+/// An object of the application's (not one [`SCHEMA_SQL`] creates) whose
+/// SQL names one of postroom's tables: a trigger on one or whose body
+/// writes or reads one, a view over one, a table with a foreign key to one,
+/// an index on one. Whichever connection later runs it (the app's own, the
+/// `sqlite3` shell), it acts on the engine's rows outside the engine: a
+/// trigger that deletes dedupe keys, a foreign key that makes every
+/// retention delete fail.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Reaching {
+    /// `table`, `index`, `trigger` or `view`.
+    pub kind: String,
+    pub name: String,
+}
+
+impl std::fmt::Display for Reaching {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.kind, self.name)
+    }
+}
+
+/// The objects of [`Reaching`], in `main`. The test is textual and errs
+/// on the safe side: any mention of the `postroom_` prefix in an object's
+/// SQL (an identifier, quoted or not, in any case; a comment too) counts.
+/// SQL has no way to spell an identifier other than by writing it.
+pub(crate) fn reaching_engine_tables(conn: &Connection) -> rusqlite::Result<Vec<Reaching>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT type, name FROM main.sqlite_schema
+         WHERE sql LIKE '%postroom\\_%' ESCAPE '\\' ORDER BY type, name",
+    )?;
+    let found = stmt
+        .query_map([], |r| {
+            Ok(Reaching {
+                kind: r.get(0)?,
+                name: r.get(1)?,
+            })
+        })?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let ours: Vec<(String, &str)> = schema_objects().collect();
+    Ok(found
+        .into_iter()
+        .filter(|o| !ours.iter().any(|(kind, name)| *kind == o.kind && *name == o.name))
+        .collect())
+}
+
+/// The objects in this connection's TEMP schema (`CREATE TEMP ...`); the
+/// engine makes none.
+pub(crate) fn temp_objects(conn: &Connection) -> rusqlite::Result<Vec<Reaching>> {
+    conn.prepare_cached("SELECT type, name FROM temp.sqlite_schema ORDER BY type, name")?
+        .query_map([], |r| {
+            Ok(Reaching {
+                kind: r.get(0)?,
+                name: r.get(1)?,
+            })
+        })?
+        .collect()
+}
+
+/// Refuses a file holding an object of [`reaching_engine_tables`], made by
+/// any connection (an application's migration, the `sqlite3` shell): what
+/// it does to postroom's rows no answer of postroom's accounts for.
+fn refuse_reaching_objects(conn: &Connection) -> Result<()> {
+    let found = reaching_engine_tables(conn).map_err(|e| Error::sqlite("read schema", e))?;
+    match found.first() {
+        None => Ok(()),
+        Some(object) => Err(Error::invalid(
+            "database",
+            format!(
+                "the application's {object} names a postroom table in its SQL ({} such \
+                 object(s)): a trigger, view, index or foreign key of the application's must \
+                 not reference, read, write or fire on postroom_* tables, whichever \
+                 connection runs it; drop it (DROP {} {}) and run `postroom check`",
+                found.len(),
+                object.kind.to_uppercase(),
+                object.name
+            ),
+        )),
+    }
 }
 
 /// Every table, index and trigger [`SCHEMA_SQL`] creates, as

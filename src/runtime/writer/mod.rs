@@ -718,6 +718,24 @@ impl WriterState {
                     }
                     return Ok(self.execute_each(batch, &mut live));
                 }
+                Ran::CommitRefused(error) => {
+                    // One job's writes failed a constraint at COMMIT: the
+                    // jobs commit one by one, so that only its own COMMIT
+                    // fails, answered with that error; the others commit
+                    // as if it had not been there.
+                    log::warn!(
+                        "postroom writer: a batch's COMMIT failed ({}); its jobs commit one \
+                         by one",
+                        Esc(&error)
+                    );
+                    self.roll_back();
+                    for (i, job) in batch.iter_mut().enumerate() {
+                        if live[i] {
+                            live[i] = job.rerun(&error);
+                        }
+                    }
+                    return Ok(self.execute_each(batch, &mut live));
+                }
             };
             let others = live
                 .iter()
@@ -770,13 +788,17 @@ impl WriterState {
                         live[i] = batch[i].rerun(&e);
                         continue;
                     }
-                    Ok(Ran::StorageFullIn(_, e) | Ran::CommitFull(e)) => e,
+                    Ok(Ran::StorageFullIn(_, e) | Ran::CommitFull(e) | Ran::CommitRefused(e)) => e,
                     Err(e) => e,
                 };
                 self.roll_back();
                 let full = matches!(error, Error::StorageFull { .. });
                 batch[i].give_up(error.duplicate());
                 live[i] = false;
+                if refused_at_commit(&error) {
+                    // This job's own writes: the next job's are not.
+                    continue;
+                }
                 if full && !full_once {
                     full_once = true;
                     self.checkpoint.note(&Err::<(), _>(error.duplicate()));
@@ -867,6 +889,10 @@ impl WriterState {
                 self.checkpoint.note(&Err::<(), _>(e.duplicate()));
                 return Ok(Ran::CommitFull(e));
             }
+            // A constraint checked only at COMMIT: one job's writes broke
+            // it, and which one is unknown (each handler's are checked when
+            // it returns, so this is the net under that check).
+            Err(e) if !alone && refused_at_commit(&e) => return Ok(Ran::CommitRefused(e)),
             Err(e) => return Err(e),
         }
         self.after_commit();
@@ -1044,6 +1070,16 @@ impl WriterState {
     }
 }
 
+/// True for a `COMMIT` that failed on a constraint (a deferred foreign
+/// key): the doing of some job's writes, not of the storage.
+fn refused_at_commit(error: &Error) -> bool {
+    matches!(
+        error,
+        Error::Sqlite { source, .. }
+            if source.sqlite_error_code() == Some(rusqlite::ErrorCode::ConstraintViolation)
+    )
+}
+
 /// Answers every job still `live` with `error` (nothing of it was
 /// stored): none runs again.
 fn give_up_live(batch: &mut [Box<dyn Job>], live: &mut [bool], error: &Error) {
@@ -1066,6 +1102,9 @@ enum Ran {
     /// `COMMIT` of several jobs met a full disk: which job's writes did not
     /// fit is unknown.
     CommitFull(Error),
+    /// `COMMIT` of several jobs failed a constraint: whose writes broke it
+    /// is unknown.
+    CommitRefused(Error),
 }
 
 enum Turn {
