@@ -867,6 +867,13 @@ mod cost {
             assert_eq!(guard.verify(&conn).unwrap(), None);
         }
         println!("verify: {:?}", t.elapsed() / n);
+        conn.execute_batch("BEGIN").unwrap();
+        let t = Instant::now();
+        for _ in 0..n {
+            assert_eq!(guard.leftovers(&conn), Leftovers::default());
+        }
+        println!("leftovers: {:?}", t.elapsed() / n);
+        conn.execute_batch("ROLLBACK").unwrap();
 
         // A delivery with a one-row handler, delivered from 4 threads so
         // batches form, as on a busy engine.

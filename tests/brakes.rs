@@ -63,7 +63,11 @@ fn past_the_bound_a_receive_stores_nothing_and_is_told_to_slow_down() {
                 let Error::Backlogged { backlog, limit, .. } = e else {
                     unreachable!()
                 };
-                assert_eq!((backlog, limit), (120, 100));
+                // The brake's count may be a moment old (it is read at
+                // most every so often): it is at least the bound, which is
+                // why the call was refused, and at most what is stored.
+                assert_eq!(limit, 100);
+                assert!((100..=120).contains(&backlog), "backlog {backlog}");
             }
             other => panic!("call {call}: {other:?}"),
         }

@@ -206,7 +206,10 @@ fn a_queued_deferred_foreign_key_does_not_stop_its_consumer() {
         stats.inbox["c"].completed == 199 && stats.inbox["c"].dead == 1
     });
     assert_eq!(
-        count(&conn, "SELECT count(*) FROM applied WHERE message_id <> 'p'"),
+        count(
+            &conn,
+            "SELECT count(*) FROM applied WHERE message_id <> 'p'"
+        ),
         199
     );
     let row = inbox_row(&conn, "c", "s", "p").unwrap();
@@ -285,7 +288,10 @@ fn a_trigger_on_an_app_table_that_writes_engine_tables_is_refused_from_anywhere(
     let answer = room
         .deliver("c", poison("p", "trigger-on-app-table"))
         .unwrap();
-    assert!(matches!(answer, Outcome::Dead { attempts: 1, .. }), "{answer:?}");
+    assert!(
+        matches!(answer, Outcome::Dead { attempts: 1, .. }),
+        "{answer:?}"
+    );
     assert!(
         error_of(&answer).contains("trigger wipe_keys"),
         "{answer:?}"
@@ -332,7 +338,10 @@ fn a_leaked_statement_fails_its_message_and_does_not_wedge_the_writer() {
     let dir = tempfile::tempdir().unwrap();
     let room = open(dir.path());
     let answer = room.deliver("c", poison("p", "leaked-statement")).unwrap();
-    assert!(matches!(answer, Outcome::Dead { attempts: 1, .. }), "{answer:?}");
+    assert!(
+        matches!(answer, Outcome::Dead { attempts: 1, .. }),
+        "{answer:?}"
+    );
     assert!(
         error_of(&answer).contains("statement running"),
         "{answer:?}"
@@ -370,8 +379,13 @@ fn a_foreign_key_to_an_engine_table_is_refused_and_retention_goes_on() {
         room.deliver("c", innocent("m1")).unwrap(),
         Outcome::Processed { .. }
     ));
-    let answer = room.deliver("c", poison("p", "fk-to-engine-table")).unwrap();
-    assert!(matches!(answer, Outcome::Dead { attempts: 1, .. }), "{answer:?}");
+    let answer = room
+        .deliver("c", poison("p", "fk-to-engine-table"))
+        .unwrap();
+    assert!(
+        matches!(answer, Outcome::Dead { attempts: 1, .. }),
+        "{answer:?}"
+    );
     assert!(error_of(&answer).contains("table r"), "{answer:?}");
     let conn = raw(&db);
     assert!(!schema_has(&conn, "r"));
@@ -397,7 +411,10 @@ fn temp_objects_do_not_outlive_their_message() {
     let dir = tempfile::tempdir().unwrap();
     let room = open(dir.path());
     let answer = room.deliver("c", poison("p", "temp-trigger")).unwrap();
-    assert!(matches!(answer, Outcome::Dead { attempts: 1, .. }), "{answer:?}");
+    assert!(
+        matches!(answer, Outcome::Dead { attempts: 1, .. }),
+        "{answer:?}"
+    );
     assert!(
         error_of(&answer).contains("may not leave TEMP objects behind (trigger tt)"),
         "{answer:?}"
@@ -429,14 +446,20 @@ fn refused_sql_names_its_rule_and_is_rejected() {
     let dir = tempfile::tempdir().unwrap();
     let room = open(dir.path());
     let answer = room.deliver("c", poison("p", "refused-pragma")).unwrap();
-    assert!(matches!(answer, Outcome::Dead { attempts: 1, .. }), "{answer:?}");
+    assert!(
+        matches!(answer, Outcome::Dead { attempts: 1, .. }),
+        "{answer:?}"
+    );
     assert!(
         error_of(&answer).contains("a handler may not change the connection: PRAGMA journal_mode"),
         "{answer:?}"
     );
     let closure = room.transaction(|tx| Ok(tx.execute_batch("COMMIT")?));
     let text = format!("{closure:?}");
-    assert!(text.contains("may not end or control the transaction"), "{text}");
+    assert!(
+        text.contains("may not end or control the transaction"),
+        "{text}"
+    );
     room.shutdown(Duration::from_secs(10)).unwrap();
 }
 
@@ -478,7 +501,10 @@ fn an_eight_thread_group_with_poisons_answers_every_innocent_as_without_them() {
     let conn = raw(&dir.path().join("app.db"));
     let innocents = rounds as i64 * (8 * per_thread as i64 - POISONS.len() as i64);
     assert_eq!(
-        count(&conn, "SELECT count(*) FROM applied WHERE CAST(payload AS TEXT) = 'fine'"),
+        count(
+            &conn,
+            "SELECT count(*) FROM applied WHERE CAST(payload AS TEXT) = 'fine'"
+        ),
         innocents
     );
     assert_eq!(
@@ -488,7 +514,13 @@ fn an_eight_thread_group_with_poisons_answers_every_innocent_as_without_them() {
         ),
         0
     );
-    assert_eq!(count(&conn, "SELECT count(*) FROM applied WHERE coalesce(CAST(payload AS TEXT), '') <> 'fine'"), 0);
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM applied WHERE coalesce(CAST(payload AS TEXT), '') <> 'fine'"
+        ),
+        0
+    );
     assert_eq!(count(&conn, "SELECT count(*) FROM child"), 0);
     Arc::try_unwrap(room)
         .ok()

@@ -586,7 +586,11 @@ pub(crate) fn reaching_engine_tables(conn: &Connection) -> rusqlite::Result<Vec<
     let ours: Vec<(String, &str)> = schema_objects().collect();
     Ok(found
         .into_iter()
-        .filter(|o| !ours.iter().any(|(kind, name)| *kind == o.kind && *name == o.name))
+        .filter(|o| {
+            !ours
+                .iter()
+                .any(|(kind, name)| *kind == o.kind && *name == o.name)
+        })
         .collect())
 }
 
