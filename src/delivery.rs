@@ -360,93 +360,146 @@ pub(crate) fn run_user_step(
             guard.run_handler(at.consumer, &at.msg.id, || body(&mut tx))
         }))
     };
-    if env.guard.transaction_lost(conn) {
-        // The guard keeps user code from ending the transaction, so SQLite
-        // rolled it back by itself: a full disk, an I/O error, or the
-        // handler's `OR ROLLBACK`. Nothing of this batch was stored. A
-        // transaction the connection is in now was begun by the handler's
-        // own `SAVEPOINT` after that: its writes are not the engine's to
-        // commit.
-        drop_transaction(conn)?;
-        return Err(rolled_back("handler", result.ok().and_then(Result::err)));
-    }
+    let succeeded = matches!(result, Ok(Ok(())));
     // Before anything is recorded: the state dedupe and the engine's writes
     // rest on, and what the group's COMMIT will check (see `guard`).
-    let broken = check_left_state(conn, env.guard)?;
+    let broken = match check_left_state(conn, env.guard, succeeded)? {
+        // The guard keeps user code from ending the transaction, so SQLite
+        // rolled it back by itself: a full disk, an I/O error, or the
+        // handler's `OR ROLLBACK`. Nothing of this batch was stored.
+        Left::Lost => return Err(rolled_back("handler", result.ok().and_then(Result::err))),
+        Left::Broken(failure) => Some(failure),
+        Left::Sound => None,
+    };
     let failure = match result {
+        // A refused statement is the first cause, whatever it left.
+        Ok(Err(failure)) if refused_by_the_allowlist(env.guard, &failure) => {
+            Some(name_the_rule(env.guard, failure))
+        }
         _ if broken.is_some() => broken,
         Ok(Ok(())) => None,
-        Ok(Err(failure)) => Some(name_the_rule(env.guard, failure)),
+        Ok(Err(failure)) => Some(failure),
         Err(panic) => Some(Failure::retry(format_args!(
             "handler panicked: {}",
             panic_message(panic.as_ref())
         ))),
     };
-    if failure.is_some() {
-        exec(conn, "ROLLBACK TO postroom_handler")?;
+    if !end_savepoint(conn, failure.is_some())? {
+        return Err(rolled_back("handler", None));
     }
-    exec(conn, "RELEASE postroom_handler")?;
     Ok(failure)
 }
 
-/// Rolls back a transaction user code began after SQLite rolled the
-/// engine's back (see [`UserCodeGuard::transaction_lost`]).
-pub(crate) fn drop_transaction(conn: &Connection) -> Result<()> {
-    if conn.is_autocommit() {
-        return Ok(());
+/// Ends user code's `postroom_handler` savepoint, rolling its writes back
+/// first when `roll_back`. `Ok(false)`: the savepoint was gone, so the
+/// transaction it was in is: SQLite rolled it back (`OR ROLLBACK`,
+/// `RAISE(ROLLBACK)`) and user code's own `SAVEPOINT` began a new one,
+/// which is rolled back here (it is user code's alone; nothing of it may
+/// commit). User code cannot release or roll back the engine's savepoints
+/// (the allowlist), and its own nest inside this one, so a missing
+/// savepoint means exactly that.
+pub(crate) fn end_savepoint(conn: &Connection, roll_back: bool) -> Result<bool> {
+    let ended = if roll_back {
+        exec(conn, "ROLLBACK TO postroom_handler")
+            .and_then(|()| exec(conn, "RELEASE postroom_handler"))
+    } else {
+        exec(conn, "RELEASE postroom_handler")
+    };
+    match ended {
+        Ok(()) => Ok(true),
+        Err(e) if no_such_savepoint(&e) => {
+            if !conn.is_autocommit() {
+                exec(conn, "ROLLBACK")?;
+            }
+            Ok(false)
+        }
+        Err(e) => Err(e),
     }
-    exec(conn, "ROLLBACK")
 }
 
-/// Checks, after user code returned with its transaction intact, the state
-/// the engine relies on before it records or commits anything, and returns
-/// the failure of this attempt when any is off (see `guard`):
+/// SQLite's answer to `RELEASE` or `ROLLBACK TO` a savepoint that does not
+/// exist: a plain `SQLITE_ERROR` saying so.
+fn no_such_savepoint(e: &Error) -> bool {
+    matches!(e, Error::Sqlite { source, .. }
+        if source.sqlite_error_code() == Some(ErrorCode::Unknown)
+            && source.to_string().contains("no such savepoint"))
+}
+
+/// What [`check_left_state`] found.
+pub(crate) enum Left {
+    /// SQLite rolled the transaction user code ran in back: nothing of the
+    /// batch stands. (One that user code began after that, with a
+    /// `SAVEPOINT` of its own, is found by [`end_savepoint`].)
+    Lost,
+    /// User code broke a rule: this attempt fails so.
+    Broken(Failure),
+    Sound,
+}
+
+/// Checks, first thing after user code returned, the state the engine
+/// relies on before it records or commits anything (see `guard`):
+/// * statements it leaked are finalized; one still running rejects the
+///   attempt (a bug of the handler's: it would keep every later savepoint
+///   and commit busy). First, as finalizing one can end the transaction;
+/// * the connection is still in a transaction ([`Left::Lost`] if not);
 /// * the connection's settings are as configured ([`UserCodeGuard::verify`]
-///   restores them): rejected, the code would do it again;
-/// * no statement user code prepared is still running (those found are
-///   reset): rejected, a leak is a bug of the handler's;
+///   restores them): rejected, the code would do it again.
+///
+/// And when user code succeeded (a failure's writes are rolled back with
+/// its savepoint, which undoes these):
 /// * no deferred foreign-key violation is pending: retried with backoff
 ///   (an out-of-order child whose parent has not arrived yet), dead after
 ///   `max_attempts`. Left in, it would fail the whole group's `COMMIT`;
-/// * after a schema change only: no object of the application's names a
-///   postroom table ([`schema::reaching_engine_tables`]), and the TEMP
-///   schema is empty: rejected.
+/// * after a schema change only: no object it made names a postroom table
+///   ([`schema::reaching_among`]), and the TEMP schema is empty: rejected.
 ///
-/// The caller rolls this attempt's writes back on a failure (the handler's
-/// savepoint, or the job's), which undoes the violation, the object, and
-/// restores the schema.
+/// An engine statement still running is an `Err`: the batch fails (it is
+/// postroom's bug, not the message's).
 pub(crate) fn check_left_state(
     conn: &Connection,
     guard: &UserCodeGuard,
-) -> Result<Option<Failure>> {
+    succeeded: bool,
+) -> Result<Left> {
+    let left = guard.leftovers(conn);
+    if left.engine_statement_busy {
+        log::error!("postroom: an engine statement is still running after user code (a bug)");
+        return Err(Error::Aborted {
+            reason: "a statement of the engine's was still running after user code returned \
+                     (a postroom bug: please report it)"
+                .into(),
+        });
+    }
+    if conn.is_autocommit() {
+        return Ok(Left::Lost);
+    }
     if let Some(changed) = guard
         .verify(conn)
         .map_err(|e| Error::sqlite("verify connection state", e))?
     {
-        return Ok(Some(Failure::reject(changed)));
+        return Ok(Left::Broken(Failure::reject(changed)));
     }
-    let left = guard.leftovers(conn);
-    if left.statements_reset > 0 || left.engine_statement_busy {
-        return Ok(Some(Failure::reject(format_args!(
+    if left.leaked_running > 0 {
+        return Ok(Left::Broken(Failure::reject(format_args!(
             "a handler must not leave a statement running: {} statement(s) it prepared were \
              still stepping when it returned (leaked, with mem::forget or a cycle?); postroom \
-             reset them and failed this attempt",
-            left.statements_reset.max(1)
+             finalized them and failed this attempt",
+            left.leaked_running
         ))));
     }
-    if left.deferred_fk_violations > 0 {
-        return Ok(Some(Failure::retry(format_args!(
-            "the handler's writes leave {} deferred foreign-key constraint(s) unmet (a row \
-             whose parent has not arrived yet?): its transaction could not commit; retried \
-             with backoff",
-            left.deferred_fk_violations
-        ))));
+    if !succeeded {
+        return Ok(Left::Sound);
+    }
+    if left.deferred_fk_violation {
+        return Ok(Left::Broken(Failure::retry(
+            "the writes leave a deferred foreign-key constraint unmet (a row whose parent has \
+             not arrived yet?): the transaction could not commit",
+        )));
     }
     if left.schema_changed {
-        let reaching = schema::reaching_engine_tables(conn)
+        let reaching = schema::reaching_among(conn, &left.made)
             .map_err(|e| Error::sqlite("check the schema after user code", e))?;
         if let Some(object) = reaching.first() {
-            return Ok(Some(Failure::reject(format_args!(
+            return Ok(Left::Broken(Failure::reject(format_args!(
                 "a handler may not create {object}: its SQL names a postroom table, and an \
                  object of the application's must not reference, read, write or fire on \
                  postroom_* tables (whichever connection runs it later)"
@@ -455,13 +508,13 @@ pub(crate) fn check_left_state(
         let temp = schema::temp_objects(conn)
             .map_err(|e| Error::sqlite("check the TEMP schema after user code", e))?;
         if let Some(object) = temp.first() {
-            return Ok(Some(Failure::reject(format_args!(
+            return Ok(Left::Broken(Failure::reject(format_args!(
                 "a handler may not leave TEMP objects behind ({object}): they would outlive \
                  its message on the shared connection; drop them before returning"
             ))));
         }
     }
-    Ok(None)
+    Ok(Left::Sound)
 }
 
 /// A handler's failure after the allowlist refused one of its statements
@@ -469,14 +522,18 @@ pub(crate) fn check_left_state(
 /// runs the same SQL, refused the same way; the handler is to be fixed,
 /// and the message replayed from the dead letters.
 pub(crate) fn name_the_rule(guard: &UserCodeGuard, failure: Failure) -> Failure {
-    match (&failure, guard.refused()) {
-        (Failure::Sqlite(e), Some(rule))
-            if e.sqlite_error_code() == Some(ErrorCode::AuthorizationForStatementDenied) =>
-        {
-            Failure::reject(format_args!("{rule} (sqlite: {e})"))
-        }
+    match (refused_by_the_allowlist(guard, &failure), guard.refused()) {
+        (true, Some(rule)) => Failure::reject(format_args!("{rule} (sqlite: not authorized)")),
         _ => failure,
     }
+}
+
+/// True when `failure` is a statement the allowlist refused in user
+/// code's last run.
+pub(crate) fn refused_by_the_allowlist(guard: &UserCodeGuard, failure: &Failure) -> bool {
+    matches!(failure, Failure::Sqlite(e)
+        if e.sqlite_error_code() == Some(ErrorCode::AuthorizationForStatementDenied))
+        && guard.refused().is_some()
 }
 
 /// Records the result of an attempt: completed, or failed with backoff, or

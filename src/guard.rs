@@ -390,39 +390,59 @@ fn refusal(action: &AuthAction<'_>) -> String {
     }
 }
 
+/// The `main` object a schema change creates or alters, if it is one.
+/// (TEMP objects are checked whole; drops leave nothing.)
+fn made_in_main<'a>(action: &AuthAction<'a>) -> Option<&'a str> {
+    match *action {
+        AuthAction::CreateTable { table_name } => Some(table_name),
+        AuthAction::AlterTable {
+            database_name,
+            table_name,
+        } if !database_name.eq_ignore_ascii_case("temp") => Some(table_name),
+        AuthAction::CreateIndex { index_name, .. } => Some(index_name),
+        AuthAction::CreateTrigger { trigger_name, .. } => Some(trigger_name),
+        AuthAction::CreateView { view_name } => Some(view_name),
+        AuthAction::CreateVtable { table_name, .. } => Some(table_name),
+        _ => None,
+    }
+}
+
 /// What [`UserCodeGuard::leftovers`] found.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub(crate) struct Leftovers {
-    /// User code's statements found still running, and reset.
-    pub statements_reset: usize,
-    /// A statement not of user code's still runs after the reset: the
-    /// connection cannot take a savepoint or commit.
+    /// User code's leaked statements that were still running (all its
+    /// leaked ones were finalized).
+    pub leaked_running: usize,
+    /// A statement not of user code's still runs: the connection cannot
+    /// take a savepoint or commit (an engine bug, not the handler's).
     pub engine_statement_busy: bool,
-    /// Deferred foreign-key violations pending in the transaction.
-    pub deferred_fk_violations: i32,
+    /// A deferred foreign-key violation is pending in the transaction.
+    pub deferred_fk_violation: bool,
     /// User code prepared a schema change: the schema is to be checked.
     pub schema_changed: bool,
+    /// The `main` objects it prepared to create or alter.
+    pub made: Vec<String>,
 }
 
 /// The two facts of the connection that only SQLite's C API gives: the
 /// deferred foreign-key violations pending (`sqlite3_db_status`), and the
-/// statements still running (`sqlite3_next_stmt`, `sqlite3_stmt_busy`),
-/// with the reset of those user code leaked. rusqlite offers neither; no
-/// SQL reads them.
+/// statements alive (`sqlite3_next_stmt`, `sqlite3_stmt_busy`), with the
+/// finalizing of those user code leaked. rusqlite offers neither; no SQL
+/// reads them.
 ///
 /// Why `unsafe` here, and why it is sound (the crate denies `unsafe`
 /// everywhere else):
 /// * the handle is the live connection `conn` borrows, used on the thread
-///   that holds `conn`, for calls SQLite documents as safe on an open
-///   connection;
-/// * a statement is reset only when its SQL carries user code's tag and it
-///   is still running after user code returned. User code's statements
-///   borrow the `Tx`, so once it returned no Rust value can use one: a
-///   running one was leaked (`mem::forget`, `Box::leak`, a cycle) and will
-///   never be stepped, reset or finalized by its owner. Resetting it frees
-///   nothing (it stays allocated, as leaked), it only ends its run and its
-///   hold on the transaction. Statements of the engine (untagged) are never
-///   touched.
+///   that holds `conn`, for calls SQLite documents on an open connection;
+/// * a statement is finalized only when its SQL carries user code's tag
+///   (every statement `Tx` prepares does; the engine's never do), once user
+///   code has returned and the statement cache was flushed. User code's
+///   statements borrow its `Tx`, and nothing user code returns may borrow
+///   it (`transaction` results are `'static`), so then no Rust value owns
+///   one: a statement still there was leaked (`mem::forget`, `Box::leak`, a
+///   cycle), and its owner will never step, reset or finalize it. The
+///   caller guarantees "once user code returned" (`leftovers`, and the
+///   writer's close).
 #[allow(unsafe_code)]
 mod raw {
     use std::ffi::CStr;
@@ -451,30 +471,32 @@ mod raw {
         }
     }
 
-    /// Resets every running statement whose SQL starts with `tag`;
-    /// returns how many.
-    pub(super) fn reset_user_statements(conn: &Connection, tag: &str) -> usize {
-        let mut reset = 0;
+    /// Finalizes every statement whose SQL starts with `tag`; returns how
+    /// many of them were running. The caller has flushed the statement
+    /// cache and guarantees no Rust value owns such a statement.
+    pub(super) fn finalize_user_statements(conn: &Connection, tag: &str) -> usize {
+        let mut running = 0;
         // SAFETY: see the module doc. The list is walked on the thread that
-        // holds the connection; a reset does not unlink a statement.
+        // holds the connection; the next statement is taken before one is
+        // finalized (finalizing unlinks it).
         unsafe {
             let db = conn.handle();
             let mut stmt = ffi::sqlite3_next_stmt(db, ptr::null_mut());
             while !stmt.is_null() {
-                if ffi::sqlite3_stmt_busy(stmt) != 0 {
-                    let sql = ffi::sqlite3_sql(stmt);
-                    if !sql.is_null() && CStr::from_ptr(sql).to_bytes().starts_with(tag.as_bytes())
-                    {
-                        // Its error is the statement's last one, already
-                        // met by whoever stepped it.
-                        ffi::sqlite3_reset(stmt);
-                        reset += 1;
+                let next = ffi::sqlite3_next_stmt(db, stmt);
+                let sql = ffi::sqlite3_sql(stmt);
+                if !sql.is_null() && CStr::from_ptr(sql).to_bytes().starts_with(tag.as_bytes()) {
+                    if ffi::sqlite3_stmt_busy(stmt) != 0 {
+                        running += 1;
                     }
+                    // Its error is the statement's last one, already met by
+                    // whoever stepped it.
+                    ffi::sqlite3_finalize(stmt);
                 }
-                stmt = ffi::sqlite3_next_stmt(db, stmt);
+                stmt = next;
             }
         }
-        reset
+        running
     }
 }
 
@@ -556,11 +578,9 @@ pub(crate) struct UserCodeGuard {
     /// [`leftovers`](UserCodeGuard::leftovers): only then can the schema
     /// hold something new to check.
     schema_touched: Arc<AtomicBool>,
-    /// Set by the rollback hook: a transaction was rolled back whole since
-    /// user code began (SQLite's own rollback after `OR ROLLBACK` or a
-    /// `RAISE(ROLLBACK)`, or a vetoed commit). A `SAVEPOINT` run after it
-    /// starts a new transaction, so `is_autocommit` alone cannot tell.
-    rolled_back: Arc<AtomicBool>,
+    /// The `main` objects user code prepared to create or alter since the
+    /// last `leftovers`: those it may have made.
+    made: Arc<Mutex<Vec<String>>>,
     /// The first statement the allowlist refused since user code began, as
     /// the rule that refused it.
     refused: Arc<Mutex<Option<String>>>,
@@ -590,7 +610,7 @@ impl UserCodeGuard {
             engine_inside: Arc::default(),
             pragma_seen: Arc::default(),
             schema_touched: Arc::default(),
-            rolled_back: Arc::default(),
+            made: Arc::default(),
             refused: Arc::default(),
             expected: Arc::new(Mutex::new(Expected::read(conn)?)),
             running: Arc::default(),
@@ -599,6 +619,7 @@ impl UserCodeGuard {
         let engine_inside = Arc::clone(&guard.engine_inside);
         let pragma_seen = Arc::clone(&guard.pragma_seen);
         let schema_touched = Arc::clone(&guard.schema_touched);
+        let made = Arc::clone(&guard.made);
         let refused = Arc::clone(&guard.refused);
         conn.authorizer(Some(move |ctx: AuthContext<'_>| {
             if !in_user_code.load(Ordering::Relaxed) || engine_inside.load(Ordering::Relaxed) {
@@ -609,6 +630,11 @@ impl UserCodeGuard {
             }
             if schema_change_allowed(&ctx.action).is_some() {
                 schema_touched.store(true, Ordering::Relaxed);
+                if let Some(name) = made_in_main(&ctx.action) {
+                    made.lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .push(name.to_owned());
+                }
             }
             if user_code_may(&ctx.action) {
                 Authorization::Allow
@@ -625,8 +651,10 @@ impl UserCodeGuard {
         }))?;
         let in_user_code = Arc::clone(&guard.in_user_code);
         conn.commit_hook(Some(move || in_user_code.load(Ordering::Relaxed)))?;
-        let rolled_back = Arc::clone(&guard.rolled_back);
-        conn.rollback_hook(Some(move || rolled_back.store(true, Ordering::Relaxed)))?;
+        // No rollback hook: rusqlite 0.43 frees its closure before SQLite's
+        // close rolls an open transaction back and calls it (a
+        // use-after-free, seen as a SIGSEGV). A transaction lost under user
+        // code is found by its savepoint instead (`delivery::end_savepoint`).
         Ok(guard)
     }
 
@@ -660,23 +688,14 @@ impl UserCodeGuard {
     }
 
     /// Runs `f` with the allowlist applied and commits vetoed. What `f`
-    /// leaves is for [`transaction_lost`](Self::transaction_lost),
-    /// [`refused`](Self::refused), [`verify`](Self::verify) and
-    /// [`leftovers`](Self::leftovers) to find.
+    /// leaves is for [`refused`](Self::refused), [`verify`](Self::verify)
+    /// and [`leftovers`](Self::leftovers) to find.
     pub fn run<T>(&self, f: impl FnOnce() -> T) -> T {
-        self.rolled_back.store(false, Ordering::Relaxed);
         self.refused
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         set_during(&self.in_user_code, true, f)
-    }
-
-    /// True when the transaction user code ran in is gone: SQLite rolled it
-    /// back (the connection may be in a new one, begun by a `SAVEPOINT`
-    /// user code ran afterwards: that one is user code's alone).
-    pub fn transaction_lost(&self, conn: &Connection) -> bool {
-        conn.is_autocommit() || self.rolled_back.load(Ordering::Relaxed)
     }
 
     /// The rule that refused the first statement user code prepared in its
@@ -689,31 +708,44 @@ impl UserCodeGuard {
     }
 
     /// What user code's last run left on `conn` that the engine must not
-    /// build on, checked after [`verify`](Self::verify):
-    /// * a statement it prepared still running (stepped, never reset:
-    ///   leaked with `mem::forget`, say), which would keep every later
-    ///   `SAVEPOINT` and `COMMIT` busy; such statements are reset here;
-    /// * a deferred foreign-key violation, which would fail the batch's
-    ///   `COMMIT` for every job in it;
-    /// * a schema change, for the caller to check the schema
-    ///   ([`Leftovers::schema_changed`]).
+    /// build on, read first thing after it returned:
+    /// * statements it prepared and leaked (`mem::forget`, `Box::leak`, a
+    ///   cycle): all are finalized here. One still running would keep every
+    ///   later `SAVEPOINT` and `COMMIT` busy; [`Leftovers::leaked_running`]
+    ///   counts those;
+    /// * whether a deferred foreign-key violation is pending, which would
+    ///   fail the batch's `COMMIT` for every job in it;
+    /// * whether it prepared a schema change, and the `main` objects it
+    ///   prepared to create or alter, for the caller to check.
     ///
-    /// Costs two C calls (no SQL) and an atomic unless user code prepared
-    /// a schema change. When it did, the statement cache is flushed, so no
-    /// schema change prepared in this run can later run from the cache
-    /// without meeting the authorizer again.
+    /// Costs two C calls (no SQL) and an atomic unless user code leaked a
+    /// statement or prepared a schema change. When it did either, the
+    /// statement cache is flushed: no schema change prepared in this run can
+    /// then run later from the cache without meeting the authorizer again,
+    /// and every statement of user code's still alive after it is leaked.
     pub fn leftovers(&self, conn: &Connection) -> Leftovers {
         let mut left = Leftovers::default();
-        if conn.is_busy() {
-            left.statements_reset = raw::reset_user_statements(conn, USER_SQL_TAG);
-            left.engine_statement_busy = conn.is_busy();
-        }
-        left.deferred_fk_violations = raw::deferred_fk_violations(conn);
         if self.schema_touched.swap(false, Ordering::Relaxed) {
             conn.flush_prepared_statement_cache();
             left.schema_changed = true;
+            left.made =
+                std::mem::take(&mut *self.made.lock().unwrap_or_else(PoisonError::into_inner));
         }
+        if conn.is_busy() {
+            left.leaked_running = self.release_leaked(conn);
+            left.engine_statement_busy = conn.is_busy();
+        }
+        left.deferred_fk_violation = raw::deferred_fk_violations(conn) > 0;
         left
+    }
+
+    /// Finalizes every statement of user code's that no Rust value owns:
+    /// after the statement cache is flushed, while no user code runs (after
+    /// it returned; at close), every statement left with user code's tag
+    /// was leaked. Returns how many of them were still running.
+    pub fn release_leaked(&self, conn: &Connection) -> usize {
+        conn.flush_prepared_statement_cache();
+        raw::finalize_user_statements(conn, USER_SQL_TAG)
     }
 
     /// Runs engine code `f` from inside user code (a `Tx` method that

@@ -78,6 +78,23 @@ fn handle(tx: &mut Tx<'_>, msg: &Message) -> Result<(), Failure> {
             std::mem::forget(rows);
             std::mem::forget(stmt);
         }
+        b"leak-then-rollback" => {
+            // A running statement, then SQLite rolls the transaction back.
+            let mut stmt = tx.prepare(
+                "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < 100)
+                 SELECT x FROM n",
+            )?;
+            let mut rows = stmt.query([])?;
+            rows.next()?;
+            std::mem::forget(rows);
+            std::mem::forget(stmt);
+            let _ = tx.execute("INSERT OR ROLLBACK INTO once VALUES (1)", []);
+        }
+        b"leak-idle" => {
+            // Leaked before it ran: not running, so no rule is broken, but
+            // the write connection could not close with it alive.
+            std::mem::forget(tx.prepare("SELECT 1")?);
+        }
         b"fk-to-engine-table" => {
             tx.execute_batch("CREATE TABLE r (iid INTEGER REFERENCES postroom_inbox(id))")?;
         }
@@ -357,9 +374,41 @@ fn a_leaked_statement_fails_its_message_and_does_not_wedge_the_writer() {
             .unwrap();
         assert_eq!(n, i + 1);
     }
+    // A leak beside a rolled-back transaction: its own failure, not the
+    // next message's.
+    let answer = room
+        .deliver("c", poison("q", "leak-then-rollback"))
+        .unwrap();
+    assert!(
+        matches!(answer, Outcome::Failed { attempts: 1, .. }),
+        "{answer:?}"
+    );
+    assert!(error_of(&answer).contains("rolled back"), "{answer:?}");
+    assert!(matches!(
+        room.deliver("c", innocent("after-q")).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    ));
+    assert!(matches!(
+        room.deliver("c", poison("idle", "leak-idle")).unwrap(),
+        Outcome::Processed { attempts: 1 }
+    ));
     let conn = raw(&dir.path().join("app.db"));
     assert_eq!(applied_count(&conn, "p"), 0);
+    drop(conn);
     room.shutdown(Duration::from_secs(10)).unwrap();
+    // The leaked statements were finalized: the write connection closed,
+    // with its files (Linux: no descriptor left on the -wal or -shm).
+    if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
+        let open: Vec<_> = fds
+            .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+            .filter(|target| target.starts_with(dir.path()))
+            .filter(|target| {
+                let name = target.to_string_lossy();
+                name.ends_with("-wal") || name.ends_with("-shm")
+            })
+            .collect();
+        assert!(open.is_empty(), "still open after shutdown: {open:?}");
+    }
 }
 
 /// 5. A foreign key to an engine table is refused: retention keeps
@@ -402,6 +451,21 @@ fn a_foreign_key_to_an_engine_table_is_refused_and_retention_goes_on() {
         inbox_row(&conn, "c", "s", "m1").is_none()
     });
     room.shutdown(Duration::from_secs(10)).unwrap();
+    // Made from outside (an application's migration): refused at open,
+    // named. A view over postroom's tables is not (it only reads).
+    conn.execute_batch(
+        "CREATE VIEW app_dead AS SELECT id FROM postroom_inbox WHERE status = 'dead';
+         CREATE TABLE r3 (iid INTEGER REFERENCES postroom_inbox(id));",
+    )
+    .unwrap();
+    let refused = builder().open(&db).err().expect("open refuses");
+    assert!(refused.to_string().contains("table r3"), "{refused}");
+    conn.execute_batch("DROP TABLE r3").unwrap();
+    builder()
+        .open(&db)
+        .expect("a view is fine")
+        .shutdown(Duration::from_secs(10))
+        .unwrap();
 }
 
 /// 6. TEMP objects do not outlive their message: the one that made them

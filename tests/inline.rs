@@ -684,8 +684,8 @@ fn sql_running_engine(dir: &tempfile::TempDir) -> Postroom {
     )
 }
 
-/// Delivers each statement as a message: each attempt fails "not
-/// authorized" and commits nothing of itself.
+/// Delivers each statement as a message: each is dead at once, "not
+/// authorized" with the rule named, and commits nothing of itself.
 fn assert_refused(room: &Postroom, prefix: &str, statements: &[&str]) {
     let conn = raw(room.path());
     for (i, sql) in statements.iter().enumerate() {
@@ -693,10 +693,13 @@ fn assert_refused(room: &Postroom, prefix: &str, statements: &[&str]) {
         let outcome = room
             .deliver("c", Message::new("b", id.clone(), *sql))
             .unwrap();
-        let Outcome::Failed { error, .. } = &outcome else {
+        // Dead at once: the same SQL is refused the same way on every
+        // attempt; the answer names the rule.
+        let Outcome::Dead { error, attempts: 1 } = &outcome else {
             panic!("{sql}: {outcome:?}")
         };
         assert!(error.contains("not authorized"), "{sql}: {error}");
+        assert!(error.contains("a handler may not"), "{sql}: {error}");
         assert_eq!(
             applied_count(&conn, &id),
             0,

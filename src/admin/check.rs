@@ -265,9 +265,10 @@ fn check_triggers(conn: &Connection, report: &mut CheckReport) -> Result<()> {
                 "trigger {name} is not the one the schema ships (its SQL differs): what \
                      it keeps is not kept as the engine relies on; restore it from schema.sql"
             ))),
-            // Reported below, with every other object that reaches the
-            // engine's tables.
-            TriggerFinding::Foreign { .. } => {}
+            TriggerFinding::Foreign { name, table } => report.warning(finding(format!(
+                "trigger {name} on {table} is not postroom's: it runs inside the engine's \
+                     statements, so make sure it neither changes nor ignores them"
+            ))),
         }
     }
     for object in schema::reaching_engine_tables(conn).map_err(sql("check schema objects"))? {
@@ -276,9 +277,10 @@ fn check_triggers(conn: &Connection, report: &mut CheckReport) -> Result<()> {
             table: "sqlite_master",
             id: 0,
             detail: format!(
-                "the application's {object} names a postroom table in its SQL: an object of \
-                 the application's must not reference, read, write or fire on postroom_* \
-                 tables (the engine refuses to open the file); drop it"
+                "the application's {object} reaches postroom's tables (a foreign key to one, \
+                 or a trigger on an application table that names one): it acts on the \
+                 engine's rows from outside it, and the engine refuses to open the file; \
+                 drop it"
             ),
         });
     }

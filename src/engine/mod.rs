@@ -575,19 +575,33 @@ impl Postroom {
     {
         self.submit(move |w| {
             let guard = w.guard;
+            // In a savepoint of its own, as a handler runs: a transaction
+            // SQLite rolled back under it, and one it began after that,
+            // are found by the savepoint missing.
+            delivery::exec(w.conn, "SAVEPOINT postroom_handler")?;
             let mut tx = Tx::new(w.conn, w.config, guard, w.clock.now_ms(), None);
             let result = panic::catch_unwind(AssertUnwindSafe(|| guard.run(|| f(&mut tx))));
-            if guard.transaction_lost(w.conn) {
-                // SQLite rolled back by itself (see `guard`); a transaction
-                // open now is one `f` began after that.
-                delivery::drop_transaction(w.conn)?;
-                return Err(delivery::rolled_back(
-                    "transaction",
-                    result.ok().and_then(Result::err),
-                ));
+            // As after a handler (see `delivery::run_user_step`); a
+            // refused statement is the first cause, whatever it left.
+            let succeeded = matches!(result, Ok(Ok(_)));
+            let broken = match delivery::check_left_state(w.conn, guard, succeeded)? {
+                // SQLite rolled back by itself (see `guard`).
+                delivery::Left::Lost => {
+                    return Err(delivery::rolled_back(
+                        "transaction",
+                        result.ok().and_then(Result::err),
+                    ))
+                }
+                delivery::Left::Broken(failure) => Some(failure),
+                delivery::Left::Sound => None,
+            };
+            let refused =
+                matches!(&result, Ok(Err(f)) if delivery::refused_by_the_allowlist(guard, f));
+            let fails = broken.is_some() || !matches!(result, Ok(Ok(_)));
+            if !delivery::end_savepoint(w.conn, fails)? {
+                return Err(delivery::rolled_back("transaction", None));
             }
-            // As after a handler (see `delivery::run_user_step`).
-            if let Some(failure) = delivery::check_left_state(w.conn, guard)? {
+            if let (Some(failure), false) = (broken, refused) {
                 return Err(Error::Aborted {
                     reason: failure.to_string(),
                 });

@@ -353,17 +353,20 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
         }
         // A file at version `found` takes every step from there on.
         Some(found @ 1..SCHEMA_VERSION) => {
+            refuse_reaching_objects(&tx)?;
             for step in &MIGRATIONS[usize::try_from(found - 1).unwrap_or(0)..] {
                 step(&tx)?;
             }
         }
-        Some(found) => check_version(found)?,
+        Some(found) => {
+            check_version(found)?;
+            refuse_reaching_objects(&tx)?;
+        }
     }
     forget_statistics(&tx).map_err(|e| Error::sqlite("forget statistics", e))?;
     refuse_missing_triggers(&tx, &[])?;
     refuse_incomplete_schema(&tx)?;
     refuse_altered_triggers(&tx)?;
-    refuse_reaching_objects(&tx)?;
     failpoint::hit("schema.migrate")?;
     tx.commit().map_err(|e| Error::sqlite("commit schema", e))
 }
@@ -546,13 +549,9 @@ pub(crate) fn audit_triggers(conn: &Connection) -> rusqlite::Result<Vec<TriggerF
     Ok(found)
 }
 
-/// An object of the application's (not one [`SCHEMA_SQL`] creates) whose
-/// SQL names one of postroom's tables: a trigger on one or whose body
-/// writes or reads one, a view over one, a table with a foreign key to one,
-/// an index on one. Whichever connection later runs it (the app's own, the
-/// `sqlite3` shell), it acts on the engine's rows outside the engine: a
-/// trigger that deletes dedupe keys, a foreign key that makes every
-/// retention delete fail.
+/// An object of the application's (not one [`SCHEMA_SQL`] creates) that
+/// reaches postroom's tables: found by [`reaching_engine_tables`] (made by
+/// any connection) or [`reaching_among`] (made by user code).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Reaching {
     /// `table`, `index`, `trigger` or `view`.
@@ -566,17 +565,14 @@ impl std::fmt::Display for Reaching {
     }
 }
 
-/// The objects of [`Reaching`], in `main`. The test is textual and errs
-/// on the safe side: any mention of the `postroom_` prefix in an object's
-/// SQL (an identifier, quoted or not, in any case; a comment too) counts.
-/// SQL has no way to spell an identifier other than by writing it.
-pub(crate) fn reaching_engine_tables(conn: &Connection) -> rusqlite::Result<Vec<Reaching>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT type, name FROM main.sqlite_schema
-         WHERE sql LIKE '%postroom\\_%' ESCAPE '\\' ORDER BY type, name",
-    )?;
-    let found = stmt
-        .query_map([], |r| {
+fn reaching_rows(
+    conn: &Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> rusqlite::Result<Vec<Reaching>> {
+    let found = conn
+        .prepare_cached(sql)?
+        .query_map(params, |r| {
             Ok(Reaching {
                 kind: r.get(0)?,
                 name: r.get(1)?,
@@ -594,6 +590,60 @@ pub(crate) fn reaching_engine_tables(conn: &Connection) -> rusqlite::Result<Vec<
         .collect())
 }
 
+/// The application's objects, made by any connection (a migration, the
+/// `sqlite3` shell), that act on postroom's rows from outside the engine,
+/// whichever connection later runs them:
+/// * a table with a foreign key to a postroom table: every delete of a
+///   referenced row (retention) fails;
+/// * a trigger on one of the application's tables whose SQL names a
+///   postroom table: an update by any connection writes the engine's rows
+///   (a `DELETE FROM postroom_inbox_keys` reopens every key).
+///
+/// Not among them: views and indexes (they read), and triggers on a
+/// postroom table (they run inside the engine's own statements;
+/// [`audit_triggers`] reports them, and `postroom check` warns).
+pub(crate) fn reaching_engine_tables(conn: &Connection) -> rusqlite::Result<Vec<Reaching>> {
+    let mut found = reaching_rows(
+        conn,
+        "SELECT DISTINCT 'table', m.name FROM main.sqlite_schema AS m,
+                pragma_foreign_key_list(m.name) AS f
+         WHERE m.type = 'table' AND f.\"table\" LIKE 'postroom\\_%' ESCAPE '\\'
+         ORDER BY m.name",
+        [],
+    )?;
+    found.extend(reaching_rows(
+        conn,
+        "SELECT type, name FROM main.sqlite_schema
+         WHERE type = 'trigger' AND tbl_name NOT LIKE 'postroom\\_%' ESCAPE '\\'
+           AND sql LIKE '%postroom\\_%' ESCAPE '\\'
+         ORDER BY name",
+        [],
+    )?);
+    Ok(found)
+}
+
+/// Those of the objects named `names` (made or altered by user code in
+/// one run) whose SQL names a postroom table, in `main`. Stricter than
+/// [`reaching_engine_tables`], and textual on the safe side: user code may
+/// not make any object that mentions the `postroom_` prefix (an
+/// identifier, quoted or not, in any case; a comment too), as SQL has no
+/// other way to spell an identifier.
+pub(crate) fn reaching_among(
+    conn: &Connection,
+    names: &[String],
+) -> rusqlite::Result<Vec<Reaching>> {
+    let mut found = Vec::new();
+    for name in names {
+        found.extend(reaching_rows(
+            conn,
+            "SELECT type, name FROM main.sqlite_schema
+             WHERE name = ?1 COLLATE NOCASE AND sql LIKE '%postroom\\_%' ESCAPE '\\'",
+            [name],
+        )?);
+    }
+    Ok(found)
+}
+
 /// The objects in this connection's TEMP schema (`CREATE TEMP ...`); the
 /// engine makes none.
 pub(crate) fn temp_objects(conn: &Connection) -> rusqlite::Result<Vec<Reaching>> {
@@ -607,9 +657,9 @@ pub(crate) fn temp_objects(conn: &Connection) -> rusqlite::Result<Vec<Reaching>>
         .collect()
 }
 
-/// Refuses a file holding an object of [`reaching_engine_tables`], made by
-/// any connection (an application's migration, the `sqlite3` shell): what
-/// it does to postroom's rows no answer of postroom's accounts for.
+/// Refuses a file holding an object of [`reaching_engine_tables`]: what it
+/// does to postroom's rows no answer of postroom's accounts for. Checked
+/// before any migration step runs, so a refused file is not migrated first.
 fn refuse_reaching_objects(conn: &Connection) -> Result<()> {
     let found = reaching_engine_tables(conn).map_err(|e| Error::sqlite("read schema", e))?;
     match found.first() {
@@ -617,9 +667,9 @@ fn refuse_reaching_objects(conn: &Connection) -> Result<()> {
         Some(object) => Err(Error::invalid(
             "database",
             format!(
-                "the application's {object} names a postroom table in its SQL ({} such \
-                 object(s)): a trigger, view, index or foreign key of the application's must \
-                 not reference, read, write or fire on postroom_* tables, whichever \
+                "the application's {object} reaches postroom's tables ({} such object(s)): \
+                 a foreign key to a postroom table, or a trigger on an application table \
+                 that names one, acts on the engine's rows from outside it, whichever \
                  connection runs it; drop it (DROP {} {}) and run `postroom check`",
                 found.len(),
                 object.kind.to_uppercase(),

@@ -720,18 +720,23 @@ impl WriterState {
                 }
                 Ran::CommitRefused(error) => {
                     // One job's writes failed a constraint at COMMIT: the
-                    // jobs commit one by one, so that only its own COMMIT
-                    // fails, answered with that error; the others commit
-                    // as if it had not been there.
+                    // jobs that can run again commit one by one, so that
+                    // only the culprit's own COMMIT fails, answered with
+                    // that error. A run-once job that already ran cannot
+                    // run again: it answers `GroupRolledBack` (retryable;
+                    // nothing of it was stored).
                     log::warn!(
                         "postroom writer: a batch's COMMIT failed ({}); its jobs commit one \
                          by one",
                         Esc(&error)
                     );
                     self.roll_back();
+                    let reason = Error::GroupRolledBack {
+                        reason: error.to_string(),
+                    };
                     for (i, job) in batch.iter_mut().enumerate() {
                         if live[i] {
-                            live[i] = job.rerun(&error);
+                            live[i] = job.rerun(&reason);
                         }
                     }
                     return Ok(self.execute_each(batch, &mut live));
@@ -1063,6 +1068,12 @@ impl WriterState {
             .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
         {
             log::debug!("postroom writer: checkpoint at shutdown: {e}");
+        }
+        // A statement a handler leaked would keep the connection from
+        // closing (and its files open); no user code runs now.
+        let leaked_running = self.guard.release_leaked(&self.conn);
+        if leaked_running > 0 {
+            log::debug!("postroom writer: {leaked_running} leaked statement(s) were running");
         }
         if let Err((_, e)) = self.conn.close() {
             log::warn!("postroom writer: closing the database: {e}");
