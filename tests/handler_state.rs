@@ -167,7 +167,7 @@ fn schema_has(conn: &rusqlite::Connection, name: &str) -> bool {
     ) > 0
 }
 
-/// 1. A deferred foreign key left unmet is the message's failure: counted,
+/// Item 1: A deferred foreign key left unmet is the message's failure: counted,
 /// retried with backoff, dead after `max_attempts`; no `COMMIT` error
 /// reaches anyone.
 #[test]
@@ -201,7 +201,7 @@ fn a_deferred_foreign_key_left_unmet_fails_its_own_message_with_backoff() {
     room.shutdown(Duration::from_secs(10)).unwrap();
 }
 
-/// 1, queued: one such message among 200 received does not stop the
+/// Item 1, queued: one such message among 200 received does not stop the
 /// consumer, and is counted rather than left `pending` with 0 attempts.
 #[test]
 fn a_queued_deferred_foreign_key_does_not_stop_its_consumer() {
@@ -234,7 +234,7 @@ fn a_queued_deferred_foreign_key_does_not_stop_its_consumer() {
     room.shutdown(Duration::from_secs(10)).unwrap();
 }
 
-/// 2. A savepoint begun after SQLite rolled the transaction back does not
+/// Item 2: A savepoint begun after SQLite rolled the transaction back does not
 /// pass for the engine's transaction: the attempt is counted as rolled
 /// back, and a `transaction()` closure that does it commits nothing.
 #[test]
@@ -290,7 +290,7 @@ fn sqlite3(db: &Path, sql: &str) -> Option<std::process::Output> {
     }
 }
 
-/// 3. A trigger made in a handler never reaches the file, so another
+/// Item 3: A trigger made in a handler never reaches the file, so another
 /// connection's update cannot fire it; one made from outside (the `sqlite3`
 /// shell) is refused at open, naming it.
 #[test]
@@ -335,7 +335,9 @@ fn a_trigger_on_an_app_table_that_writes_engine_tables_is_refused_from_anywhere(
     )
     .unwrap();
     assert!(out.status.success(), "{out:?}");
-    let refused = builder().open(&db).err().expect("open refuses");
+    let Err(refused) = builder().open(&db) else {
+        panic!("open must refuse")
+    };
     let text = refused.to_string();
     assert!(
         matches!(refused, Error::InvalidInput { .. }) && text.contains("trigger wipe_keys"),
@@ -348,7 +350,7 @@ fn a_trigger_on_an_app_table_that_writes_engine_tables_is_refused_from_anywhere(
     assert!(format!("{report:?}").contains("wipe_keys"), "{report:?}");
 }
 
-/// 4. A statement leaked from a handler is that message's failure and is
+/// Item 4: A statement leaked from a handler is that message's failure and is
 /// reset: the writer takes the next message.
 #[test]
 fn a_leaked_statement_fails_its_message_and_does_not_wedge_the_writer() {
@@ -411,7 +413,7 @@ fn a_leaked_statement_fails_its_message_and_does_not_wedge_the_writer() {
     }
 }
 
-/// 5. A foreign key to an engine table is refused: retention keeps
+/// Item 5: A foreign key to an engine table is refused: retention keeps
 /// deleting.
 #[test]
 fn a_foreign_key_to_an_engine_table_is_refused_and_retention_goes_on() {
@@ -458,7 +460,9 @@ fn a_foreign_key_to_an_engine_table_is_refused_and_retention_goes_on() {
          CREATE TABLE r3 (iid INTEGER REFERENCES postroom_inbox(id));",
     )
     .unwrap();
-    let refused = builder().open(&db).err().expect("open refuses");
+    let Err(refused) = builder().open(&db) else {
+        panic!("open must refuse")
+    };
     assert!(refused.to_string().contains("table r3"), "{refused}");
     conn.execute_batch("DROP TABLE r3").unwrap();
     builder()
@@ -468,7 +472,7 @@ fn a_foreign_key_to_an_engine_table_is_refused_and_retention_goes_on() {
         .unwrap();
 }
 
-/// 6. TEMP objects do not outlive their message: the one that made them
+/// Item 6: TEMP objects do not outlive their message: the one that made them
 /// fails, later handlers run as if it never had.
 #[test]
 fn temp_objects_do_not_outlive_their_message() {
