@@ -234,6 +234,48 @@ fn a_queued_deferred_foreign_key_does_not_stop_its_consumer() {
     room.shutdown(Duration::from_secs(10)).unwrap();
 }
 
+/// Queued, every kind: one poison of each among received messages, and
+/// the consumer goes on: every innocent applied once, every poison dead
+/// (none left `pending` with no attempt counted), and every
+/// `receive_batch` answered.
+#[test]
+fn a_queued_poison_of_each_kind_does_not_stop_its_consumer() {
+    let dir = tempfile::tempdir().unwrap();
+    let room = builder()
+        .workers(1)
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    create_domain(&room);
+    room.transaction(|tx| Ok(tx.execute_batch(APP_SQL)?))
+        .unwrap();
+    for (k, kind) in POISONS.iter().enumerate() {
+        let mut batch: Vec<Message> = (0..20).map(|i| innocent(format!("k{k}-{i}"))).collect();
+        batch[10] = poison(&format!("p{k}"), kind);
+        let receipts = room
+            .receive_batch("c", batch)
+            .expect("receive_batch answers");
+        assert!(receipts.iter().all(|r| *r == Receipt::Accepted));
+    }
+    let innocents = 19 * POISONS.len() as u64;
+    eventually(60, "every innocent applied and every poison dead", || {
+        let stats = room.stats().unwrap();
+        stats.inbox["c"].completed == innocents && stats.inbox["c"].dead == POISONS.len() as u64
+    });
+    let conn = raw(&dir.path().join("app.db"));
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM applied WHERE CAST(payload AS TEXT) = 'fine'"
+        ),
+        innocents as i64
+    );
+    for k in 0..POISONS.len() {
+        let row = inbox_row(&conn, "c", "s", &format!("p{k}")).unwrap();
+        assert!(row.0 == "dead" && row.1 >= 1, "{}: {row:?}", POISONS[k]);
+    }
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}
+
 /// Item 2: A savepoint begun after SQLite rolled the transaction back does not
 /// pass for the engine's transaction: the attempt is counted as rolled
 /// back, and a `transaction()` closure that does it commits nothing.
