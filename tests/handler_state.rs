@@ -269,9 +269,9 @@ fn a_queued_poison_of_each_kind_does_not_stop_its_consumer() {
         ),
         innocents as i64
     );
-    for k in 0..POISONS.len() {
+    for (k, kind) in POISONS.iter().enumerate() {
         let row = inbox_row(&conn, "c", "s", &format!("p{k}")).unwrap();
-        assert!(row.0 == "dead" && row.1 >= 1, "{}: {row:?}", POISONS[k]);
+        assert!(row.0 == "dead" && row.1 >= 1, "{kind}: {row:?}");
     }
     room.shutdown(Duration::from_secs(10)).unwrap();
 }
