@@ -205,6 +205,39 @@ impl Envelope {
         out
     }
 
+    /// Reads `bytes` as an envelope, telling one that carries postroom's
+    /// marker (its first line, or the whole when there is no newline, is a
+    /// JSON object with a `postroom` member) but does not decode from a
+    /// payload that is none.
+    pub(crate) fn read(bytes: &[u8]) -> Read {
+        let line = match bytes.iter().position(|&b| b == b'\n') {
+            Some(newline) => &bytes[..newline],
+            None => bytes,
+        };
+        let marked = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(line)
+            .is_ok_and(|object| object.contains_key("postroom"));
+        if !marked {
+            return Read::NotOne;
+        }
+        if !bytes.contains(&b'\n') {
+            return Read::Unreadable(
+                "a postroom envelope without the newline that ends its JSON line".into(),
+            );
+        }
+        match serde_json::from_slice::<Envelope>(line) {
+            Ok(env) if env.postroom != ENVELOPE_VERSION => Read::Unreadable(format!(
+                "a postroom envelope of version {}, which this postroom does not read (it \
+                 reads version {ENVELOPE_VERSION}): upgrade the receiver",
+                env.postroom
+            )),
+            Ok(_) => match Envelope::decode(bytes) {
+                Some(env) => Read::Envelope(env),
+                None => Read::Unreadable("a postroom envelope that does not decode".into()),
+            },
+            Err(e) => Read::Unreadable(format!("a postroom envelope that does not decode: {e}")),
+        }
+    }
+
     /// Reads an envelope; `None` when `bytes` is not one (no newline, the
     /// first line is not the JSON above, or another version).
     pub fn decode(bytes: &[u8]) -> Option<Envelope> {
@@ -218,6 +251,15 @@ impl Envelope {
     }
 }
 
+/// What [`Envelope::read`] found.
+pub(crate) enum Read {
+    /// No postroom marker: a foreign payload.
+    NotOne,
+    /// The marker, and an envelope that does not decode: why.
+    Unreadable(String),
+    Envelope(Envelope),
+}
+
 /// A message as an intake hands it to the inbox.
 pub(crate) struct Arrived {
     pub(crate) msg: Message,
@@ -226,6 +268,11 @@ pub(crate) struct Arrived {
     pub(crate) numbers: Option<Numbers>,
     /// It carried the contract (slots or an envelope).
     pub(crate) wrapped: bool,
+    /// It carries postroom's marker but cannot be read as what it says it
+    /// is (an envelope whose numbers are out of range or of the wrong type,
+    /// a future version): why, for the dead letters. Never a foreign
+    /// message.
+    pub(crate) unreadable: Option<String>,
 }
 
 impl Arrived {
@@ -260,12 +307,26 @@ impl Arrived {
                 get(header::UNSETTLED_FROM),
             ),
             wrapped: true,
+            unreadable: None,
         })
     }
 
-    /// A message whose payload is an [`Envelope`]; `None` when it is not.
-    pub(crate) fn from_envelope(payload: &[u8]) -> Option<Arrived> {
-        let env = Envelope::decode(payload)?;
+    /// A message whose payload is an [`Envelope`]; `None` when it does not
+    /// carry postroom's marker (its first line is not a JSON object with a
+    /// `postroom` member). One that carries it and does not decode is
+    /// [`unreadable`](Arrived::unreadable), under the id and source an
+    /// unwrapped message on `topic` of `transport` would have.
+    pub(crate) fn from_envelope(payload: &[u8], transport: &str, topic: &str) -> Option<Arrived> {
+        let env = match Envelope::read(payload) {
+            Read::NotOne => return None,
+            Read::Unreadable(reason) => {
+                let mut came = Arrived::unwrapped(transport, topic, payload);
+                came.wrapped = true;
+                came.unreadable = Some(reason);
+                return Some(came);
+            }
+            Read::Envelope(env) => env,
+        };
         let source = env.source.unwrap_or(env.topic);
         let mut msg = Message::new(source, env.id, env.payload);
         msg.headers = env.headers;
@@ -278,6 +339,7 @@ impl Arrived {
                 env.unsettled_from.map(|u| u.to_string()),
             ),
             wrapped: true,
+            unreadable: None,
         })
     }
 
@@ -291,6 +353,7 @@ impl Arrived {
             msg: Message::new(topic, format!("{transport}-{id}"), payload.to_vec()),
             numbers: None,
             wrapped: false,
+            unreadable: None,
         }
     }
 }
@@ -421,6 +484,9 @@ impl Lander {
         place: &str,
         again: impl FnOnce() -> Message,
     ) -> Landed {
+        if let Some(reason) = came.unreadable {
+            return self.refuse(came.msg, &reason, place);
+        }
         let msg = match self.number(came.msg, came.numbers) {
             Ok(Ok(msg)) => msg,
             Ok(Err((msg, reason))) => return self.refuse(msg, &reason, place),
@@ -561,6 +627,69 @@ impl Lander {
 mod tests {
     use super::*;
 
+    /// A payload carrying postroom's marker is an envelope or unreadable,
+    /// never a foreign message: numbers out of range or of the wrong type,
+    /// a future version, a missing newline. Without the marker it is
+    /// foreign, whatever JSON it holds.
+    #[test]
+    fn a_marked_payload_is_an_envelope_or_unreadable_never_foreign() {
+        let unreadable = |line: &str| match Envelope::read(format!("{line}\npayload").as_bytes()) {
+            Read::Unreadable(reason) => reason,
+            Read::NotOne => panic!("{line}: taken for a foreign message"),
+            Read::Envelope(env) => panic!("{line}: decoded as {env:?}"),
+        };
+        let base = r#""id":"m","topic":"t""#;
+        for seq in [
+            "9223372036854775808",
+            "\"5\"",
+            "5.0",
+            "-9223372036854775809",
+        ] {
+            let reason = unreadable(&format!(r#"{{"postroom":1,{base},"seq":{seq}}}"#));
+            assert!(reason.contains("does not decode"), "{seq}: {reason}");
+        }
+        let reason = unreadable(&format!(r#"{{"postroom":2,{base},"seq":5}}"#));
+        assert!(reason.contains("version 2"), "{reason}");
+        let reason = unreadable(&format!(r#"{{"postroom":"one",{base},"seq":5}}"#));
+        assert!(reason.contains("does not decode"), "{reason}");
+        assert!(matches!(
+            Envelope::read(format!(r#"{{"postroom":1,{base},"seq":5}}"#).as_bytes()),
+            Read::Unreadable(_)
+        ));
+        let came = Arrived::from_envelope(
+            format!(r#"{{"postroom":1,{base},"seq":"5"}}"#).as_bytes(),
+            "mqtt",
+            "orders",
+        )
+        .expect("marked");
+        assert!(came.wrapped && came.unreadable.is_some());
+        assert!(came.msg.id.starts_with("mqtt-"), "{}", came.msg.id);
+        assert!(matches!(
+            Envelope::read(
+                format!(r#"{{"postroom":1,{base},"seq":5}}"#)
+                    .as_bytes()
+                    .iter()
+                    .chain(b"\nx")
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .as_slice()
+            ),
+            Read::Envelope(_)
+        ));
+        for foreign in [
+            &b"plain text"[..],
+            b"{\"order\":1}\nx",
+            b"[1,2]\n",
+            b"\xff\xfe",
+        ] {
+            assert!(
+                matches!(Envelope::read(foreign), Read::NotOne),
+                "{foreign:?}"
+            );
+            assert!(Arrived::from_envelope(foreign, "mqtt", "t").is_none());
+        }
+    }
+
     /// Numbers from the wire are parsed and range-checked, never clamped.
     #[test]
     fn wire_numbers_are_checked_not_clamped() {
@@ -623,7 +752,7 @@ mod tests {
         let pairs = slots(&row, Some("device-a"));
         assert_eq!(pairs.iter().filter(|(k, _)| k == header::ID).count(), 1);
         let a = Arrived::from_slots(&pairs, &row.payload, "wire/topic").expect("slots");
-        let b = Arrived::from_envelope(&Envelope::of(&row, Some("device-a")).encode())
+        let b = Arrived::from_envelope(&Envelope::of(&row, Some("device-a")).encode(), "mqtt", "t")
             .expect("envelope");
         for came in [&a, &b] {
             assert_eq!(came.msg.id, "m-1");

@@ -968,6 +968,73 @@ fn a_message_the_engine_refuses_is_a_dead_letter_before_it_is_acked() {
     assert!(check.status.success(), "{check:?}");
 }
 
+/// A postroom envelope that does not decode (a `seq` that is not an i64:
+/// 2^63, "5", 5.0; a future version) is a dead letter with its reason, over
+/// MQTT 3.1.1, never taken for a foreign message whose handler would get
+/// the envelope line as its payload; the message behind it is applied.
+#[test]
+fn an_envelope_that_does_not_decode_is_a_dead_letter_not_a_foreign_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(&dir.path().join("broker"));
+    let b_db = dir.path().join("b.db");
+    let b = device_b_small(&b_db);
+    let intake = MqttIntake::builder(options("undecodable-b", broker.port), Arc::clone(&b), "b")
+        .subscribe("undecodable/#")
+        .start()
+        .unwrap();
+    assert!(intake.wait_subscribed(Duration::from_secs(20)));
+    let line = |version: &str, id: &str, seq: &str| {
+        format!(
+            r#"{{"postroom":{version},"id":"{id}","seq":{seq},"source":"dev","topic":"orders"}}
+p"#
+        )
+        .into_bytes()
+    };
+    let good = Envelope::new("good", 7, "orders", "fine").with_source("dev");
+    publish_raw(
+        broker.port,
+        "undecodable-pub",
+        "undecodable/orders",
+        vec![
+            line("1", "big", "9223372036854775808"),
+            line("1", "text", "\"5\""),
+            line("1", "float", "5.0"),
+            line("2", "future", "5"),
+            good.encode(),
+        ],
+    );
+    eventually(20, "every message acknowledged", || {
+        intake.stats().acked == 5
+    });
+    let (rows, distinct, _) = effects(&b_db);
+    let ids: Vec<String> = column(&raw(&b_db), "SELECT msg_id FROM effects");
+    assert_eq!(
+        (rows, distinct),
+        (1, 1),
+        "only the good one applied: {ids:?}"
+    );
+    let applied: String = raw(&b_db)
+        .query_row("SELECT msg_id FROM effects", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(applied, "good");
+    let stats = intake.stats();
+    assert_eq!((stats.refused, stats.unwrapped), (4, 0), "{stats:?}");
+    let dead = b.dead_letters(Some("b"), 10).unwrap();
+    assert_eq!(dead.len(), 4, "{dead:#?}");
+    for d in &dead {
+        let reason = d.last_error.clone().unwrap_or_default();
+        assert!(reason.contains("postroom envelope"), "{reason}");
+        assert!(
+            d.message.payload().starts_with(b"{\"postroom\""),
+            "raw bytes kept"
+        );
+    }
+    assert!(dead
+        .iter()
+        .any(|d| d.last_error.as_deref().unwrap_or("").contains("version 2")));
+    intake.shutdown(Duration::from_secs(5)).unwrap();
+}
+
 /// Issue 31, finding 7: numbers from the wire are checked before use. In a
 /// `sequenced()` intake an envelope whose `seq` is i64::MAX (past the
 /// largest sequence), 0, negative, or whose `unsettled_from` is above its

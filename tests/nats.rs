@@ -258,6 +258,65 @@ fn exactly_once_end_to_end_through_jetstream() {
     );
 }
 
+/// Two devices (sources `device-a`, `device-c`) each publish a message
+/// with the same application id and their own payload into one stream
+/// within its duplicate window: the stream holds both (its dedupe id is
+/// source and id together, as the receiving inbox's), and the receiver
+/// applies both. Before, `Nats-Msg-Id` was the bare id: the stream dropped
+/// device-c's as a duplicate, and both rows were marked Sent.
+#[test]
+fn two_devices_with_one_message_id_both_reach_the_receiver() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    ensure_stream(&url, "HOP", &["hop.>"]).unwrap();
+    let b_db = dir.path().join("b.db");
+    let b = device_b(&b_db);
+    let intake = NatsIntake::builder(&url, Arc::clone(&b), "b", "HOP", "b")
+        .start()
+        .unwrap();
+    assert!(intake.wait_bound(Duration::from_secs(30)));
+    let device = |name: &str| {
+        Postroom::builder()
+            .relay_poll(Duration::from_millis(20))
+            .sink(
+                NatsSink::new(&url)
+                    .source(name)
+                    .subject_prefix("hop.")
+                    .ack_timeout(Duration::from_secs(2)),
+            )
+            .open(dir.path().join(format!("{name}.db")))
+            .unwrap()
+    };
+    let (a, c) = (device("device-a"), device("device-c"));
+    for (room, n) in [(&a, 1), (&c, 2)] {
+        room.transaction(move |tx| {
+            tx.publish(Outgoing::new("orders", n.to_string()).with_id("reading-2024-06-01"))?;
+            Ok(())
+        })
+        .unwrap();
+    }
+    eventually(30, "both readings applied", || effects(&b_db).0 >= 2);
+    let conn = raw(&b_db);
+    let applied: Vec<String> = column(
+        &conn,
+        "SELECT source || '/' || message_id FROM postroom_inbox ORDER BY source",
+    );
+    assert_eq!(
+        applied,
+        ["device-a/reading-2024-06-01", "device-c/reading-2024-06-01"]
+    );
+    let (rows, distinct, _) = effects(&b_db);
+    assert_eq!(
+        (rows, distinct),
+        (2, 1),
+        "one id, two messages, each applied once"
+    );
+    intake.shutdown(Duration::from_secs(10)).unwrap();
+}
+
 /// The server is SIGKILLed while A publishes and B pulls, and comes back a
 /// second later with its store: A's sink keeps the unacknowledged rows
 /// pending (no attempt counted, so `max_attempts(2)` kills none), B's

@@ -298,7 +298,7 @@ impl Drop for MqttIntake {
 fn inbound(publish: &Received) -> Arrived {
     let topic = publish.topic();
     Arrived::from_slots(publish.user_properties(), publish.payload(), &topic)
-        .or_else(|| Arrived::from_envelope(publish.payload()))
+        .or_else(|| Arrived::from_envelope(publish.payload(), "mqtt", &topic))
         .unwrap_or_else(|| Arrived::unwrapped("mqtt", &topic, publish.payload()))
 }
 

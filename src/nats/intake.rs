@@ -277,7 +277,7 @@ fn inbound(msg: &async_nats::Message) -> Arrived {
     }
     let subject = msg.subject.as_str();
     if let Some(came) = Arrived::from_slots(&slots, &msg.payload, subject)
-        .or_else(|| Arrived::from_envelope(&msg.payload))
+        .or_else(|| Arrived::from_envelope(&msg.payload, "nats", subject))
     {
         return came;
     }

@@ -66,10 +66,21 @@ fn headers_of(msg: &OutboxMessage, source: Option<&str>) -> std::result::Result<
             .map_err(|_| format!("the header {name:?} has a line break in its value"))?;
         headers.insert(header, value);
     }
-    let id = HeaderValue::from_str(&msg.id)
+    let id = HeaderValue::from_str(&stream_dedupe_id(msg, source))
         .map_err(|_| format!("the message id {:?} has a line break", msg.id))?;
     headers.insert(MSG_ID, id);
     Ok(headers)
+}
+
+/// The [`MSG_ID`] of a row: the message's identity as the receiving inbox
+/// sees it, its source (the sink's `source`, else the row's topic) and its
+/// id together, so two devices' outboxes sharing a stream never have one
+/// of their messages dropped as the other's duplicate (an outbox id is
+/// unique within one database only). Length-prefixed, so no two
+/// (source, id) pairs give the same text.
+fn stream_dedupe_id(msg: &OutboxMessage, source: Option<&str>) -> String {
+    let source = source.unwrap_or(&msg.topic);
+    format!("{}:{source}:{}", source.len(), msg.id)
 }
 
 type SubjectFn = Box<dyn Fn(&OutboxMessage) -> String + Send>;
@@ -439,6 +450,44 @@ impl Sink for NatsSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two devices' rows with one id are two messages to the stream's
+    /// duplicate window, as to the receiving inbox; a re-send of one is one.
+    #[test]
+    fn the_stream_dedupe_id_is_the_source_and_the_id_together() {
+        let row = |topic: &str, id: &str| OutboxMessage {
+            seq: 1,
+            id: id.into(),
+            topic: topic.into(),
+            key: None,
+            payload: b"x".to_vec(),
+            headers: Default::default(),
+            attempts: 0,
+            created_at: 0,
+            last_error: None,
+            origin: "db-1".into(),
+            unsettled_from: 1,
+        };
+        let a = row("readings", "reading-2024-06-01");
+        assert_ne!(
+            stream_dedupe_id(&a, Some("device-a")),
+            stream_dedupe_id(&a, Some("device-c"))
+        );
+        assert_eq!(
+            stream_dedupe_id(&a, Some("device-a")),
+            stream_dedupe_id(&a.clone(), Some("device-a"))
+        );
+        // No source: the topic stands in, as at the intake.
+        assert_ne!(
+            stream_dedupe_id(&a, None),
+            stream_dedupe_id(&row("other", "reading-2024-06-01"), None)
+        );
+        // The prefix keeps ("a:b", "c") and ("a", "b:c") apart.
+        assert_ne!(
+            stream_dedupe_id(&row("t", "c"), Some("a:b")),
+            stream_dedupe_id(&row("t", "b:c"), Some("a"))
+        );
+    }
 
     #[test]
     fn subjects_are_checked_by_allowlist() {
