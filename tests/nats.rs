@@ -317,6 +317,66 @@ fn two_devices_with_one_message_id_both_reach_the_receiver() {
     intake.shutdown(Duration::from_secs(10)).unwrap();
 }
 
+/// Two outboxes given one source name publish one id with two payloads:
+/// the stream acks the second as a duplicate, the sink looks the stored
+/// message up, finds another payload, and makes that row dead with the
+/// reason instead of marking it Sent for what the stream does not hold.
+#[test]
+fn a_duplicate_ack_for_another_payload_is_not_taken_for_sent() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    ensure_stream(&url, "HOP", &["hop.>"]).unwrap();
+    let device = |file: &str| {
+        Postroom::builder()
+            .relay_poll(Duration::from_millis(20))
+            .sink(
+                NatsSink::new(&url)
+                    .source("device-a")
+                    .subject_prefix("hop.")
+                    .ack_timeout(Duration::from_secs(2)),
+            )
+            .open(dir.path().join(file))
+            .unwrap()
+    };
+    let (first, second) = (device("a.db"), device("a-restored.db"));
+    for (room, n) in [(&first, 1), (&second, 2)] {
+        room.transaction(move |tx| {
+            tx.publish(Outgoing::new("orders", n.to_string()).with_id("reading-1"))?;
+            Ok(())
+        })
+        .unwrap();
+        eventually(30, "the row settled", || {
+            let outbox = room.stats().unwrap().outbox;
+            outbox.sent + outbox.dead == 1
+        });
+    }
+    assert_eq!(first.stats().unwrap().outbox.sent, 1);
+    let outbox = second.stats().unwrap().outbox;
+    assert_eq!((outbox.sent, outbox.dead), (0, 1), "{outbox:?}");
+    let reason: String = raw(&dir.path().join("a-restored.db"))
+        .query_row("SELECT last_error FROM postroom_outbox", [], |r| r.get(0))
+        .unwrap();
+    assert!(
+        reason.contains("another message under this row's Nats-Msg-Id"),
+        "{reason}"
+    );
+    // The same row sent again by the first outbox is still a plain Sent.
+    rusqlite::Connection::open(dir.path().join("a.db"))
+        .unwrap()
+        .execute(
+            "UPDATE postroom_outbox SET status = 'pending', sent_at = NULL, next_attempt_at = 0",
+            [],
+        )
+        .unwrap();
+    eventually(30, "the re-send acked as the duplicate it is", || {
+        first.stats().unwrap().outbox.sent == 1 && first.stats().unwrap().outbox.pending == 0
+    });
+    assert_eq!(first.stats().unwrap().outbox.dead, 0);
+}
+
 /// The server is SIGKILLed while A publishes and B pulls, and comes back a
 /// second later with its store: A's sink keeps the unacknowledged rows
 /// pending (no attempt counted, so `max_attempts(2)` kills none), B's

@@ -199,7 +199,7 @@ impl NatsSink {
         let link = &mut self.link;
         rt.block_on(async move {
             let (js, used) = connected(link, &url, ack_timeout).await?;
-            let mut flight = Flight::new(batch, results, window, ack_timeout);
+            let mut flight = Flight::new(batch, results, window, ack_timeout, js.clone());
             for row in todo {
                 if !flight.publish(js, row).await {
                     break;
@@ -249,6 +249,8 @@ struct Flight<'b> {
     failed_keys: HashSet<String>,
     /// Why the server counts as unavailable, from the first sign of it.
     outage: Option<String>,
+    /// For looking up what a `duplicate` publish ack points at.
+    js: jetstream::Context,
 }
 
 impl<'b> Flight<'b> {
@@ -257,8 +259,10 @@ impl<'b> Flight<'b> {
         results: &'b mut [SendResult],
         window: usize,
         ack_timeout: Duration,
+        js: jetstream::Context,
     ) -> Self {
         Flight {
+            js,
             batch,
             results,
             window,
@@ -284,6 +288,7 @@ impl<'b> Flight<'b> {
             }
         }
         let result = match ack.await {
+            Ok(ack) if ack.duplicate => self.check_duplicate(i, &ack).await,
             Ok(_) => SendResult::Sent,
             Err(e) => match e.kind() {
                 PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe => {
@@ -312,6 +317,59 @@ impl<'b> Flight<'b> {
         }
         self.results[i] = result;
         true
+    }
+
+    /// A publish ack flagged `duplicate`: the stream holds a message under
+    /// row `i`'s [`MSG_ID`] already, within its duplicate window. It is this
+    /// row's only if it carries the same payload; another message under the
+    /// same source and id (a restored database, two devices given one
+    /// source name) makes the row dead with the reason, never `Sent` for
+    /// what the stream does not hold. A message gone from the stream since
+    /// (its limits) cannot be compared: `Sent`, as the stream took it. A
+    /// lookup that fails otherwise makes the server unavailable (retried,
+    /// no attempt counted).
+    async fn check_duplicate(
+        &mut self,
+        i: usize,
+        ack: &jetstream::publish::PublishAck,
+    ) -> SendResult {
+        let row = &self.batch[i];
+        let js = self.js.clone();
+        let lookup = async {
+            let stream = js
+                .get_stream(&ack.stream)
+                .await
+                .map_err(|e| e.to_string())?;
+            match stream.get_raw_message(ack.sequence).await {
+                Ok(stored) => Ok(Some(stored)),
+                Err(e) if e.kind() == jetstream::stream::RawMessageErrorKind::NoMessageFound => {
+                    Ok(None)
+                }
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        match tokio::time::timeout(self.ack_timeout, lookup).await {
+            Ok(Ok(Some(stored))) if stored.payload[..] == row.payload[..] => SendResult::Sent,
+            Ok(Ok(Some(_))) => SendResult::dead(format!(
+                "nats: the stream {} already holds another message under this row's \
+                 Nats-Msg-Id (stream seq {}): same source and id, another payload (two \
+                 outboxes given one source name, or a restored database?); nothing was stored",
+                ack.stream, ack.sequence
+            )),
+            Ok(Ok(None)) => SendResult::Sent,
+            Ok(Err(e)) => {
+                self.outage.get_or_insert_with(|| {
+                    format!("nats: looking up the message a duplicate ack points at: {e}")
+                });
+                SendResult::retry("not handed over")
+            }
+            Err(_) => {
+                self.outage.get_or_insert_with(|| {
+                    "nats: looking up the message a duplicate ack points at timed out".to_owned()
+                });
+                SendResult::retry("not handed over")
+            }
+        }
     }
 
     /// Takes answers while `more` holds and the server is not known
