@@ -502,6 +502,23 @@ impl Lander {
         if let Err(e @ Error::InvalidInput { .. }) = self.room.check_message(&msg) {
             return self.refuse(msg, &e.to_string(), place);
         }
+        // Inline, an earlier message of the key unfinished in the inbox
+        // (failed, waiting for its redelivery) is passed by no later one:
+        // asked back until it settled. The inbox survives a restart of the
+        // intake, which forgets what it asked back. (Queued, the engine's
+        // workers keep the key's order themselves.)
+        if self.mode == Mode::Deliver {
+            match self.room.intake_key_wait(&self.consumer, &msg) {
+                Ok(None) => {}
+                Ok(Some(retry_after)) => return Landed::Hold { retry_after },
+                Err(e) => {
+                    log::warn!("{}: not acknowledged: {}", self.label, Esc(&e));
+                    return Landed::Hold {
+                        retry_after: ERROR_RETRY,
+                    };
+                }
+            }
+        }
         let answer = match self.mode {
             Mode::Deliver => self
                 .room

@@ -377,6 +377,132 @@ fn a_duplicate_ack_for_another_payload_is_not_taken_for_sent() {
     assert_eq!(first.stats().unwrap().outbox.dead, 0);
 }
 
+/// Per-key order survives a restart of the intake. Key K: m1 fails inline
+/// and is asked back for its 3 s retry delay, m2 of the same key is asked
+/// back behind it for 200 ms, by an intake that then stops (the test plays
+/// it, on the same durable consumer, so the timing is exact). A new intake
+/// binds: JetStream brings m2 back first, and the new intake does not know
+/// what the old one asked back; the inbox does (m1 is the key's unfinished
+/// head), so m2 waits, and the order applied is [m1, m2]. Before, it was
+/// [m2, m1].
+#[test]
+fn per_key_order_survives_a_restart_of_the_intake() {
+    use postroom::nats::async_nats::jetstream::{self, consumer, AckKind};
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    ensure_stream(&url, "HOP", &["hop.>"]).unwrap();
+    let b_db = dir.path().join("b.db");
+    let failed_once = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let failed = Arc::clone(&failed_once);
+    let b = Postroom::builder()
+        .backoff(Duration::from_secs(3), Duration::from_secs(3))
+        .consumer(
+            "b",
+            handler_fn(move |tx, msg: &Message| {
+                if msg.payload() == b"1" && !failed.swap(true, Ordering::SeqCst) {
+                    return Err(Failure::retry("m1 fails its first attempt"));
+                }
+                tx.execute(
+                    "INSERT INTO effects (msg_id, key, n) VALUES (?1, ?2, ?3)",
+                    rusqlite::params![
+                        msg.id(),
+                        msg.ordering_key(),
+                        String::from_utf8_lossy(msg.payload()).parse::<i64>().ok()
+                    ],
+                )?;
+                Ok(())
+            }),
+        )
+        .open(&b_db)
+        .unwrap();
+    b.transaction(|tx| {
+        Ok(tx.execute_batch("CREATE TABLE effects (msg_id TEXT NOT NULL, key TEXT, n INTEGER)")?)
+    })
+    .unwrap();
+    let b = Arc::new(b);
+    let a_db = dir.path().join("a.db");
+    let a = device_a(&a_db, &url);
+    for n in [1, 2] {
+        a.transaction(move |tx| {
+            tx.publish(Outgoing::new("orders", n.to_string()).with_key("K"))?;
+            Ok(())
+        })
+        .unwrap();
+    }
+    eventually(30, "both in the stream", || {
+        a.stats().unwrap().outbox.sent == 2
+    });
+    // The old intake: pulls both, delivers m1 (it fails), asks m1 back for
+    // its retry delay and m2 for the held-back delay, and stops.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = async_nats::connect(&url).await.unwrap();
+        let js = jetstream::new(client.clone());
+        let stream = js.get_stream("HOP").await.unwrap();
+        let pull = stream
+            .get_or_create_consumer(
+                "b",
+                consumer::pull::Config {
+                    durable_name: Some("b".into()),
+                    ack_policy: consumer::AckPolicy::Explicit,
+                    deliver_policy: consumer::DeliverPolicy::All,
+                    ack_wait: Duration::from_secs(30),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        let mut batch = pull.fetch().max_messages(2).messages().await.unwrap();
+        let mut got = Vec::new();
+        while let Some(m) = futures_util::StreamExt::next(&mut batch).await {
+            got.push(m.unwrap());
+        }
+        assert_eq!(got.len(), 2);
+        let header = |m: &jetstream::Message, name: &str| {
+            m.headers
+                .as_ref()
+                .and_then(|h| h.get(name))
+                .map(|v| v.as_str().to_owned())
+                .unwrap()
+        };
+        let m1 = Message::new(
+            header(&got[0], "postroom-source"),
+            header(&got[0], "postroom-id"),
+            got[0].payload.to_vec(),
+        )
+        .with_ordering_key("K");
+        let first = b.deliver("b", m1).unwrap();
+        assert!(
+            matches!(first, postroom::Outcome::Failed { .. }),
+            "{first:?}"
+        );
+        got[0]
+            .ack_with(AckKind::Nak(Some(Duration::from_secs(3))))
+            .await
+            .unwrap();
+        got[1]
+            .ack_with(AckKind::Nak(Some(Duration::from_millis(200))))
+            .await
+            .unwrap();
+        client.flush().await.unwrap();
+    });
+    let intake = NatsIntake::builder(&url, Arc::clone(&b), "b", "HOP", "b")
+        .start()
+        .unwrap();
+    assert!(intake.wait_bound(Duration::from_secs(30)));
+    eventually(60, "both applied", || effects(&b_db).0 >= 2);
+    let (rows, distinct, order) = effects(&b_db);
+    assert_eq!((rows, distinct), (2, 2));
+    assert_eq!(order["K"], [1, 2], "applied out of order after the restart");
+    intake.shutdown(Duration::from_secs(10)).unwrap();
+}
+
 /// The server is SIGKILLed while A publishes and B pulls, and comes back a
 /// second later with its store: A's sink keeps the unacknowledged rows
 /// pending (no attempt counted, so `max_attempts(2)` kills none), B's

@@ -1,6 +1,7 @@
 //! The engine: opens the database, owns the threads (writer, dispatcher,
 //! workers, reaper) and the read pool, and is what callers talk to.
 
+use crate::clock;
 use crate::escape::Esc;
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
@@ -33,12 +34,24 @@ use crate::store::inflight::ClaimSlot;
 use crate::store::outbox::{self, OutboxMessage};
 use crate::store::queue::{self, DeadLetter};
 use crate::store::stats::{self, Stats};
+use crate::store::strict;
 use crate::telemetry;
 
 mod open;
 use open::CheckpointInputs;
 
 const WRITER_THREAD: &str = "postroom-writer";
+
+/// How long past its due time an unfinished head of a key still holds the
+/// intakes' later messages of the key ([`Postroom::intake_key_wait`]). A
+/// broker brings a message asked back at its due time (the NAK delay, the
+/// reconnect, which the intake times to it); one that has not come back
+/// this long after was lost by the broker (a session it did not keep, a
+/// stream limit), and holding on would stall the intake for nothing.
+const HEAD_GRACE: Duration = Duration::from_secs(30);
+/// The shortest and the longest an intake waits for a key's head at once.
+const HEAD_WAIT_MIN: Duration = Duration::from_millis(200);
+const HEAD_WAIT_MAX: Duration = Duration::from_secs(5);
 
 /// A running thread, and the channel that says it has finished (sent from
 /// a guard, so it also arrives when the thread panics).
@@ -346,6 +359,49 @@ impl Postroom {
     /// Checks a message against this engine's limits, as `receive` would.
     pub(crate) fn check_message(&self, msg: &Message) -> Result<()> {
         self.shared.config.check_message(msg)
+    }
+
+    /// For the intakes: how long `msg` must wait before it is delivered
+    /// inline to `consumer`, because an earlier message of its ordering key
+    /// is unfinished in the inbox (failed and waiting for its redelivery,
+    /// or pending): `None` when nothing of the key is ahead of it (the head
+    /// is `msg` itself, or `msg` is a redelivery of an earlier settled
+    /// row). The inbox is what survives an intake's (or
+    /// the process's) restart, so per-key order does too; an intake's own
+    /// memory of what it asked back does not.
+    ///
+    /// A head overdue by [`HEAD_GRACE`] (its redelivery never came: the
+    /// broker dropped it, or it went elsewhere) holds nothing any more:
+    /// the key goes on, as it did before, rather than wedge.
+    pub(crate) fn intake_key_wait(
+        &self,
+        consumer: &str,
+        msg: &Message,
+    ) -> Result<Option<Duration>> {
+        let Some(key) = msg.ordering_key.as_deref() else {
+            return Ok(None);
+        };
+        let conn = self.reader()?;
+        let Some(head) = strict::head_ahead_of(&conn, consumer, key, &msg.source, &msg.id)
+            .map_err(|e| Error::sqlite("read the ordering key's head", e))?
+        else {
+            return Ok(None);
+        };
+        let now = self.shared.clock.now_ms();
+        let due = head.next_attempt_at.unwrap_or(head.updated_at);
+        if now > due.saturating_add(clock::millis(HEAD_GRACE)) {
+            log::warn!(
+                consumer, message_id = msg.id.as_str();
+                "consumer {:?}: message {}/{} of key {:?} passes {}/{} ({}), overdue by over {:?}",
+                Esc(consumer), Esc(&msg.source), Esc(&msg.id), Esc(key),
+                Esc(&head.source), Esc(&head.message_id), head.status, HEAD_GRACE
+            );
+            return Ok(None);
+        }
+        let wait = u64::try_from(due.saturating_sub(now)).unwrap_or(0);
+        Ok(Some(
+            Duration::from_millis(wait).clamp(HEAD_WAIT_MIN, HEAD_WAIT_MAX),
+        ))
     }
 
     fn consumer(&self, name: &str) -> Result<Arc<Consumer>> {

@@ -19,6 +19,7 @@
 
 use std::collections::BTreeSet;
 
+use rusqlite::OptionalExtension;
 use rusqlite::{params, Connection, TransactionBehavior};
 
 /// Prefix of the `postroom_meta` keys naming strict consumers.
@@ -79,6 +80,50 @@ pub(crate) fn inline_held(
     .query_row(params![consumer, key, row_id.unwrap_or(i64::MAX)], |r| {
         r.get(0)
     })
+}
+
+/// The unfinished row at the head of `consumer`'s key `key`, when it is
+/// ahead of the message `(source, id)`: that message has no row yet (it is
+/// new), or a later one. `None` when the key has no unfinished row, or the
+/// head is the message itself, or the message's row is older (a redelivery
+/// of one already settled). See the intakes' use in `hop::Lander`. One
+/// probe of `postroom_inbox_heads`, one of the key table, one of the inbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct KeyHead {
+    pub source: String,
+    pub message_id: String,
+    pub status: String,
+    /// When it is due again (a failed row), in unix ms.
+    pub next_attempt_at: Option<i64>,
+    /// Its last change, in unix ms.
+    pub updated_at: i64,
+}
+
+pub(crate) fn head_ahead_of(
+    conn: &Connection,
+    consumer: &str,
+    key: &str,
+    source: &str,
+    id: &str,
+) -> rusqlite::Result<Option<KeyHead>> {
+    conn.prepare_cached(
+        "SELECT i.source, i.message_id, i.status, i.next_attempt_at, i.updated_at
+         FROM postroom_inbox_heads AS h JOIN postroom_inbox AS i ON i.id = h.head_id
+         WHERE h.consumer = ?1 AND h.ordering_key = ?2
+           AND coalesce((SELECT k.inbox_id FROM postroom_inbox_keys AS k
+                         WHERE k.consumer = ?1 AND k.source = ?3 AND k.message_id = ?4),
+                        9223372036854775807) > h.head_id",
+    )?
+    .query_row(params![consumer, key, source, id], |r| {
+        Ok(KeyHead {
+            source: r.get(0)?,
+            message_id: r.get(1)?,
+            status: r.get(2)?,
+            next_attempt_at: r.get(3)?,
+            updated_at: r.get(4)?,
+        })
+    })
+    .optional()
 }
 
 /// A strict consumer's held keys, for `postroom status`.
