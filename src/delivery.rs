@@ -373,12 +373,9 @@ pub(crate) fn run_user_step(
     };
     let failure = match result {
         // A refused statement is the first cause, whatever it left.
-        Ok(Err(failure)) if refused_by_the_allowlist(env.guard, &failure) => {
-            Some(name_the_rule(env.guard, failure))
-        }
+        Ok(Err(failure)) => Some(refusal(env.guard, &failure).or(broken).unwrap_or(failure)),
         _ if broken.is_some() => broken,
         Ok(Ok(())) => None,
-        Ok(Err(failure)) => Some(failure),
         Err(panic) => Some(Failure::retry(format_args!(
             "handler panicked: {}",
             panic_message(panic.as_ref())
@@ -517,23 +514,22 @@ pub(crate) fn check_left_state(
     Ok(Left::Sound)
 }
 
-/// A handler's failure after the allowlist refused one of its statements
-/// (`not authorized`): rejected, with the rule that refused it. Retrying
-/// runs the same SQL, refused the same way; the handler is to be fixed,
-/// and the message replayed from the dead letters.
-pub(crate) fn name_the_rule(guard: &UserCodeGuard, failure: Failure) -> Failure {
-    match (refused_by_the_allowlist(guard, &failure), guard.refused()) {
-        (true, Some(rule)) => Failure::reject(format_args!("{rule} (sqlite: not authorized)")),
-        _ => failure,
+/// The rejection a failure of user code's becomes when it is a statement
+/// the allowlist refused in that run (`not authorized`): with the rule that
+/// refused it. Retrying runs the same SQL, refused the same way; the
+/// handler is to be fixed, and the message replayed from the dead letters.
+/// `None` for any other failure.
+pub(crate) fn refusal(guard: &UserCodeGuard, failure: &Failure) -> Option<Failure> {
+    let Failure::Sqlite(e) = failure else {
+        return None;
+    };
+    if e.sqlite_error_code() != Some(ErrorCode::AuthorizationForStatementDenied) {
+        return None;
     }
-}
-
-/// True when `failure` is a statement the allowlist refused in user
-/// code's last run.
-pub(crate) fn refused_by_the_allowlist(guard: &UserCodeGuard, failure: &Failure) -> bool {
-    matches!(failure, Failure::Sqlite(e)
-        if e.sqlite_error_code() == Some(ErrorCode::AuthorizationForStatementDenied))
-        && guard.refused().is_some()
+    let rule = guard.refused()?;
+    Some(Failure::reject(format_args!(
+        "{rule} (sqlite: not authorized)"
+    )))
 }
 
 /// Records the result of an attempt: completed, or failed with backoff, or

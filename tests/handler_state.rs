@@ -122,7 +122,11 @@ fn builder() -> postroom::Builder {
 }
 
 fn open(dir: &Path) -> Postroom {
-    let room = builder().open(dir.join("app.db")).expect("open");
+    with_schema(builder().open(dir.join("app.db")).expect("open"))
+}
+
+/// `room` with the domain table and the application's schema.
+fn with_schema(room: Postroom) -> Postroom {
     create_domain(&room);
     room.transaction(|tx| Ok(tx.execute_batch(APP_SQL)?))
         .expect("app schema");
@@ -206,13 +210,12 @@ fn a_deferred_foreign_key_left_unmet_fails_its_own_message_with_backoff() {
 #[test]
 fn a_queued_deferred_foreign_key_does_not_stop_its_consumer() {
     let dir = tempfile::tempdir().unwrap();
-    let room = builder()
-        .workers(1)
-        .open(dir.path().join("app.db"))
-        .unwrap();
-    create_domain(&room);
-    room.transaction(|tx| Ok(tx.execute_batch(APP_SQL)?))
-        .unwrap();
+    let room = with_schema(
+        builder()
+            .workers(1)
+            .open(dir.path().join("app.db"))
+            .unwrap(),
+    );
     let mut batch: Vec<Message> = (0..200).map(|i| innocent(format!("m{i}"))).collect();
     batch[100] = poison("p", "deferred-fk");
     let receipts = room.receive_batch("c", batch).unwrap();
@@ -241,13 +244,12 @@ fn a_queued_deferred_foreign_key_does_not_stop_its_consumer() {
 #[test]
 fn a_queued_poison_of_each_kind_does_not_stop_its_consumer() {
     let dir = tempfile::tempdir().unwrap();
-    let room = builder()
-        .workers(1)
-        .open(dir.path().join("app.db"))
-        .unwrap();
-    create_domain(&room);
-    room.transaction(|tx| Ok(tx.execute_batch(APP_SQL)?))
-        .unwrap();
+    let room = with_schema(
+        builder()
+            .workers(1)
+            .open(dir.path().join("app.db"))
+            .unwrap(),
+    );
     for (k, kind) in POISONS.iter().enumerate() {
         let mut batch: Vec<Message> = (0..20).map(|i| innocent(format!("k{k}-{i}"))).collect();
         batch[10] = poison(&format!("p{k}"), kind);
@@ -442,17 +444,8 @@ fn a_leaked_statement_fails_its_message_and_does_not_wedge_the_writer() {
     room.shutdown(Duration::from_secs(10)).unwrap();
     // The leaked statements were finalized: the write connection closed,
     // with its files (Linux: no descriptor left on the -wal or -shm).
-    if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
-        let open: Vec<_> = fds
-            .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
-            .filter(|target| target.starts_with(dir.path()))
-            .filter(|target| {
-                let name = target.to_string_lossy();
-                name.ends_with("-wal") || name.ends_with("-shm")
-            })
-            .collect();
-        assert!(open.is_empty(), "still open after shutdown: {open:?}");
-    }
+    let open = wal_and_shm_descriptors(dir.path());
+    assert!(open.is_empty(), "still open after shutdown: {open:?}");
 }
 
 /// Item 5: A foreign key to an engine table is refused: retention keeps

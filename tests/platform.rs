@@ -165,17 +165,8 @@ fn after_shutdown_every_file_can_be_removed() {
     // descriptor of this process on a `-wal` or `-shm` here (what an open
     // SQLite connection keeps; the database file itself stays open by
     // design there, see docs/DESIGN.md "What each guarantee rests on").
-    if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
-        let open: Vec<_> = fds
-            .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
-            .filter(|target| target.starts_with(dir.path()))
-            .filter(|target| {
-                let name = target.to_string_lossy();
-                name.ends_with("-wal") || name.ends_with("-shm")
-            })
-            .collect();
-        assert!(open.is_empty(), "still open after shutdown: {open:?}");
-    }
+    let open = wal_and_shm_descriptors(dir.path());
+    assert!(open.is_empty(), "still open after shutdown: {open:?}");
     let mut held = Vec::new();
     for entry in std::fs::read_dir(dir.path()).unwrap() {
         let path = entry.unwrap().path();

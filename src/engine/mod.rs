@@ -651,18 +651,19 @@ impl Postroom {
                 delivery::Left::Broken(failure) => Some(failure),
                 delivery::Left::Sound => None,
             };
-            let refused =
-                matches!(&result, Ok(Err(f)) if delivery::refused_by_the_allowlist(guard, f));
+            let refused = match &result {
+                Ok(Err(failure)) => delivery::refusal(guard, failure),
+                _ => None,
+            };
             let fails = broken.is_some() || !matches!(result, Ok(Ok(_)));
             if !delivery::end_savepoint(w.conn, fails)? {
                 return Err(delivery::rolled_back("transaction", None));
             }
-            if let (Some(failure), false) = (broken, refused) {
+            if let Some(failure) = refused.or(broken) {
                 return Err(Error::Aborted {
                     reason: failure.to_string(),
                 });
             }
-            let result = result.map(|r| r.map_err(|f| delivery::name_the_rule(guard, f)));
             match result {
                 Ok(Ok(value)) => Ok(value),
                 Ok(Err(Failure::Sqlite(e))) => Err(Error::sqlite("transaction", e)),

@@ -532,3 +532,20 @@ pub fn was_aborted(status: &std::process::ExitStatus) -> bool {
         matches!(status.code(), Some(3) | Some(-1_073_740_791))
     }
 }
+
+/// The `-wal` and `-shm` files under `dir` this process holds a descriptor
+/// on (what an open SQLite connection keeps), as Linux's `/proc/self/fd`
+/// tells; empty where there is no `/proc` (Linux removes open files, so it
+/// asks the kernel instead of trying to delete them).
+pub fn wal_and_shm_descriptors(dir: &Path) -> Vec<PathBuf> {
+    let Ok(fds) = std::fs::read_dir("/proc/self/fd") else {
+        return Vec::new();
+    };
+    fds.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter(|target| target.starts_with(dir))
+        .filter(|target| {
+            let name = target.to_string_lossy();
+            name.ends_with("-wal") || name.ends_with("-shm")
+        })
+        .collect()
+}
