@@ -96,6 +96,21 @@ fn device_a(db: &Path, url: &str) -> Postroom {
         .unwrap()
 }
 
+/// A device whose NATS sink names its outbox `source`, publishing as
+/// `hop.<topic>`.
+fn named_device(url: &str, db: &Path, source: &str) -> Postroom {
+    Postroom::builder()
+        .relay_poll(Duration::from_millis(20))
+        .sink(
+            NatsSink::new(url)
+                .source(source)
+                .subject_prefix("hop.")
+                .ack_timeout(Duration::from_secs(2)),
+        )
+        .open(db)
+        .unwrap()
+}
+
 /// Publishes `n` rows through A's outbox, keys `k0`..`k4`, payload = the
 /// number, `pause` after each; `committed` counts them.
 fn publish(a: &Postroom, n: i64, pause: Duration, committed: &AtomicU64) {
@@ -278,18 +293,7 @@ fn two_devices_with_one_message_id_both_reach_the_receiver() {
         .start()
         .unwrap();
     assert!(intake.wait_bound(Duration::from_secs(30)));
-    let device = |name: &str| {
-        Postroom::builder()
-            .relay_poll(Duration::from_millis(20))
-            .sink(
-                NatsSink::new(&url)
-                    .source(name)
-                    .subject_prefix("hop.")
-                    .ack_timeout(Duration::from_secs(2)),
-            )
-            .open(dir.path().join(format!("{name}.db")))
-            .unwrap()
-    };
+    let device = |name: &str| named_device(&url, &dir.path().join(format!("{name}.db")), name);
     let (a, c) = (device("device-a"), device("device-c"));
     for (room, n) in [(&a, 1), (&c, 2)] {
         room.transaction(move |tx| {
@@ -329,18 +333,7 @@ fn a_duplicate_ack_for_another_payload_is_not_taken_for_sent() {
     };
     let url = server.url();
     ensure_stream(&url, "HOP", &["hop.>"]).unwrap();
-    let device = |file: &str| {
-        Postroom::builder()
-            .relay_poll(Duration::from_millis(20))
-            .sink(
-                NatsSink::new(&url)
-                    .source("device-a")
-                    .subject_prefix("hop.")
-                    .ack_timeout(Duration::from_secs(2)),
-            )
-            .open(dir.path().join(file))
-            .unwrap()
-    };
+    let device = |file: &str| named_device(&url, &dir.path().join(file), "device-a");
     let (first, second) = (device("a.db"), device("a-restored.db"));
     for (room, n) in [(&first, 1), (&second, 2)] {
         room.transaction(move |tx| {
