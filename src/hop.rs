@@ -820,6 +820,12 @@ pub struct IntakeStats {
     pub refused: u64,
     /// Messages without the hop contract, given a content-derived id.
     pub unwrapped: u64,
+    /// Messages the broker holds that the client library cannot hand on
+    /// (NATS: a header block async-nats cannot parse, or one with a
+    /// protocol status line), found through the consumer's state and read
+    /// raw from the stream: each stored as a dead letter with its bytes and
+    /// the reason, then settled for good. Also counted in `refused`.
+    pub unparsed: u64,
     /// Connections made, the first included.
     pub connects: u64,
 }
@@ -835,6 +841,7 @@ pub(crate) struct IntakeCounters {
     pub(crate) held_back: AtomicU64,
     pub(crate) refused: AtomicU64,
     pub(crate) unwrapped: AtomicU64,
+    pub(crate) unparsed: AtomicU64,
     pub(crate) connects: AtomicU64,
     /// Ready to take messages: subscribed (MQTT), bound to its durable
     /// consumer (NATS).
@@ -853,6 +860,7 @@ impl IntakeCounters {
             held_back: get(&self.held_back),
             refused: get(&self.refused),
             unwrapped: get(&self.unwrapped),
+            unparsed: get(&self.unparsed),
             connects: get(&self.connects),
         }
     }

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, consumer, AckKind};
 use futures_util::StreamExt;
 
+use super::raw;
 use super::{connect, runtime, Backoff, IntakeStats, MAX_WAIT, MSG_ID};
 use crate::delivery::panic_message;
 use crate::engine::Postroom;
@@ -126,6 +127,7 @@ impl IntakeBuilder {
             stop: Arc::clone(&stop),
             outstanding: BTreeSet::new(),
             barrier: None,
+            next_probe: Instant::now(),
         };
         let handle = thread::Builder::new()
             .name("postroom-nats-intake".into())
@@ -313,6 +315,8 @@ struct Intake {
     outstanding: BTreeSet<u64>,
     /// See [`Intake::bind`].
     barrier: Option<u64>,
+    /// When [`Intake::settle_stuck`] may look next.
+    next_probe: Instant,
 }
 
 /// The NAK delay of a message held back behind an earlier one.
@@ -323,6 +327,8 @@ type Pull = consumer::Consumer<consumer::pull::Config>;
 
 /// How long one pull waits for messages: the bound on noticing `stop`.
 const PULL_EXPIRES: Duration = Duration::from_secs(1);
+/// How long after [`PULL_EXPIRES`] the server's end of a pull may come.
+const PULL_GRACE: Duration = Duration::from_secs(1);
 
 impl Intake {
     fn run(mut self) -> std::result::Result<(), String> {
@@ -346,12 +352,16 @@ impl Intake {
                     }
                 }
             }
-            let Some((_, c)) = bound.as_ref() else {
+            let Some((client, c)) = bound.as_ref() else {
                 continue;
             };
-            let pulled = match self.pull(&rt, c) {
+            let asked = if self.waiting() { 1 } else { self.batch };
+            let pulled = match self.pull(&rt, c, asked) {
                 Ok(p) => p,
                 Err(e) => {
+                    // The connection may have dropped on a frame the client
+                    // cannot parse: look as soon as bound again.
+                    self.next_probe = Instant::now();
                     self.counters.ready.store(false, Ordering::Release);
                     bound = None;
                     let pause = self.backoff.fail();
@@ -363,7 +373,15 @@ impl Intake {
                     continue;
                 }
             };
+            let short = pulled.len() < asked;
             let (hold, handled) = self.hand_on(&rt, pulled);
+            // A short pull is also what a message the client cannot hand on
+            // leaves: the server delivered it (and what came behind it in
+            // that pull), the client dropped it.
+            if short && Instant::now() >= self.next_probe {
+                self.settle_stuck(&rt, client, c);
+                self.next_probe = Instant::now() + self.probe_every();
+            }
             if self.waiting() {
                 self.raise_floor(&rt, c);
             }
@@ -419,40 +437,111 @@ impl Intake {
         }
     }
 
-    /// One pull from the consumer, bounded: a batch (one message while an
-    /// earlier one is awaited: what comes meanwhile is asked back).
+    /// The wait between two looks for a message the client cannot hand on
+    /// while pulls come back short: half the ack wait (the server
+    /// redelivers such a message once per ack wait), at most 5 s.
+    fn probe_every(&self) -> Duration {
+        (self.ack_wait / 2).min(Duration::from_secs(5))
+    }
+
+    /// Settles the message just above the consumer's ack floor when the
+    /// client cannot hand it on (src/nats/raw.rs): its dead letter stored
+    /// first, then terminated at the server, so the floor passes it and the
+    /// messages behind it come with their next delivery.
+    fn settle_stuck(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        client: &async_nats::Client,
+        c: &Pull,
+    ) {
+        let found = rt.block_on(async {
+            let js = jetstream::new(client.clone());
+            raw::stuck(&js, &self.stream, c, self.filter.as_deref()).await
+        });
+        let stuck = match found {
+            Ok(Some(stuck)) => stuck,
+            Ok(None) => return,
+            Err(e) => {
+                log::warn!("postroom nats intake: {}", Esc(&e));
+                return;
+            }
+        };
+        if self.outstanding.contains(&stuck.seq) {
+            // Received and asked back: the client reads it.
+            return;
+        }
+        let came = stuck.arrived(&self.stream);
+        let place = came.msg.source.clone();
+        match self
+            .lander
+            .land(came, &place, || stuck.arrived(&self.stream).msg)
+        {
+            Landed::Ack { duplicate, .. } => {
+                if !duplicate {
+                    bump(&self.counters.unparsed);
+                    bump(&self.counters.refused);
+                }
+                match rt.block_on(raw::terminate(
+                    client,
+                    &self.stream,
+                    &self.durable,
+                    stuck.seq,
+                )) {
+                    Ok(()) => bump(&self.counters.acked),
+                    Err(e) => log::warn!("postroom nats intake: {}", Esc(&e)),
+                }
+            }
+            Landed::Hold { .. } => {
+                log::warn!(
+                    "postroom nats intake: stream sequence {} cannot be parsed by the client and \
+                     its dead letter could not be stored now; looking again later",
+                    stuck.seq
+                );
+            }
+        }
+    }
+
+    /// One pull from the consumer of at most `max` messages, bounded (one
+    /// while an earlier one is awaited: what comes meanwhile is asked
+    /// back). The server ends a pull after [`PULL_EXPIRES`]; one it has not
+    /// ended [`PULL_GRACE`] later lost its connection meanwhile (async-nats
+    /// drops it on a frame it cannot parse, and then waits 5 s more): what
+    /// came is returned, and the next look for a stuck message is due.
     fn pull(
-        &self,
+        &mut self,
         rt: &tokio::runtime::Runtime,
         c: &Pull,
+        max: usize,
     ) -> std::result::Result<Vec<jetstream::Message>, String> {
-        let waiting_batch = if self.waiting() { 1 } else { self.batch };
-        rt.block_on(async {
-            tokio::time::timeout(PULL_EXPIRES * 10, async {
-                let mut batch = c
-                    .fetch()
-                    .max_messages(waiting_batch)
-                    .expires(PULL_EXPIRES)
-                    .messages()
-                    .await
-                    .map_err(|e| format!("nats: pull: {e}"))?;
-                let mut out = Vec::new();
-                while let Some(m) = batch.next().await {
-                    match m {
-                        Ok(m) => out.push(m),
-                        Err(e) => {
-                            if out.is_empty() {
-                                return Err(format!("nats: pull: {e}"));
-                            }
-                            break;
-                        }
+        let (pulled, cut) = rt.block_on(async {
+            let until = tokio::time::Instant::now() + PULL_EXPIRES + PULL_GRACE;
+            let started = tokio::time::timeout_at(
+                until,
+                c.fetch().max_messages(max).expires(PULL_EXPIRES).messages(),
+            )
+            .await;
+            let mut batch = match started {
+                Ok(Ok(batch)) => batch,
+                Ok(Err(e)) => return (Err(format!("nats: pull: {e}")), false),
+                Err(_) => return (Err("nats: a pull did not start in time".to_owned()), false),
+            };
+            let mut out = Vec::new();
+            loop {
+                match tokio::time::timeout_at(until, batch.next()).await {
+                    Ok(Some(Ok(m))) => out.push(m),
+                    Ok(None) => return (Ok(out), false),
+                    Ok(Some(Err(e))) if out.is_empty() => {
+                        return (Err(format!("nats: pull: {e}")), false)
                     }
+                    Ok(Some(Err(_))) => return (Ok(out), true),
+                    Err(_) => return (Ok(out), true),
                 }
-                Ok(out)
-            })
-            .await
-            .unwrap_or_else(|_| Err("nats: a pull did not end within 10 s".to_owned()))
-        })
+            }
+        });
+        if cut {
+            self.next_probe = Instant::now();
+        }
+        pulled
     }
 
     /// Hands the pulled messages on in order, acknowledging what is stored

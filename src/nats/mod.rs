@@ -46,10 +46,12 @@ use crate::error::{Error, Result};
 pub use crate::hop::IntakeStats;
 
 mod intake;
+mod raw;
 mod sink;
 mod stream;
 
 pub use intake::{IntakeBuilder, NatsIntake};
+pub use raw::RAW_HEADERS;
 pub use sink::NatsSink;
 pub use stream::ensure_stream;
 
