@@ -326,9 +326,10 @@ CREATE INDEX IF NOT EXISTS postroom_inbox_seq
 -- from here: a sequence below settled_below, or one listed above it with
 -- the same key and payload digest, is a duplicate. `highest` is the
 -- highest sequence stored; `unrecorded` counts settled sequences that
--- were not listed because the stream already had 4096 listed (the bound):
--- the watermark cannot pass such a sequence, and a redelivery of it after
--- retention is taken as new (as without a sequence) — never dropped.
+-- were neither listed (4096 or more above the watermark) nor kept in a
+-- run (it already had 4096 runs, postroom_watermark_runs): the watermark
+-- cannot pass such a sequence, and a redelivery of it after retention is
+-- taken as new (as without a sequence) — never dropped.
 --
 -- Kept by the triggers below, in the transaction that settles the row,
 -- whatever settles it (a handler, a dead-letter, the reaper, recovery).
@@ -342,10 +343,10 @@ CREATE TABLE IF NOT EXISTS postroom_watermarks (
     PRIMARY KEY (consumer, stream)
 ) WITHOUT ROWID;
 
--- Settled sequences above a stream's watermark, with the key and digest
--- of the message that settled each (a redelivery at that sequence with
--- another key or payload is a conflict). At most 4096 per stream, plus
--- the one about to close the gap.
+-- Settled sequences above a stream's watermark and less than 4096 above
+-- it, with the key and digest of the message that settled each (a
+-- redelivery at that sequence with another key or payload is a
+-- conflict): at most 4096 per stream.
 CREATE TABLE IF NOT EXISTS postroom_watermark_settled (
     consumer     TEXT    NOT NULL,
     stream       TEXT    NOT NULL,
@@ -354,6 +355,21 @@ CREATE TABLE IF NOT EXISTS postroom_watermark_settled (
     message_id   TEXT    NOT NULL,
     payload_hash BLOB    NOT NULL,
     PRIMARY KEY (consumer, stream, seq)
+) WITHOUT ROWID;
+
+-- Settled sequences 4096 or more above a stream's watermark (past the
+-- listing's bound; schema version 13), as runs: `lo..=hi` all settled. Runs of one stream
+-- never overlap or touch (a sequence that joins two merges them), so one
+-- sequence stuck below many settled ones costs one run, not one entry per
+-- sequence. At most 4096 runs per stream; past that, `unrecorded`. A
+-- redelivery in a run after retention is a duplicate (no key or digest
+-- kept: as below the watermark).
+CREATE TABLE IF NOT EXISTS postroom_watermark_runs (
+    consumer TEXT    NOT NULL,
+    stream   TEXT    NOT NULL,
+    lo       INTEGER NOT NULL,
+    hi       INTEGER NOT NULL CHECK (hi >= lo),
+    PRIMARY KEY (consumer, stream, lo)
 ) WITHOUT ROWID;
 
 -- A sequenced row is stored: its stream gets a watermark row, `highest`
@@ -378,13 +394,17 @@ WHEN NEW.seq IS NOT NULL AND NEW.status IN ('completed', 'dead')
 BEGIN
     INSERT OR IGNORE INTO postroom_watermarks (consumer, stream)
     VALUES (NEW.consumer, NEW.seq_stream);
-    -- In order, no gap above: the watermark moves up by one.
+    -- In order, nothing settled right above: the watermark moves up by one.
     UPDATE postroom_watermarks SET settled_below = NEW.seq + 1
     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream AND settled_below = NEW.seq
       AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
                       WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
-                        AND seq = NEW.seq + 1);
-    -- Otherwise listed: always when it closes the gap, else within the bound.
+                        AND seq = NEW.seq + 1)
+      AND NOT EXISTS (SELECT 1 FROM postroom_watermark_runs
+                      WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                        AND lo = NEW.seq + 1);
+    -- Otherwise listed when within 4096 of the watermark (the listing's
+    -- bound, by distance: no count to read), the one closing the gap always.
     INSERT INTO postroom_watermark_settled
         (consumer, stream, seq, source, message_id, payload_hash)
     SELECT NEW.consumer, NEW.seq_stream, NEW.seq, NEW.source, NEW.message_id, NEW.payload_hash
@@ -394,33 +414,104 @@ BEGIN
       AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
                       WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
                         AND seq = NEW.seq)
-      AND (NEW.seq = w.settled_below
-           OR (SELECT count(*) FROM postroom_watermark_settled
-               WHERE consumer = NEW.consumer AND stream = NEW.seq_stream) < 4096);
-    -- The gap closed: up to the end of the listed run, which is unlisted.
-    UPDATE postroom_watermarks SET settled_below = 1 + (
-        SELECT s.seq FROM postroom_watermark_settled s
-        WHERE s.consumer = NEW.consumer AND s.stream = NEW.seq_stream
-          AND s.seq >= postroom_watermarks.settled_below
-          AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled t
-                          WHERE t.consumer = NEW.consumer AND t.stream = NEW.seq_stream
-                            AND t.seq = s.seq + 1)
-        ORDER BY s.seq LIMIT 1)
+      AND NOT EXISTS (SELECT 1 FROM (SELECT hi FROM postroom_watermark_runs
+                                     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                                       AND lo <= NEW.seq ORDER BY lo DESC LIMIT 1)
+                      WHERE hi >= NEW.seq)
+      AND NEW.seq - w.settled_below < 4096;
+    -- Past the listing's bound: in a run of settled sequences, joined to
+    -- the runs next to it (runs never touch: one run per stretch).
+    -- Above the watermark, not listed, in no run yet: extend the run
+    -- ending right below, else the one starting right above.
+    UPDATE postroom_watermark_runs SET hi = NEW.seq
     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+      AND lo = (SELECT max(lo) FROM postroom_watermark_runs
+                WHERE consumer = NEW.consumer AND stream = NEW.seq_stream AND lo < NEW.seq)
+      AND hi = NEW.seq - 1
+      AND NEW.seq > (SELECT settled_below FROM postroom_watermarks
+                     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream)
+      AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
+                      WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                        AND seq = NEW.seq);
+    -- It joined two runs: the upper one is merged into the lower.
+    UPDATE postroom_watermark_runs SET hi = (
+        SELECT r.hi FROM postroom_watermark_runs r
+        WHERE r.consumer = NEW.consumer AND r.stream = NEW.seq_stream AND r.lo = NEW.seq + 1)
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+      AND lo = (SELECT max(lo) FROM postroom_watermark_runs
+                WHERE consumer = NEW.consumer AND stream = NEW.seq_stream AND lo <= NEW.seq)
+      AND hi = NEW.seq
+      AND EXISTS (SELECT 1 FROM postroom_watermark_runs
+                  WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                    AND lo = NEW.seq + 1);
+    DELETE FROM postroom_watermark_runs
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream AND lo = NEW.seq + 1
+      AND EXISTS (SELECT 1 FROM postroom_watermark_runs r
+                  WHERE r.consumer = NEW.consumer AND r.stream = NEW.seq_stream
+                    AND r.lo <= NEW.seq AND r.hi > NEW.seq);
+    UPDATE postroom_watermark_runs SET lo = NEW.seq
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream AND lo = NEW.seq + 1
+      AND NEW.seq > (SELECT settled_below FROM postroom_watermarks
+                     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream)
+      AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
+                      WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                        AND seq = NEW.seq)
+      AND NOT EXISTS (SELECT 1 FROM (SELECT hi FROM postroom_watermark_runs
+                                     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                                       AND lo <= NEW.seq ORDER BY lo DESC LIMIT 1)
+                      WHERE hi >= NEW.seq);
+    -- No run next to it: a run of its own, within the bound.
+    INSERT INTO postroom_watermark_runs (consumer, stream, lo, hi)
+    SELECT NEW.consumer, NEW.seq_stream, NEW.seq, NEW.seq
+    WHERE NEW.seq > (SELECT settled_below FROM postroom_watermarks
+                     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream)
+      AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
+                      WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                        AND seq = NEW.seq)
+      AND NOT EXISTS (SELECT 1 FROM (SELECT hi FROM postroom_watermark_runs
+                                     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                                       AND lo <= NEW.seq ORDER BY lo DESC LIMIT 1)
+                      WHERE hi >= NEW.seq)
+      AND (SELECT count(*) FROM postroom_watermark_runs
+           WHERE consumer = NEW.consumer AND stream = NEW.seq_stream) < 4096;
+    -- The gap closed: past every listed sequence and run that follows it,
+    -- in one walk (at most the bound's listed sequences and runs).
+    UPDATE postroom_watermarks SET settled_below = (
+        WITH RECURSIVE up(n) AS (
+            SELECT NEW.seq
+            UNION ALL
+            SELECT coalesce(
+                (SELECT up.n + 1 FROM postroom_watermark_settled s
+                 WHERE s.consumer = NEW.consumer AND s.stream = NEW.seq_stream
+                   AND s.seq = up.n),
+                (SELECT r.hi + 1 FROM postroom_watermark_runs r
+                 WHERE r.consumer = NEW.consumer AND r.stream = NEW.seq_stream
+                   AND r.lo = up.n))
+            FROM up WHERE up.n IS NOT NULL)
+        SELECT max(n) FROM up)
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream AND settled_below = NEW.seq
       AND EXISTS (SELECT 1 FROM postroom_watermark_settled
                   WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
-                    AND seq = postroom_watermarks.settled_below);
+                    AND seq = NEW.seq);
     DELETE FROM postroom_watermark_settled
     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
       AND seq < (SELECT settled_below FROM postroom_watermarks
                  WHERE consumer = NEW.consumer AND stream = NEW.seq_stream);
-    -- Past the bound: counted, not listed.
+    DELETE FROM postroom_watermark_runs
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+      AND lo < (SELECT settled_below FROM postroom_watermarks
+                WHERE consumer = NEW.consumer AND stream = NEW.seq_stream);
+    -- Past both bounds: counted, not kept.
     UPDATE postroom_watermarks SET unrecorded = unrecorded + 1
     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
       AND NEW.seq >= settled_below
       AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
                       WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
-                        AND seq = NEW.seq);
+                        AND seq = NEW.seq)
+      AND NOT EXISTS (SELECT 1 FROM (SELECT hi FROM postroom_watermark_runs
+                                     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                                       AND lo <= NEW.seq ORDER BY lo DESC LIMIT 1)
+                      WHERE hi >= NEW.seq);
 END;
 
 CREATE TRIGGER IF NOT EXISTS postroom_inbox_seq_settled_update
@@ -430,13 +521,17 @@ WHEN NEW.seq IS NOT NULL AND NEW.status IN ('completed', 'dead')
 BEGIN
     INSERT OR IGNORE INTO postroom_watermarks (consumer, stream)
     VALUES (NEW.consumer, NEW.seq_stream);
-    -- In order, no gap above: the watermark moves up by one.
+    -- In order, nothing settled right above: the watermark moves up by one.
     UPDATE postroom_watermarks SET settled_below = NEW.seq + 1
     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream AND settled_below = NEW.seq
       AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
                       WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
-                        AND seq = NEW.seq + 1);
-    -- Otherwise listed: always when it closes the gap, else within the bound.
+                        AND seq = NEW.seq + 1)
+      AND NOT EXISTS (SELECT 1 FROM postroom_watermark_runs
+                      WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                        AND lo = NEW.seq + 1);
+    -- Otherwise listed when within 4096 of the watermark (the listing's
+    -- bound, by distance: no count to read), the one closing the gap always.
     INSERT INTO postroom_watermark_settled
         (consumer, stream, seq, source, message_id, payload_hash)
     SELECT NEW.consumer, NEW.seq_stream, NEW.seq, NEW.source, NEW.message_id, NEW.payload_hash
@@ -446,33 +541,104 @@ BEGIN
       AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
                       WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
                         AND seq = NEW.seq)
-      AND (NEW.seq = w.settled_below
-           OR (SELECT count(*) FROM postroom_watermark_settled
-               WHERE consumer = NEW.consumer AND stream = NEW.seq_stream) < 4096);
-    -- The gap closed: up to the end of the listed run, which is unlisted.
-    UPDATE postroom_watermarks SET settled_below = 1 + (
-        SELECT s.seq FROM postroom_watermark_settled s
-        WHERE s.consumer = NEW.consumer AND s.stream = NEW.seq_stream
-          AND s.seq >= postroom_watermarks.settled_below
-          AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled t
-                          WHERE t.consumer = NEW.consumer AND t.stream = NEW.seq_stream
-                            AND t.seq = s.seq + 1)
-        ORDER BY s.seq LIMIT 1)
+      AND NOT EXISTS (SELECT 1 FROM (SELECT hi FROM postroom_watermark_runs
+                                     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                                       AND lo <= NEW.seq ORDER BY lo DESC LIMIT 1)
+                      WHERE hi >= NEW.seq)
+      AND NEW.seq - w.settled_below < 4096;
+    -- Past the listing's bound: in a run of settled sequences, joined to
+    -- the runs next to it (runs never touch: one run per stretch).
+    -- Above the watermark, not listed, in no run yet: extend the run
+    -- ending right below, else the one starting right above.
+    UPDATE postroom_watermark_runs SET hi = NEW.seq
     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+      AND lo = (SELECT max(lo) FROM postroom_watermark_runs
+                WHERE consumer = NEW.consumer AND stream = NEW.seq_stream AND lo < NEW.seq)
+      AND hi = NEW.seq - 1
+      AND NEW.seq > (SELECT settled_below FROM postroom_watermarks
+                     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream)
+      AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
+                      WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                        AND seq = NEW.seq);
+    -- It joined two runs: the upper one is merged into the lower.
+    UPDATE postroom_watermark_runs SET hi = (
+        SELECT r.hi FROM postroom_watermark_runs r
+        WHERE r.consumer = NEW.consumer AND r.stream = NEW.seq_stream AND r.lo = NEW.seq + 1)
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+      AND lo = (SELECT max(lo) FROM postroom_watermark_runs
+                WHERE consumer = NEW.consumer AND stream = NEW.seq_stream AND lo <= NEW.seq)
+      AND hi = NEW.seq
+      AND EXISTS (SELECT 1 FROM postroom_watermark_runs
+                  WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                    AND lo = NEW.seq + 1);
+    DELETE FROM postroom_watermark_runs
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream AND lo = NEW.seq + 1
+      AND EXISTS (SELECT 1 FROM postroom_watermark_runs r
+                  WHERE r.consumer = NEW.consumer AND r.stream = NEW.seq_stream
+                    AND r.lo <= NEW.seq AND r.hi > NEW.seq);
+    UPDATE postroom_watermark_runs SET lo = NEW.seq
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream AND lo = NEW.seq + 1
+      AND NEW.seq > (SELECT settled_below FROM postroom_watermarks
+                     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream)
+      AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
+                      WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                        AND seq = NEW.seq)
+      AND NOT EXISTS (SELECT 1 FROM (SELECT hi FROM postroom_watermark_runs
+                                     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                                       AND lo <= NEW.seq ORDER BY lo DESC LIMIT 1)
+                      WHERE hi >= NEW.seq);
+    -- No run next to it: a run of its own, within the bound.
+    INSERT INTO postroom_watermark_runs (consumer, stream, lo, hi)
+    SELECT NEW.consumer, NEW.seq_stream, NEW.seq, NEW.seq
+    WHERE NEW.seq > (SELECT settled_below FROM postroom_watermarks
+                     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream)
+      AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
+                      WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                        AND seq = NEW.seq)
+      AND NOT EXISTS (SELECT 1 FROM (SELECT hi FROM postroom_watermark_runs
+                                     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                                       AND lo <= NEW.seq ORDER BY lo DESC LIMIT 1)
+                      WHERE hi >= NEW.seq)
+      AND (SELECT count(*) FROM postroom_watermark_runs
+           WHERE consumer = NEW.consumer AND stream = NEW.seq_stream) < 4096;
+    -- The gap closed: past every listed sequence and run that follows it,
+    -- in one walk (at most the bound's listed sequences and runs).
+    UPDATE postroom_watermarks SET settled_below = (
+        WITH RECURSIVE up(n) AS (
+            SELECT NEW.seq
+            UNION ALL
+            SELECT coalesce(
+                (SELECT up.n + 1 FROM postroom_watermark_settled s
+                 WHERE s.consumer = NEW.consumer AND s.stream = NEW.seq_stream
+                   AND s.seq = up.n),
+                (SELECT r.hi + 1 FROM postroom_watermark_runs r
+                 WHERE r.consumer = NEW.consumer AND r.stream = NEW.seq_stream
+                   AND r.lo = up.n))
+            FROM up WHERE up.n IS NOT NULL)
+        SELECT max(n) FROM up)
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream AND settled_below = NEW.seq
       AND EXISTS (SELECT 1 FROM postroom_watermark_settled
                   WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
-                    AND seq = postroom_watermarks.settled_below);
+                    AND seq = NEW.seq);
     DELETE FROM postroom_watermark_settled
     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
       AND seq < (SELECT settled_below FROM postroom_watermarks
                  WHERE consumer = NEW.consumer AND stream = NEW.seq_stream);
-    -- Past the bound: counted, not listed.
+    DELETE FROM postroom_watermark_runs
+    WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+      AND lo < (SELECT settled_below FROM postroom_watermarks
+                WHERE consumer = NEW.consumer AND stream = NEW.seq_stream);
+    -- Past both bounds: counted, not kept.
     UPDATE postroom_watermarks SET unrecorded = unrecorded + 1
     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
       AND NEW.seq >= settled_below
       AND NOT EXISTS (SELECT 1 FROM postroom_watermark_settled
                       WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
-                        AND seq = NEW.seq);
+                        AND seq = NEW.seq)
+      AND NOT EXISTS (SELECT 1 FROM (SELECT hi FROM postroom_watermark_runs
+                                     WHERE consumer = NEW.consumer AND stream = NEW.seq_stream
+                                       AND lo <= NEW.seq ORDER BY lo DESC LIMIT 1)
+                      WHERE hi >= NEW.seq);
 END;
 
 -- Outgoing messages, committed in the same transaction as the handler that

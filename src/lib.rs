@@ -269,4 +269,4 @@ pub use store::outbox::{outbox_stream, OutboxMessage, CAUSATION_HEADER, CORRELAT
 pub use store::queue::DeadLetter;
 pub use store::schema::{MIN_SQLITE_VERSION, SCHEMA_SQL, SCHEMA_VERSION};
 pub use store::stats::{OutboxCounts, Stats, StatusCounts};
-pub use store::watermark::{StreamWatermark, MAX_LISTED_SEQUENCES, RESUME_WALK};
+pub use store::watermark::{StreamWatermark, MAX_LISTED_SEQUENCES, MAX_SETTLED_RUNS, RESUME_WALK};

@@ -351,48 +351,170 @@ fn a_counter_reset_is_a_conflict_and_reset_sequence_starts_an_epoch() {
     integrity_ok(&conn);
 }
 
-/// Past the bound: settled sequences above a gap are listed up to 4096;
-/// later ones are counted, not listed, and still never dropped.
+/// Past the listing's bound: settled sequences above a gap are listed up
+/// to 4096 (with key and digest), later ones kept as runs (at most 4096
+/// runs, however long), and only past both counted, never dropped. A
+/// sequence that joins two runs merges them; the gap closing walks the
+/// watermark over the listing and the runs alike.
 #[test]
-fn the_listed_settled_sequences_are_bounded() {
+fn the_settled_sequences_past_a_gap_are_listed_then_kept_as_runs() {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(start_ms());
     let room = open(&dir.path().join("w.db"), &clock, 0, &Arc::default());
-    let extra = 3;
-    let last = 1 + postroom::MAX_LISTED_SEQUENCES + extra;
-    // Sequence 1 is the gap; 2..=last complete, in one batch of raw rows
-    // settled the way any path settles them (the triggers do the work).
-    let mut conn = raw(room.path());
-    let tx = conn.transaction().unwrap();
-    for seq in 2..=last {
-        tx.execute(
-            "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload_hash,
-                 received_at, updated_at, processed_at, seq, seq_stream)
-             VALUES ('orders', 'device-7', ?1, 'completed', zeroblob(32), 0, 0, 0, ?2,
-                     'device-7')",
-            rusqlite::params![format!("s-{seq}"), seq as i64],
-        )
-        .unwrap();
-    }
-    tx.commit().unwrap();
+    let listed = postroom::MAX_LISTED_SEQUENCES;
+    let runs = postroom::MAX_SETTLED_RUNS;
+    // Settles `seqs` as raw rows, the way any path settles them (the
+    // triggers do the work), in one transaction.
+    let settle = |seqs: &mut dyn Iterator<Item = u64>| {
+        let mut conn = raw(room.path());
+        let tx = conn.transaction().unwrap();
+        {
+            // Prepared once: each prepare compiles the inbox's triggers.
+            let mut insert = tx
+                .prepare(
+                    "INSERT INTO postroom_inbox (consumer, source, message_id, status,
+                         payload_hash, received_at, updated_at, processed_at, seq, seq_stream)
+                     VALUES ('orders', 'device-7', ?1, 'completed', zeroblob(32), 0, 0, 0, ?2,
+                             'device-7')",
+                )
+                .unwrap();
+            for seq in seqs {
+                insert
+                    .execute(rusqlite::params![format!("s-{seq}"), seq as i64])
+                    .unwrap();
+            }
+        }
+        tx.commit().unwrap();
+    };
+    // Sequence 1 is the gap; those less than `listed` above it are listed
+    // (2..=listed); the next 1,000 are one run.
+    let run_end = listed + 1000;
+    settle(&mut (2..=run_end));
     let w = stream(&room, "orders", "device-7");
     assert_eq!(
-        (w.watermark, w.listed, w.unrecorded),
-        (0, postroom::MAX_LISTED_SEQUENCES, extra)
+        (w.watermark, w.listed, w.in_runs, w.runs, w.unrecorded),
+        (0, listed - 1, 1000, 1, 0)
     );
-    assert_eq!(w.missing_text(), format!("1, {}-{last}", last - extra + 1));
-    // The gap closes: the watermark runs to the end of what is listed.
+    assert_eq!(w.missing_text(), "1");
+    // Isolated sequences above: one run each up to the bound, then counted.
+    let base = run_end + 10;
+    settle(&mut (0..runs).map(|k| base + 2 * k));
+    let w = stream(&room, "orders", "device-7");
+    assert_eq!((w.runs, w.unrecorded), (runs, 1), "the bound holds");
+    assert_eq!(w.in_runs, 1000 + runs - 1);
+    // One that joins two runs merges them: a run is freed.
+    settle(&mut std::iter::once(base + 1));
+    let w = stream(&room, "orders", "device-7");
+    assert_eq!(
+        (w.runs, w.in_runs, w.unrecorded),
+        (runs - 1, 1000 + runs, 1)
+    );
+    integrity_ok(&raw(room.path()));
+    // The gap closes: the watermark walks the listing and the first run.
     room.deliver("orders", seq_msg("s-1", 1)).unwrap();
     let w = stream(&room, "orders", "device-7");
-    assert_eq!((w.watermark, w.listed), (last - extra, 0));
-    // An unlisted one, after retention, is taken as new (as without a
-    // sequence): never dropped.
+    assert_eq!((w.watermark, w.listed, w.runs), (run_end, 0, runs - 2));
+    integrity_ok(&raw(room.path()));
+    // After retention, a sequence of the first run and one of a later run
+    // are duplicates; the one counted past both bounds is taken as new
+    // (as without a sequence): never dropped.
     weeks_later(&room, &clock, 21);
-    let unlisted = last - 1;
+    for seq in [run_end - 1, base + 4] {
+        assert!(
+            matches!(
+                room.deliver("orders", seq_msg(&format!("s-{seq}"), seq))
+                    .unwrap(),
+                Outcome::DuplicateBySequence { .. }
+            ),
+            "{seq}"
+        );
+    }
+    let unrecorded = base + 2 * (runs - 1);
     assert_eq!(
-        room.deliver("orders", seq_msg(&format!("s-{unlisted}"), unlisted))
+        room.deliver("orders", seq_msg(&format!("s-{unrecorded}"), unrecorded))
             .unwrap(),
         Outcome::Processed { attempts: 1 }
+    );
+}
+
+/// One stuck change among 100,000: sequence 100 fails inline and waits for
+/// its redelivery while the rest are applied (the first 6,000 through the
+/// engine, as the finding had it; the rest settled as raw rows, the
+/// triggers doing the same work, to keep the test short); retention runs;
+/// 100 is redelivered and settles. The watermark passes everything
+/// (listed, then one run), `resume_point` is 100,000, and a puller that
+/// sends everything again anyway has each one taken as a duplicate: no
+/// change applied twice. (The old listing stopped at 4,196: 1,804 of the
+/// engine's 6,000 were applied again.)
+#[test]
+fn one_stuck_change_among_100000_makes_nothing_apply_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(start_ms());
+    let failing = Arc::new(AtomicBool::new(false));
+    let room = open(&dir.path().join("w.db"), &clock, 0, &failing);
+    const N: u64 = 100_000;
+    const ENGINE: u64 = 6_000;
+    let change = |seq: u64| seq_msg(&format!("c{seq}"), seq);
+    for seq in 1..=ENGINE {
+        failing.store(seq == 100, Ordering::SeqCst);
+        let outcome = room.deliver("flaky", change(seq)).unwrap();
+        if seq == 100 {
+            assert!(matches!(outcome, Outcome::Failed { .. }), "{outcome:?}");
+        }
+    }
+    failing.store(false, Ordering::SeqCst);
+    let mut conn = raw(room.path());
+    let tx = conn.transaction().unwrap();
+    {
+        // Prepared once: each prepare compiles the inbox's triggers.
+        let mut insert = tx
+            .prepare(
+                "INSERT INTO postroom_inbox (consumer, source, message_id, status, payload_hash,
+                     received_at, updated_at, processed_at, seq, seq_stream)
+                 VALUES ('flaky', 'device-7', ?1, 'completed', zeroblob(32), 0, 0, 0, ?2,
+                         'device-7')",
+            )
+            .unwrap();
+        for seq in ENGINE + 1..=N {
+            insert
+                .execute(rusqlite::params![format!("c{seq}"), seq as i64])
+                .unwrap();
+        }
+    }
+    tx.commit().unwrap();
+    assert_eq!(room.resume_point("flaky", "device-7").unwrap(), 99);
+    weeks_later(&room, &clock, 21);
+    assert_eq!(
+        room.deliver("flaky", change(100)).unwrap(),
+        Outcome::Processed { attempts: 2 }
+    );
+    let w = stream(&room, "flaky", "device-7");
+    assert_eq!((w.watermark, w.listed, w.runs, w.unrecorded), (N, 0, 0, 0));
+    assert_eq!(room.resume_point("flaky", "device-7").unwrap(), N);
+    // A puller that ignores it: one in 97, and all around the listing's
+    // bound, are duplicates.
+    let edge = 100 + postroom::MAX_LISTED_SEQUENCES;
+    for seq in (1..=N).step_by(97).chain(edge - 3..=edge + 3) {
+        let outcome = room.deliver("flaky", change(seq)).unwrap();
+        assert!(
+            matches!(outcome, Outcome::DuplicateBySequence { .. }),
+            "{seq}: {outcome:?}"
+        );
+    }
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM applied WHERE consumer = 'flaky'"
+        ),
+        ENGINE as i64
+    );
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM (SELECT message_id FROM applied WHERE consumer = 'flaky'
+                                   GROUP BY message_id HAVING count(*) > 1)"
+        ),
+        0
     );
 }
 

@@ -587,12 +587,30 @@ impl Machine {
                  WHERE consumer = ?1 AND stream = 'sim' ORDER BY seq",
             )
             .map_err(err)?;
-        let listed = stmt
+        let mut listed: Vec<u64> = stmt
             .query_map([consumer], |r| r.get::<_, i64>(0))
             .map_err(err)?
             .map(|r| r.map(|s| s as u64))
             .collect::<rusqlite::Result<_>>()
             .map_err(err)?;
+        // Past the listing's bound, runs (a model run never gets there).
+        let mut runs = self
+            .conn()
+            .prepare(
+                "SELECT lo, hi FROM postroom_watermark_runs
+                 WHERE consumer = ?1 AND stream = 'sim' ORDER BY lo",
+            )
+            .map_err(err)?;
+        for run in runs
+            .query_map([consumer], |r| {
+                Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?))
+            })
+            .map_err(err)?
+        {
+            let (lo, hi) = run.map_err(err)?;
+            listed.extend(lo as u64..=hi as u64);
+        }
+        listed.sort_unstable();
         Ok((below as u64, listed))
     }
 

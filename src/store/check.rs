@@ -10,7 +10,7 @@ use rusqlite::{Connection, OptionalExtension};
 use crate::store::inbox::Status;
 use crate::store::schema;
 use crate::store::text::stored_bytes;
-use crate::store::watermark::MAX_LISTED_SEQUENCES;
+use crate::store::watermark::{MAX_LISTED_SEQUENCES, MAX_SETTLED_RUNS};
 
 /// `PRAGMA integrity_check` (`full`) or `quick_check`, at most 100 lines;
 /// `["ok"]` when the file is sound.
@@ -40,7 +40,7 @@ pub(crate) struct WatermarkBreak {
 }
 
 /// Each watermark query: (SQL returning consumer, stream, what; a violation).
-const WATERMARK_CHECKS: [(&str, bool); 5] = [
+const WATERMARK_CHECKS: [(&str, bool); 8] = [
     (
         "SELECT consumer, stream, 'settled_below is ' || settled_below || ', below 1'
          FROM postroom_watermarks WHERE settled_below < 1 OR unrecorded < 0",
@@ -75,6 +75,37 @@ const WATERMARK_CHECKS: [(&str, bool); 5] = [
         true,
     ),
     (
+        "SELECT r.consumer, r.stream,
+                'settled run ' || r.lo || '-' || r.hi || ' is kept, but the watermark is '
+                || coalesce(w.settled_below - 1, 'missing')
+         FROM postroom_watermark_runs r
+         LEFT JOIN postroom_watermarks w ON w.consumer = r.consumer AND w.stream = r.stream
+         WHERE w.settled_below IS NULL OR r.lo <= w.settled_below
+            OR r.hi > coalesce(w.highest, 0)",
+        true,
+    ),
+    (
+        "SELECT r.consumer, r.stream,
+                'settled runs ' || r.lo || '-' || r.hi || ' and ' || n.lo || '-' || n.hi
+                || ' overlap or touch (they should be one)'
+         FROM postroom_watermark_runs r
+         JOIN postroom_watermark_runs n ON n.consumer = r.consumer AND n.stream = r.stream
+              AND n.lo = (SELECT min(lo) FROM postroom_watermark_runs m
+                          WHERE m.consumer = r.consumer AND m.stream = r.stream
+                            AND m.lo > r.lo)
+         WHERE n.lo <= r.hi + 1",
+        true,
+    ),
+    (
+        "SELECT s.consumer, s.stream,
+                'sequence ' || s.seq || ' is listed and in the settled run '
+                || r.lo || '-' || r.hi
+         FROM postroom_watermark_settled s
+         JOIN postroom_watermark_runs r ON r.consumer = s.consumer AND r.stream = s.stream
+              AND r.lo <= s.seq AND r.hi >= s.seq",
+        true,
+    ),
+    (
         "SELECT i.consumer, i.seq_stream,
                 'inbox row ' || i.id || ' (sequence ' || i.seq || ') is ' || i.status
                 || ' below the watermark ' || (w.settled_below - 1)
@@ -105,6 +136,22 @@ pub(crate) fn watermark_breaks(
                 what: r.get(2)?,
             });
         }
+    }
+    let runs = MAX_SETTLED_RUNS as i64;
+    let mut stmt = conn.prepare(
+        "SELECT consumer, stream, count(*) FROM postroom_watermark_runs
+         GROUP BY consumer, stream HAVING count(*) > ?1",
+    )?;
+    let mut rows = stmt.query([runs])?;
+    while let Some(r) = rows.next()? {
+        let n: i64 = r.get(2)?;
+        found(WatermarkBreak {
+            violation: true,
+            table: "postroom_watermark_runs",
+            consumer: r.get(0)?,
+            stream: r.get(1)?,
+            what: format!("{n} settled runs kept, above the bound of {runs}"),
+        });
     }
     let bound = MAX_LISTED_SEQUENCES as i64 + 1;
     let mut stmt = conn.prepare(

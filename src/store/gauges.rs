@@ -175,12 +175,15 @@ fn dead(conn: &Connection) -> rusqlite::Result<Vec<(String, u64, Option<i64>)>> 
 /// Per stream of consumer `?1` (its primary key's prefix) whose highest
 /// stored sequence is above its watermark: the sequences between them, less
 /// those settled above the watermark (listed, at most 4096, counted
-/// through their primary key; or past that bound, `unrecorded`). A stream
-/// without a gap reads its one row and nothing else.
+/// through their primary key; past that bound in runs, at most 4096 runs;
+/// past both, `unrecorded`). A stream without a gap reads its one row and
+/// nothing else.
 const WATERMARK_GAPS: &str = "SELECT coalesce(sum(max(0,
         w.highest - w.settled_below + 1 - w.unrecorded
         - (SELECT count(*) FROM postroom_watermark_settled s
-           WHERE s.consumer = w.consumer AND s.stream = w.stream))), 0)
+           WHERE s.consumer = w.consumer AND s.stream = w.stream)
+        - (SELECT coalesce(sum(r.hi - r.lo + 1), 0) FROM postroom_watermark_runs r
+           WHERE r.consumer = w.consumer AND r.stream = w.stream))), 0)
     FROM postroom_watermarks w
     WHERE w.consumer = ?1 AND w.highest >= w.settled_below";
 

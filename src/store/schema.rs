@@ -19,7 +19,7 @@ use crate::failpoint;
 pub(crate) use crate::store::identity::{claim_identity, file_identity, FILE_IDENTITY_KEY};
 
 /// The newest schema version this library knows.
-pub const SCHEMA_VERSION: i64 = 12;
+pub const SCHEMA_VERSION: i64 = 13;
 
 /// The schema, applied in one transaction to a database without one.
 pub const SCHEMA_SQL: &str = include_str!("../../schema.sql");
@@ -417,7 +417,7 @@ pub(crate) fn forget_statistics(conn: &Connection) -> rusqlite::Result<()> {
 /// The migration steps: `MIGRATIONS[n - 1]` takes a file from version `n`
 /// to `n + 1`, so a file at version `found` runs `MIGRATIONS[found - 1..]`.
 type Step = fn(&Connection) -> Result<()>;
-const MIGRATIONS: [Step; 11] = [
+const MIGRATIONS: [Step; 12] = [
     migrate_v1,
     migrate_v2,
     migrate_v3,
@@ -429,6 +429,7 @@ const MIGRATIONS: [Step; 11] = [
     migrate_v9,
     migrate_v10,
     migrate_v11,
+    migrate_v12,
 ];
 const _: () = assert!(MIGRATIONS.len() as i64 == SCHEMA_VERSION - 1);
 
@@ -960,6 +961,21 @@ fn migrate_v11(tx: &Connection) -> Result<()> {
             )
         })
         .map_err(|e| Error::sqlite("migrate schema 11 to 12", e))
+}
+
+/// Version 12 to 13: settled sequences past the listing's bound are kept
+/// as runs (schema.sql, `postroom_watermark_runs`) instead of only
+/// counted as `unrecorded`: the table is added and the two triggers that
+/// settle a sequence are made again. No row changes: what an earlier
+/// version counted as unrecorded stays so.
+fn migrate_v12(tx: &Connection) -> Result<()> {
+    log::info!("postroom: migrating schema 12 to 13");
+    tx.execute_batch(
+        "DROP TRIGGER IF EXISTS postroom_inbox_seq_settled_insert;
+         DROP TRIGGER IF EXISTS postroom_inbox_seq_settled_update;",
+    )
+    .and_then(|()| add_missing(tx, 13))
+    .map_err(|e| Error::sqlite("migrate schema 12 to 13", e))
 }
 
 /// Gives an outbox of an earlier version the `named` column (schema

@@ -11,9 +11,17 @@ use rusqlite::{params, Connection, OptionalExtension};
 use crate::message::Message;
 use crate::store::inbox::{Found, Key};
 
-/// How many settled sequences above the watermark a stream lists at most
-/// (the triggers in schema.sql hold the same number).
+/// A settled sequence above the watermark is listed (with its message's
+/// key and digest) when it is less than this far above it, so a stream
+/// lists at most this many (the triggers in schema.sql hold the same
+/// number, as a distance: the bound costs no count).
 pub const MAX_LISTED_SEQUENCES: u64 = 4096;
+
+/// How many runs of settled sequences a stream keeps past the listing's
+/// bound at most (schema.sql, `postroom_watermark_runs`; the triggers hold
+/// the same number). A run is one stretch of settled sequences, however
+/// long: one sequence stuck below a million settled costs one.
+pub const MAX_SETTLED_RUNS: u64 = 4096;
 
 /// How many missing ranges [`StreamWatermark::missing`] names at most.
 pub const MAX_MISSING_RANGES: usize = 16;
@@ -158,6 +166,18 @@ pub(crate) fn against_stream(
     if seq < below {
         return Ok(Answer::Duplicate);
     }
+    // In a run of settled sequences: as below the watermark (a run keeps
+    // no key or digest).
+    let in_run: bool = conn
+        .prepare_cached(
+            "SELECT count(*) > 0 FROM (SELECT hi FROM postroom_watermark_runs
+                 WHERE consumer = ?1 AND stream = ?2 AND lo <= ?3 ORDER BY lo DESC LIMIT 1)
+             WHERE hi >= ?3",
+        )?
+        .query_row(params![consumer, stream, seq], |r| r.get(0))?;
+    if in_run {
+        return Ok(Answer::Duplicate);
+    }
     let listed: Option<(String, String, Vec<u8>)> = conn
         .prepare_cached(
             "SELECT source, message_id, payload_hash FROM postroom_watermark_settled
@@ -221,6 +241,8 @@ pub(crate) fn reset(
         "DELETE FROM postroom_watermark_settled WHERE consumer = ?1 AND stream = ?2",
     )?
     .execute(params![consumer, stream])?;
+    conn.prepare_cached("DELETE FROM postroom_watermark_runs WHERE consumer = ?1 AND stream = ?2")?
+        .execute(params![consumer, stream])?;
     conn.prepare_cached(
         "UPDATE postroom_inbox SET seq = NULL, seq_stream = NULL
          WHERE consumer = ?1 AND seq_stream = ?2 AND seq IS NOT NULL",
@@ -260,9 +282,16 @@ pub struct StreamWatermark {
     pub watermark: u64,
     /// The highest sequence stored.
     pub highest: Option<u64>,
-    /// Settled sequences listed above the watermark (at most 4096).
+    /// Settled sequences listed above the watermark (those less than
+    /// [`MAX_LISTED_SEQUENCES`] above it), each with its message's key and
+    /// digest.
     pub listed: u64,
-    /// Settled sequences past that bound, not listed: the watermark
+    /// Settled sequences above the watermark past the listing's bound,
+    /// kept as runs (at most [`MAX_SETTLED_RUNS`] runs, of any length).
+    pub in_runs: u64,
+    /// How many runs hold `in_runs`.
+    pub runs: u64,
+    /// Settled sequences past both bounds, kept nowhere: the watermark
     /// cannot pass them, and their redeliveries after retention are taken
     /// as new. Non-zero: reset the stream
     /// ([`Postroom::reset_sequence`](crate::Postroom::reset_sequence)).
@@ -329,27 +358,47 @@ pub(crate) fn read_all(conn: &Connection) -> rusqlite::Result<Vec<StreamWatermar
             ..StreamWatermark::default()
         });
     }
-    let mut listed = conn.prepare_cached(
-        "SELECT seq FROM postroom_watermark_settled WHERE consumer = ?1 AND stream = ?2
-         ORDER BY seq",
+    // Listed sequences as one-long runs, with the runs, in order.
+    let mut settled = conn.prepare_cached(
+        "SELECT seq, seq, 1 FROM postroom_watermark_settled WHERE consumer = ?1 AND stream = ?2
+         UNION ALL
+         SELECT lo, hi, 0 FROM postroom_watermark_runs WHERE consumer = ?1 AND stream = ?2
+         ORDER BY 1",
     )?;
     for w in &mut streams {
-        let seqs = listed
-            .query_map(params![w.consumer, w.stream], |r| r.get::<_, i64>(0))?
-            .collect::<rusqlite::Result<Vec<i64>>>()?;
-        w.listed = seqs.len() as u64;
+        let spans = settled
+            .query_map(params![w.consumer, w.stream], |r| {
+                Ok((
+                    r.get::<_, i64>(0)?,
+                    r.get::<_, i64>(1)?,
+                    r.get::<_, bool>(2)?,
+                ))
+            })?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
         let mut next = w.watermark + 1;
         let mut gaps = Vec::new();
-        let ends = seqs
-            .iter()
-            .filter_map(|&s| u64::try_from(s).ok())
-            .map(Some)
-            .chain([w.highest.map(|h| h + 1)]);
-        for end in ends.flatten() {
-            if end > next {
-                gaps.push((next, end - 1));
+        let mut spans: Vec<(u64, u64)> = spans
+            .into_iter()
+            .filter_map(|(lo, hi, listed)| {
+                let (lo, hi) = (u64::try_from(lo).ok()?, u64::try_from(hi).ok()?);
+                if listed {
+                    w.listed += 1;
+                } else {
+                    w.runs += 1;
+                    w.in_runs += hi - lo + 1;
+                }
+                Some((lo, hi))
+            })
+            .collect();
+        // `highest` closes the last gap; it may be settled itself.
+        if let Some(h) = w.highest {
+            spans.push((h + 1, h + 1));
+        }
+        for (lo, hi) in spans {
+            if lo > next {
+                gaps.push((next, lo - 1));
             }
-            next = next.max(end + 1);
+            next = next.max(hi + 1);
         }
         // `highest` itself may be listed: the chained end then adds nothing.
         w.missing_more = gaps.len() > MAX_MISSING_RANGES;
@@ -413,11 +462,25 @@ pub(crate) fn resume_point(
          WHERE consumer = ?1 AND stream = ?2 AND seq >= ?3
          ORDER BY seq LIMIT ?4",
     )?;
+    let mut runs_stmt = conn.prepare_cached(
+        "SELECT lo, hi FROM postroom_watermark_runs
+         WHERE consumer = ?1 AND stream = ?2 AND lo >= ?3
+         ORDER BY lo LIMIT ?4",
+    )?;
+    let mut runs = runs_stmt.query(params![consumer, stream, next, walk])?;
+    let mut run = next_run(&mut runs)?;
     let mut stored = stored_stmt.query(params![consumer, stream, next, walk])?;
     let mut listed = listed_stmt.query(params![consumer, stream, next, walk])?;
     let mut a = next_seq(&mut stored)?;
     let mut b = next_seq(&mut listed)?;
     for _ in 0..RESUME_WALK {
+        // A run starting here: all of it settled, passed in one step.
+        while let Some((lo, hi)) = run.filter(|&(lo, _)| lo <= next) {
+            if lo == next {
+                next = hi.saturating_add(1);
+            }
+            run = next_run(&mut runs)?;
+        }
         // A sequence can be both stored and listed (settled, still
         // retained), or stored twice (a conflict's row): it is held if any
         // of them holds it. Rows below `next` were looked at already.
@@ -441,6 +504,11 @@ pub(crate) fn resume_point(
     Ok(u64::try_from(next - 1).unwrap_or(0))
 }
 
+/// The next `(lo, hi)` of a walk's runs.
+fn next_run(rows: &mut rusqlite::Rows<'_>) -> rusqlite::Result<Option<(i64, i64)>> {
+    rows.next()?.map(|r| Ok((r.get(0)?, r.get(1)?))).transpose()
+}
+
 /// The next `(seq, held)` of a walk's range.
 fn next_seq(rows: &mut rusqlite::Rows<'_>) -> rusqlite::Result<Option<(i64, bool)>> {
     rows.next()?.map(|r| Ok((r.get(0)?, r.get(1)?))).transpose()
@@ -450,11 +518,17 @@ fn next_seq(rows: &mut rusqlite::Rows<'_>) -> rusqlite::Result<Option<(i64, bool
 mod tests {
     use super::*;
 
-    /// The triggers hold the bound as a literal: it must be this one.
+    /// The triggers hold the bounds as literals: they must be these.
     #[test]
-    fn the_schema_lists_at_most_max_listed() {
-        let bound = format!("< {MAX_LISTED_SEQUENCES})");
-        assert_eq!(crate::store::schema::SCHEMA_SQL.matches(&bound).count(), 2);
+    fn the_schema_holds_the_bounds() {
+        let sql = crate::store::schema::SCHEMA_SQL;
+        let listed = format!("NEW.seq - w.settled_below < {MAX_LISTED_SEQUENCES};");
+        assert_eq!(sql.matches(&listed).count(), 2);
+        let runs = format!(
+            "(SELECT count(*) FROM postroom_watermark_runs\n           \
+             WHERE consumer = NEW.consumer AND stream = NEW.seq_stream) < {MAX_SETTLED_RUNS};"
+        );
+        assert_eq!(sql.matches(&runs).count(), 2);
     }
 
     fn inbox_row(conn: &Connection, seq: i64, status: &str, queued: bool) {
