@@ -321,6 +321,79 @@ fn two_devices_with_one_message_id_both_reach_the_receiver() {
     intake.shutdown(Duration::from_secs(10)).unwrap();
 }
 
+/// A fleet: two devices publish 100 rows each under the same named ids
+/// (`r-0`..`r-99`), keys of their own, while device B's intake is stopped
+/// and started again midway. Every message of both devices is applied
+/// exactly once, and each key in commit order.
+#[test]
+fn a_fleet_with_named_ids_and_an_intake_restart_applies_each_once_in_key_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    ensure_stream(&url, "HOP", &["hop.>"]).unwrap();
+    let b_db = dir.path().join("b.db");
+    let b = device_b(&b_db);
+    let start = || {
+        let intake = NatsIntake::builder(&url, Arc::clone(&b), "b", "HOP", "b")
+            .batch(8)
+            .start()
+            .unwrap();
+        assert!(intake.wait_bound(Duration::from_secs(30)));
+        intake
+    };
+    let mut intake = start();
+    let device = |name: &str| named_device(&url, &dir.path().join(format!("{name}.db")), name);
+    let (a, c) = (device("device-a"), device("device-c"));
+    const N: i64 = 100;
+    let publish_half = |half: std::ops::Range<i64>| {
+        for i in half {
+            for (room, name) in [(&a, "a"), (&c, "c")] {
+                room.transaction(move |tx| {
+                    tx.publish(
+                        Outgoing::new("orders", i.to_string())
+                            .with_id(format!("r-{i}"))
+                            .with_key(format!("{name}-k{}", i % 5)),
+                    )?;
+                    Ok(())
+                })
+                .unwrap();
+            }
+        }
+    };
+    publish_half(0..N / 2);
+    eventually(60, "some applied before the restart", || {
+        effects(&b_db).0 >= 10
+    });
+    intake.shutdown(Duration::from_secs(10)).unwrap();
+    publish_half(N / 2..N);
+    intake = start();
+    eventually(120, "every message of both devices applied", || {
+        effects(&b_db).0 >= 2 * N
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let (rows, _, order) = effects(&b_db);
+    assert_eq!(rows, 2 * N, "each applied once");
+    let conn = raw(&b_db);
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(DISTINCT source || '/' || message_id) FROM postroom_inbox
+             WHERE status = 'completed'"
+        ),
+        2 * N
+    );
+    assert_eq!(order.len(), 10, "{order:?}");
+    for (key, ns) in &order {
+        let mut sorted = ns.clone();
+        sorted.sort();
+        assert_eq!(ns, &sorted, "key {key} applied out of order");
+        assert_eq!(ns.len() as i64, N / 5, "key {key}");
+    }
+    intake.shutdown(Duration::from_secs(10)).unwrap();
+}
+
 /// Two outboxes given one source name publish one id with two payloads:
 /// the stream acks the second as a duplicate, the sink looks the stored
 /// message up, finds another payload, and makes that row dead with the
@@ -380,6 +453,19 @@ fn a_duplicate_ack_for_another_payload_is_not_taken_for_sent() {
 /// [m2, m1].
 #[test]
 fn per_key_order_survives_a_restart_of_the_intake() {
+    restart_keeps_key_order(false);
+}
+
+/// The same through a queued intake, the old one having asked m1 back
+/// (its consumer's backlog full, say) and m2 behind it: the new intake
+/// stores m1 before m2, so the workers apply them in order. Before, m2
+/// was stored first: [m2, m1].
+#[test]
+fn per_key_order_survives_a_restart_of_a_queued_intake() {
+    restart_keeps_key_order(true);
+}
+
+fn restart_keeps_key_order(queued: bool) {
     use postroom::nats::async_nats::jetstream::{self, consumer, AckKind};
     let dir = tempfile::tempdir().unwrap();
     let Some(server) = NatsServer::start(&dir.path().join("nats")) else {
@@ -395,7 +481,7 @@ fn per_key_order_survives_a_restart_of_the_intake() {
         .consumer(
             "b",
             handler_fn(move |tx, msg: &Message| {
-                if msg.payload() == b"1" && !failed.swap(true, Ordering::SeqCst) {
+                if !queued && msg.payload() == b"1" && !failed.swap(true, Ordering::SeqCst) {
                     return Err(Failure::retry("m1 fails its first attempt"));
                 }
                 tx.execute(
@@ -464,17 +550,19 @@ fn per_key_order_survives_a_restart_of_the_intake() {
                 .map(|v| v.as_str().to_owned())
                 .unwrap()
         };
-        let m1 = Message::new(
-            header(&got[0], "postroom-source"),
-            header(&got[0], "postroom-id"),
-            got[0].payload.to_vec(),
-        )
-        .with_ordering_key("K");
-        let first = b.deliver("b", m1).unwrap();
-        assert!(
-            matches!(first, postroom::Outcome::Failed { .. }),
-            "{first:?}"
-        );
+        if !queued {
+            let m1 = Message::new(
+                header(&got[0], "postroom-source"),
+                header(&got[0], "postroom-id"),
+                got[0].payload.to_vec(),
+            )
+            .with_ordering_key("K");
+            let first = b.deliver("b", m1).unwrap();
+            assert!(
+                matches!(first, postroom::Outcome::Failed { .. }),
+                "{first:?}"
+            );
+        }
         got[0]
             .ack_with(AckKind::Nak(Some(Duration::from_secs(3))))
             .await
@@ -485,9 +573,11 @@ fn per_key_order_survives_a_restart_of_the_intake() {
             .unwrap();
         client.flush().await.unwrap();
     });
-    let intake = NatsIntake::builder(&url, Arc::clone(&b), "b", "HOP", "b")
-        .start()
-        .unwrap();
+    let mut builder = NatsIntake::builder(&url, Arc::clone(&b), "b", "HOP", "b");
+    if queued {
+        builder = builder.queued();
+    }
+    let intake = builder.start().unwrap();
     assert!(intake.wait_bound(Duration::from_secs(30)));
     eventually(60, "both applied", || effects(&b_db).0 >= 2);
     let (rows, distinct, order) = effects(&b_db);

@@ -6,8 +6,11 @@
 //! inbox or in the dead letters; one that is not is asked back (NAK with
 //! the outcome's `retry_after`) together with every message pulled behind
 //! it, and nothing above a message awaited (asked back, or left unanswered
-//! by a previous intake: the barrier) is handed on before it, so per-key
-//! order holds. Every wait (pull, flush, shutdown) is bounded.
+//! by a previous intake: the barrier, below which only the lowest
+//! unanswered message is handed on) is handed on before it, so per-key
+//! order holds across a restart too. A message the client library cannot
+//! hand on is found through the consumer's state and settled as a dead
+//! letter (src/nats/raw.rs). Every wait (pull, flush, shutdown) is bounded.
 
 use std::collections::{BTreeSet, HashSet};
 use std::panic::{self, AssertUnwindSafe};
@@ -127,6 +130,7 @@ impl IntakeBuilder {
             stop: Arc::clone(&stop),
             outstanding: BTreeSet::new(),
             barrier: None,
+            floor: 0,
             next_probe: Instant::now(),
         };
         let handle = thread::Builder::new()
@@ -315,6 +319,9 @@ struct Intake {
     outstanding: BTreeSet<u64>,
     /// See [`Intake::bind`].
     barrier: Option<u64>,
+    /// The consumer's ack floor when last read: while the barrier stands,
+    /// the lowest unanswered message is the one just above it.
+    floor: u64,
     /// When [`Intake::settle_stuck`] may look next.
     next_probe: Instant,
 }
@@ -377,8 +384,10 @@ impl Intake {
             let (hold, handled) = self.hand_on(&rt, pulled);
             // A short pull is also what a message the client cannot hand on
             // leaves: the server delivered it (and what came behind it in
-            // that pull), the client dropped it.
-            if short && Instant::now() >= self.next_probe {
+            // that pull), the client dropped it. While an earlier message is
+            // awaited, pulls come back full of those asked back behind it:
+            // the awaited one may be such a message.
+            if (short || self.waiting()) && Instant::now() >= self.next_probe {
                 self.settle_stuck(&rt, client, c);
                 self.next_probe = Instant::now() + self.probe_every();
             }
@@ -419,8 +428,9 @@ impl Intake {
         rt: &tokio::runtime::Runtime,
     ) -> std::result::Result<(async_nats::Client, Pull), Duration> {
         match rt.block_on(self.bind()) {
-            Ok((client, c, barrier)) => {
+            Ok((client, c, barrier, floor)) => {
                 self.barrier = barrier;
+                self.floor = floor;
                 bump(&self.counters.connects);
                 self.counters.ready.store(true, Ordering::Release);
                 self.backoff.reset();
@@ -568,7 +578,15 @@ impl Intake {
             // back, or one a previous intake pulled and never answered):
             // handing it on first would break per-key order. Asked back,
             // to come again after the earlier one.
-            let behind = self.barrier.is_some_and(|b| seq > b)
+            //
+            // Behind the barrier, the previous intake's unanswered messages
+            // come again in the order their waits end, not in stream order
+            // (it asked a failed one back for its retry delay and those
+            // behind it for less): only the lowest unanswered one, just
+            // above the ack floor, is handed on, the others asked back.
+            let behind = self
+                .barrier
+                .is_some_and(|b| seq > b || seq > self.floor + 1)
                 || self.outstanding.range(..seq).next().is_some();
             if behind || hold.is_some() {
                 bump(&self.counters.held_back);
@@ -633,6 +651,7 @@ impl Intake {
     fn raise_floor(&mut self, rt: &tokio::runtime::Runtime, c: &Pull) {
         if let Ok(info) = rt.block_on(c.get_info()) {
             let floor = info.ack_floor.stream_sequence;
+            self.floor = floor;
             if self.barrier.is_some_and(|b| floor >= b) {
                 self.barrier = None;
             }
@@ -642,11 +661,15 @@ impl Intake {
 
     /// Connects and binds the durable consumer, creating it when absent.
     /// With the barrier: when the consumer has messages delivered and not
-    /// yet answered (a previous intake died holding them), the highest
-    /// stream sequence delivered so far; nothing above it is handed on
-    /// before they are answered.
+    /// yet answered (a previous intake died holding them, or asked them
+    /// back and stopped), the highest stream sequence delivered so far;
+    /// nothing above it is handed on before they are answered, and below
+    /// it only the lowest unanswered one (the one above the ack floor,
+    /// returned too).
     #[allow(clippy::type_complexity)]
-    async fn bind(&self) -> std::result::Result<(async_nats::Client, Pull, Option<u64>), String> {
+    async fn bind(
+        &self,
+    ) -> std::result::Result<(async_nats::Client, Pull, Option<u64>, u64), String> {
         let client = connect(&self.url, Duration::from_secs(5)).await?;
         let js = jetstream::new(client.clone());
         let stream = js
@@ -672,6 +695,6 @@ impl Intake {
             .await
             .map_err(|e| format!("nats: the consumer {:?}: {e}", self.durable))?;
         let barrier = (info.num_ack_pending > 0).then_some(info.delivered.stream_sequence);
-        Ok((client, consumer, barrier))
+        Ok((client, consumer, barrier, info.ack_floor.stream_sequence))
     }
 }
