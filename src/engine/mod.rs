@@ -791,6 +791,15 @@ impl Postroom {
             .map_err(|e| Error::sqlite("read the resume point", e))
     }
 
+    /// The file's instance id (128 random bits as hex, given when the file
+    /// was created, or anew when it was found to be a copy): what tells
+    /// two databases apart across a fleet.
+    pub(crate) fn instance_id(&self) -> Result<String> {
+        let conn = self.reader()?;
+        crate::store::identity::instance_id(&conn)
+            .map_err(|e| Error::sqlite("read the instance id", e))
+    }
+
     /// Creates `consumer`'s stream `stream` starting at `next` unless it
     /// exists (for [`InboxSink`](crate::InboxSink)'s first batch from an
     /// upstream).

@@ -6,9 +6,8 @@
 //! inbox or in the dead letters; one that is not is asked back (NAK with
 //! the outcome's `retry_after`) together with every message pulled behind
 //! it, and nothing above a message awaited (asked back, or left unanswered
-//! by a previous intake: the barrier, below which only the lowest
-//! unanswered message is handed on) is handed on before it, so per-key
-//! order holds across a restart too. A message the client library cannot
+//! by a previous intake: the barrier) is handed on before it, so per-key
+//! order holds. A message the client library cannot
 //! hand on is found through the consumer's state and settled as a dead
 //! letter (src/nats/raw.rs). Every wait (pull, flush, shutdown) is bounded.
 
@@ -94,8 +93,14 @@ impl IntakeBuilder {
 
     /// Starts the intake's thread (`postroom-nats-intake`). The durable
     /// consumer is created on the stream when it does not exist
-    /// (explicit acks, deliver all, the ack wait above, the filter); one
-    /// that exists is used as it is. Refused here: a consumer the engine
+    /// (explicit acks, deliver all, the ack wait above, the filter, and a
+    /// description naming the database's instance id); one that exists is
+    /// used as it is, unless it would lose or split messages: acks not
+    /// explicit, a `max_deliver` limit, or made by another database's
+    /// intake. Then the thread ends without pulling anything
+    /// ([`wait_bound`](NatsIntake::wait_bound) is false, and
+    /// [`shutdown`](NatsIntake::shutdown) answers [`Error::Stopped`] with
+    /// the reason). Refused here: a consumer the engine
     /// does not have ([`Error::UnknownConsumer`]), an effectful consumer
     /// without [`queued`](IntakeBuilder::queued), an empty stream or
     /// durable name ([`Error::InvalidInput`]).
@@ -108,6 +113,7 @@ impl IntakeBuilder {
         }
         self.room
             .check_intake(&self.consumer, self.mode == Mode::Deliver)?;
+        let owner = self.room.instance_id()?;
         let counters = Arc::new(Counters::default());
         let stop = Arc::new(AtomicBool::new(false));
         let (done_tx, done) = crossbeam_channel::bounded(1);
@@ -130,8 +136,8 @@ impl IntakeBuilder {
             stop: Arc::clone(&stop),
             outstanding: BTreeSet::new(),
             barrier: None,
-            floor: 0,
             next_probe: Instant::now(),
+            owner,
         };
         let handle = thread::Builder::new()
             .name("postroom-nats-intake".into())
@@ -319,11 +325,58 @@ struct Intake {
     outstanding: BTreeSet<u64>,
     /// See [`Intake::bind`].
     barrier: Option<u64>,
-    /// The consumer's ack floor when last read: while the barrier stands,
-    /// the lowest unanswered message is the one just above it.
-    floor: u64,
     /// When [`Intake::settle_stuck`] may look next.
     next_probe: Instant,
+    /// The database's instance id, named in the durable consumer's
+    /// description (see [`refusal`]).
+    owner: String,
+}
+
+/// Why binding failed.
+enum Bind {
+    /// For now (no server, no stream yet): tried again after the backoff.
+    Failed(String),
+    /// For good: the consumer is set up so that pulling from it would lose
+    /// or split messages ([`refusal`]).
+    Refused(String),
+}
+
+/// The start of the description an intake gives the durable consumer it
+/// creates; the rest is its database's instance id.
+const OWNER: &str = "postroom intake of ";
+
+/// Why an intake must not pull from a durable consumer set up so (made by
+/// hand, or by another database's intake); `None` when it may. `owner` is
+/// this intake's database instance id.
+fn refusal(config: &consumer::Config, owner: &str) -> Option<String> {
+    if config.ack_policy != consumer::AckPolicy::Explicit {
+        return Some(format!(
+            "its ack policy is {:?}, not explicit: a message would count as answered before the \
+             inbox stored it",
+            config.ack_policy
+        ));
+    }
+    if config.max_deliver > 0 {
+        return Some(format!(
+            "its max_deliver is {}: a message a handler fails that often would never come again \
+             and would hold every message behind it; make the consumer with max_deliver -1 \
+             (unlimited), dead letters are the engine's (max_attempts)",
+            config.max_deliver
+        ));
+    }
+    match config
+        .description
+        .as_deref()
+        .and_then(|d| d.strip_prefix(OWNER))
+    {
+        Some(other) if other != owner => Some(format!(
+            "it belongs to the intake of another database (instance {other}): two inboxes on one \
+             durable consumer would each get part of the stream; give each its own durable name \
+             (a database restored into a new file or copied has a new instance id: delete the \
+             old consumer if the old database is gone)"
+        )),
+        _ => None,
+    }
 }
 
 /// The NAK delay of a message held back behind an earlier one.
@@ -351,7 +404,7 @@ impl Intake {
                 resume_at = None;
             }
             if bound.is_none() {
-                match self.bind_now(&rt) {
+                match self.bind_now(&rt)? {
                     Ok(b) => bound = Some(b),
                     Err(pause) => {
                         resume_at = Some(Instant::now() + pause);
@@ -422,21 +475,24 @@ impl Intake {
     }
 
     /// Binds the durable consumer now, counting the connection; on failure
-    /// the backoff's pause before the next try.
+    /// the backoff's pause before the next try. `Err`: a consumer this
+    /// intake must never pull from ([`refusal`]): the thread ends with it.
+    #[allow(clippy::type_complexity)]
     fn bind_now(
         &mut self,
         rt: &tokio::runtime::Runtime,
-    ) -> std::result::Result<(async_nats::Client, Pull), Duration> {
-        match rt.block_on(self.bind()) {
-            Ok((client, c, barrier, floor)) => {
+    ) -> std::result::Result<std::result::Result<(async_nats::Client, Pull), Duration>, String>
+    {
+        Ok(match rt.block_on(self.bind()) {
+            Err(Bind::Refused(reason)) => return Err(reason),
+            Ok((client, c, barrier)) => {
                 self.barrier = barrier;
-                self.floor = floor;
                 bump(&self.counters.connects);
                 self.counters.ready.store(true, Ordering::Release);
                 self.backoff.reset();
                 Ok((client, c))
             }
-            Err(e) => {
+            Err(Bind::Failed(e)) => {
                 let pause = self.backoff.fail();
                 log::warn!(
                     "postroom nats intake: {}; trying again in {pause:?}",
@@ -444,7 +500,7 @@ impl Intake {
                 );
                 Err(pause)
             }
-        }
+        })
     }
 
     /// The wait between two looks for a message the client cannot hand on
@@ -578,15 +634,7 @@ impl Intake {
             // back, or one a previous intake pulled and never answered):
             // handing it on first would break per-key order. Asked back,
             // to come again after the earlier one.
-            //
-            // Behind the barrier, the previous intake's unanswered messages
-            // come again in the order their waits end, not in stream order
-            // (it asked a failed one back for its retry delay and those
-            // behind it for less): only the lowest unanswered one, just
-            // above the ack floor, is handed on, the others asked back.
-            let behind = self
-                .barrier
-                .is_some_and(|b| seq > b || seq > self.floor + 1)
+            let behind = self.barrier.is_some_and(|b| seq > b)
                 || self.outstanding.range(..seq).next().is_some();
             if behind || hold.is_some() {
                 bump(&self.counters.held_back);
@@ -651,7 +699,6 @@ impl Intake {
     fn raise_floor(&mut self, rt: &tokio::runtime::Runtime, c: &Pull) {
         if let Ok(info) = rt.block_on(c.get_info()) {
             let floor = info.ack_floor.stream_sequence;
-            self.floor = floor;
             if self.barrier.is_some_and(|b| floor >= b) {
                 self.barrier = None;
             }
@@ -663,19 +710,17 @@ impl Intake {
     /// With the barrier: when the consumer has messages delivered and not
     /// yet answered (a previous intake died holding them, or asked them
     /// back and stopped), the highest stream sequence delivered so far;
-    /// nothing above it is handed on before they are answered, and below
-    /// it only the lowest unanswered one (the one above the ack floor,
-    /// returned too).
+    /// nothing above it is handed on before they are answered.
     #[allow(clippy::type_complexity)]
-    async fn bind(
-        &self,
-    ) -> std::result::Result<(async_nats::Client, Pull, Option<u64>, u64), String> {
-        let client = connect(&self.url, Duration::from_secs(5)).await?;
+    async fn bind(&self) -> std::result::Result<(async_nats::Client, Pull, Option<u64>), Bind> {
+        let client = connect(&self.url, Duration::from_secs(5))
+            .await
+            .map_err(Bind::Failed)?;
         let js = jetstream::new(client.clone());
         let stream = js
             .get_stream(&self.stream)
             .await
-            .map_err(|e| format!("nats: the stream {:?}: {e}", self.stream))?;
+            .map_err(|e| Bind::Failed(format!("nats: the stream {:?}: {e}", self.stream)))?;
         let consumer = stream
             .get_or_create_consumer(
                 &self.durable,
@@ -685,16 +730,23 @@ impl Intake {
                     deliver_policy: consumer::DeliverPolicy::All,
                     ack_wait: self.ack_wait,
                     filter_subject: self.filter.clone().unwrap_or_default(),
+                    description: Some(format!("{OWNER}{}", self.owner)),
                     ..Default::default()
                 },
             )
             .await
-            .map_err(|e| format!("nats: the consumer {:?}: {e}", self.durable))?;
+            .map_err(|e| Bind::Failed(format!("nats: the consumer {:?}: {e}", self.durable)))?;
         let info = consumer
             .get_info()
             .await
-            .map_err(|e| format!("nats: the consumer {:?}: {e}", self.durable))?;
+            .map_err(|e| Bind::Failed(format!("nats: the consumer {:?}: {e}", self.durable)))?;
+        if let Some(reason) = refusal(&info.config, &self.owner) {
+            return Err(Bind::Refused(format!(
+                "nats: the durable consumer {:?} of stream {:?}: {reason}",
+                self.durable, self.stream
+            )));
+        }
         let barrier = (info.num_ack_pending > 0).then_some(info.delivered.stream_sequence);
-        Ok((client, consumer, barrier, info.ack_floor.stream_sequence))
+        Ok((client, consumer, barrier))
     }
 }

@@ -100,3 +100,13 @@ pub(crate) fn claim_identity(conn: &mut Connection, db: &Path) -> Result<Option<
     tx.commit().map_err(err)?;
     Ok(Some(Reminted { old, new }))
 }
+
+/// The file's instance id (schema.sql, `postroom_meta`): empty when the
+/// file has none yet.
+pub(crate) fn instance_id(conn: &Connection) -> rusqlite::Result<String> {
+    conn.query_row(
+        "SELECT coalesce((SELECT value FROM postroom_meta WHERE key = 'instance_id'), '')",
+        [],
+        |r| r.get(0),
+    )
+}
