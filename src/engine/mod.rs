@@ -794,6 +794,7 @@ impl Postroom {
     /// The file's instance id (128 random bits as hex, given when the file
     /// was created, or anew when it was found to be a copy): what tells
     /// two databases apart across a fleet.
+    #[cfg(feature = "nats")]
     pub(crate) fn instance_id(&self) -> Result<String> {
         let conn = self.reader()?;
         crate::store::identity::instance_id(&conn)

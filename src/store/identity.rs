@@ -102,7 +102,8 @@ pub(crate) fn claim_identity(conn: &mut Connection, db: &Path) -> Result<Option<
 }
 
 /// The file's instance id (schema.sql, `postroom_meta`): empty when the
-/// file has none yet.
+/// file has none yet. (The NATS intake names it in its durable consumer.)
+#[cfg(feature = "nats")]
 pub(crate) fn instance_id(conn: &Connection) -> rusqlite::Result<String> {
     conn.query_row(
         "SELECT coalesce((SELECT value FROM postroom_meta WHERE key = 'instance_id'), '')",
