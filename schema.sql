@@ -326,7 +326,7 @@ CREATE INDEX IF NOT EXISTS postroom_inbox_seq
 -- from here: a sequence below settled_below, or one listed above it with
 -- the same key and payload digest, is a duplicate. `highest` is the
 -- highest sequence stored; `unrecorded` counts settled sequences that
--- were neither listed (4096 or more above the watermark) nor kept in a
+-- were neither listed (more than 4096 above the watermark) nor kept in a
 -- run (it already had 4096 runs, postroom_watermark_runs): the watermark
 -- cannot pass such a sequence, and a redelivery of it after retention is
 -- taken as new (as without a sequence) — never dropped.
@@ -343,7 +343,7 @@ CREATE TABLE IF NOT EXISTS postroom_watermarks (
     PRIMARY KEY (consumer, stream)
 ) WITHOUT ROWID;
 
--- Settled sequences above a stream's watermark and less than 4096 above
+-- Settled sequences above a stream's watermark and at most 4096 above
 -- it, with the key and digest of the message that settled each (a
 -- redelivery at that sequence with another key or payload is a
 -- conflict): at most 4096 per stream.
@@ -357,7 +357,7 @@ CREATE TABLE IF NOT EXISTS postroom_watermark_settled (
     PRIMARY KEY (consumer, stream, seq)
 ) WITHOUT ROWID;
 
--- Settled sequences 4096 or more above a stream's watermark (past the
+-- Settled sequences more than 4096 above a stream's watermark (past the
 -- listing's bound; schema version 13), as runs: `lo..=hi` all settled. Runs of one stream
 -- never overlap or touch (a sequence that joins two merges them), so one
 -- sequence stuck below many settled ones costs one run, not one entry per

@@ -146,20 +146,25 @@ fn run(queued: bool, restart: bool) {
         intake
     };
     let mut intake = start();
-    // good-0, bad, good-1, bad, ..., good-N: every bad one between two good.
+    // good-0, bad, good-1, bad, ..., good-N: every bad one between two
+    // good ones, the good ones with the hop contract's id and one ordering
+    // key, so their order is checked too.
     let bad = malformed();
-    let mut frames: Vec<Frame> = vec![("hop.orders", Vec::new(), b"good-0".to_vec())];
+    let good_frame = |i: usize| -> Frame {
+        (
+            "hop.orders",
+            format!("NATS/1.0\r\npostroom-id: g-{i}\r\npostroom-key: K\r\n\r\n").into_bytes(),
+            format!("good-{i}").into_bytes(),
+        )
+    };
+    let mut frames: Vec<Frame> = vec![good_frame(0)];
     for (i, (headers, _)) in bad.iter().enumerate() {
         frames.push((
             "hop.orders",
             headers.clone(),
             format!("bad-{i}").into_bytes(),
         ));
-        frames.push((
-            "hop.orders",
-            Vec::new(),
-            format!("good-{}", i + 1).into_bytes(),
-        ));
+        frames.push(good_frame(i + 1));
     }
     publish_frames(server.port, &frames);
     let good = bad.len() + 1;
@@ -185,8 +190,10 @@ fn run(queued: bool, restart: bool) {
         let dead = b.dead_letters(Some("b"), 100).unwrap();
         (applied, dead)
     };
+    // Each malformed one costs about two ack waits (found, then confirmed
+    // stuck) and its successor's redelivery: some 60 s in all here.
     eventually(
-        120,
+        300,
         "every message applied or dead-lettered, the floor at the end",
         || {
             let (applied, dead) = settled();
@@ -201,6 +208,13 @@ fn run(queued: bool, restart: bool) {
             .count();
         assert_eq!(n, 1, "good-{i} applied {n} times: {applied:?}");
     }
+    let order: Vec<String> = applied
+        .iter()
+        .filter(|p| p.starts_with("good-"))
+        .cloned()
+        .collect();
+    let in_order: Vec<String> = (0..good).map(|i| format!("good-{i}")).collect();
+    assert_eq!(order, in_order, "key K applied out of order");
     for (i, (headers, word)) in bad.iter().enumerate() {
         let payload = format!("bad-{i}");
         let as_dead: Vec<_> = dead

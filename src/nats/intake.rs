@@ -137,6 +137,8 @@ impl IntakeBuilder {
             outstanding: BTreeSet::new(),
             barrier: None,
             next_probe: Instant::now(),
+            suspect: None,
+            cut: false,
             owner,
         };
         let handle = thread::Builder::new()
@@ -327,6 +329,14 @@ struct Intake {
     barrier: Option<u64>,
     /// When [`Intake::settle_stuck`] may look next.
     next_probe: Instant,
+    /// A message [`raw::stuck`] named, and when first: settled only if it
+    /// is named again an ack wait later and was not received meanwhile (a
+    /// server may deliver what `raw::refusal` suspects, and an ack in
+    /// flight leaves a received message above the floor for a moment).
+    suspect: Option<(u64, Instant)>,
+    /// The last pull was cut short by the client (see [`Intake::pull`]):
+    /// what the server delivered behind the cut is pending, unseen.
+    cut: bool,
     /// The database's instance id, named in the durable consumer's
     /// description (see [`refusal`]).
     owner: String,
@@ -435,6 +445,9 @@ impl Intake {
             };
             let short = pulled.len() < asked;
             let (hold, handled) = self.hand_on(&rt, pulled);
+            if std::mem::take(&mut self.cut) {
+                self.fence(&rt, c);
+            }
             // A short pull is also what a message the client cannot hand on
             // leaves: the server delivered it (and what came behind it in
             // that pull), the client dropped it. While an earlier message is
@@ -510,6 +523,24 @@ impl Intake {
         (self.ack_wait / 2).min(Duration::from_secs(5))
     }
 
+    /// After a pull the client cut short, the messages the server delivered
+    /// behind the cut come again only after the ack wait: nothing above
+    /// the highest sequence delivered is handed on before them (the
+    /// barrier a restart sets, for the same reason).
+    fn fence(&mut self, rt: &tokio::runtime::Runtime, c: &Pull) {
+        match rt
+            .block_on(async { tokio::time::timeout(Duration::from_secs(5), c.get_info()).await })
+        {
+            Ok(Ok(info)) if info.num_ack_pending > 0 => {
+                let top = info.delivered.stream_sequence;
+                self.barrier = Some(self.barrier.map_or(top, |b| b.max(top)));
+            }
+            Ok(Ok(_)) => {}
+            // Not known: held as a restart would hold it.
+            _ => self.cut = true,
+        }
+    }
+
     /// Settles the message just above the consumer's ack floor when the
     /// client cannot hand it on (src/nats/raw.rs): its dead letter stored
     /// first, then terminated at the server, so the floor passes it and the
@@ -522,7 +553,7 @@ impl Intake {
     ) {
         let found = rt.block_on(async {
             let js = jetstream::new(client.clone());
-            raw::stuck(&js, &self.stream, c, self.filter.as_deref()).await
+            raw::stuck(&js, &self.stream, c).await
         });
         let stuck = match found {
             Ok(Some(stuck)) => stuck,
@@ -536,6 +567,18 @@ impl Intake {
             // Received and asked back: the client reads it.
             return;
         }
+        match self.suspect {
+            Some((seq, since)) if seq == stuck.seq => {
+                if since.elapsed() < self.ack_wait + PULL_EXPIRES + PULL_GRACE {
+                    return;
+                }
+            }
+            _ => {
+                self.suspect = Some((stuck.seq, Instant::now()));
+                return;
+            }
+        }
+        self.suspect = None;
         let came = stuck.arrived(&self.stream);
         let place = came.msg.source.clone();
         match self
@@ -543,7 +586,15 @@ impl Intake {
             .land(came, &place, || stuck.arrived(&self.stream).msg)
         {
             Landed::Ack { duplicate, .. } => {
-                if !duplicate {
+                if duplicate {
+                    // Stored before and terminated, yet still above the
+                    // floor: the termination did not take.
+                    log::warn!(
+                        "postroom nats intake: stream sequence {} was terminated before and is \
+                         still unacknowledged; terminating it again",
+                        stuck.seq
+                    );
+                } else {
                     bump(&self.counters.unparsed);
                     bump(&self.counters.refused);
                 }
@@ -553,7 +604,8 @@ impl Intake {
                     &self.durable,
                     stuck.seq,
                 )) {
-                    Ok(()) => bump(&self.counters.acked),
+                    Ok(()) if !duplicate => bump(&self.counters.acked),
+                    Ok(()) => {}
                     Err(e) => log::warn!("postroom nats intake: {}", Esc(&e)),
                 }
             }
@@ -569,10 +621,14 @@ impl Intake {
 
     /// One pull from the consumer of at most `max` messages, bounded (one
     /// while an earlier one is awaited: what comes meanwhile is asked
-    /// back). The server ends a pull after [`PULL_EXPIRES`]; one it has not
-    /// ended [`PULL_GRACE`] later lost its connection meanwhile (async-nats
-    /// drops it on a frame it cannot parse, and then waits 5 s more): what
-    /// came is returned, and the next look for a stuck message is due.
+    /// back). The server ends a pull after [`PULL_EXPIRES`] unless it
+    /// delivered `max` first. One it has not ended [`PULL_GRACE`] later
+    /// lost its connection meanwhile (async-nats drops it on a frame it
+    /// cannot parse, and then waits 5 s more); one that ends short before
+    /// its expiry, or with an error after messages, met a stored status
+    /// line the client took for the server's. Either way the pull was cut:
+    /// what came is returned, the next look for a stuck message is due,
+    /// and [`Intake::fence`] holds what was delivered behind the cut.
     fn pull(
         &mut self,
         rt: &tokio::runtime::Runtime,
@@ -580,7 +636,8 @@ impl Intake {
         max: usize,
     ) -> std::result::Result<Vec<jetstream::Message>, String> {
         let (pulled, cut) = rt.block_on(async {
-            let until = tokio::time::Instant::now() + PULL_EXPIRES + PULL_GRACE;
+            let began = tokio::time::Instant::now();
+            let until = began + PULL_EXPIRES + PULL_GRACE;
             let started = tokio::time::timeout_at(
                 until,
                 c.fetch().max_messages(max).expires(PULL_EXPIRES).messages(),
@@ -595,7 +652,11 @@ impl Intake {
             loop {
                 match tokio::time::timeout_at(until, batch.next()).await {
                     Ok(Some(Ok(m))) => out.push(m),
-                    Ok(None) => return (Ok(out), false),
+                    Ok(None) => {
+                        let early = began.elapsed() + PULL_GRACE / 2 < PULL_EXPIRES;
+                        let cut = early && out.len() < max;
+                        return (Ok(out), cut);
+                    }
                     Ok(Some(Err(e))) if out.is_empty() => {
                         return (Err(format!("nats: pull: {e}")), false)
                     }
@@ -606,6 +667,7 @@ impl Intake {
         });
         if cut {
             self.next_probe = Instant::now();
+            self.cut = true;
         }
         pulled
     }

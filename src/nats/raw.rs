@@ -46,8 +46,11 @@ const REQUEST_WAIT: Duration = Duration::from_secs(5);
 /// Why async-nats 0.51 would not hand a stored message with this header
 /// block on as a message; `None` when it would. The rules are its
 /// protocol reader's, in its order, over the same types it parses with
-/// (`HeaderName`, `StatusCode`); a status line of any code is refused: the
-/// pull consumer takes it for the server's control message.
+/// (`HeaderName`, `StatusCode`); a status line other than 200 is refused:
+/// the pull consumer takes it for the server's control message. (A server
+/// may pass a stored status line on as a plain header: nats-server 2.15
+/// does. So a refusal here is a suspicion, settled only once the message
+/// has stayed undelivered for an ack wait: see the intake.)
 pub(crate) fn refusal(block: &[u8]) -> Option<String> {
     if block.is_empty() {
         return None;
@@ -68,13 +71,20 @@ pub(crate) fn refusal(block: &[u8]) -> Option<String> {
     };
     let status = suffix.split_once(' ').map_or(suffix, |(s, _)| s.trim());
     if !status.is_empty() {
-        return Some(match async_nats::StatusCode::from_str(status) {
-            Ok(code) => format!(
-                "its header block carries the protocol status {code} (read as the server's \
-                 control message, never as a message)"
-            ),
-            Err(_) => format!("its header block's status {status:?} is not a status code"),
-        });
+        match async_nats::StatusCode::from_str(status) {
+            Ok(async_nats::StatusCode::OK) => {}
+            Ok(code) => {
+                return Some(format!(
+                    "its header block carries the protocol status {code} (read as the server's \
+                     control message, never as a message)"
+                ))
+            }
+            Err(_) => {
+                return Some(format!(
+                    "its header block's status {status:?} is not a status code"
+                ))
+            }
+        }
     }
     while let Some(line) = lines.next() {
         if line.is_empty() {
@@ -145,7 +155,6 @@ pub(crate) async fn stuck(
     js: &jetstream::Context,
     stream: &str,
     consumer: &jetstream::consumer::Consumer<jetstream::consumer::pull::Config>,
-    filter: Option<&str>,
 ) -> std::result::Result<Option<Stuck>, String> {
     let info = tokio::time::timeout(REQUEST_WAIT, consumer.get_info())
         .await
@@ -156,10 +165,15 @@ pub(crate) async fn stuck(
     if info.num_ack_pending == 0 || floor >= top {
         return Ok(None);
     }
-    let request = serde_json::json!({
-        "seq": floor + 1,
-        "next_by_subj": filter.filter(|f| !f.is_empty()).unwrap_or(">"),
-    });
+    // The consumer's own filter (an existing consumer is used as it is):
+    // the next message it was delivered, not the stream's next. (Several
+    // filters, nats-server 2.10's `filter_subjects`, are not in this
+    // client's config: such a consumer reads as unfiltered here.)
+    let filter = match info.config.filter_subject.as_str() {
+        "" => ">".to_owned(),
+        f => f.to_owned(),
+    };
+    let request = serde_json::json!({ "seq": floor + 1, "next_by_subj": filter });
     let got: Response<Got> = tokio::time::timeout(
         REQUEST_WAIT,
         js.request(format!("STREAM.MSG.GET.{stream}"), &request),
@@ -240,5 +254,8 @@ mod tests {
         named(b"NATS/1.0 404 No Messages\r\n\r\n", "status 404");
         named(b"NATS/1.0 503\r\n\r\n", "status 503");
         named(b"NATS/1.0 1000\r\n\r\n", "not a status code");
+        // The pull consumer hands a 200 on as a message.
+        assert_eq!(refusal(b"NATS/1.0 200 OK\r\nA: b\r\n\r\n"), None);
+        named(b"NATS/1.0 200\r\nA B: c\r\n\r\n", "name");
     }
 }

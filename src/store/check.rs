@@ -155,10 +155,15 @@ pub(crate) fn watermark_breaks(
     }
     let bound = MAX_LISTED_SEQUENCES as i64 + 1;
     let mut stmt = conn.prepare(
-        "SELECT consumer, stream, count(*) FROM postroom_watermark_settled
-         GROUP BY consumer, stream HAVING count(*) > ?1",
+        // Within the listing's window: a file migrated from schema 12
+        // (which bounded the listing by count) may also hold older entries
+        // farther up.
+        "SELECT s.consumer, s.stream, count(*) FROM postroom_watermark_settled s
+         JOIN postroom_watermarks w ON w.consumer = s.consumer AND w.stream = s.stream
+         WHERE s.seq - w.settled_below < ?2
+         GROUP BY s.consumer, s.stream HAVING count(*) > ?1",
     )?;
-    let mut rows = stmt.query([bound])?;
+    let mut rows = stmt.query([bound, MAX_LISTED_SEQUENCES as i64])?;
     while let Some(r) = rows.next()? {
         let n: i64 = r.get(2)?;
         found(WatermarkBreak {

@@ -12,7 +12,7 @@ use crate::message::Message;
 use crate::store::inbox::{Found, Key};
 
 /// A settled sequence above the watermark is listed (with its message's
-/// key and digest) when it is less than this far above it, so a stream
+/// key and digest) when it is at most this far above it, so a stream
 /// lists at most this many (the triggers in schema.sql hold the same
 /// number, as a distance: the bound costs no count).
 pub const MAX_LISTED_SEQUENCES: u64 = 4096;
@@ -282,7 +282,7 @@ pub struct StreamWatermark {
     pub watermark: u64,
     /// The highest sequence stored.
     pub highest: Option<u64>,
-    /// Settled sequences listed above the watermark (those less than
+    /// Settled sequences listed above the watermark (those at most
     /// [`MAX_LISTED_SEQUENCES`] above it), each with its message's key and
     /// digest.
     pub listed: u64,
