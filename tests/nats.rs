@@ -539,6 +539,20 @@ fn a_duplicate_ack_for_another_payload_is_not_taken_for_sent() {
 /// [m2, m1].
 #[test]
 fn per_key_order_survives_a_restart_of_the_intake() {
+    restart_keeps_key_order(false);
+}
+
+/// The same through a queued intake, where the inbox does not know m1:
+/// the old intake asked it back unstored (its consumer's backlog was
+/// full), and m2 behind it. The new intake keeps m2, which comes first,
+/// until m1, pending like it below the restart barrier, has come too, and
+/// hands both on in stream order. Before, the order applied was [2, 1].
+#[test]
+fn per_key_order_survives_a_restart_of_a_queued_intake() {
+    restart_keeps_key_order(true);
+}
+
+fn restart_keeps_key_order(queued: bool) {
     use postroom::nats::async_nats::jetstream::{self, consumer, AckKind};
     let dir = tempfile::tempdir().unwrap();
     let Some(server) = NatsServer::start(&dir.path().join("nats")) else {
@@ -629,11 +643,13 @@ fn per_key_order_survives_a_restart_of_the_intake() {
             got[0].payload.to_vec(),
         )
         .with_ordering_key("K");
-        let first = b.deliver("b", m1).unwrap();
-        assert!(
-            matches!(first, postroom::Outcome::Failed { .. }),
-            "{first:?}"
-        );
+        if !queued {
+            let first = b.deliver("b", m1).unwrap();
+            assert!(
+                matches!(first, postroom::Outcome::Failed { .. }),
+                "{first:?}"
+            );
+        }
         got[0]
             .ack_with(AckKind::Nak(Some(Duration::from_secs(3))))
             .await
@@ -644,9 +660,11 @@ fn per_key_order_survives_a_restart_of_the_intake() {
             .unwrap();
         client.flush().await.unwrap();
     });
-    let intake = NatsIntake::builder(&url, Arc::clone(&b), "b", "HOP", "b")
-        .start()
-        .unwrap();
+    let mut intake = NatsIntake::builder(&url, Arc::clone(&b), "b", "HOP", "b");
+    if queued {
+        intake = intake.queued();
+    }
+    let intake = intake.start().unwrap();
     assert!(intake.wait_bound(Duration::from_secs(30)));
     eventually(60, "both applied", || effects(&b_db).0 >= 2);
     let (rows, distinct, order) = effects(&b_db);
@@ -654,13 +672,6 @@ fn per_key_order_survives_a_restart_of_the_intake() {
     assert_eq!(order["K"], [1, 2], "applied out of order after the restart");
     intake.shutdown(Duration::from_secs(10)).unwrap();
 }
-
-// The same through a queued intake (the old one asked m1 back, its
-// consumer's backlog full, and m2 behind it) applies [2, 1]: not fixed yet.
-// Handing on only the message just above the ack floor while the restart
-// barrier stands fixes it, but makes a restart after a SIGKILL drain one
-// message per NAK cycle (the nats_bridge demo timed out); keeping what came
-// early unanswered, in order, until its turn is the way left.
 
 /// The server is SIGKILLed while A publishes and B pulls, and comes back a
 /// second later with its store: A's sink keeps the unacknowledged rows

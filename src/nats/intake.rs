@@ -7,11 +7,15 @@
 //! the outcome's `retry_after`) together with every message pulled behind
 //! it, and nothing above a message awaited (asked back, or left unanswered
 //! by a previous intake: the barrier) is handed on before it, so per-key
-//! order holds. A message the client library cannot
+//! order holds. What comes at or below the barrier is kept unanswered, in
+//! memory, until every message the consumer has pending there is in hand,
+//! and then handed on in stream order: a stopped intake's asked-back
+//! messages come again in the order their waits end, not in the stream's.
+//! A message the client library cannot
 //! hand on is found through the consumer's state and settled as a dead
 //! letter (src/nats/raw.rs). Every wait (pull, flush, shutdown) is bounded.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -136,6 +140,8 @@ impl IntakeBuilder {
             stop: Arc::clone(&stop),
             outstanding: BTreeSet::new(),
             barrier: None,
+            early: BTreeMap::new(),
+            terminated: BTreeSet::new(),
             next_probe: Instant::now(),
             suspect: None,
             cut: false,
@@ -179,7 +185,9 @@ impl IntakeBuilder {
 /// (queued: once stored). One that is not (the handler failed and will be
 /// retried, storage failed) is NAKed with its `retry_after`, and so is
 /// every message pulled after it, unhandled; the intake pulls again only
-/// after that wait, when JetStream redelivers them first, in order. A
+/// after that wait, when JetStream redelivers them first, in order. After
+/// a restart, what the consumer still had pending is handed on in stream
+/// order, once all of it has come again, before anything newer. A
 /// message the engine refuses is stored as a dead letter with the reason,
 /// then acknowledged.
 pub struct NatsIntake {
@@ -327,6 +335,15 @@ struct Intake {
     outstanding: BTreeSet<u64>,
     /// See [`Intake::bind`].
     barrier: Option<u64>,
+    /// Messages at or below the barrier, by stream sequence, received and
+    /// not yet answered: handed on in this order once every message the
+    /// consumer has pending at or below the barrier is here
+    /// ([`Intake::raise_floor`]). At most the consumer's pending messages
+    /// (its `max_ack_pending`).
+    early: BTreeMap<u64, jetstream::Message>,
+    /// Sequences above the ack floor this intake terminated
+    /// ([`Intake::settle_stuck`]): still in the stream, no longer pending.
+    terminated: BTreeSet<u64>,
     /// When [`Intake::settle_stuck`] may look next.
     next_probe: Instant,
     /// A message [`raw::stuck`] named, and when first: settled only if it
@@ -425,7 +442,15 @@ impl Intake {
             let Some((client, c)) = bound.as_ref() else {
                 continue;
             };
-            let asked = if self.waiting() { 1 } else { self.batch };
+            // One at a time while a message this intake asked back is
+            // awaited (what comes meanwhile is asked back too); a batch
+            // while only the barrier stands: what comes at or below it is
+            // kept, and it comes back all at once after the ack wait.
+            let asked = if self.barrier.is_none() && !self.outstanding.is_empty() {
+                1
+            } else {
+                self.batch
+            };
             let pulled = match self.pull(&rt, c, asked) {
                 Ok(p) => p,
                 Err(e) => {
@@ -444,7 +469,13 @@ impl Intake {
                 }
             };
             let short = pulled.len() < asked;
-            let (hold, handled) = self.hand_on(&rt, pulled);
+            for m in &pulled {
+                bump(&self.counters.received);
+                if m.info().is_ok_and(|i| i.delivered > 1) {
+                    bump(&self.counters.redelivered);
+                }
+            }
+            let (mut hold, mut handled) = self.hand_on(&rt, pulled);
             if std::mem::take(&mut self.cut) {
                 self.fence(&rt, c);
             }
@@ -458,7 +489,12 @@ impl Intake {
                 self.next_probe = Instant::now() + self.probe_every();
             }
             if self.waiting() {
-                self.raise_floor(&rt, c);
+                let turn = self.raise_floor(&rt, c);
+                if !turn.is_empty() {
+                    let (h, n) = self.hand_on(&rt, turn);
+                    hold = hold.or(h);
+                    handled += n;
+                }
             }
             if let Some(after) = hold {
                 // Pull again only once they are due.
@@ -553,7 +589,19 @@ impl Intake {
     ) {
         let found = rt.block_on(async {
             let js = jetstream::new(client.clone());
-            raw::stuck(&js, &self.stream, c).await
+            // Past what is kept at or below the barrier (received: the
+            // client read it) and what was terminated (settled already).
+            let held = |seq: &u64| self.early.contains_key(seq) || self.terminated.contains(seq);
+            raw::stuck(&js, &self.stream, c, |seq| {
+                held(&seq).then(|| {
+                    let mut past = seq;
+                    while held(&past) {
+                        past += 1;
+                    }
+                    past
+                })
+            })
+            .await
         });
         let stuck = match found {
             Ok(Some(stuck)) => stuck,
@@ -563,7 +611,7 @@ impl Intake {
                 return;
             }
         };
-        if self.outstanding.contains(&stuck.seq) {
+        if self.outstanding.contains(&stuck.seq) || self.early.contains_key(&stuck.seq) {
             // Received and asked back: the client reads it.
             return;
         }
@@ -604,8 +652,12 @@ impl Intake {
                     &self.durable,
                     stuck.seq,
                 )) {
-                    Ok(()) if !duplicate => bump(&self.counters.acked),
-                    Ok(()) => {}
+                    Ok(()) => {
+                        self.terminated.insert(stuck.seq);
+                        if !duplicate {
+                            bump(&self.counters.acked);
+                        }
+                    }
                     Err(e) => log::warn!("postroom nats intake: {}", Esc(&e)),
                 }
             }
@@ -684,13 +736,13 @@ impl Intake {
         let mut hold: Option<Duration> = None;
         let mut handled = 0usize;
         for m in pulled {
-            bump(&self.counters.received);
-            let (seq, delivered) = m
-                .info()
-                .map(|i| (i.stream_sequence, i.delivered))
-                .unwrap_or((0, 1));
-            if delivered > 1 {
-                bump(&self.counters.redelivered);
+            let seq = m.info().map(|i| i.stream_sequence).unwrap_or(0);
+            // At or below the barrier: kept, unanswered, until every
+            // message pending there is in hand (raise_floor); a second
+            // delivery replaces the first.
+            if seq > 0 && self.barrier.is_some_and(|b| seq <= b) {
+                self.early.insert(seq, m);
+                continue;
             }
             // Behind a message not acknowledged (one this intake asked
             // back, or one a previous intake pulled and never answered):
@@ -755,17 +807,31 @@ impl Intake {
     }
 
     /// At or below the consumer's ack floor a message is answered or gone
-    /// from the stream (limits, age): the previous intake's messages are
-    /// all answered once the floor reaches the barrier, and a held message
-    /// the stream dropped is awaited no more.
-    fn raise_floor(&mut self, rt: &tokio::runtime::Runtime, c: &Pull) {
-        if let Ok(info) = rt.block_on(c.get_info()) {
-            let floor = info.ack_floor.stream_sequence;
-            if self.barrier.is_some_and(|b| floor >= b) {
-                self.barrier = None;
-            }
-            self.outstanding = self.outstanding.split_off(&(floor + 1));
+    /// from the stream (limits, age): a held message the stream dropped is
+    /// awaited no more. The barrier falls once the floor reaches it, or
+    /// once every message the consumer has pending at or below it has come
+    /// (kept in `early`): those are returned, in stream order, to be
+    /// handed on. Pending at or below the barrier is all that is pending
+    /// but what this intake asked back above it (every message above it
+    /// that came was asked back).
+    fn raise_floor(&mut self, rt: &tokio::runtime::Runtime, c: &Pull) -> Vec<jetstream::Message> {
+        let Ok(info) = rt.block_on(c.get_info()) else {
+            return Vec::new();
+        };
+        let floor = info.ack_floor.stream_sequence;
+        self.outstanding = self.outstanding.split_off(&(floor + 1));
+        self.terminated = self.terminated.split_off(&(floor + 1));
+        let Some(b) = self.barrier else {
+            return Vec::new();
+        };
+        let above = self.outstanding.range(b + 1..).count();
+        let pending_below = info.num_ack_pending.saturating_sub(above);
+        let in_hand = self.early.range(floor + 1..).count();
+        if floor >= b || in_hand >= pending_below {
+            self.barrier = None;
+            return std::mem::take(&mut self.early).into_values().collect();
         }
+        Vec::new()
     }
 
     /// Connects and binds the durable consumer, creating it when absent.

@@ -148,13 +148,16 @@ struct Got {
     message: RawMessage,
 }
 
-/// The message just above `consumer`'s ack floor when it was delivered,
-/// is unacknowledged and the client cannot hand it on; `None` otherwise
-/// (nothing pending, or the next one is a message the client reads).
+/// The lowest message above `consumer`'s ack floor that the intake does
+/// not hold (`held` answers, for a sequence it holds, where its run of
+/// held sequences ends), when it was delivered, is unacknowledged and the
+/// client cannot hand it on; `None` otherwise (nothing pending, or that
+/// one is a message the client reads).
 pub(crate) async fn stuck(
     js: &jetstream::Context,
     stream: &str,
     consumer: &jetstream::consumer::Consumer<jetstream::consumer::pull::Config>,
+    held: impl Fn(u64) -> Option<u64>,
 ) -> std::result::Result<Option<Stuck>, String> {
     let info = tokio::time::timeout(REQUEST_WAIT, consumer.get_info())
         .await
@@ -173,24 +176,32 @@ pub(crate) async fn stuck(
         "" => ">".to_owned(),
         f => f.to_owned(),
     };
-    let request = serde_json::json!({ "seq": floor + 1, "next_by_subj": filter });
-    let got: Response<Got> = tokio::time::timeout(
-        REQUEST_WAIT,
-        js.request(format!("STREAM.MSG.GET.{stream}"), &request),
-    )
-    .await
-    .map_err(|_| "nats: no stream message in time".to_owned())?
-    .map_err(|e| format!("nats: stream message {}: {e}", floor + 1))?;
-    let raw = match got {
-        Response::Ok(got) => got.message,
-        Response::Err { error } if error.error_code().0 == NO_MESSAGE_FOUND => return Ok(None),
-        Response::Err { error } => {
-            return Err(format!("nats: stream message {}: {error}", floor + 1))
+    // One request per run of held sequences passed: the runs are few
+    // (what came early behind a restart, in stream order).
+    let mut from = floor + 1;
+    let raw = loop {
+        let request = serde_json::json!({ "seq": from, "next_by_subj": filter });
+        let got: Response<Got> = tokio::time::timeout(
+            REQUEST_WAIT,
+            js.request(format!("STREAM.MSG.GET.{stream}"), &request),
+        )
+        .await
+        .map_err(|_| "nats: no stream message in time".to_owned())?
+        .map_err(|e| format!("nats: stream message {from}: {e}"))?;
+        let raw = match got {
+            Response::Ok(got) => got.message,
+            Response::Err { error } if error.error_code().0 == NO_MESSAGE_FOUND => return Ok(None),
+            Response::Err { error } => return Err(format!("nats: stream message {from}: {error}")),
+        };
+        if raw.sequence > top {
+            return Ok(None);
+        }
+        match held(raw.sequence) {
+            Some(past) if past > raw.sequence => from = past,
+            Some(_) => return Ok(None),
+            None => break raw,
         }
     };
-    if raw.sequence > top {
-        return Ok(None);
-    }
     let b64 = base64::engine::general_purpose::STANDARD;
     let headers_b64 = raw.headers.unwrap_or_default();
     let block = b64
