@@ -3,7 +3,8 @@
 //! hand (`HPUB` on a plain TCP socket, as any client may) stores messages
 //! whose header blocks async-nats refuses (a value that is not UTF-8, a
 //! line without `:`, a name with a space) or reads as a protocol status
-//! (`NATS/1.0 100`, `404`, `408`, `503`) between good ones. Each must end as
+//! (`NATS/1.0 100`, `404`, `408`, `503`), or whose subject is not UTF-8,
+//! between good ones. Each must end as
 //! one dead letter with its raw bytes and the reason, acknowledged for good
 //! (AckTerm), and nothing behind it may wait for more than the consumer's
 //! ack wait or so: the good messages are all applied, once each.
@@ -27,7 +28,7 @@ use postroom::{handler_fn, Message, Postroom};
 
 /// One stored message as the wire carries it: subject, header block (empty
 /// for none), payload.
-type Frame = (&'static str, Vec<u8>, Vec<u8>);
+type Frame = (Vec<u8>, Vec<u8>, Vec<u8>);
 
 /// Publishes `frames` with `HPUB`/`PUB` on a raw socket and waits for the
 /// server's `PONG` (everything before it was processed).
@@ -45,11 +46,15 @@ fn publish_frames(port: u16, frames: &[Frame]) {
         .unwrap();
     for (subject, headers, payload) in frames {
         if headers.is_empty() {
-            write!(w, "PUB {subject} {}\r\n", payload.len()).unwrap();
+            w.write_all(b"PUB ").unwrap();
+            w.write_all(subject).unwrap();
+            write!(w, " {}\r\n", payload.len()).unwrap();
         } else {
+            w.write_all(b"HPUB ").unwrap();
+            w.write_all(subject).unwrap();
             write!(
                 w,
-                "HPUB {subject} {} {}\r\n",
+                " {} {}\r\n",
                 headers.len(),
                 headers.len() + payload.len()
             )
@@ -70,17 +75,46 @@ fn publish_frames(port: u16, frames: &[Frame]) {
     }
 }
 
-/// The header blocks async-nats cannot hand on as a message, each with a
-/// word the dead letter's reason must carry.
-fn malformed() -> Vec<(Vec<u8>, &'static str)> {
+/// The subjects and header blocks async-nats cannot hand on as a message,
+/// each with a word the dead letter's reason must carry.
+fn malformed() -> Vec<(Vec<u8>, Vec<u8>, &'static str)> {
+    let good = b"hop.orders".to_vec();
+    let block = |b: &[u8]| b.to_vec();
     vec![
-        (b"NATS/1.0\r\nX-Bad: \xff\xfe\r\n\r\n".to_vec(), "UTF-8"),
-        (b"NATS/1.0\r\nno colon here\r\n\r\n".to_vec(), "':'"),
-        (b"NATS/1.0\r\nBad Name: v\r\n\r\n".to_vec(), "name"),
-        (b"NATS/1.0 100 Idle Heartbeat\r\n\r\n".to_vec(), "status"),
-        (b"NATS/1.0 404 No Messages\r\n\r\n".to_vec(), "status"),
-        (b"NATS/1.0 408 Request Timeout\r\n\r\n".to_vec(), "status"),
-        (b"NATS/1.0 503\r\n\r\n".to_vec(), "status"),
+        (
+            good.clone(),
+            block(b"NATS/1.0\r\nX-Bad: \xff\xfe\r\n\r\n"),
+            "UTF-8",
+        ),
+        (
+            good.clone(),
+            block(b"NATS/1.0\r\nno colon here\r\n\r\n"),
+            "':'",
+        ),
+        (
+            good.clone(),
+            block(b"NATS/1.0\r\nBad Name: v\r\n\r\n"),
+            "name",
+        ),
+        (
+            good.clone(),
+            block(b"NATS/1.0 100 Idle Heartbeat\r\n\r\n"),
+            "status",
+        ),
+        (
+            good.clone(),
+            block(b"NATS/1.0 404 No Messages\r\n\r\n"),
+            "status",
+        ),
+        (
+            good.clone(),
+            block(b"NATS/1.0 408 Request Timeout\r\n\r\n"),
+            "status",
+        ),
+        (good.clone(), block(b"NATS/1.0 503\r\n\r\n"), "status"),
+        // The server stores a subject of any bytes; the client's reader
+        // drops its connection on one that is not UTF-8.
+        (b"hop.\xff\xfe".to_vec(), Vec::new(), "subject"),
     ]
 }
 
@@ -152,15 +186,15 @@ fn run(queued: bool, restart: bool) {
     let bad = malformed();
     let good_frame = |i: usize| -> Frame {
         (
-            "hop.orders",
+            b"hop.orders".to_vec(),
             format!("NATS/1.0\r\npostroom-id: g-{i}\r\npostroom-key: K\r\n\r\n").into_bytes(),
             format!("good-{i}").into_bytes(),
         )
     };
     let mut frames: Vec<Frame> = vec![good_frame(0)];
-    for (i, (headers, _)) in bad.iter().enumerate() {
+    for (i, (subject, headers, _)) in bad.iter().enumerate() {
         frames.push((
-            "hop.orders",
+            subject.clone(),
             headers.clone(),
             format!("bad-{i}").into_bytes(),
         ));
@@ -215,7 +249,7 @@ fn run(queued: bool, restart: bool) {
         .collect();
     let in_order: Vec<String> = (0..good).map(|i| format!("good-{i}")).collect();
     assert_eq!(order, in_order, "key K applied out of order");
-    for (i, (headers, word)) in bad.iter().enumerate() {
+    for (i, (_, headers, word)) in bad.iter().enumerate() {
         let payload = format!("bad-{i}");
         let as_dead: Vec<_> = dead
             .iter()

@@ -3,7 +3,8 @@
 //! header block it cannot parse (not UTF-8, a line without `:`, a header
 //! name NATS refuses), and its pull consumer takes a header block with a
 //! status line (`NATS/1.0 404`, `408`, `503`, `100`) for the server's own
-//! control message: either way the intake never sees the message, the
+//! control message; it drops the connection on a subject that is not UTF-8
+//! too (the server stores any bytes). Either way the intake never sees the message, the
 //! server redelivers it every ack wait, and the consumer's ack floor stays
 //! below it for good.
 //!
@@ -14,10 +15,11 @@
 //! message's acknowledgement subject (`$JS.ACK.<stream>.<consumer>.…`,
 //! which carries the stream sequence the server acts on).
 //!
-//! Invariants: only the message just above the ack floor, delivered and
-//! still unacknowledged, is ever examined, and it is settled only when
-//! [`refusal`] says the client cannot hand it on, so a message the intake
-//! can receive is never taken from it. It is terminated (`+TERM`) only
+//! Invariants: only the lowest message above the ack floor that the intake
+//! does not hold (received, or terminated), delivered and still
+//! unacknowledged, is ever examined, and it is settled only when
+//! [`refusal`] (or its subject) says the client cannot hand it on, so a
+//! message the intake can receive is never taken from it. It is terminated (`+TERM`) only
 //! after its dead letter (payload as stored, the header block as base64 in
 //! the header [`RAW_HEADERS`], the reason) is durable; a dead letter is
 //! stored once (its id is the stream, sequence and bytes), so a TERM lost
@@ -207,8 +209,17 @@ pub(crate) async fn stuck(
     let block = b64
         .decode(&headers_b64)
         .map_err(|e| format!("nats: stream message {}: its headers: {e}", raw.sequence))?;
-    let Some(reason) = refusal(&block) else {
-        return Ok(None);
+    // Go's JSON writes bytes that are not UTF-8 as U+FFFD: a subject that
+    // shows one may be a real U+FFFD the client reads; the intake settles
+    // only what stays undelivered for an ack wait.
+    let reason = match refusal(&block) {
+        Some(reason) => reason,
+        None if raw.subject.contains('\u{FFFD}') => {
+            "its subject is not UTF-8 (the server's reply shows U+FFFD for the bytes it could \
+             not write)"
+                .to_owned()
+        }
+        None => return Ok(None),
     };
     let payload = b64
         .decode(&raw.payload)
