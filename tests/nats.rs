@@ -722,6 +722,68 @@ fn the_server_killed_and_restarted_mid_stream_loses_nothing() {
     assert_exactly_once_in_order(&b_db, N);
 }
 
+/// The server SIGKILLed after it stored a batch of publishes and before
+/// their acks reached the sink: the stream holds them, their rows are not
+/// Sent. Played exactly: the rows are sent and applied, the server is
+/// SIGKILLed, the rows are made pending again (what the lost acks leave),
+/// and the server starts again on its store. Each re-send is acked as the
+/// duplicate of the stored message (same payload): the row is Sent, none
+/// is dead, the stream holds each once (its duplicate window outlives the
+/// restart) and B applies each once, in key order.
+#[test]
+fn publishes_stored_but_unacknowledged_at_a_server_kill_are_sent_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    ensure_stream(&url, "HOP", &["hop.>"]).unwrap();
+    let b_db = dir.path().join("b.db");
+    let b = device_b(&b_db);
+    let intake = NatsIntake::builder(&url, Arc::clone(&b), "b", "HOP", "b")
+        .backoff(Duration::from_millis(50), Duration::from_millis(500))
+        .start()
+        .unwrap();
+    assert!(intake.wait_bound(Duration::from_secs(30)));
+    let a_db = dir.path().join("a.db");
+    let a = device_a(&a_db, &url);
+    const N: i64 = 20;
+    publish(&a, N, Duration::ZERO, &AtomicU64::new(0));
+    settle(&a_db, &b_db, N, "before the kill", || {
+        format!("intake {:?}", intake.stats())
+    });
+    server.kill();
+    let reset = rusqlite::Connection::open(&a_db)
+        .unwrap()
+        .execute(
+            "UPDATE postroom_outbox SET status = 'pending', sent_at = NULL, next_attempt_at = 0",
+            [],
+        )
+        .unwrap();
+    assert_eq!(reset as i64, N);
+    server.up();
+    eventually(60, "every row re-sent and Sent", || {
+        let outbox = a.stats().unwrap().outbox;
+        outbox.sent == N as u64 && outbox.pending == 0
+    });
+    assert_eq!(a.stats().unwrap().outbox.dead, 0);
+    let stored = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async {
+            let client = async_nats::connect(&url).await.unwrap();
+            let js = async_nats::jetstream::new(client);
+            let mut stream = js.get_stream("HOP").await.unwrap();
+            stream.info().await.unwrap().state.messages
+        });
+    assert_eq!(stored, N as u64, "the stream stored a re-send again");
+    // Nothing new reaches B: a while later, still each once.
+    thread::sleep(Duration::from_secs(2));
+    intake.shutdown(Duration::from_secs(10)).unwrap();
+    assert_exactly_once_in_order(&b_db, N);
+}
+
 /// A handler fails one message's first attempt: the intake does not
 /// acknowledge it but NAKs it, and JetStream redelivers it; the second
 /// attempt applies it. A message with the same `postroom-id` published
