@@ -65,12 +65,15 @@ pub enum FaultKind {
     SinkTimeout,
     /// The clock jumps: forward up to two days, or back up to a minute.
     ClockJump,
-    /// Once the message is acknowledged, the clock passes the retention
-    /// period, a retention pass deletes the completed inbox rows, and the
-    /// message comes again: the engine no longer knows it and processes it
-    /// again (a documented limit of the dedupe horizon, unless the message
-    /// carries a sequence number). The verdict expects those effects again
-    /// and the report counts them as a known limit.
+    /// Once the message is acknowledged and a later one has an inbox row
+    /// (retention never deletes the newest), the clock passes the
+    /// retention period, a retention pass deletes the completed inbox rows,
+    /// and the message comes again: the engine no longer knows it and
+    /// processes it again (a documented limit of the dedupe horizon, unless
+    /// the message carries a sequence number). Counted as fired only when
+    /// the pass removed the message's row; on the last message it cannot.
+    /// The verdict expects those effects again and the report counts them
+    /// as a known limit.
     RetentionPass,
 }
 

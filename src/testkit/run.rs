@@ -153,6 +153,21 @@ pub(super) struct Item {
     pub(super) first: bool,
 }
 
+/// A retention pass for an acknowledged message, put off until the inbox
+/// holds a newer row than the message's: retention never deletes the
+/// newest row, so a pass run at once mostly deleted nothing.
+pub(super) struct Retained {
+    /// Its next delivery, made once the pass removed a row of it.
+    again: Item,
+    source: String,
+    id: String,
+    /// The message's inbox rows (one per consumer that stored it) when it
+    /// was acknowledged.
+    rows: u64,
+    /// The newest inbox row then.
+    newest: i64,
+}
+
 /// One seed's run.
 pub(super) struct Run<'s> {
     pub(super) sc: &'s Scenario,
@@ -184,6 +199,8 @@ pub(super) struct Run<'s> {
     /// Per (source, id): deliveries processed again after a retention
     /// pass removed the message's row.
     pub(super) reprocessed: BTreeMap<(String, String), u64>,
+    /// Retention passes put off (see [`Run::retention_due`]).
+    pub(super) retained: Vec<Retained>,
     /// After a real kill: the outbox rows the dead child had sent (they
     /// count as handed to the sink; its downstream died with it).
     pub(super) killed: Option<BTreeSet<String>>,
@@ -218,6 +235,7 @@ impl<'s> Run<'s> {
             full_met: false,
             answered: BTreeSet::new(),
             reprocessed: BTreeMap::new(),
+            retained: Vec::new(),
             killed: None,
             conn: RefCell::new(None),
         }
@@ -351,7 +369,7 @@ impl<'s> Run<'s> {
             } else if !acked {
                 queue.push_back(again);
             } else {
-                room = self.after_ack(room, &faults, again, &mut queue)?;
+                room = self.after_ack(room, &faults, again, &msg, &mut queue)?;
             }
             let after = format!("message #{} ({:?})", item.msg, msg.id());
             self.check_invariants(&after)?;
@@ -444,8 +462,10 @@ impl<'s> Run<'s> {
         mut room: Postroom,
         faults: &[Fault],
         again: Item,
+        msg: &Message,
         queue: &mut VecDeque<Item>,
     ) -> Result<Postroom, Violation> {
+        self.retention_due(&room, queue)?;
         for f in faults {
             match f.kind {
                 FaultKind::CrashAfterCommit => {
@@ -463,17 +483,68 @@ impl<'s> Run<'s> {
                     room = self.crash(room)?;
                 }
                 FaultKind::RetentionPass => {
+                    // Counted as fired by retention_due, once it removed a
+                    // row of the message.
                     self.settle(&room)?;
-                    self.clock
-                        .advance(RETENTION.saturating_add(Duration::from_secs(60)));
-                    retry(|| room.cleanup()).map_err(engine("cleanup"))?;
-                    queue.push_back(again);
+                    let (source, id) = (msg.source().to_owned(), msg.id().to_owned());
+                    let rows = self.count(
+                        "SELECT count(*) FROM postroom_inbox WHERE source = ?1 AND message_id = ?2",
+                        [&source, &id],
+                    )?;
+                    let newest =
+                        self.count("SELECT coalesce(max(id), 0) FROM postroom_inbox", [])?;
+                    self.retained.push(Retained {
+                        again,
+                        source,
+                        id,
+                        rows,
+                        newest: newest as i64,
+                    });
+                    continue;
                 }
                 _ => continue,
             }
             self.fire(f.kind);
         }
         Ok(room)
+    }
+
+    /// The retention passes put off, once the inbox holds a row newer than
+    /// their message's: the clock passes the retention period, a pass
+    /// runs, and each message that lost an inbox row to it comes again
+    /// (counted as fired). One whose rows all stayed (not completed: a
+    /// dead letter, a conflict) fired nothing and does not come again.
+    fn retention_due(
+        &mut self,
+        room: &Postroom,
+        queue: &mut VecDeque<Item>,
+    ) -> Result<(), Violation> {
+        if self.retained.is_empty() {
+            return Ok(());
+        }
+        let newest = self.count("SELECT coalesce(max(id), 0) FROM postroom_inbox", [])? as i64;
+        if !self.retained.iter().any(|r| newest > r.newest) {
+            return Ok(());
+        }
+        self.settle(room)?;
+        self.clock
+            .advance(RETENTION.saturating_add(Duration::from_secs(60)));
+        retry(|| room.cleanup()).map_err(engine("cleanup"))?;
+        let (due, later): (Vec<Retained>, Vec<Retained>) = std::mem::take(&mut self.retained)
+            .into_iter()
+            .partition(|r| newest > r.newest);
+        self.retained = later;
+        for r in due {
+            let rows = self.count(
+                "SELECT count(*) FROM postroom_inbox WHERE source = ?1 AND message_id = ?2",
+                [&r.source, &r.id],
+            )?;
+            if rows < r.rows {
+                self.fire(FaultKind::RetentionPass);
+                queue.push_back(r.again);
+            }
+        }
+        Ok(())
     }
 
     /// The end of a seed: settles and drains, counts the sink's faults,
