@@ -587,6 +587,11 @@ pub(crate) struct UserCodeGuard {
     expected: Arc<Mutex<Expected>>,
     /// The handler running on the write connection, if one does.
     running: Arc<Mutex<RunningHandler>>,
+    /// Test support: full-disk errors `Tx`'s statements returned to user
+    /// code (the testkit tells a handler that swallowed one from one that
+    /// met none).
+    #[cfg(feature = "testkit")]
+    full_disk_errors: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The handler that runs on the write connection, if one does.
@@ -614,6 +619,8 @@ impl UserCodeGuard {
             refused: Arc::default(),
             expected: Arc::new(Mutex::new(Expected::read(conn)?)),
             running: Arc::default(),
+            #[cfg(feature = "testkit")]
+            full_disk_errors: Arc::default(),
         };
         let in_user_code = Arc::clone(&guard.in_user_code);
         let engine_inside = Arc::clone(&guard.engine_inside);
@@ -788,6 +795,43 @@ impl UserCodeGuard {
             "user code changed the connection's settings ({changed}); postroom restored them \
              and failed this attempt"
         )))
+    }
+
+    /// Test support (feature `testkit`): notes a full-disk error a `Tx`
+    /// statement returned to user code.
+    #[cfg(feature = "testkit")]
+    pub fn note_error(&self, e: &rusqlite::Error) {
+        if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull) {
+            self.full_disk_errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Test support (feature `testkit`): how many full-disk errors `Tx`
+    /// statements returned to user code so far.
+    #[cfg(feature = "testkit")]
+    pub fn full_disk_errors(&self) -> u64 {
+        self.full_disk_errors.load(Ordering::Relaxed)
+    }
+
+    /// Test support (feature `testkit`): sets `conn`'s page quota from
+    /// inside user code's turn, as the engine's own change, and holds user
+    /// code to the new value; nothing else of the expected state moves (so
+    /// nothing user code changed is taken for the engine's).
+    #[cfg(feature = "testkit")]
+    pub fn set_max_page_count(&self, conn: &Connection, pages: u32) -> rusqlite::Result<()> {
+        let set: i64 = self.engine(|| {
+            conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |r| {
+                r.get(0)
+            })
+        })?;
+        let at = PRAGMAS.iter().position(|p| *p == "max_page_count");
+        if let Some(at) = at {
+            self.expected
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pragmas[at] = set;
+        }
+        Ok(())
     }
 
     /// Takes `conn`'s present state as the one user code must leave: for

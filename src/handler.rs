@@ -291,14 +291,14 @@ impl<'c> Tx<'c> {
     /// # Ok(()) }
     /// ```
     pub fn execute<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize> {
-        self.prepare_cached(sql)?.execute(params)
+        self.seen(self.prepare_cached(sql).and_then(|mut s| s.execute(params)))
     }
 
     /// Runs SQL statements separated by `;`, with no parameters, as
     /// [`Connection::execute_batch`] does (not cached: for schema set-up
     /// and one-off work).
     pub fn execute_batch(&self, sql: &str) -> rusqlite::Result<()> {
-        self.conn.execute_batch(sql)
+        self.seen(self.conn.execute_batch(sql))
     }
 
     /// Runs a query expected to return at least one row and maps the first,
@@ -308,7 +308,28 @@ impl<'c> Tx<'c> {
         P: rusqlite::Params,
         F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
     {
-        self.prepare_cached(sql)?.query_row(params, f)
+        self.seen(
+            self.prepare_cached(sql)
+                .and_then(|mut s| s.query_row(params, f)),
+        )
+    }
+
+    /// What a statement answered, as it is; with the testkit, a full-disk
+    /// error is noted first (the testkit's `disk-full` fault reads it).
+    #[inline]
+    fn seen<T>(&self, answer: rusqlite::Result<T>) -> rusqlite::Result<T> {
+        #[cfg(feature = "testkit")]
+        if let Err(e) = &answer {
+            self.guard.note_error(e);
+        }
+        answer
+    }
+
+    /// Test support (feature `testkit`): the full-disk errors this
+    /// connection's `Tx` statements returned to user code so far.
+    #[cfg(feature = "testkit")]
+    pub(crate) fn full_disk_errors_for_tests(&self) -> u64 {
+        self.guard.full_disk_errors()
     }
 
     /// Prepares a statement, as [`Connection::prepare`] does. A statement
@@ -325,6 +346,14 @@ impl<'c> Tx<'c> {
     /// it is never handed a statement the engine prepared.
     pub fn prepare_cached(&self, sql: &str) -> rusqlite::Result<rusqlite::CachedStatement<'_>> {
         self.conn.prepare_cached(&guard::user_sql(sql))
+    }
+
+    /// Test support (feature `testkit`): sets the write connection's page
+    /// quota for the rest of this transaction (the testkit's full disk,
+    /// lifted once the handler answered), as the engine's own change.
+    #[cfg(feature = "testkit")]
+    pub(crate) fn set_max_page_count_for_tests(&self, pages: u32) -> rusqlite::Result<()> {
+        self.guard.set_max_page_count(self.conn, pages)
     }
 
     /// The rowid of the last row inserted (by this transaction's SQL or, after

@@ -785,6 +785,102 @@ fn a_retention_pass_catches_a_total_added_to_twice_and_passes_its_fix() {
     assert!(report.fired[&FaultKind::RetentionPass] > 0, "{report}");
 }
 
+/// Orders noted with a 3 KB row and an empty one, in one statement (so
+/// that the write needs a new page, and a full disk reaches it), by a
+/// handler that answers a failed write in
+/// one of three ways: `Return` passes the error on (`?`: the engine
+/// retries), `Swallow` drops it and answers `Ok` (SQLite undid the
+/// statement alone: the commit goes ahead without the row), `Reject` turns
+/// it into a permanent failure (the message is dead-lettered, though the
+/// disk had room again a moment later). Only the full disk is on.
+#[derive(Clone, Copy)]
+enum OnWriteError {
+    Return,
+    Swallow,
+    Reject,
+}
+
+fn notes_orders(on_error: OnWriteError) -> Scenario {
+    let mut scenario = Scenario::new(move |app| {
+        app.consumer(
+            "billing",
+            handler_fn(move |tx, msg| {
+                let id = order_id(msg)?;
+                // Two rows in one statement: SQLite undoes just this
+                // statement on a full disk (one row's failure rolls the
+                // whole transaction back, which the engine fails anyway).
+                let wrote = tx.execute(
+                    "INSERT INTO notes (order_id, body) VALUES (?1, zeroblob(3000)), (?1, x'')",
+                    [id],
+                );
+                match (wrote, on_error) {
+                    (Ok(_), _) => Ok(()),
+                    (Err(e), OnWriteError::Return) => Err(e.into()),
+                    (Err(_), OnWriteError::Swallow) => Ok(()),
+                    (Err(e), OnWriteError::Reject) => {
+                        Err(Failure::reject(format!("cannot note the order: {e}")))
+                    }
+                }
+            }),
+        );
+    })
+    .schema(|tx| {
+        // One note there already: its page has no room for another, so
+        // every note needs a new page.
+        tx.execute_batch(
+            "CREATE TABLE notes (order_id INTEGER NOT NULL, body BLOB NOT NULL);
+             INSERT INTO notes VALUES (-1, zeroblob(3000));",
+        )?;
+        Ok(())
+    })
+    .messages(|rng| orders(rng, 10))
+    .effects(|check, msg| {
+        let id = order_id(msg).unwrap();
+        check.count("SELECT count(*) FROM notes WHERE order_id = ?1", [id]) / 2
+    })
+    .fault_rate(100)
+    .seeds(20);
+    for kind in FaultKind::ALL
+        .into_iter()
+        .filter(|k| *k != FaultKind::DiskFull)
+    {
+        scenario = scenario.without(kind);
+    }
+    scenario
+}
+
+#[test]
+fn a_handler_that_swallows_a_full_disk_is_caught_and_its_fix_passes() {
+    let failed = notes_orders(OnWriteError::Swallow)
+        .try_run()
+        .expect_err("a swallowed full disk commits the order without its note");
+    eprintln!("{failed}");
+    assert!(
+        matches!(
+            failed.violation,
+            Violation::EffectsNotOnce { counted: 0, .. }
+        ),
+        "{failed}"
+    );
+    assert!(failed.blames(FaultKind::DiskFull), "{failed}");
+    let report = notes_orders(OnWriteError::Return).run();
+    assert!(report.fired[&FaultKind::DiskFull] > 0, "{report}");
+}
+
+#[test]
+fn a_handler_that_rejects_a_full_disk_loses_the_message_to_it_and_its_fix_passes() {
+    let failed = notes_orders(OnWriteError::Reject)
+        .try_run()
+        .expect_err("a full disk taken for permanent dead-letters the message");
+    eprintln!("{failed}");
+    assert!(
+        matches!(failed.violation, Violation::LostToFault { .. }),
+        "{failed}"
+    );
+    assert!(failed.blames(FaultKind::DiskFull), "{failed}");
+    notes_orders(OnWriteError::Return).run();
+}
+
 /// Only the real-process mode: no in-process seed (so no in-process kind
 /// can fire, and none is asked to).
 fn only_real_kills(scenario: Scenario, kills: u64) -> Scenario {

@@ -19,8 +19,11 @@ pub(super) enum Mode {
     Crash,
     /// SQL rolls the whole transaction back.
     Rollback,
-    /// The disk is full (the quota is set by the run; the wrapper adds a
-    /// page-sized write so that the transaction surely meets it).
+    /// The disk is full while your handler runs (the quota is set by the
+    /// run). If one of its statements met it, the wrapper lifts the quota
+    /// for the rest of the transaction, so what it did (or, having
+    /// swallowed the error, did not do) commits as it would in production;
+    /// if none did, it adds a page-sized write that surely meets it.
     DiskFull,
     /// In a child process of the real-process mode: tell the parent, and
     /// wait for its SIGKILL, inside the uncommitted transaction.
@@ -144,17 +147,30 @@ impl Armed {
 
     /// Runs `inner` (your handler's transactional part) under the fault
     /// `mode`: the crash after it, the rollback after it, the full disk
-    /// during it and, if your code wrote nothing that needed a page, in a
-    /// page-sized write after it.
+    /// during it and, if your code met no full-disk error, in a page-sized
+    /// write after it.
     pub(super) fn around(
         &self,
         tx: &mut Tx<'_>,
         mode: Mode,
         inner: impl FnOnce(&mut Tx<'_>) -> Result<(), Failure>,
     ) -> Result<(), Failure> {
+        let errors_before = tx.full_disk_errors_for_tests();
         let result = inner(tx);
         if mode == Mode::Kill {
             self.die();
+        }
+        if mode == Mode::DiskFull && tx.full_disk_errors_for_tests() > errors_before {
+            // Your statement met the full disk, and SQLite undid that
+            // statement (at times the whole transaction, which the engine
+            // then fails): the transaction goes on. Room again for the
+            // engine's writes and the commit, as a disk that filled for a
+            // moment would have: a handler that swallowed the error commits
+            // without its write, one that turned it into a rejection has
+            // its message dead-lettered.
+            tx.set_max_page_count_for_tests(NO_QUOTA)?;
+            self.fire(mode);
+            return result;
         }
         if result.is_err() && mode != Mode::Crash {
             // Your code met the fault (or failed by itself): either way it
@@ -177,6 +193,8 @@ impl Armed {
                     "postroom testkit: the rollback did not happen",
                 ))
             }
+            // Your code met no full disk (what it wrote fit in pages the
+            // file had): a page-sized write after it surely meets it.
             Mode::DiskFull => {
                 let page: i64 = tx.query_row("PRAGMA page_size", [], |r| r.get(0))?;
                 match tx.execute(
