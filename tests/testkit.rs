@@ -702,14 +702,7 @@ fn a_redelivery_after_retention_is_a_known_limit_in_the_report() {
     assert!(report.to_string().contains("known limit"), "{report}");
     // Alone: every pass reported fired processes its message again, and
     // nothing else is.
-    let mut alone = scenario();
-    for kind in FaultKind::ALL
-        .into_iter()
-        .filter(|k| *k != FaultKind::RetentionPass)
-    {
-        alone = alone.without(kind);
-    }
-    let report = alone.run();
+    let report = only(scenario(), FaultKind::RetentionPass).run();
     assert!(report.fired[&FaultKind::RetentionPass] > 0, "{report}");
     assert_eq!(
         report.reprocessed_after_retention,
@@ -800,8 +793,16 @@ enum OnWriteError {
     Reject,
 }
 
+/// `scenario` with every fault kind but `kind` off.
+fn only(scenario: Scenario, kind: FaultKind) -> Scenario {
+    FaultKind::ALL
+        .into_iter()
+        .filter(|k| *k != kind)
+        .fold(scenario, Scenario::without)
+}
+
 fn notes_orders(on_error: OnWriteError) -> Scenario {
-    let mut scenario = Scenario::new(move |app| {
+    let scenario = Scenario::new(move |app| {
         app.consumer(
             "billing",
             handler_fn(move |tx, msg| {
@@ -840,13 +841,7 @@ fn notes_orders(on_error: OnWriteError) -> Scenario {
     })
     .fault_rate(100)
     .seeds(20);
-    for kind in FaultKind::ALL
-        .into_iter()
-        .filter(|k| *k != FaultKind::DiskFull)
-    {
-        scenario = scenario.without(kind);
-    }
-    scenario
+    only(scenario, FaultKind::DiskFull)
 }
 
 #[test]
