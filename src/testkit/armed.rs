@@ -202,6 +202,10 @@ impl Armed {
                     [page * 4],
                 ) {
                     Err(e) => {
+                        // Room again for the engine's record of the
+                        // failure (a claim whose failure cannot be written
+                        // would wait out its lease).
+                        tx.set_max_page_count_for_tests(NO_QUOTA)?;
                         self.fire(mode);
                         Err(e.into())
                     }
