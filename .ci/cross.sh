@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The targets postroom is for, beyond the CI machine's own (issue 37):
 # builds the library and the CLI for aarch64 and armv7 Linux (glibc) and
-# x86_64 musl, and the examples for armv7, then runs a stated part of the suite on armv7
+# x86_64 musl (every feature and the examples for armv7), then runs a stated part of the suite on armv7
 # under qemu-user (docs/TESTING.md, "On ARM and musl": what runs, what does
 # not and why, and its time budget).
 #
@@ -108,19 +108,24 @@ CROSS_DIR=target/cross
 
 build() {
   local t
-  local t examples
+  local t what
   for t in "${TARGETS[@]}"; do
-    # The examples only where the suite runs (armv7): they build the
-    # dev-dependencies (tokio, rumqttd), which its tests build anyway;
-    # elsewhere that is minutes for nothing the library build does not
-    # show. Not the bridge demos (crates/postroom-demos) either: they run
-    # on the CI machine, and the bridges' code is the library's, built
-    # here with every feature.
-    examples=()
-    [ "$t" = "$ARMV7" ] && examples=(--examples)
-    step "build $t: library, CLI${examples:+, examples}"
+    # Every feature and the examples only where the suite runs (armv7):
+    # the examples build the dev-dependencies (tokio, rumqttd), which its
+    # tests build anyway, and the bridges (tokio, async-nats with ring,
+    # rumqttc) are Rust and ring's own portable code. Elsewhere the library
+    # with the CLI and the testkit: SQLite's C and the engine built for the
+    # target, without minutes of bridge dependencies the armv7 build shows.
+    # Not the bridge demos (crates/postroom-demos) either: they run on the
+    # CI machine.
+    if [ "$t" = "$ARMV7" ]; then
+      what=(--all-features --lib --bins --examples)
+    else
+      what=(--features cli,testkit --lib --bins)
+    fi
+    step "build $t: ${what[*]}"
     CARGO_TARGET_DIR="$CROSS_DIR" CARGO_PROFILE_DEV_OPT_LEVEL=1 \
-      cargo build --locked --target "$t" --all-features --lib --bins "${examples[@]}" \
+      cargo build --locked --target "$t" "${what[@]}" \
       || die "cargo build --target $t"
   done
 }
