@@ -141,7 +141,7 @@ impl IntakeBuilder {
             outstanding: BTreeSet::new(),
             barrier: None,
             early: BTreeMap::new(),
-            terminated: BTreeSet::new(),
+            terminated: BTreeMap::new(),
             next_probe: Instant::now(),
             suspect: None,
             cut: false,
@@ -342,8 +342,12 @@ struct Intake {
     /// (its `max_ack_pending`).
     early: BTreeMap<u64, jetstream::Message>,
     /// Sequences above the ack floor this intake terminated
-    /// ([`Intake::settle_stuck`]): still in the stream, no longer pending.
-    terminated: BTreeSet<u64>,
+    /// ([`Intake::settle_stuck`]), and when: still in the stream, no longer
+    /// pending. Passed over by the look for stuck messages; terminated
+    /// again every two ack waits while above the floor, so one the server
+    /// lost (a SIGKILL before it wrote it) does not hold what is kept for
+    /// ever (a termination of what is not pending changes nothing).
+    terminated: BTreeMap<u64, Instant>,
     /// When [`Intake::settle_stuck`] may look next.
     next_probe: Instant,
     /// A message [`raw::stuck`] named, and when first: settled only if it
@@ -587,11 +591,27 @@ impl Intake {
         client: &async_nats::Client,
         c: &Pull,
     ) {
+        let again = 2 * self.ack_wait + PULL_EXPIRES + PULL_GRACE;
+        let stale: Vec<u64> = self
+            .terminated
+            .iter()
+            .filter(|(_, at)| at.elapsed() >= again)
+            .map(|(&seq, _)| seq)
+            .collect();
+        for seq in stale {
+            match rt.block_on(raw::terminate(client, &self.stream, &self.durable, seq)) {
+                Ok(()) => {
+                    self.terminated.insert(seq, Instant::now());
+                }
+                Err(e) => log::warn!("postroom nats intake: {}", Esc(&e)),
+            }
+        }
         let found = rt.block_on(async {
             let js = jetstream::new(client.clone());
             // Past what is kept at or below the barrier (received: the
             // client read it) and what was terminated (settled already).
-            let held = |seq: &u64| self.early.contains_key(seq) || self.terminated.contains(seq);
+            let held =
+                |seq: &u64| self.early.contains_key(seq) || self.terminated.contains_key(seq);
             raw::stuck(&js, &self.stream, c, |seq| {
                 held(&seq).then(|| {
                     let mut past = seq;
@@ -653,7 +673,7 @@ impl Intake {
                     stuck.seq,
                 )) {
                     Ok(()) => {
-                        self.terminated.insert(stuck.seq);
+                        self.terminated.insert(stuck.seq, Instant::now());
                         if !duplicate {
                             bump(&self.counters.acked);
                         }
