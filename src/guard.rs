@@ -813,12 +813,12 @@ impl UserCodeGuard {
         self.full_disk_errors.load(Ordering::Relaxed)
     }
 
-    /// Test support (feature `testkit`): sets `conn`'s page quota from
-    /// inside user code's turn, as the engine's own change, and holds user
+    /// Test support: sets `conn`'s page quota (from the writer, or from
+    /// inside user code's turn) as the engine's own change, and holds user
     /// code to the new value; nothing else of the expected state moves (so
-    /// nothing user code changed is taken for the engine's).
-    #[cfg(feature = "testkit")]
-    pub fn set_max_page_count(&self, conn: &Connection, pages: u32) -> rusqlite::Result<()> {
+    /// nothing user code changed is taken for the engine's). Returns the
+    /// quota set (SQLite keeps it at least the file's size).
+    pub fn set_max_page_count(&self, conn: &Connection, pages: u32) -> rusqlite::Result<i64> {
         let set: i64 = self.engine(|| {
             conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |r| {
                 r.get(0)
@@ -831,15 +831,7 @@ impl UserCodeGuard {
                 .unwrap_or_else(PoisonError::into_inner)
                 .pragmas[at] = set;
         }
-        Ok(())
-    }
-
-    /// Takes `conn`'s present state as the one user code must leave: for
-    /// the engine's own deliberate changes.
-    pub fn rebase(&self, conn: &Connection) -> rusqlite::Result<()> {
-        let now = Expected::read(conn)?;
-        *self.expected.lock().unwrap_or_else(PoisonError::into_inner) = now;
-        Ok(())
+        Ok(set)
     }
 }
 

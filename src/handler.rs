@@ -353,7 +353,7 @@ impl<'c> Tx<'c> {
     /// lifted once the handler answered), as the engine's own change.
     #[cfg(feature = "testkit")]
     pub(crate) fn set_max_page_count_for_tests(&self, pages: u32) -> rusqlite::Result<()> {
-        self.guard.set_max_page_count(self.conn, pages)
+        self.guard.set_max_page_count(self.conn, pages).map(drop)
     }
 
     /// The rowid of the last row inserted (by this transaction's SQL or, after

@@ -684,15 +684,11 @@ impl Postroom {
     #[doc(hidden)]
     pub fn set_max_page_count_for_tests(&self, pages: u32) -> Result<u64> {
         self.submit(move |w| {
-            let sql = format!("PRAGMA max_page_count = {pages}");
-            let set: i64 = w
-                .conn
-                .query_row(&sql, [], |r| r.get(0))
+            // The engine's own change: the value user code is held to now.
+            let set = w
+                .guard
+                .set_max_page_count(w.conn, pages)
                 .map_err(|e| Error::sqlite("set max_page_count", e))?;
-            // The engine's own change: the state user code is held to now.
-            w.guard
-                .rebase(w.conn)
-                .map_err(|e| Error::sqlite("read connection state", e))?;
             Ok(u64::try_from(set).unwrap_or(0))
         })
     }
