@@ -487,18 +487,14 @@ impl<'s> Run<'s> {
                     // row of the message.
                     self.settle(&room)?;
                     let (source, id) = (msg.source().to_owned(), msg.id().to_owned());
-                    let rows = self.count(
-                        "SELECT count(*) FROM postroom_inbox WHERE source = ?1 AND message_id = ?2",
-                        [&source, &id],
-                    )?;
-                    let newest =
-                        self.count("SELECT coalesce(max(id), 0) FROM postroom_inbox", [])?;
+                    let rows = self.inbox_rows(&source, &id)?;
+                    let newest = self.newest_inbox_row()?;
                     self.retained.push(Retained {
                         again,
                         source,
                         id,
                         rows,
-                        newest: newest as i64,
+                        newest,
                     });
                     continue;
                 }
@@ -507,6 +503,19 @@ impl<'s> Run<'s> {
             self.fire(f.kind);
         }
         Ok(room)
+    }
+
+    /// A message's inbox rows, one per consumer that stored it.
+    fn inbox_rows(&self, source: &str, id: &str) -> Result<u64, Violation> {
+        self.count(
+            "SELECT count(*) FROM postroom_inbox WHERE source = ?1 AND message_id = ?2",
+            [source, id],
+        )
+    }
+
+    /// The newest inbox row's id (0 for none).
+    fn newest_inbox_row(&self) -> Result<i64, Violation> {
+        Ok(self.count("SELECT coalesce(max(id), 0) FROM postroom_inbox", [])? as i64)
     }
 
     /// The retention passes put off, once the inbox holds a row newer than
@@ -522,7 +531,7 @@ impl<'s> Run<'s> {
         if self.retained.is_empty() {
             return Ok(());
         }
-        let newest = self.count("SELECT coalesce(max(id), 0) FROM postroom_inbox", [])? as i64;
+        let newest = self.newest_inbox_row()?;
         if !self.retained.iter().any(|r| newest > r.newest) {
             return Ok(());
         }
@@ -535,10 +544,7 @@ impl<'s> Run<'s> {
             .partition(|r| newest > r.newest);
         self.retained = later;
         for r in due {
-            let rows = self.count(
-                "SELECT count(*) FROM postroom_inbox WHERE source = ?1 AND message_id = ?2",
-                [&r.source, &r.id],
-            )?;
+            let rows = self.inbox_rows(&r.source, &r.id)?;
             if rows < r.rows {
                 self.fire(FaultKind::RetentionPass);
                 queue.push_back(r.again);
