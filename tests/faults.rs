@@ -364,56 +364,21 @@ fn crash_matrix_every_failpoint_every_action() {
     // many threads as there are CPUs, at most 4. A child spends much of its
     // time in fsync and in the parent's recovery, so even a loaded 2-core
     // machine gets through two at once in about the time of one.
-    let jobs = std::env::var("POSTROOM_MATRIX_JOBS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| thread::available_parallelism().map_or(1, |n| n.get().min(4)))
-        .max(1);
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let failed = std::sync::atomic::AtomicBool::new(false);
-    let runs: Vec<Result<Vec<&str>, String>> = thread::scope(|scope| {
-        let workers: Vec<_> = (0..jobs)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut aborted_at = Vec::new();
-                    while !failed.load(std::sync::atomic::Ordering::Relaxed) {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(cell) = cells.get(i) else {
-                            break;
-                        };
-                        let (inline, queued, how) = run_cell(cell);
-                        let name = format!(
-                            "{}={}@{} seed {} ({how})",
-                            cell.failpoint, cell.action, cell.nth, cell.seed
-                        );
-                        let verdict = if !inline.ok() {
-                            Some(format!("{name}: inline {inline:?}"))
-                        } else if !queued.ok() {
-                            Some(format!("{name}: queued {queued:?}"))
-                        } else {
-                            None
-                        };
-                        if let Some(verdict) = verdict {
-                            failed.store(true, std::sync::atomic::Ordering::Relaxed);
-                            return Err(verdict);
-                        }
-                        if how == "aborted" {
-                            aborted_at.push(cell.failpoint);
-                        }
-                    }
-                    Ok(aborted_at)
-                })
-            })
-            .collect();
-        workers.into_iter().map(|w| w.join().unwrap()).collect()
-    });
-    let mut aborted_at = Vec::new();
-    for run in runs {
-        match run {
-            Ok(at) => aborted_at.extend(at),
-            Err(verdict) => panic!("{verdict}"),
+    let aborted_at = in_parallel(&cells, "POSTROOM_MATRIX_JOBS", |cell| {
+        let (inline, queued, how) = run_cell(cell);
+        let name = format!(
+            "{}={}@{} seed {} ({how})",
+            cell.failpoint, cell.action, cell.nth, cell.seed
+        );
+        if !inline.ok() {
+            return Err(format!("{name}: inline {inline:?}"));
         }
-    }
+        if !queued.ok() {
+            return Err(format!("{name}: queued {queued:?}"));
+        }
+        Ok((how == "aborted").then_some(cell.failpoint))
+    })
+    .unwrap_or_else(|verdict| panic!("{verdict}"));
     let cells = cells.len();
     let aborted = aborted_at.len();
     let fired_somewhere: BTreeSet<&str> = aborted_at.into_iter().collect();

@@ -7,6 +7,9 @@
 //! `POSTROOM_MODEL_SEQUENCES` (default 2000) and `POSTROOM_MODEL_LEN`
 //! (default 40) size the run; `POSTROOM_SEED` replays one sequence.
 
+mod common;
+
+use common::in_parallel;
 use postroom::sim::{self, Op, Plan};
 
 fn env(name: &str, default: u64) -> u64 {
@@ -38,59 +41,26 @@ fn seeded_sequences_match_the_model() {
     // The seeds are independent (a directory each, no shared state): run
     // on as many threads as there are CPUs, at most 4, each taking the
     // next seed; the first failure stops the others.
-    let jobs = std::env::var("POSTROOM_MODEL_JOBS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(4)))
-        .max(1);
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let failed = std::sync::atomic::AtomicBool::new(false);
-    let runs: Vec<Result<Vec<sim::RunStats>, String>> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..jobs)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut done = Vec::new();
-                    while !failed.load(std::sync::atomic::Ordering::Relaxed) {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(&seed) = seeds.get(i) else {
-                            break;
-                        };
-                        let dir = tempfile::tempdir().unwrap();
-                        match sim::run_seed(dir.path(), seed, len) {
-                            Ok(stats) => done.push(stats),
-                            Err(e) => {
-                                failed.store(true, std::sync::atomic::Ordering::Relaxed);
-                                return Err(format!(
-                                    "POSTROOM_SEED={seed} POSTROOM_MODEL_LEN={len}: {e}"
-                                ));
-                            }
-                        }
-                    }
-                    Ok(done)
-                })
-            })
-            .collect();
-        workers.into_iter().map(|w| w.join().unwrap()).collect()
-    });
+    let runs = in_parallel(&seeds, "POSTROOM_MODEL_JOBS", |&seed| {
+        let dir = tempfile::tempdir().unwrap();
+        sim::run_seed(dir.path(), seed, len)
+            .map(Some)
+            .map_err(|e| format!("POSTROOM_SEED={seed} POSTROOM_MODEL_LEN={len}: {e}"))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
     let (mut ops, mut processed, mut crashes, mut conflicts, mut dead, mut stale) =
         (0, 0, 0, 0, 0, 0);
     let (mut rolled_back, mut by_sequence, mut resets) = (0, 0, 0);
-    for run in runs {
-        let stats = match run {
-            Ok(stats) => stats,
-            Err(e) => panic!("{e}"),
-        };
-        for stats in stats {
-            ops += stats.ops;
-            processed += stats.processed;
-            crashes += stats.crashes;
-            conflicts += stats.conflicts;
-            dead += stats.dead;
-            stale += stats.live_at_apply;
-            rolled_back += stats.rolled_back;
-            by_sequence += stats.by_sequence;
-            resets += stats.resets;
-        }
+    for stats in runs {
+        ops += stats.ops;
+        processed += stats.processed;
+        crashes += stats.crashes;
+        conflicts += stats.conflicts;
+        dead += stats.dead;
+        stale += stats.live_at_apply;
+        rolled_back += stats.rolled_back;
+        by_sequence += stats.by_sequence;
+        resets += stats.resets;
     }
     eprintln!(
         "model: {} sequences, {ops} operations; {processed} processed, {crashes} crashes, \

@@ -549,3 +549,49 @@ pub fn wal_and_shm_descriptors(dir: &Path) -> Vec<PathBuf> {
         })
         .collect()
 }
+
+/// Runs `run` over `items` on as many threads as there are CPUs, at most 4
+/// (or the number in the environment variable `jobs_var`), each taking the
+/// next item; the first `Err` stops the others and is returned. What each
+/// run answered (`Some`) is gathered, in no particular order.
+pub fn in_parallel<T: Sync, R: Send>(
+    items: &[T],
+    jobs_var: &str,
+    run: impl Fn(&T) -> Result<Option<R>, String> + Sync,
+) -> Result<Vec<R>, String> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let jobs = std::env::var(jobs_var)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(4)))
+        .max(1);
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..jobs)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut got = Vec::new();
+                    while !failed.load(Ordering::Relaxed) {
+                        let Some(item) = items.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                            break;
+                        };
+                        match run(item) {
+                            Ok(answer) => got.extend(answer),
+                            Err(e) => {
+                                failed.store(true, Ordering::Relaxed);
+                                return Err(e);
+                            }
+                        }
+                    }
+                    Ok(got)
+                })
+            })
+            .collect();
+        let mut all = Vec::new();
+        for w in workers {
+            all.extend(w.join().unwrap()?);
+        }
+        Ok(all)
+    })
+}
