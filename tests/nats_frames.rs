@@ -318,3 +318,80 @@ fn frames_the_client_cannot_parse_hold_nothing_across_an_intake_restart() {
 fn frames_the_client_cannot_parse_are_dead_letters_and_hold_nothing_queued() {
     run(true, false);
 }
+
+/// What looks like a frame the client cannot parse but is not: a subject
+/// that really holds U+FFFD reads, through the stream's message API, as
+/// one that was not UTF-8. Its first delivery fails with a retry far later
+/// than the ack wait, so the first intake asks it back; that intake stops
+/// and a second one, built with a shorter ack wait than the consumer's,
+/// finds it pending and not received. Received later all the same, it is
+/// applied once and never a dead letter. (Before, the first intake asked
+/// it back for the whole retry and the second confirmed it after its own
+/// ack wait: a dead letter and a TERM.)
+#[test]
+fn a_message_asked_back_past_the_ack_wait_is_not_taken_for_unparsable() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = NatsServer::start(&dir.path().join("nats")) else {
+        return;
+    };
+    let url = server.url();
+    ensure_stream(&url, "HOP", &["hop.>"]).unwrap();
+    let b_db = dir.path().join("b.db");
+    let failed_once = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let failed = Arc::clone(&failed_once);
+    let b = Postroom::builder()
+        .poll_interval(Duration::from_millis(20))
+        .backoff(Duration::from_secs(20), Duration::from_secs(20))
+        .consumer(
+            "b",
+            handler_fn(move |tx, msg: &Message| {
+                if !failed.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                    return Err(postroom::Failure::retry("the first attempt fails"));
+                }
+                tx.execute(
+                    "INSERT INTO effects (payload) VALUES (?1)",
+                    [String::from_utf8_lossy(msg.payload()).into_owned()],
+                )?;
+                Ok(())
+            }),
+        )
+        .open(&b_db)
+        .unwrap();
+    b.transaction(|tx| Ok(tx.execute_batch("CREATE TABLE effects (payload TEXT NOT NULL)")?))
+        .unwrap();
+    let b = Arc::new(b);
+    let start = |wait: u64| {
+        let intake = NatsIntake::builder(&url, Arc::clone(&b), "b", "HOP", "b")
+            .ack_wait(Duration::from_secs(wait))
+            .start()
+            .unwrap();
+        assert!(intake.wait_bound(Duration::from_secs(30)));
+        intake
+    };
+    let first = start(4);
+    publish_frames(
+        server.port,
+        &[("hop.\u{fffd}".as_bytes().to_vec(), Vec::new(), b"fffd".to_vec())],
+    );
+    eventually(30, "the first attempt failed and was asked back", || {
+        first.stats().not_acked >= 1
+    });
+    first.shutdown(Duration::from_secs(10)).unwrap();
+    let second = start(1);
+    // Well past the second intake's own ack wait and the consumer's, short
+    // of the retry.
+    std::thread::sleep(Duration::from_secs(12));
+    let dead = b.dead_letters(Some("b"), 10).unwrap();
+    assert!(dead.is_empty(), "taken for unparsable: {dead:#?}");
+    eventually(60, "applied after its retry", || {
+        !column::<Vec<String>>(&raw(&b_db), "SELECT payload FROM effects").is_empty()
+    });
+    eventually(30, "acknowledged", || consumer_state(&url) == (1, 0));
+    assert_eq!(
+        column::<Vec<String>>(&raw(&b_db), "SELECT payload FROM effects"),
+        vec!["fffd".to_owned()]
+    );
+    assert!(b.dead_letters(Some("b"), 10).unwrap().is_empty());
+    assert_eq!(second.stats().unparsed, 0);
+    second.shutdown(Duration::from_secs(10)).unwrap();
+}

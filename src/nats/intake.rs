@@ -81,7 +81,11 @@ impl IntakeBuilder {
 
     /// The consumer's ack wait, set when it is created (30 s by default):
     /// a message pulled and neither acknowledged nor NAKed within it (the
-    /// intake died) is redelivered. Longer than the slowest handler.
+    /// intake died) is redelivered. Longer than the slowest handler. A
+    /// consumer that exists keeps its own, and the intake goes by that one:
+    /// no message is asked back for longer (one whose retry is later comes
+    /// again and is asked back again), so whatever is pending and not
+    /// received for longer than it was never delivered as a message.
     pub fn ack_wait(mut self, wait: Duration) -> Self {
         self.ack_wait = wait.clamp(Duration::from_secs(1), MAX_WAIT);
         self
@@ -128,6 +132,8 @@ impl IntakeBuilder {
             filter: self.filter,
             batch: self.batch,
             ack_wait: self.ack_wait,
+            wait: self.ack_wait,
+            created: None,
             backoff: self.backoff,
             lander: Lander {
                 room: self.room,
@@ -325,7 +331,16 @@ struct Intake {
     durable: String,
     filter: Option<String>,
     batch: usize,
+    /// The ack wait a consumer this intake creates gets.
     ack_wait: Duration,
+    /// The bound consumer's own ack wait (the builder's until bound): what
+    /// the server goes by, and the longest this intake asks a message back.
+    wait: Duration,
+    /// When the bound consumer was created: another time is another
+    /// consumer (deleted and made again), whose pending messages are not
+    /// those this intake kept or terminated. As written (the type is the
+    /// client's choice of time crate).
+    created: Option<String>,
     backoff: Backoff,
     lander: Lander,
     counters: Arc<Counters>,
@@ -538,8 +553,8 @@ impl Intake {
     {
         Ok(match rt.block_on(self.bind()) {
             Err(Bind::Refused(reason)) => return Err(reason),
-            Ok((client, c, barrier)) => {
-                self.barrier = barrier;
+            Ok((client, c, info)) => {
+                self.rebound(&info);
                 bump(&self.counters.connects);
                 self.counters.ready.store(true, Ordering::Release);
                 self.backoff.reset();
@@ -556,11 +571,40 @@ impl Intake {
         })
     }
 
+    /// Takes the state of the consumer just bound. The barrier: when it has
+    /// messages delivered and not yet answered (a previous intake died
+    /// holding them, or asked them back and stopped, or this one's
+    /// connection dropped), the highest stream sequence delivered so far;
+    /// nothing above it is handed on before they are answered. What this
+    /// intake kept or terminated belongs to the consumer it was bound to
+    /// before: forgotten when this is another one (made again), and what
+    /// it kept (received, unanswered) when the consumer has nothing
+    /// pending or has delivered less than it (a server that lost its
+    /// state): counted in, it would let the barrier fall before what is
+    /// pending now has come.
+    fn rebound(&mut self, info: &consumer::Info) {
+        self.wait = info.config.ack_wait.clamp(Duration::from_secs(1), MAX_WAIT);
+        let top = info.delivered.stream_sequence;
+        self.barrier = (info.num_ack_pending > 0).then_some(top);
+        let created = info.created.to_string();
+        let same = self.created.as_ref().is_none_or(|c| *c == created);
+        self.created = Some(created);
+        if !same {
+            self.outstanding.clear();
+            self.terminated.clear();
+            self.early.clear();
+        } else if info.num_ack_pending == 0
+            || self.early.last_key_value().is_some_and(|(&kept, _)| kept > top)
+        {
+            self.early.clear();
+        }
+    }
+
     /// The wait between two looks for a message the client cannot hand on
     /// while pulls come back short: half the ack wait (the server
     /// redelivers such a message once per ack wait), at most 5 s.
     fn probe_every(&self) -> Duration {
-        (self.ack_wait / 2).min(Duration::from_secs(5))
+        (self.wait / 2).min(Duration::from_secs(5))
     }
 
     /// After a pull the client cut short, the messages the server delivered
@@ -591,7 +635,7 @@ impl Intake {
         client: &async_nats::Client,
         c: &Pull,
     ) {
-        let again = 2 * self.ack_wait + PULL_EXPIRES + PULL_GRACE;
+        let again = 2 * self.wait + PULL_EXPIRES + PULL_GRACE;
         let stale: Vec<u64> = self
             .terminated
             .iter()
@@ -637,7 +681,7 @@ impl Intake {
         }
         match self.suspect {
             Some((seq, since)) if seq == stuck.seq => {
-                if since.elapsed() < self.ack_wait + PULL_EXPIRES + PULL_GRACE {
+                if since.elapsed() < self.wait + PULL_EXPIRES + PULL_GRACE {
                     return;
                 }
             }
@@ -818,7 +862,9 @@ impl Intake {
             }
             Landed::Hold { retry_after } => {
                 bump(&self.counters.not_acked);
-                let after = retry_after.min(MAX_WAIT);
+                // Never longer than the consumer's ack wait (see
+                // `settle_stuck`): a later retry is asked back again.
+                let after = retry_after.min(self.wait);
                 self.outstanding.insert(seq);
                 let _ = rt.block_on(m.ack_with(AckKind::Nak(Some(after))));
                 Some(after)
@@ -854,13 +900,9 @@ impl Intake {
         Vec::new()
     }
 
-    /// Connects and binds the durable consumer, creating it when absent.
-    /// With the barrier: when the consumer has messages delivered and not
-    /// yet answered (a previous intake died holding them, or asked them
-    /// back and stopped), the highest stream sequence delivered so far;
-    /// nothing above it is handed on before they are answered.
-    #[allow(clippy::type_complexity)]
-    async fn bind(&self) -> std::result::Result<(async_nats::Client, Pull, Option<u64>), Bind> {
+    /// Connects and binds the durable consumer, creating it when absent,
+    /// with its state ([`Intake::rebound`]).
+    async fn bind(&self) -> std::result::Result<(async_nats::Client, Pull, consumer::Info), Bind> {
         let client = connect(&self.url, Duration::from_secs(5))
             .await
             .map_err(Bind::Failed)?;
@@ -894,7 +936,6 @@ impl Intake {
                 self.durable, self.stream
             )));
         }
-        let barrier = (info.num_ack_pending > 0).then_some(info.delivered.stream_sequence);
-        Ok((client, consumer, barrier))
+        Ok((client, consumer, info))
     }
 }
