@@ -371,7 +371,11 @@ fn a_message_asked_back_past_the_ack_wait_is_not_taken_for_unparsable() {
     let first = start(4);
     publish_frames(
         server.port,
-        &[("hop.\u{fffd}".as_bytes().to_vec(), Vec::new(), b"fffd".to_vec())],
+        &[(
+            "hop.\u{fffd}".as_bytes().to_vec(),
+            Vec::new(),
+            b"fffd".to_vec(),
+        )],
     );
     eventually(30, "the first attempt failed and was asked back", || {
         first.stats().not_acked >= 1

@@ -704,6 +704,17 @@ impl Postroom {
         reaper::run_once(&self.shared, &self.readers).map(|r| r.leases_expired)
     }
 
+    /// Test support: expires the leases whose worker gave up on its claim
+    /// (its result could not be recorded) and runs a reaper pass, if there
+    /// was one; how many leases expired.
+    #[cfg(feature = "testkit")]
+    pub(crate) fn expire_given_up_leases_for_tests(&self) -> Result<u64> {
+        if !self.shared.leases.expire_given_up(Instant::now()) {
+            return Ok(0);
+        }
+        reaper::run_once(&self.shared, &self.readers).map(|r| r.leases_expired)
+    }
+
     /// Counts per status per consumer, outbox backlog, conflicts and file
     /// sizes, read through the read pool (it does not wait for the writer).
     ///

@@ -594,7 +594,10 @@ impl Intake {
             self.terminated.clear();
             self.early.clear();
         } else if info.num_ack_pending == 0
-            || self.early.last_key_value().is_some_and(|(&kept, _)| kept > top)
+            || self
+                .early
+                .last_key_value()
+                .is_some_and(|(&kept, _)| kept > top)
         {
             self.early.clear();
         }

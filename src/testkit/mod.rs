@@ -118,12 +118,12 @@ const RETENTION: Duration = Duration::from_secs(30 * 86_400);
 const TESTKIT_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS _testkit_ballast (b BLOB);
      CREATE TABLE IF NOT EXISTS _testkit_rollback (id INTEGER PRIMARY KEY);
      INSERT OR IGNORE INTO _testkit_rollback (id) VALUES (1);";
-/// The lease of an effectful consumer's claim (on the monotonic clock):
-/// a claim whose `apply` met a full disk stays claimed until it expires.
-/// Short, so that the settling does not wait long; an effect step that
-/// outlives it on a very busy machine is run again with the same
-/// idempotency key, which a correct effect handler survives.
-const LEASE: Duration = Duration::from_secs(2);
+/// The lease of an effectful consumer's claim (on the monotonic clock).
+/// Longer than any wait of a run, so that no effect step outlives it on a
+/// busy machine (only a `lease-expiry` fault expires one); a claim whose
+/// worker gave up (its `apply` met a full disk) is expired at once by the
+/// settling, never waited out.
+const LEASE: Duration = Duration::from_secs(2 * WAIT.as_secs());
 /// A page quota beyond any test's needs: the quota lifted.
 const NO_QUOTA: u32 = 1_073_741_823;
 

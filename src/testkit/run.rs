@@ -714,7 +714,6 @@ impl<'s> Run<'s> {
             return Ok(());
         }
         let deadline = Instant::now() + WAIT;
-        let mut reaped = Instant::now();
         loop {
             let mut busy = 0;
             for (name, _) in self.consumers.iter().filter(|c| c.1) {
@@ -732,15 +731,13 @@ impl<'s> Run<'s> {
                     message: format!("{busy} queued messages did not settle in {WAIT:?}"),
                 });
             }
-            if reaped.elapsed() > LEASE {
-                // A claim left by a failed `apply` is due again once the
-                // reaper saw its lease expire; do not wait for its pass.
-                match room.cleanup() {
-                    Ok(_) => {}
-                    Err(e) if e.is_retryable() => {}
-                    Err(e) => return Err(engine("cleanup")(e)),
-                }
-                reaped = Instant::now();
+            // A claim whose worker gave up (its `apply` met a full disk) is
+            // due again once the reaper saw its lease expire: expired now,
+            // not a wall-clock lease later (no step runs under it).
+            match room.expire_given_up_leases_for_tests() {
+                Ok(_) => {}
+                Err(e) if e.is_retryable() => {}
+                Err(e) => return Err(engine("expiring a given-up lease")(e)),
             }
             self.clock.advance(TICK);
             std::thread::sleep(Duration::from_millis(1));
