@@ -851,7 +851,31 @@ fn cleanup_dry_run_counts_and_the_real_run_deletes_only_expired_rows_in_batches(
         ),
         1
     );
-    let human = cli_ok(&db, &[&["cleanup"][..], &both].concat(), 0).stdout;
+    // Deleting dead letters and conflicts is a bulk action like any other:
+    // not without --yes when there is no terminal to ask on (the test's
+    // stdin is none), and nothing deleted then.
+    let refused = cli_ok(&db, &[&["cleanup"][..], &both].concat(), 2);
+    assert!(
+        refused
+            .stderr
+            .contains("1 dead letter(s) and 1 conflict(s)")
+            && refused.stderr.contains("--yes"),
+        "{}",
+        refused.stderr
+    );
+    assert_eq!(
+        count(
+            &conn,
+            "SELECT count(*) FROM postroom_inbox WHERE status = 'dead'"
+        ),
+        1
+    );
+    assert_eq!(conflicts(&conn), ["old-0", "new-0"]);
+    let human = cli_ok(&db, &[&["cleanup", "--yes"][..], &both].concat(), 0).stdout;
+    assert!(
+        human.contains("the newest row of the inbox and of the outbox stays"),
+        "{human}"
+    );
     assert!(
         human.contains("deleted 1 dead letter(s) dead before ")
             && human.contains("deleted 1 conflict(s) last seen before "),
@@ -1155,9 +1179,26 @@ fn usage_errors_exit_with_code_2() {
     let db = populated(dir.path());
     let bad_status = cli_ok(&db, &["inbox", "list", "--status", "sleeping"], 2);
     assert!(
-        bad_status.stderr.contains("unknown inbox status"),
-        "{}",
+        bad_status.stderr.contains("unknown inbox status")
+            && bad_status
+                .stderr
+                .contains("pending, processing, completed, failed, dead"),
+        "lists the valid ones: {}",
         bad_status.stderr
+    );
+    // The command before the database: the order is said.
+    let out = Command::new(BIN)
+        .args(["status", &db.to_string_lossy()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "the database comes first, then the command: postroom {} status",
+            db.display()
+        )),
+        "{stderr}"
     );
     cli_ok(
         &db,
@@ -1432,8 +1473,10 @@ fn read_commands_leave_a_killed_engines_files_byte_for_byte() {
     ] {
         let run = cli_ok(&db, args, 3);
         assert!(
-            run.stderr.contains("only the engine should recover"),
-            "{}",
+            run.stderr
+                .contains("the normal state after the application was killed")
+                && run.stderr.contains("start the application"),
+            "says what this is and what to run: {}",
             run.stderr
         );
         assert!(
@@ -1493,6 +1536,71 @@ fn read_commands_leave_a_killed_engines_files_byte_for_byte() {
         "{}",
         run.stderr
     );
+}
+
+/// A database this user may not read: exit 3 (bad database, as
+/// documented), naming the file and "permission denied", not SQLite's
+/// "unable to open" of an internal URI. Run as an unprivileged user: as
+/// `nobody` through `setpriv` when the test runs as root (CI does), else
+/// as the test's own user on a file of mode 000.
+#[cfg(unix)]
+#[test]
+fn an_unreadable_database_is_a_bad_database_that_says_permission_denied() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let db = populated(dir.path());
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false);
+    let run_as_user = |args: &[&str]| -> Run {
+        let out = if root {
+            // Where nobody may run it: the build directory may be under
+            // a home only root enters.
+            let bin = dir.path().join("postroom-bin");
+            if !bin.exists() {
+                std::fs::copy(BIN, &bin).unwrap();
+                std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+            }
+            Command::new("setpriv")
+                .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+                .arg(&bin)
+                .arg(&db)
+                .args(args)
+                .output()
+                .expect("run setpriv")
+        } else {
+            Command::new(BIN).arg(&db).args(args).output().unwrap()
+        };
+        Run {
+            code: out.status.code().expect("exit code"),
+            stdout: String::from_utf8(out.stdout).unwrap(),
+            stderr: String::from_utf8(out.stderr).unwrap(),
+        }
+    };
+    std::fs::set_permissions(
+        &db,
+        std::fs::Permissions::from_mode(if root { 0o600 } else { 0o000 }),
+    )
+    .unwrap();
+    for args in [&["status"][..], &["dead", "list"], &["cleanup"]] {
+        let run = run_as_user(args);
+        assert_eq!(run.code, 3, "postroom {args:?}: {}", run.stderr);
+        assert!(
+            run.stderr.contains("permission denied") && run.stderr.contains("app.db"),
+            "postroom {args:?}: {}",
+            run.stderr
+        );
+        assert!(
+            !run.stderr.contains("immutable") && !run.stderr.contains("file:"),
+            "postroom {args:?}: an internal URI: {}",
+            run.stderr
+        );
+    }
+    std::fs::set_permissions(&db, std::fs::Permissions::from_mode(0o644)).unwrap();
+    assert_eq!(run_as_user(&["status"]).code, 0, "readable again");
 }
 
 /// On a write-protected database with no WAL (an engine shut down

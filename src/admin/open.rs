@@ -55,8 +55,9 @@ pub fn open(path: impl AsRef<Path>, access: Access) -> Result<Connection> {
 /// Refuses, changing nothing:
 /// * a `busy_timeout` over 2,147,483,647 ms: [`Error::InvalidInput`] with
 ///   field `"busy_timeout"`;
-/// * a missing path, a symbolic link loop or an unreadable directory:
-///   [`Error::Io`] with operation `"open database"`;
+/// * a missing path, a symbolic link loop, an unreadable directory or a
+///   file this user may not read: [`Error::Io`] with operation
+///   `"open database"`;
 /// * a path that is not a regular file, has several hard links, or is a
 ///   SQLite database without postroom's tables: [`Error::InvalidInput`]
 ///   with field `"database"`;
@@ -93,8 +94,10 @@ pub fn open_with_timeout(
         return Err(Error::invalid(
             "database",
             format!(
-                "{}: its -wal file holds {} bytes and nothing has the database open{}; only \
-                 the engine should recover them: open it with the engine first",
+                "{}: its -wal file holds {} bytes and nothing has the database open{}: the \
+                 normal state after the application was killed or crashed. Only the engine \
+                 should recover them: start the application (its engine recovers at open) and \
+                 run this again while it runs; read commands work now",
                 path.display(),
                 view.wal_bytes,
                 if view.shm_in_use.is_none() {
@@ -428,7 +431,22 @@ fn existing(path: &Path, busy_timeout: Duration) -> Result<std::path::PathBuf> {
             "database",
             format!("{} is not a regular file", path.display()),
         )),
-        Ok(_) => schema::resolve(path),
+        // SQLite would say "unable to open database file" of its own URI:
+        // a file this user may not read is named and said so.
+        Ok(_) => match std::fs::File::open(path) {
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Err(Error::Io {
+                op: "open database",
+                source: io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{}: permission denied: this user may not read it; run as its owner \
+                         (or one its mode lets read it)",
+                        path.display()
+                    ),
+                ),
+            }),
+            _ => schema::resolve(path),
+        },
         Err(e) => Err(Error::Io {
             op: "open database",
             source: io::Error::new(

@@ -67,7 +67,10 @@ impl FromStr for Status {
         Status::ALL
             .into_iter()
             .find(|st| st.as_str() == s)
-            .ok_or_else(|| format!("unknown inbox status {s:?}"))
+            .ok_or_else(|| {
+                let valid: Vec<&str> = Status::ALL.iter().map(|st| st.as_str()).collect();
+                format!("unknown inbox status {s:?} (one of: {})", valid.join(", "))
+            })
     }
 }
 

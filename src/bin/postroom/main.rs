@@ -32,7 +32,7 @@
 //! postroom <DB> conflicts list [--oldest-first] [--limit N] [--after ID]
 //! postroom <DB> conflicts show ID
 //! postroom <DB> conflicts discard ID
-//! postroom <DB> cleanup [--retention 7d] [--dead-retention D] [--conflict-retention D] [--dry-run]
+//! postroom <DB> cleanup [--retention 7d] [--dead-retention D] [--conflict-retention D] [--dry-run] [--yes]
 //! postroom <DB> check [--full]
 //! postroom <DB> metrics
 //! ```
@@ -49,7 +49,7 @@
 //! |---|---|
 //! | 0 | success |
 //! | 1 | operational error: database busy past the timeout, I/O (writing the output included), other SQLite errors |
-//! | 2 | usage error (bad arguments; a bulk action without `--yes` and no terminal to confirm on) |
+//! | 2 | usage error (bad arguments; a bulk action, or a cleanup that deletes dead letters or conflicts, without `--yes` and no terminal to confirm on) |
 //! | 3 | bad database: missing or unreadable path, symbolic link loop, not SQLite, not a postroom database, newer schema, damaged, read-only for a write command |
 //! | 4 | `check` found broken postroom invariants |
 //! | 5 | the row named by ID does not exist (for `dead redrive`/`dead discard`: is not a dead letter) |
@@ -86,7 +86,8 @@ Durations: 7d, 36h, 1h30m, 90s.
 Exit codes:
   0  success
   1  operational error (database busy past the timeout, I/O, writing the output, other SQLite errors)
-  2  usage error (bad arguments; a bulk action without --yes and no terminal to confirm on)
+  2  usage error (bad arguments; a bulk action, or a cleanup that deletes dead letters or
+     conflicts, without --yes and no terminal to confirm on)
   3  bad database: missing path, symlink loop, not SQLite, not a postroom database, newer
      schema, damaged, or read-only for a write command
   4  check found broken postroom invariants
@@ -154,6 +155,10 @@ enum Command {
         /// Only count what would be deleted
         #[arg(long)]
         dry_run: bool,
+        /// Delete dead letters or conflicts without asking (needed when
+        /// stdin is not a terminal)
+        #[arg(long)]
+        yes: bool,
     },
     /// SQLite's quick_check (integrity_check with --full) and postroom's invariants
     Check {
@@ -450,6 +455,33 @@ fn command() -> clap::Command {
     })
 }
 
+/// When the command was written before the database (`postroom status
+/// app.db`): the first argument that is not an option names a command
+/// and is no file here. Says the order.
+fn database_first_hint(args: &[OsString]) -> Option<String> {
+    let words: Vec<&str> = args
+        .iter()
+        .skip(1)
+        .filter_map(|a| a.to_str())
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let first = *words.first()?;
+    let cmd = command();
+    let is_command = cmd.get_subcommands().any(|sc| sc.get_name() == first);
+    if !is_command || std::path::Path::new(first).exists() {
+        return None;
+    }
+    let db = words
+        .iter()
+        .skip(1)
+        .find(|w| !cmd.get_subcommands().any(|sc| sc.get_name() == **w))
+        .copied()
+        .unwrap_or("app.db");
+    Some(format!(
+        "hint: the database comes first, then the command: postroom {db} {first} …"
+    ))
+}
+
 fn main() -> ExitCode {
     let args: Vec<OsString> = std::env::args_os().collect();
     let json = args.iter().any(|a| a == "--json");
@@ -460,12 +492,20 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => {
             use clap::error::ErrorKind;
-            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) || !json {
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
                 e.exit();
             }
             let message = e.render().to_string();
-            let message = message.trim_end().trim_start_matches("error: ");
-            report(true, &usage(message.to_owned()));
+            let mut message = message.trim_end().trim_start_matches("error: ").to_owned();
+            if let Some(hint) = database_first_hint(&args) {
+                message.push_str("\n\n");
+                message.push_str(&hint);
+            }
+            if !json {
+                eprintln!("error: {message}");
+                return ExitCode::from(EXIT_USAGE);
+            }
+            report(true, &usage(message));
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -646,6 +686,7 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
             dead_retention,
             conflict_retention,
             dry_run,
+            yes,
         } => cleanup::run(
             ctx,
             cleanup::CleanupArgs {
@@ -653,6 +694,7 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
                 dead_retention: *dead_retention,
                 conflict_retention: *conflict_retention,
                 dry_run: *dry_run,
+                yes: *yes,
             },
         ),
         Command::Check { full } => check::run(ctx, *full),

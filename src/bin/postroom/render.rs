@@ -635,6 +635,11 @@ pub fn print_cleanup(out: &mut String, s: &admin::CleanupSummary, retention: Dur
             time(cutoff)
         );
     }
+    let _ = writeln!(
+        out,
+        "(the newest row of the inbox and of the outbox stays, whatever its age: row ids are never \
+         given out twice)"
+    );
     if !s.dry_run {
         let _ = writeln!(
             out,

@@ -1,10 +1,13 @@
 //! `postroom <DB> cleanup`: retention run from outside the engine, or
-//! counted (`--dry-run`).
+//! counted (`--dry-run`). Deleting dead letters or conflicts (their
+//! payloads, for good) follows the rule of every bulk action: `--yes`, or
+//! a yes on the terminal, after counting what would go.
 
 use std::time::Duration;
 
 use postroom::admin;
 
+use super::confirm;
 use crate::render;
 use crate::{Ctx, Failed, EXIT_OK};
 
@@ -14,6 +17,7 @@ pub(crate) struct CleanupArgs {
     pub dead_retention: Option<Duration>,
     pub conflict_retention: Option<Duration>,
     pub dry_run: bool,
+    pub yes: bool,
 }
 
 /// `cleanup`: deletes (or with `--dry-run` counts) what retention expired.
@@ -24,6 +28,7 @@ pub(crate) fn run(ctx: &mut Ctx<'_>, args: CleanupArgs) -> Result<u8, Failed> {
         dead_retention,
         conflict_retention,
         dry_run,
+        yes,
     } = args;
     let policy = admin::Retention::new(retention)
         .dead(dead_retention)
@@ -33,6 +38,19 @@ pub(crate) fn run(ctx: &mut Ctx<'_>, args: CleanupArgs) -> Result<u8, Failed> {
             admin::cleanup(c, admin::now_ms(), policy, admin::CleanupMode::DryRun)
         })?
     } else {
+        if !yes && (dead_retention.is_some() || conflict_retention.is_some()) {
+            let would = ctx.read("cleanup: counting expired rows", |c| {
+                admin::cleanup(c, admin::now_ms(), policy, admin::CleanupMode::DryRun)
+            })?;
+            let dead = would.dead_deleted.unwrap_or(0);
+            let conflicts = would.conflicts_deleted.unwrap_or(0);
+            if dead + conflicts > 0 {
+                confirm(&format!(
+                    "Delete {dead} dead letter(s) and {conflicts} conflict(s), payloads and all, \
+                     for good?"
+                ))?;
+            }
+        }
         let (conn, progress) = ctx.write("cleanup: deleting expired rows")?;
         let s = admin::cleanup(&conn, admin::now_ms(), policy, admin::CleanupMode::Delete)?;
         progress.finish();

@@ -2,15 +2,14 @@
 //! inbox or the outbox, one by one or in bulk.
 
 use std::fmt::Write as _;
-use std::io::{self, IsTerminal, Write as _};
 
 use postroom::admin::{self, DeadLetterAction as Act, Page};
 use rusqlite::Connection;
 use serde::Serialize;
 
-use super::{mutation, next_page};
+use super::{confirm, mutation, next_page};
 use crate::render::{clip, esc, table, time};
-use crate::{not_found, usage, Ctx, Failed, PageArgs, EXIT_ERROR, EXIT_OK};
+use crate::{not_found, usage, Ctx, Failed, PageArgs, EXIT_OK};
 use crate::{DeadAction, DeadSelect};
 
 /// `dead list`: dead letters in full, a page at a time.
@@ -226,31 +225,6 @@ pub(crate) fn act(ctx: &mut Ctx<'_>, action: &DeadAction, act: Act) -> Result<()
         );
     }
     Ok(())
-}
-
-/// Asks on the terminal; refuses (usage error) when stdin is not one.
-fn confirm(question: &str) -> Result<(), Failed> {
-    if !io::stdin().is_terminal() {
-        return Err(usage(format!(
-            "{question} Not without --yes: stdin is not a terminal to confirm on \
-             (see what it would do with --dry-run)"
-        )));
-    }
-    eprint!("{question} [y/N] ");
-    let _ = io::stderr().flush();
-    let mut answer = String::new();
-    io::stdin().read_line(&mut answer).map_err(|e| Failed {
-        code: EXIT_ERROR,
-        message: format!("reading the answer: {e}"),
-    })?;
-    if matches!(answer.trim(), "y" | "Y" | "yes") {
-        Ok(())
-    } else {
-        Err(Failed {
-            code: EXIT_ERROR,
-            message: "not confirmed: nothing was changed".into(),
-        })
-    }
 }
 
 fn dead_one(ctx: &mut Ctx<'_>, outbox: bool, id: i64, act: Act) -> Result<(), Failed> {

@@ -15,11 +15,12 @@ pub(crate) mod status;
 pub(crate) mod top;
 
 use std::fmt::Write as _;
+use std::io::{self, IsTerminal, Write as _};
 
 use serde::Serialize;
 
 use crate::render::{listing, Column};
-use crate::{not_found, Ctx, Failed, PageArgs};
+use crate::{not_found, usage, Ctx, Failed, PageArgs, EXIT_ERROR};
 
 /// What a one-row mutation did, for `--json`.
 #[derive(Serialize)]
@@ -98,4 +99,31 @@ pub(crate) fn detail<D: Serialize>(
         print(&mut ctx.out, &d);
     }
     Ok(())
+}
+
+/// The one rule for what deletes or rewrites rows in bulk: asks on the
+/// terminal unless `--yes` was given; refuses (usage error, exit 2) when
+/// stdin is not a terminal to ask on.
+pub(crate) fn confirm(question: &str) -> Result<(), Failed> {
+    if !io::stdin().is_terminal() {
+        return Err(usage(format!(
+            "{question} Not without --yes: stdin is not a terminal to confirm on \
+             (see what it would do with --dry-run)"
+        )));
+    }
+    eprint!("{question} [y/N] ");
+    let _ = io::stderr().flush();
+    let mut answer = String::new();
+    io::stdin().read_line(&mut answer).map_err(|e| Failed {
+        code: EXIT_ERROR,
+        message: format!("reading the answer: {e}"),
+    })?;
+    if matches!(answer.trim(), "y" | "Y" | "yes") {
+        Ok(())
+    } else {
+        Err(Failed {
+            code: EXIT_ERROR,
+            message: "not confirmed: nothing was changed".into(),
+        })
+    }
 }
