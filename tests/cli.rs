@@ -1173,6 +1173,117 @@ impl TapMkdir for PathBuf {
     }
 }
 
+/// The operator's lookup by the message id a log line carries, and two
+/// actions on a row that is not dead yet: `inbox retry` makes a failed row
+/// due now (a real engine's workers then run it), `inbox cancel` makes a
+/// failed one a dead letter with the reason, which nothing retries.
+#[test]
+fn inbox_find_retry_and_cancel_act_on_rows_by_message_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = populated(dir.path());
+    let engine = |flaky_fails: bool| {
+        Postroom::builder()
+            .durability(Durability::Normal)
+            .backoff(Duration::from_secs(3600), Duration::from_secs(3600))
+            .consumer("orders", handler_fn(apply))
+            .consumer(
+                "flaky",
+                handler_fn(move |_, _| {
+                    if flaky_fails {
+                        Err(Failure::retry("upstream timeout"))
+                    } else {
+                        Ok(())
+                    }
+                }),
+            )
+            .consumer(
+                "strict",
+                handler_fn(|_, _| Err(Failure::reject("bad order: missing amount"))),
+            )
+            .open(&db)
+            .unwrap()
+    };
+    {
+        let room = engine(true);
+        let outcome = room
+            .deliver("flaky", Message::new("feed", "f-2", "{}"))
+            .unwrap();
+        assert!(matches!(outcome, Outcome::Failed { .. }), "{outcome:?}");
+        room.shutdown(Duration::from_secs(10)).unwrap();
+    }
+    let found = cli_ok(&db, &["inbox", "find", "o-1", "--json"], 0).json();
+    let rows = found.as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{found}");
+    assert_eq!(
+        (&rows[0]["consumer"], &rows[0]["source"], &rows[0]["status"]),
+        (&"orders".into(), &"shop".into(), &"completed".into())
+    );
+    let human = cli_ok(&db, &["inbox", "find", "f-1"], 0).stdout;
+    assert!(
+        human.contains("flaky") && human.contains("1 row(s)"),
+        "{human}"
+    );
+    cli_ok(&db, &["inbox", "find", "o-1", "--consumer", "flaky"], 5);
+    cli_ok(&db, &["inbox", "find", "o-1", "--source", "feed"], 5);
+    let missing = cli_ok(&db, &["inbox", "find", "never-sent"], 5);
+    assert!(missing.stderr.contains("never-sent"), "{}", missing.stderr);
+
+    let f1 = inbox_id(&db, "flaky", "f-1");
+    let f2 = inbox_id(&db, "flaky", "f-2");
+    let o1 = inbox_id(&db, "orders", "o-1");
+    cli_ok(&db, &["inbox", "retry", &o1.to_string()], 5);
+    cli_ok(
+        &db,
+        &["inbox", "cancel", &o1.to_string(), "--reason", "x"],
+        5,
+    );
+    cli_ok(&db, &["inbox", "retry", &f1.to_string()], 0);
+    cli_ok(
+        &db,
+        &[
+            "inbox",
+            "cancel",
+            &f2.to_string(),
+            "--reason",
+            "poison feed",
+        ],
+        0,
+    );
+    let conn = raw(&db);
+    let (status, error): (String, String) = conn
+        .query_row(
+            "SELECT status, last_error FROM postroom_inbox WHERE id = ?1",
+            [f2],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(status, "dead");
+    assert!(
+        error.starts_with("cancelled by operator: poison feed")
+            && error.contains("upstream timeout"),
+        "{error}"
+    );
+    // The engine's workers take the retried row at once (its backoff is an
+    // hour); the cancelled one stays dead.
+    let room = engine(false);
+    eventually(30, "f-1 retried by the workers", || {
+        room.find_message("flaky", "feed", "f-1")
+            .unwrap()
+            .is_some_and(|r| r.status == postroom::Status::Completed)
+    });
+    let f1_row = room.find_message("flaky", "feed", "f-1").unwrap().unwrap();
+    assert_eq!(f1_row.attempts, 2, "its first attempt stays counted");
+    let f2_row = room.find_message("flaky", "feed", "f-2").unwrap().unwrap();
+    assert_eq!(f2_row.status, postroom::Status::Dead);
+    // A retried inline row's redelivery is answered from the row.
+    assert_eq!(
+        room.deliver("flaky", Message::new("feed", "f-1", "{}"))
+            .unwrap(),
+        Outcome::Duplicate
+    );
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}
+
 #[test]
 fn usage_errors_exit_with_code_2() {
     let dir = tempfile::tempdir().unwrap();

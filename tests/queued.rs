@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use postroom::{
     handler_fn, EffectContext, EffectHandler, Error, Failure, Message, Outcome, Postroom, Receipt,
-    Tx,
+    Status, Tx,
 };
 
 fn completed(room: &Postroom, consumer: &str) -> u64 {
@@ -939,5 +939,73 @@ fn a_received_id_reused_with_another_payload_is_logged_and_counted_as_an_inline_
     assert!(warned("reuse-inline"), "{:#?}", WARNINGS.lock().unwrap());
     assert!(warned("reuse-queued"), "{:#?}", WARNINGS.lock().unwrap());
     assert_eq!(room.stats().unwrap().conflicts, 2);
+    room.shutdown(Duration::from_secs(10)).unwrap();
+}
+
+/// An operator's two actions on a queued row that is not dead yet, found
+/// by its message id: `retry_now` runs a failed row at once (its backoff
+/// is an hour), its attempts counted on; `cancel` makes a failed row a
+/// dead letter with the reason, and its key's later message goes on.
+/// Neither touches a row that is finished.
+#[test]
+fn retry_now_and_cancel_act_on_failed_rows_found_by_message_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let fails = Arc::new(AtomicU32::new(2));
+    let left = Arc::clone(&fails);
+    let room = Postroom::builder()
+        .workers(1)
+        .backoff(Duration::from_secs(3600), Duration::from_secs(3600))
+        .consumer(
+            "jobs",
+            handler_fn(move |_, msg: &Message| {
+                if msg.id() != "later" && left.load(Ordering::SeqCst) > 0 {
+                    left.fetch_sub(1, Ordering::SeqCst);
+                    return Err(Failure::retry("upstream down"));
+                }
+                Ok(())
+            }),
+        )
+        .open(dir.path().join("app.db"))
+        .unwrap();
+    for id in ["a", "b"] {
+        room.receive("jobs", Message::new("src", id, "x").with_ordering_key(id))
+            .unwrap();
+    }
+    room.receive(
+        "jobs",
+        Message::new("src", "later", "y").with_ordering_key("b"),
+    )
+    .unwrap();
+    let row = |id: &str| room.find_message("jobs", "src", id).unwrap().unwrap();
+    eventually(30, "both failed once", || {
+        row("a").status == Status::Failed && row("b").status == Status::Failed
+    });
+    assert!(room.find_message("jobs", "src", "c").unwrap().is_none());
+    assert!(room.find_message("other", "src", "a").unwrap().is_none());
+    assert!(room.retry_now(row("a").id).unwrap());
+    assert!(room.cancel(row("b").id, "poison").unwrap());
+    eventually(30, "a retried now, later run after b gave way", || {
+        row("a").status == Status::Completed && row("later").status == Status::Completed
+    });
+    assert_eq!(row("a").attempts, 2);
+    let b = row("b");
+    assert_eq!(b.status, Status::Dead);
+    assert!(
+        b.last_error
+            .as_deref()
+            .unwrap()
+            .starts_with("cancelled by operator: poison"),
+        "{b:?}"
+    );
+    assert!(!room.retry_now(row("a").id).unwrap(), "completed");
+    assert!(!room.cancel(row("a").id, "x").unwrap(), "completed");
+    assert!(
+        !room.retry_now(b.id).unwrap(),
+        "dead: a redrive's, not a retry's"
+    );
+    assert!(room.redrive(b.id).unwrap(), "the cancelled row comes back");
+    eventually(30, "b redriven and done", || {
+        row("b").status == Status::Completed
+    });
     room.shutdown(Duration::from_secs(10)).unwrap();
 }

@@ -73,7 +73,7 @@ pub use dead::{
     act_on_dead_letters, dead_letters, dead_select, discard, discard_outbox, outbox_dead_letters,
     redrive, redrive_outbox, BulkSummary, DeadFilter, DeadLetterAction,
 };
-pub use inbox::{inbox_list, inbox_show};
+pub use inbox::{inbox_cancel, inbox_find, inbox_list, inbox_retry_now, inbox_show};
 pub use open::{
     now_ms, open, open_read, open_with_timeout, read, wal_damaged_frames, Access, ReadView,
 };

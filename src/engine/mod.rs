@@ -902,6 +902,74 @@ impl Postroom {
         })
     }
 
+    /// The inbox row of one message of `consumer` (the key a redelivery is
+    /// matched on: source and message id), without its payload: its row id
+    /// (what [`retry_now`](Postroom::retry_now), [`cancel`](Postroom::cancel)
+    /// and [`redrive`](Postroom::redrive) take), status, attempts and last
+    /// error. `None` when there is none (never received, or deleted by
+    /// retention). One index seek.
+    ///
+    /// ```
+    /// use postroom::{handler_fn, Message, Postroom, Status};
+    ///
+    /// # fn main() -> postroom::Result<()> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// let room = Postroom::builder()
+    ///     .consumer("greeter", handler_fn(|_tx, _msg| Ok(())))
+    ///     .open(dir.path().join("app.db"))?;
+    /// room.deliver("greeter", Message::new("chat", "m-1", "hello"))?;
+    /// let row = room.find_message("greeter", "chat", "m-1")?.expect("stored");
+    /// assert_eq!(row.status, Status::Completed);
+    /// assert!(room.find_message("greeter", "chat", "m-2")?.is_none());
+    /// # Ok(()) }
+    /// ```
+    pub fn find_message(
+        &self,
+        consumer: &str,
+        source: &str,
+        message_id: &str,
+    ) -> Result<Option<crate::store::inbox::InboxEntry>> {
+        let conn = self.reader()?;
+        crate::store::inbox::find_by_message_id(&conn, Some(consumer), Some(source), message_id)
+            .map(|rows| rows.into_iter().next())
+            .map_err(|e| Error::sqlite("find a message", e))
+    }
+
+    /// Retries a failed inbox row (by its row id) now rather than at its
+    /// next attempt's time: the workers take it at once, its attempts
+    /// still counted. A row delivered inline becomes the workers' to retry,
+    /// as a redriven one does; its broker's redelivery is then answered
+    /// from the row. Returns false when the row is not failed (pending,
+    /// being processed, finished or gone).
+    pub fn retry_now(&self, id: i64) -> Result<bool> {
+        let due = self.submit(move |w| {
+            queue::retry_now(w.conn, id, w.clock.now_ms())
+                .map_err(|e| Error::sqlite("retry now", e))
+        })?;
+        if due {
+            self.shared.wake();
+        }
+        Ok(due)
+    }
+
+    /// Gives up on an inbox row (by its row id) that is pending or failed
+    /// and that no worker holds: it becomes a dead letter, its payload
+    /// kept and `reason` in its last error (`cancelled by operator: …`), so
+    /// nothing retries it and [`redrive`](Postroom::redrive) brings it back.
+    /// Its key's later messages go on. Returns false when the row is not
+    /// pending or failed.
+    pub fn cancel(&self, id: i64, reason: &str) -> Result<bool> {
+        let reason = reason.to_owned();
+        let cancelled = self.submit(move |w| {
+            queue::cancel(w.conn, id, &reason, w.clock.now_ms())
+                .map_err(|e| Error::sqlite("cancel", e))
+        })?;
+        if cancelled {
+            self.shared.wake();
+        }
+        Ok(cancelled)
+    }
+
     /// Outbox messages the relay gave up on, oldest first, at most `limit`.
     pub fn outbox_dead_letters(&self, limit: usize) -> Result<Vec<OutboxMessage>> {
         let conn = self.reader()?;

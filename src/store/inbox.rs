@@ -606,6 +606,73 @@ pub(crate) fn list(conn: &Connection, filter: &InboxFilter) -> rusqlite::Result<
     rows.collect::<rusqlite::Result<_>>()
 }
 
+/// The inbox rows of `message_id` (the id a log line or a broker carries),
+/// of one consumer and source or of every one, in row id order. Found
+/// through the key table: a seek per (consumer, source) pair there is,
+/// never a scan of the inbox.
+pub(crate) fn find_by_message_id(
+    conn: &Connection,
+    consumer: Option<&str>,
+    source: Option<&str>,
+    message_id: &str,
+) -> rusqlite::Result<Vec<InboxEntry>> {
+    // The next distinct value after `after` (one index seek each).
+    let next_consumer = |after: &str| -> rusqlite::Result<Option<String>> {
+        conn.prepare_cached("SELECT min(consumer) FROM postroom_inbox_keys WHERE consumer > ?1")?
+            .query_row([after], |r| r.get(0))
+    };
+    let next_source = |consumer: &str, after: &str| -> rusqlite::Result<Option<String>> {
+        conn.prepare_cached(
+            "SELECT min(source) FROM postroom_inbox_keys WHERE consumer = ?1 AND source > ?2",
+        )?
+        .query_row([consumer, after], |r| r.get(0))
+    };
+    let mut consumers = Vec::new();
+    match consumer {
+        Some(c) => consumers.push(c.to_owned()),
+        None => {
+            // "" first: `> ''` passes over it (a seek that finds nothing
+            // costs what any other does).
+            let mut after = String::new();
+            consumers.push(String::new());
+            while let Some(c) = next_consumer(&after)? {
+                after.clone_from(&c);
+                consumers.push(c);
+            }
+        }
+    }
+    let mut found = Vec::new();
+    let mut row = conn.prepare_cached(&format!(
+        "SELECT {ENTRY_COLUMNS} FROM postroom_inbox WHERE id = (
+             SELECT inbox_id FROM postroom_inbox_keys
+             WHERE consumer = ?1 AND source = ?2 AND message_id = ?3)"
+    ))?;
+    for c in &consumers {
+        let mut sources = Vec::new();
+        match source {
+            Some(s) => sources.push(s.to_owned()),
+            None => {
+                let mut after = String::new();
+                sources.push(String::new());
+                while let Some(s) = next_source(c, &after)? {
+                    after.clone_from(&s);
+                    sources.push(s);
+                }
+            }
+        }
+        for s in &sources {
+            if let Some(entry) = row
+                .query_row(params![c, s, message_id], entry_from_row)
+                .optional()?
+            {
+                found.push(entry);
+            }
+        }
+    }
+    found.sort_by_key(|e| e.id);
+    Ok(found)
+}
+
 /// One inbox row in full, from [`inbox_show`](crate::admin::inbox_show).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]

@@ -622,6 +622,42 @@ pub(crate) fn discard(conn: &Connection, row_id: i64, now_ms: i64) -> rusqlite::
     Ok(n == 1)
 }
 
+/// Makes a failed row due now, for the workers (`queued = 1`, as a redrive:
+/// an inline row's broker redelivery is then answered from the row, and
+/// the workers run it). Its attempts stay counted. Returns false when
+/// `row_id` is not failed.
+pub(crate) fn retry_now(conn: &Connection, row_id: i64, now_ms: i64) -> rusqlite::Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE postroom_inbox SET next_attempt_at = ?2, updated_at = ?2, queued = 1
+             WHERE id = ?1 AND status = 'failed'",
+        )?
+        .execute(params![row_id, now_ms])?;
+    Ok(n == 1)
+}
+
+/// Gives up on a row that is not finished and that no worker holds
+/// (pending or failed): it becomes a dead letter, payload kept, with
+/// `reason` and its last error; redrive brings it back. Returns false when
+/// `row_id` is not pending or failed.
+pub(crate) fn cancel(
+    conn: &Connection,
+    row_id: i64,
+    reason: &str,
+    now_ms: i64,
+) -> rusqlite::Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE postroom_inbox
+             SET status = 'dead', next_attempt_at = NULL, updated_at = ?3,
+                 last_error = 'cancelled by operator: ' || ?2
+                     || coalesce('; last error: ' || last_error, '')
+             WHERE id = ?1 AND status IN ('pending', 'failed')",
+        )?
+        .execute(params![row_id, reason, now_ms])?;
+    Ok(n == 1)
+}
+
 fn parse_headers(text: Option<&str>) -> Headers {
     text.and_then(|t| serde_json::from_str(t).ok())
         .unwrap_or_default()

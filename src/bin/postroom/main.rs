@@ -11,7 +11,7 @@
 //!   say on stderr when a WAL is present that only the engine should
 //!   recover.
 //! * Write commands (`dead redrive`, `dead discard`, `conflicts discard`,
-//!   `cleanup`) first run the integrity check the engine runs at open and
+//!   `inbox retry`, `inbox cancel`, `cleanup`) first run the integrity check the engine runs at open and
 //!   refuse a damaged or read-only database (exit 3); their writes run in
 //!   short `BEGIN IMMEDIATE` transactions serialized with the engine's
 //!   writer.
@@ -22,6 +22,9 @@
 //! postroom <DB> inbox list [--consumer C] [--status S] [--source S] [--since T] [--until T]
 //!                          [--waiting-for-redelivery] [--oldest-first] [--limit N] [--after ID]
 //! postroom <DB> inbox show ID
+//! postroom <DB> inbox find MESSAGE_ID [--consumer C] [--source S]
+//! postroom <DB> inbox retry ID
+//! postroom <DB> inbox cancel ID --reason TEXT
 //! postroom <DB> outbox list [--status S] [--topic T] [--key K] [--since T] [--until T]
 //!                           [--oldest-first] [--limit N] [--after SEQ]
 //! postroom <DB> outbox show SEQ
@@ -201,6 +204,33 @@ enum InboxCommand {
     Show {
         /// Row id (from `inbox list`)
         id: i64,
+    },
+    /// The rows of a message id (as logs and brokers carry it), of every
+    /// consumer and source unless narrowed
+    Find {
+        /// The message id
+        message_id: String,
+        /// Only this consumer
+        #[arg(long)]
+        consumer: Option<String>,
+        /// Only this source
+        #[arg(long)]
+        source: Option<String>,
+    },
+    /// Retry a failed row now, not at its next attempt's time (the
+    /// engine's workers take it; its attempts stay counted)
+    Retry {
+        /// Row id (from `inbox list` or `inbox find`)
+        id: i64,
+    },
+    /// Give up on a pending or failed row: a dead letter with the reason
+    /// (payload kept: `dead redrive` brings it back)
+    Cancel {
+        /// Row id (from `inbox list` or `inbox find`)
+        id: i64,
+        /// Why, kept in its last error
+        #[arg(long)]
+        reason: String,
     },
 }
 
@@ -669,6 +699,13 @@ fn run(ctx: &mut Ctx<'_>) -> Result<u8, Failed> {
         Command::Metrics => metrics::run(ctx),
         Command::Inbox(InboxCommand::List(args)) => inbox::list(ctx, args),
         Command::Inbox(InboxCommand::Show { id }) => inbox::show(ctx, *id),
+        Command::Inbox(InboxCommand::Find {
+            message_id,
+            consumer,
+            source,
+        }) => inbox::find(ctx, message_id, consumer.as_deref(), source.as_deref()),
+        Command::Inbox(InboxCommand::Retry { id }) => inbox::retry(ctx, *id),
+        Command::Inbox(InboxCommand::Cancel { id, reason }) => inbox::cancel(ctx, *id, reason),
         Command::Outbox(OutboxCommand::List(args)) => outbox::list(ctx, args),
         Command::Outbox(OutboxCommand::Show { seq }) => outbox::show(ctx, *seq),
         Command::Dead(DeadCommand::List { select, page }) => dead::list(ctx, select, page),
