@@ -324,11 +324,21 @@ impl fmt::Display for Error {
                  (enable the `bundled` feature, or link a newer libsqlite3)"
             ),
             Error::Corrupt { detail } => write!(f, "database is corrupt: {detail}"),
-            Error::ReadOnly { path } => write!(
-                f,
-                "{} is read-only; postroom needs to write it",
-                path.display()
-            ),
+            Error::ReadOnly { path } => {
+                match path.to_str().and_then(|p| p.strip_suffix("-postroom")) {
+                    Some(db) => write!(
+                        f,
+                        "{} (the engine file beside the database {db}) is read-only or cannot be \
+                     created; postroom needs to write it and its directory",
+                        path.display()
+                    ),
+                    None => write!(
+                        f,
+                        "{} is read-only; postroom needs to write it",
+                        path.display()
+                    ),
+                }
+            }
             Error::FileInUse { path } => write!(
                 f,
                 "{} is held open, unshared, by another process (an antivirus scanner, a backup \
@@ -337,7 +347,10 @@ impl fmt::Display for Error {
             ),
             Error::AlreadyOpen { path } => write!(
                 f,
-                "{} is already open by another postroom engine",
+                "{} is already open by another postroom engine: a process (this one or another) \
+                 holds the OS lock on its engine file {}-postroom (on Linux, `fuser` on that file \
+                 names it); use that engine, or stop it first",
+                path.display(),
                 path.display()
             ),
             Error::StorageFull { op } => {

@@ -529,9 +529,27 @@ fn a_second_engine_on_the_same_file_is_refused() {
     let path = dir.path().join("app.db");
     let _first = Postroom::builder().open(&path).unwrap();
     match Postroom::builder().open(&path) {
-        Err(Error::AlreadyOpen { path: p }) => assert_eq!(p, path),
+        Err(e @ Error::AlreadyOpen { .. }) => {
+            let Error::AlreadyOpen { path: p } = &e else {
+                unreachable!()
+            };
+            assert_eq!(*p, path);
+            // Says what holds it and where to look.
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("{}-postroom", path.display())) && text.contains("lock"),
+                "{text}"
+            );
+        }
         other => panic!("{other:?}"),
     }
+    // A read-only engine file is named as the database's.
+    let engine_file = std::path::PathBuf::from("/data/app.db-postroom");
+    let text = Error::ReadOnly { path: engine_file }.to_string();
+    assert!(
+        text.contains("the engine file beside the database /data/app.db"),
+        "{text}"
+    );
 }
 
 /// Sets a page quota with room for a few dozen small rows but not for a

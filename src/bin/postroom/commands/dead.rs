@@ -236,12 +236,12 @@ fn dead_one(ctx: &mut Ctx<'_>, outbox: bool, id: i64, act: Act) -> Result<(), Fa
     }
     let what = match (act, outbox) {
         (Act::Redrive, true) => format!(
-            "outbox row {id} redriven: pending again, attempts reset; the relay sends it at its \
-             next poll"
+            "outbox row {id} redriven: pending again, attempts reset; a running engine's relay \
+             sends it at once (it watches for other processes' commits), else at its next start"
         ),
         (Act::Redrive, false) => format!(
             "inbox row {id} redriven: pending again, attempts reset; a running engine's workers \
-             process it at their next poll"
+             process it at once (it watches for other processes' commits), else at its next start"
         ),
         (Act::Discard, true) => format!(
             "outbox row {id} discarded: marked sent without being sent, retention deletes it"
