@@ -1238,6 +1238,18 @@ fn inbox_find_retry_and_cancel_act_on_rows_by_message_id() {
         5,
     );
     cli_ok(&db, &["inbox", "retry", &f1.to_string()], 0);
+    let (due, queued): (Option<i64>, i64) = raw(&db)
+        .query_row(
+            "SELECT next_attempt_at, queued FROM postroom_inbox WHERE id = ?1",
+            [f1],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(
+        (due, queued),
+        (None, 1),
+        "due at once is NULL (no clock can hold it), and the workers' to run"
+    );
     cli_ok(
         &db,
         &[

@@ -456,3 +456,52 @@ fn an_external_write_lock_held_past_busy_timeout_answers_busy_then_recovers() {
     let report = room.shutdown(Duration::from_secs(30)).unwrap();
     assert!(report.is_clean(), "{report:?}");
 }
+
+/// An operator read in the engine's own process (`postroom::admin`, as an
+/// app's admin endpoint would call it) must not drop the process's SQLite
+/// locks on the database: on unix, closing any descriptor of the file
+/// releases them all, and then the next other process to close its
+/// connection (the `sqlite3` CLI here) takes itself for the last one,
+/// checkpoints the WAL and deletes it under the running engine, whose later
+/// commits nobody else sees. Before, the admin open's readability check
+/// opened and closed the file.
+#[test]
+fn an_admin_read_in_the_engines_process_leaves_its_locks_alone() {
+    let Some(_serial) = sqlite3() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("app.db");
+    let room = Postroom::builder()
+        .consumer("c", handler_fn(|_, _| Ok(())))
+        .open(&db)
+        .unwrap();
+    room.deliver("c", Message::new("s", "m-1", "x")).unwrap();
+    let conn = postroom::admin::open(&db, postroom::admin::Access::ReadOnly).unwrap();
+    drop(conn);
+    let count = |db: &Path| -> i64 {
+        let out = Command::new("sqlite3")
+            .arg(db)
+            .arg("SELECT count(*) FROM postroom_inbox")
+            .output()
+            .expect("run sqlite3");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+    };
+    assert_eq!(count(&db), 1);
+    assert!(
+        dir.path().join("app.db-wal").exists(),
+        "the WAL was deleted under the running engine"
+    );
+    for n in 2..=5 {
+        room.deliver("c", Message::new("s", format!("m-{n}"), "x"))
+            .unwrap();
+    }
+    assert_eq!(count(&db), 5, "another process sees the engine's commits");
+    room.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(count(&db), 5, "and they are in the file");
+}

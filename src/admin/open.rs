@@ -432,8 +432,9 @@ fn existing(path: &Path, busy_timeout: Duration) -> Result<std::path::PathBuf> {
             format!("{} is not a regular file", path.display()),
         )),
         // SQLite would say "unable to open database file" of its own URI:
-        // a file this user may not read is named and said so.
-        Ok(_) => match std::fs::File::open(path) {
+        // a file this user may not read is named and said so. Never by
+        // opening it (see `platform::check_readable`).
+        Ok(_) => match crate::platform::check_readable(path) {
             Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Err(Error::Io {
                 op: "open database",
                 source: io::Error::new(

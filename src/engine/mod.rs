@@ -956,8 +956,10 @@ impl Postroom {
     /// and that no worker holds: it becomes a dead letter, its payload
     /// kept and `reason` in its last error (`cancelled by operator: …`), so
     /// nothing retries it and [`redrive`](Postroom::redrive) brings it back.
-    /// Its key's later messages go on. Returns false when the row is not
-    /// pending or failed.
+    /// Its key's later messages go on, except under
+    /// [`strict_order`](crate::Builder::strict_order), where a dead letter
+    /// holds its key until it is redriven or discarded. Returns false when
+    /// the row is not pending or failed.
     pub fn cancel(&self, id: i64, reason: &str) -> Result<bool> {
         let reason = reason.to_owned();
         let cancelled = self.submit(move |w| {

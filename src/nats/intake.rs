@@ -583,7 +583,9 @@ impl Intake {
     /// state): counted in, it would let the barrier fall before what is
     /// pending now has come.
     fn rebound(&mut self, info: &consumer::Info) {
-        self.wait = info.config.ack_wait.clamp(Duration::from_secs(1), MAX_WAIT);
+        // Its own, however long: what is pending and not received for
+        // less than it may still come (see `settle_stuck`).
+        self.wait = info.config.ack_wait.max(Duration::from_secs(1));
         let top = info.delivered.stream_sequence;
         self.barrier = (info.num_ack_pending > 0).then_some(top);
         let created = info.created.to_string();
@@ -593,6 +595,8 @@ impl Intake {
             self.outstanding.clear();
             self.terminated.clear();
             self.early.clear();
+            // Named under the other consumer: its ack wait starts again.
+            self.suspect = None;
         } else if info.num_ack_pending == 0
             || self
                 .early

@@ -189,6 +189,16 @@ pub(crate) fn may_write(path: &Path) -> bool {
     imp::may_write(path)
 }
 
+/// Whether this process may read the file at `path`, without opening it
+/// on unix: closing any descriptor of a file there drops every POSIX lock
+/// the process holds on it, SQLite's included (see `store::inflight`), so
+/// a check that opened and closed the database would let another
+/// process's last connection delete the WAL under a live one. On Windows
+/// a handle's locks are its own: the file is opened and closed.
+pub(crate) fn check_readable(path: &Path) -> io::Result<()> {
+    imp::check_readable(path)
+}
+
 /// An absolute path as the path of a SQLite `file:` URI, every byte
 /// outside a plain set percent-encoded (so `?`, `#`, `%` and non-ASCII
 /// stay part of the path). On Windows the path follows a `/` as it is

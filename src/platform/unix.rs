@@ -208,6 +208,10 @@ pub(super) fn may_write(path: &Path) -> bool {
     writable_bits && rustix::fs::access(path, rustix::fs::Access::WRITE_OK).is_ok()
 }
 
+pub(super) fn check_readable(path: &Path) -> io::Result<()> {
+    rustix::fs::access(path, rustix::fs::Access::READ_OK).map_err(io::Error::from)
+}
+
 pub(super) fn uri_bytes(path: &Path) -> io::Result<Vec<u8>> {
     Ok(path.as_os_str().as_bytes().to_vec())
 }

@@ -201,6 +201,10 @@ pub(super) fn may_write(path: &Path) -> bool {
     std::fs::metadata(path).is_ok_and(|m| m.is_dir() || !m.permissions().readonly())
 }
 
+pub(super) fn check_readable(path: &Path) -> io::Result<()> {
+    std::fs::File::open(path).map(drop)
+}
+
 pub(super) fn uri_bytes(path: &Path) -> io::Result<Vec<u8>> {
     let text = path.to_str().ok_or_else(|| {
         io::Error::new(

@@ -624,12 +624,14 @@ pub(crate) fn discard(conn: &Connection, row_id: i64, now_ms: i64) -> rusqlite::
 
 /// Makes a failed row due now, for the workers (`queued = 1`, as a redrive:
 /// an inline row's broker redelivery is then answered from the row, and
-/// the workers run it). Its attempts stay counted. Returns false when
+/// the workers run it). Its attempts stay counted. Due at once is a NULL
+/// `next_attempt_at`, never "now" (schema.sql: a clock set back, or
+/// another process's clock, must not hold it). Returns false when
 /// `row_id` is not failed.
 pub(crate) fn retry_now(conn: &Connection, row_id: i64, now_ms: i64) -> rusqlite::Result<bool> {
     let n = conn
         .prepare_cached(
-            "UPDATE postroom_inbox SET next_attempt_at = ?2, updated_at = ?2, queued = 1
+            "UPDATE postroom_inbox SET next_attempt_at = NULL, updated_at = ?2, queued = 1
              WHERE id = ?1 AND status = 'failed'",
         )?
         .execute(params![row_id, now_ms])?;
@@ -638,7 +640,8 @@ pub(crate) fn retry_now(conn: &Connection, row_id: i64, now_ms: i64) -> rusqlite
 
 /// Gives up on a row that is not finished and that no worker holds
 /// (pending or failed): it becomes a dead letter, payload kept, with
-/// `reason` and its last error; redrive brings it back. Returns false when
+/// `reason` and its last error; redrive brings it back (under strict
+/// order it holds its key, as any dead letter does). Returns false when
 /// `row_id` is not pending or failed.
 pub(crate) fn cancel(
     conn: &Connection,

@@ -224,7 +224,8 @@ enum InboxCommand {
         id: i64,
     },
     /// Give up on a pending or failed row: a dead letter with the reason
-    /// (payload kept: `dead redrive` brings it back)
+    /// (payload kept: `dead redrive` brings it back; under strict order it
+    /// holds its key, as any dead letter does, until redriven or discarded)
     Cancel {
         /// Row id (from `inbox list` or `inbox find`)
         id: i64,
@@ -501,12 +502,13 @@ fn database_first_hint(args: &[OsString]) -> Option<String> {
     if !is_command || std::path::Path::new(first).exists() {
         return None;
     }
+    // The database: a word naming a file; else said as <DB>.
     let db = words
         .iter()
         .skip(1)
-        .find(|w| !cmd.get_subcommands().any(|sc| sc.get_name() == **w))
+        .find(|w| std::path::Path::new(w).is_file())
         .copied()
-        .unwrap_or("app.db");
+        .unwrap_or("<DB>");
     Some(format!(
         "hint: the database comes first, then the command: postroom {db} {first} …"
     ))

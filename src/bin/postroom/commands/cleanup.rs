@@ -33,14 +33,18 @@ pub(crate) fn run(ctx: &mut Ctx<'_>, args: CleanupArgs) -> Result<u8, Failed> {
     let policy = admin::Retention::new(retention)
         .dead(dead_retention)
         .conflicts(conflict_retention);
+    // One time for the count and the delete: the same cutoffs, so what
+    // the delete takes is what was counted (less what was redriven or
+    // deleted meanwhile), never a row that expired after the question.
+    let now = admin::now_ms();
     let s = if dry_run {
         ctx.read("cleanup: counting expired rows", |c| {
-            admin::cleanup(c, admin::now_ms(), policy, admin::CleanupMode::DryRun)
+            admin::cleanup(c, now, policy, admin::CleanupMode::DryRun)
         })?
     } else {
         if !yes && (dead_retention.is_some() || conflict_retention.is_some()) {
             let would = ctx.read("cleanup: counting expired rows", |c| {
-                admin::cleanup(c, admin::now_ms(), policy, admin::CleanupMode::DryRun)
+                admin::cleanup(c, now, policy, admin::CleanupMode::DryRun)
             })?;
             let dead = would.dead_deleted.unwrap_or(0);
             let conflicts = would.conflicts_deleted.unwrap_or(0);
@@ -52,7 +56,7 @@ pub(crate) fn run(ctx: &mut Ctx<'_>, args: CleanupArgs) -> Result<u8, Failed> {
             }
         }
         let (conn, progress) = ctx.write("cleanup: deleting expired rows")?;
-        let s = admin::cleanup(&conn, admin::now_ms(), policy, admin::CleanupMode::Delete)?;
+        let s = admin::cleanup(&conn, now, policy, admin::CleanupMode::Delete)?;
         progress.finish();
         s
     };
