@@ -1296,6 +1296,62 @@ fn inbox_find_retry_and_cancel_act_on_rows_by_message_id() {
     room.shutdown(Duration::from_secs(10)).unwrap();
 }
 
+/// Shell completions and the man page are generated from the parser's
+/// own definitions, so they name every command there is; bash completes
+/// a subcommand after the database.
+#[test]
+fn completions_and_the_man_page_come_from_the_parser() {
+    let run = |args: &[&str]| Command::new(BIN).args(args).output().unwrap();
+    let bash = run(&["--completions", "bash"]);
+    assert_eq!(bash.status.code(), Some(0));
+    let script = String::from_utf8(bash.stdout).unwrap();
+    assert!(
+        script.contains("_postroom") && script.contains("retry"),
+        "{script}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("postroom.bash");
+    std::fs::write(&file, &script).unwrap();
+    let completed = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "source {}; COMP_WORDS=(postroom app.db inbox ''); COMP_CWORD=3; \
+             _postroom postroom '' inbox; echo \"${{COMPREPLY[@]}}\"",
+            file.display()
+        ))
+        .output();
+    match completed {
+        Ok(out) => {
+            let words = String::from_utf8_lossy(&out.stdout);
+            for sub in ["list", "show", "find", "retry", "cancel"] {
+                assert!(
+                    words.split_whitespace().any(|w| w == sub),
+                    "{sub} in {words:?}"
+                );
+            }
+        }
+        Err(e) => eprintln!("no bash to try the script with: {e}"),
+    }
+    for shell in ["zsh", "fish", "powershell", "elvish"] {
+        let out = run(&["--completions", shell]);
+        assert_eq!(out.status.code(), Some(0), "{shell}");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("inbox"),
+            "{shell}"
+        );
+    }
+    let man = run(&["--man"]);
+    assert_eq!(man.status.code(), Some(0));
+    let page = String::from_utf8(man.stdout).unwrap();
+    assert!(
+        page.contains(".TH postroom 1") && page.contains("cleanup"),
+        "{page}"
+    );
+    let bad = run(&["--completions", "tcsh"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("bash, elvish, fish"));
+}
+
 #[test]
 fn usage_errors_exit_with_code_2() {
     let dir = tempfile::tempdir().unwrap();

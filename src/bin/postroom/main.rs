@@ -38,6 +38,8 @@
 //! postroom <DB> cleanup [--retention 7d] [--dead-retention D] [--conflict-retention D] [--dry-run] [--yes]
 //! postroom <DB> check [--full]
 //! postroom <DB> metrics
+//! postroom --completions (bash | elvish | fish | powershell | zsh)
+//! postroom --man
 //! ```
 //! Times are RFC 3339 (`2026-11-25T10:00Z`), dates (`2026-11-25`, UTC) or
 //! ages (`2h`, `7d` ago); durations are `7d`, `36h`, `1h30m`. `--json`
@@ -95,6 +97,9 @@ Exit codes:
      schema, damaged, or read-only for a write command
   4  check found broken postroom invariants
   5  the row named by ID does not exist (redrive/discard: is not a dead letter)
+
+Shell completions: postroom --completions bash|elvish|fish|powershell|zsh; the man page:
+postroom --man (both written to stdout).
 
 The tool works beside a running application and never makes things worse: it never takes
 the engine's lock and never creates a file; read commands leave the files byte for byte as
@@ -514,8 +519,51 @@ fn database_first_hint(args: &[OsString]) -> Option<String> {
     ))
 }
 
+/// `postroom --completions SHELL` and `postroom --man`: generated from
+/// the parser's own definitions, before any database is named. `None`
+/// when neither was asked.
+fn generated(args: &[OsString]) -> Option<ExitCode> {
+    let first = args.get(1)?.to_str()?;
+    let mut cmd = Cli::command();
+    // Into memory first: the generators panic on a failed write (a closed
+    // pipe), and the output is what every other command's is: written
+    // once, a closed pipe taken as the reader having had enough.
+    let mut text = Vec::new();
+    match first {
+        "--completions" => {
+            let shell = args.get(2).and_then(|s| s.to_str()).unwrap_or("");
+            let Ok(shell) = shell.parse::<clap_complete::Shell>() else {
+                eprintln!(
+                    "error: --completions needs a shell: bash, elvish, fish, powershell or zsh"
+                );
+                return Some(ExitCode::from(EXIT_USAGE));
+            };
+            clap_complete::generate(shell, &mut cmd, "postroom", &mut text);
+        }
+        "--man" => {
+            if let Err(e) = clap_mangen::Man::new(cmd).render(&mut text) {
+                eprintln!("error: the man page: {e}");
+                return Some(ExitCode::from(EXIT_ERROR));
+            }
+        }
+        _ => return None,
+    }
+    let mut out = io::stdout().lock();
+    Some(match out.write_all(&text).and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: writing the output: {e}");
+            ExitCode::from(EXIT_ERROR)
+        }
+    })
+}
+
 fn main() -> ExitCode {
     let args: Vec<OsString> = std::env::args_os().collect();
+    if let Some(code) = generated(&args) {
+        return code;
+    }
     let json = args.iter().any(|a| a == "--json");
     let cli = match command()
         .try_get_matches_from(&args)
