@@ -344,6 +344,9 @@ pub fn print_status(out: &mut String, r: &admin::StatusReport) {
     if r.consumers.is_empty() {
         let _ = writeln!(out, "inbox: empty");
     } else {
+        // One line of counts per consumer, within 80 columns for short
+        // names; what needs words (redeliveries awaited, expired leases,
+        // retries) follows as sentences, only where there is any.
         let cells = r
             .consumers
             .iter()
@@ -352,20 +355,11 @@ pub fn print_status(out: &mut String, r: &admin::StatusReport) {
                     esc(&c.consumer),
                     c.counts.pending.to_string(),
                     c.counts.processing.to_string(),
-                    c.counts.completed.to_string(),
                     c.counts.failed.to_string(),
-                    c.counts.waiting_for_redelivery.to_string(),
-                    c.oldest_waiting_for_redelivery_age_ms
-                        .map_or("-".into(), age),
                     c.counts.dead.to_string(),
+                    c.counts.completed.to_string(),
                     c.total.to_string(),
                     c.oldest_pending_age_ms.map_or("-".into(), age),
-                    c.expired_leases.to_string(),
-                    c.attempts
-                        .iter()
-                        .map(|b| format!("{}:{}", b.attempts, b.rows))
-                        .collect::<Vec<_>>()
-                        .join(" "),
                 ]
             })
             .collect();
@@ -375,19 +369,49 @@ pub fn print_status(out: &mut String, r: &admin::StatusReport) {
                 "CONSUMER",
                 "PENDING",
                 "PROCESSING",
-                "COMPLETED",
                 "FAILED",
-                "AWAITING REDELIVERY",
-                "OLDEST AWAITING",
                 "DEAD",
+                "COMPLETED",
                 "TOTAL",
                 "OLDEST PENDING",
-                "EXPIRED LEASES",
-                "ATTEMPTS:ROWS",
             ],
-            &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+            &[1, 2, 3, 4, 5, 6, 7],
             cells,
         );
+        for c in &r.consumers {
+            let name = esc(&c.consumer);
+            if c.counts.waiting_for_redelivery > 0 {
+                let _ = writeln!(
+                    out,
+                    "{name}: {} failed awaiting their sender's redelivery (inline), oldest {}",
+                    c.counts.waiting_for_redelivery,
+                    c.oldest_waiting_for_redelivery_age_ms
+                        .map_or("-".into(), age)
+                );
+            }
+            if c.expired_leases > 0 {
+                let _ = writeln!(
+                    out,
+                    "{name}: {} processing past their lease (the reaper retries them)",
+                    c.expired_leases
+                );
+            }
+            if c.attempts.iter().any(|b| b.attempts > 1) {
+                let buckets: Vec<String> = c
+                    .attempts
+                    .iter()
+                    .map(|b| {
+                        format!(
+                            "{} row{} with {}",
+                            b.rows,
+                            if b.rows == 1 { "" } else { "s" },
+                            b.attempts
+                        )
+                    })
+                    .collect();
+                let _ = writeln!(out, "{name}: attempts made: {}", buckets.join(", "));
+            }
+        }
         // Strict order: what dead letters hold (nothing of their keys runs).
         for c in r.consumers.iter().filter(|c| c.strict_order) {
             let _ = match c.oldest_held_age_ms {
