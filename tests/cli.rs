@@ -2254,6 +2254,16 @@ fn bulk_redrive_and_discard_dry_run_first_and_need_a_confirmation() {
         human.contains("would redrive 4 inbox dead letter(s)"),
         "{human}"
     );
+    // In the order `dead list` shows them: newest first.
+    let ids_of = |text: &str| -> Vec<i64> {
+        text.lines()
+            .filter(|l| l.split_whitespace().count() > 5)
+            .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+            .collect()
+    };
+    let listed = cli_ok(&db, &["dead", "list", "--error", "bank"], 0).stdout;
+    assert_eq!(ids_of(&human).len(), 4, "{human}");
+    assert_eq!(ids_of(&human), ids_of(&listed), "{human}\n{listed}");
     assert_eq!(dead(&db), 8);
 
     // No terminal to confirm on and no --yes: refused, nothing done.

@@ -155,9 +155,11 @@ pub(crate) fn act(ctx: &mut Ctx<'_>, action: &DeadAction, act: Act) -> Result<()
             dead_rows(
                 c,
                 &filter,
+                // Newest first, as `dead list` shows them.
                 Page {
                     limit: PREVIEW_ROWS,
-                    ..Page::all()
+                    oldest_first: false,
+                    after: None,
                 },
             )?
         } else {
@@ -180,7 +182,11 @@ pub(crate) fn act(ctx: &mut Ctx<'_>, action: &DeadAction, act: Act) -> Result<()
         } else if action.dry_run {
             print_dead(ctx, &preview, sel.outbox);
             if ids.len() > preview.len() {
-                let _ = writeln!(ctx.out, "… the first {} shown", preview.len());
+                let _ = writeln!(
+                    ctx.out,
+                    "… the newest {} shown (`dead list` pages through them all)",
+                    preview.len()
+                );
             }
             let _ = writeln!(
                 ctx.out,
