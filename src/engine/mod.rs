@@ -930,8 +930,7 @@ impl Postroom {
         message_id: &str,
     ) -> Result<Option<crate::store::inbox::InboxEntry>> {
         let conn = self.reader()?;
-        crate::store::inbox::find_by_message_id(&conn, Some(consumer), Some(source), message_id)
-            .map(|rows| rows.into_iter().next())
+        crate::store::inbox::entry_by_key(&conn, consumer, source, message_id)
             .map_err(|e| Error::sqlite("find a message", e))
     }
 

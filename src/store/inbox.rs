@@ -616,61 +616,62 @@ pub(crate) fn find_by_message_id(
     source: Option<&str>,
     message_id: &str,
 ) -> rusqlite::Result<Vec<InboxEntry>> {
-    // The next distinct value after `after` (one index seek each).
-    let next_consumer = |after: &str| -> rusqlite::Result<Option<String>> {
+    let consumers = given_or_every(consumer, |after| {
         conn.prepare_cached("SELECT min(consumer) FROM postroom_inbox_keys WHERE consumer > ?1")?
             .query_row([after], |r| r.get(0))
-    };
-    let next_source = |consumer: &str, after: &str| -> rusqlite::Result<Option<String>> {
-        conn.prepare_cached(
-            "SELECT min(source) FROM postroom_inbox_keys WHERE consumer = ?1 AND source > ?2",
-        )?
-        .query_row([consumer, after], |r| r.get(0))
-    };
-    let mut consumers = Vec::new();
-    match consumer {
-        Some(c) => consumers.push(c.to_owned()),
-        None => {
-            // "" first: `> ''` passes over it (a seek that finds nothing
-            // costs what any other does).
-            let mut after = String::new();
-            consumers.push(String::new());
-            while let Some(c) = next_consumer(&after)? {
-                after.clone_from(&c);
-                consumers.push(c);
-            }
-        }
-    }
+    })?;
     let mut found = Vec::new();
-    let mut row = conn.prepare_cached(&format!(
-        "SELECT {ENTRY_COLUMNS} FROM postroom_inbox WHERE id = (
-             SELECT inbox_id FROM postroom_inbox_keys
-             WHERE consumer = ?1 AND source = ?2 AND message_id = ?3)"
-    ))?;
     for c in &consumers {
-        let mut sources = Vec::new();
-        match source {
-            Some(s) => sources.push(s.to_owned()),
-            None => {
-                let mut after = String::new();
-                sources.push(String::new());
-                while let Some(s) = next_source(c, &after)? {
-                    after.clone_from(&s);
-                    sources.push(s);
-                }
-            }
-        }
+        let sources = given_or_every(source, |after| {
+            conn.prepare_cached(
+                "SELECT min(source) FROM postroom_inbox_keys WHERE consumer = ?1 AND source > ?2",
+            )?
+            .query_row([c.as_str(), after], |r| r.get(0))
+        })?;
         for s in &sources {
-            if let Some(entry) = row
-                .query_row(params![c, s, message_id], entry_from_row)
-                .optional()?
-            {
-                found.push(entry);
-            }
+            found.extend(entry_by_key(conn, c, s, message_id)?);
         }
     }
     found.sort_by_key(|e| e.id);
     Ok(found)
+}
+
+/// `given` alone, or every distinct value there is: "" first (`> ''`
+/// passes over it; a seek that finds nothing costs what any other does),
+/// then each value `next` finds after the last, one index seek each.
+fn given_or_every(
+    given: Option<&str>,
+    mut next: impl FnMut(&str) -> rusqlite::Result<Option<String>>,
+) -> rusqlite::Result<Vec<String>> {
+    if let Some(value) = given {
+        return Ok(vec![value.to_owned()]);
+    }
+    let mut every = vec![String::new()];
+    loop {
+        let last = every.last().map_or("", String::as_str);
+        match next(last)? {
+            Some(value) => every.push(value),
+            None => return Ok(every),
+        }
+    }
+}
+
+/// The inbox row of one key (consumer, source, message id), without its
+/// payload: a seek in the key table, one in the inbox. A key entry whose
+/// row retention deleted finds nothing (ids are never given out twice).
+pub(crate) fn entry_by_key(
+    conn: &Connection,
+    consumer: &str,
+    source: &str,
+    message_id: &str,
+) -> rusqlite::Result<Option<InboxEntry>> {
+    conn.prepare_cached(&format!(
+        "SELECT {ENTRY_COLUMNS} FROM postroom_inbox WHERE id = (
+             SELECT inbox_id FROM postroom_inbox_keys
+             WHERE consumer = ?1 AND source = ?2 AND message_id = ?3)"
+    ))?
+    .query_row(params![consumer, source, message_id], entry_from_row)
+    .optional()
 }
 
 /// One inbox row in full, from [`inbox_show`](crate::admin::inbox_show).

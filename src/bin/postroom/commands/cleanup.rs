@@ -37,15 +37,16 @@ pub(crate) fn run(ctx: &mut Ctx<'_>, args: CleanupArgs) -> Result<u8, Failed> {
     // the delete takes is what was counted (less what was redriven or
     // deleted meanwhile), never a row that expired after the question.
     let now = admin::now_ms();
-    let s = if dry_run {
+    let count = |ctx: &mut Ctx<'_>| {
         ctx.read("cleanup: counting expired rows", |c| {
             admin::cleanup(c, now, policy, admin::CleanupMode::DryRun)
-        })?
+        })
+    };
+    let s = if dry_run {
+        count(ctx)?
     } else {
         if !yes && (dead_retention.is_some() || conflict_retention.is_some()) {
-            let would = ctx.read("cleanup: counting expired rows", |c| {
-                admin::cleanup(c, now, policy, admin::CleanupMode::DryRun)
-            })?;
+            let would = count(ctx)?;
             let dead = would.dead_deleted.unwrap_or(0);
             let conflicts = would.conflicts_deleted.unwrap_or(0);
             if dead + conflicts > 0 {
